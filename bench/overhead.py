@@ -1,0 +1,106 @@
+"""Per-op and per-lend overhead of the sanitizer, measured side by side in one run.
+
+Prints absolute times and the ratios that matter:
+  * a 1,000-element add on ordinary tensors, sanitizer enabled vs disabled
+    (no lease alive: target ratio <= 2.0; PyTorch's stream sanitizer: ~36x);
+  * the same add while a lease is alive (the mode is installed) and on a fresh lease;
+  * ``StagingBuffer.lend`` vs a plain slice plus ``view`` (target <= 2.0x, sanitizer off).
+Each figure is the best of several interleaved repeats (the machines are shared).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import timeit
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import sanitizer  # noqa: E402
+
+
+def best_us(fn, number: int, repeat: int) -> float:
+    return min(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6
+
+
+def interleaved(fns: dict, number: int, repeat: int) -> dict:
+    """Best time of each function, running the candidates in turns so noise hits all alike."""
+    best = {k: float("inf") for k in fns}
+    for _ in range(repeat):
+        for k, (setup, fn, teardown) in fns.items():
+            setup()
+            try:
+                best[k] = min(best[k], best_us(fn, number, 1))
+            finally:
+                teardown()
+    return best
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--number", type=int, default=20000)
+    ap.add_argument("--repeat", type=int, default=7)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    a, b = torch.randn(1000), torch.randn(1000)
+    buf = sanitizer.StagingBuffer(1 << 20, name="bench")
+    add = lambda: a + b  # noqa: E731
+    results = {}
+
+    # 1. ordinary tensors, sanitizer off
+    sanitizer.disable()
+    results["add, sanitizer off"] = best_us(add, args.number, args.repeat)
+    # 2. ordinary tensors, enabled, no lease alive anywhere: nothing is installed
+    sanitizer.enable()
+    idle_modes = torch._C._len_torch_dispatch_stack()
+    results["add, on, no lease alive"] = best_us(add, args.number, args.repeat)
+    # 3. ordinary tensors, enabled, a lease alive: the mode is installed
+    w1 = buf.lend(0, (1000,), torch.float32, name="w1")
+    w2 = buf.lend(4096, (1000,), torch.float32, name="w2")
+    busy_modes = torch._C._len_torch_dispatch_stack()
+    results["add, on, lease alive"] = best_us(add, args.number, args.repeat)
+    # 4. the add on two fresh leases
+    results["add of two fresh leases, on"] = best_us(lambda: w1 + w2, args.number, args.repeat)
+    # 5. ordinary tensors while a stale lease is retained: one lookup per tensor argument
+    kept = buf.lend(1 << 19, (16,), torch.float32, name="kept")
+    buf.reuse(1 << 19, 64, by="next")
+    results["add, on, a stale lease retained"] = best_us(add, args.number, args.repeat)
+    sanitizer.disable()
+    del w1, w2, kept
+    gc.collect()
+
+    # lend vs slice + view, sanitizer off; one lease stays alive as in a real load
+    anchor = buf.lend(0, (16,), torch.float32, name="anchor")
+    raw = buf.tensor
+    plain = lambda: raw[8192:8192 + 65536].view(torch.bfloat16).view(256, 128)  # noqa: E731
+    lend = lambda: buf.lend(8192, (256, 128), torch.bfloat16, name="layers.0.w")  # noqa: E731
+    best = {"plain slice + view": float("inf"), "StagingBuffer.lend": float("inf")}
+    for _ in range(args.repeat):  # interleaved, so noise hits both alike
+        gc.collect()
+        best["plain slice + view"] = min(best["plain slice + view"], best_us(plain, args.number // 4, 1))
+        best["StagingBuffer.lend"] = min(best["StagingBuffer.lend"], best_us(lend, args.number // 4, 1))
+    results.update(best)
+    del anchor
+
+    base = results["add, sanitizer off"]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); best of {args.repeat} runs")
+    print(f"{'measure':<36} {'us/op':>8} {'ratio':>7}")
+    for name in ["add, sanitizer off", "add, on, no lease alive", "add, on, lease alive",
+                 "add of two fresh leases, on", "add, on, a stale lease retained"]:
+        print(f"{name:<36} {results[name]:8.2f} {results[name] / base:6.2f}x")
+    p = results["plain slice + view"]
+    for name in ["plain slice + view", "StagingBuffer.lend"]:
+        print(f"{name:<36} {results[name]:8.2f} {results[name] / p:6.2f}x")
+    print(f"dispatch modes installed while enabled: {idle_modes} with no lease alive, {busy_modes} with leases alive")
+    ratio = results["add, on, no lease alive"] / base
+    lend_ratio = results["StagingBuffer.lend"] / p
+    print(f"TARGETS: enabled/disabled on ordinary tensors {ratio:.2f}x (<= 2.0): {'ok' if ratio <= 2.0 else 'MISSED'}; "
+          f"lend/plain {lend_ratio:.2f}x (<= 2.0): {'ok' if lend_ratio <= 2.0 else 'MISSED'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

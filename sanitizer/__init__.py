@@ -1,0 +1,53 @@
+"""ownership-sanitizer: catch reads of borrowed tensors after their staging bytes were reused.
+
+Import cost when off: torch (which you have already) and nothing else; no
+dispatch mode, no numba. ``OWNERSHIP_SANITIZE=1`` turns debug mode on at import.
+"""
+from __future__ import annotations
+
+from .errors import OwnershipError, StaleBorrowError
+from .ledger import Lease, LedgerError, ReuseEvent
+from .option_table import OptionError, format_table as options_table
+from .report import report, write_report
+from .ring import StagingRing
+from .runtime import (
+    activate_from_environment as _activate_from_environment,
+    clear_errors,
+    disable,
+    enable,
+    enabled,
+    errors,
+    is_borrowed,
+    lease_of,
+    options,
+    sanitize,
+)
+from .staging import BORROWED_MARKER, StagingBuffer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "StagingBuffer",
+    "StagingRing",
+    "BORROWED_MARKER",
+    "enable",
+    "disable",
+    "enabled",
+    "sanitize",
+    "options",
+    "options_table",
+    "is_borrowed",
+    "lease_of",
+    "report",
+    "write_report",
+    "errors",
+    "clear_errors",
+    "Lease",
+    "ReuseEvent",
+    "OwnershipError",
+    "StaleBorrowError",
+    "OptionError",
+    "LedgerError",
+]
+
+_activate_from_environment()

@@ -1,0 +1,72 @@
+"""Error types and the ASan-style report text.
+
+The first line is one sentence that says what was used, what reused it and in
+which op; three short stacks follow (lent at, reused at, used at). Programs get
+the same facts as attributes and as a JSON-ready ``record``.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Optional
+
+from .ledger import Lease, ReuseEvent
+from .sites import Site, format_site, to_records
+
+
+class OwnershipError(RuntimeError):
+    """Base of the sanitizer's errors about borrowed memory."""
+
+
+class StaleBorrowError(OwnershipError):
+    """A borrowed view was read or written after its staging bytes were reused or freed.
+
+    Attributes: ``lease`` (the :class:`~sanitizer.ledger.Lease`), ``event``
+    (the :class:`~sanitizer.ledger.ReuseEvent` that made it stale), ``op``
+    (the aten op, as text), ``used_at`` (the captured stack) and ``record``
+    (the JSON-ready report entry).
+    """
+
+    def __init__(self, lease: Lease, event: ReuseEvent, op: str, used_at: Site, used_as: Optional[dict] = None):
+        self.lease = lease
+        self.event = event
+        self.op = op
+        self.used_at = used_at
+        self.used_as = used_as
+        self.summary = stale_summary(lease, event, op)
+        self.record = {
+            "kind": "stale_use",
+            "summary": self.summary,
+            "op": op,
+            "lease": lease.to_dict(),
+            "event": event.to_dict(),
+            "used_as": used_as,
+            "used_at": to_records(used_at),
+            "thread": threading.current_thread().name,
+            "pid": os.getpid(),
+        }
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        lease, event = self.lease, self.event
+        via = ""
+        if self.used_as and (tuple(self.used_as["shape"]) != lease.shape or self.used_as["dtype"] != lease.dtype):
+            via = f" (through a derived view {self.used_as['dtype']}{list(self.used_as['shape'])})"
+        return "\n".join([
+            self.summary + via,
+            f"  lent at (generation {lease.generation}, bytes [{lease.start:#x}, {lease.end:#x}) "
+            f"of '{lease.region_name}'):",
+            format_site(lease.site),
+            f"  {'closed' if event.kind == 'close' else 'reused'} at (thread {event.thread or '?'}):",
+            format_site(event.site),
+            f"  used at (thread {threading.current_thread().name}):",
+            format_site(self.used_at),
+        ])
+
+
+def stale_summary(lease: Lease, event: ReuseEvent, op: str) -> str:
+    """``borrowed view 'w' bfloat16[256, 128] used after staging buffer 'ring0' reused ... in aten.sum.default``."""
+    return f"borrowed view {lease.describe()} used after {event.describe()} in {op}"
+
+
+__all__ = ["OwnershipError", "StaleBorrowError", "stale_summary"]

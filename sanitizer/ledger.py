@@ -1,0 +1,347 @@
+"""The pure ledger: staging regions, leases, generations and reuse events.
+
+This is the sanitizer's state machine, kept apart from torch (no torch import,
+tests drive it with synthetic ids and addresses) the way PyTorch's stream
+sanitizer keeps its event handler apart from its dispatch plumbing.
+
+Vocabulary:
+
+* a **region** is a registered staging buffer: a device, a base address and a
+  byte length, with a generation counter that every reuse advances;
+* a **lease** is one lent view: a byte interval of a region, the generation at
+  lend, what it was lent as (name, dtype, shape) and where;
+* a **reuse event** says that bytes of a region are about to be overwritten
+  (or, with ``kind="close"``, that the region was freed). Every lease that
+  overlaps it and was lent before it becomes *stale*, and records which event
+  did that.
+
+A lease is *alive* while something can still reach its memory (the torch layer
+calls :meth:`Ledger.release` when the lease's storage dies). Alive and stale is
+the bug: a consumer kept a view past its lifetime.
+
+All methods are thread-safe: loaders fill buffers from background threads.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+from .sites import Site
+
+FIRST_GENERATION = 1
+
+
+class LedgerError(ValueError):
+    """A request the ledger cannot honour (unknown id, closed region, bad interval)."""
+
+
+@dataclass(eq=False, slots=True)
+class ReuseEvent:
+    """Bytes ``[start, end)`` of a region were declared about to be overwritten (or freed)."""
+
+    event_id: int
+    region_id: int
+    region_name: str
+    start: int
+    end: int
+    generation_before: int
+    generation_after: Optional[int]  # None once the region is closed
+    by: Optional[str]
+    site: Site
+    kind: str = "reuse"  # "reuse" or "close"
+    thread: str = ""
+
+    def describe(self) -> str:
+        if self.kind == "close":
+            return f"staging buffer '{self.region_name}' was closed (generation {self.generation_before} -> closed)"
+        what = f" for '{self.by}'" if self.by else ""
+        return (
+            f"staging buffer '{self.region_name}' reused bytes [{self.start:#x}, {self.end:#x}){what} "
+            f"(generation {self.generation_before} -> {self.generation_after})"
+        )
+
+    def to_dict(self) -> dict:
+        from .sites import to_records
+
+        return {
+            "event_id": self.event_id,
+            "kind": self.kind,
+            "buffer": self.region_name,
+            "byte_range": [self.start, self.end],
+            "generation_before": self.generation_before,
+            "generation_after": self.generation_after,
+            "by": self.by,
+            "thread": self.thread,
+            "stack": to_records(self.site),
+        }
+
+
+@dataclass(eq=False, slots=True)
+class Lease:
+    """One lent view of a region's bytes ``[start, end)``."""
+
+    lease_id: int
+    region_id: int
+    region_name: str
+    start: int
+    end: int
+    generation: int
+    name: Optional[str]
+    dtype: str
+    shape: Tuple[int, ...]
+    site: Site
+    alive: bool = True
+    stale_by: Optional[ReuseEvent] = None
+    handle: Any = None  # opaque key the torch layer files the lease under (its storage address)
+
+    @property
+    def stale(self) -> bool:
+        return self.stale_by is not None
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    def describe(self) -> str:
+        """``'name' bfloat16[256, 128]``: what a person recognises the view by."""
+        shape = ", ".join(str(s) for s in self.shape)
+        return f"'{self.name or f'<lease {self.lease_id}>'}' {self.dtype}[{shape}]"
+
+    def to_dict(self) -> dict:
+        from .sites import to_records
+
+        return {
+            "lease_id": self.lease_id,
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "nbytes": self.nbytes,
+            "buffer": self.region_name,
+            "byte_range": [self.start, self.end],
+            "generation": self.generation,
+            "alive": self.alive,
+            "stale": self.stale,
+            "lent_at": to_records(self.site),
+        }
+
+
+@dataclass(eq=False)
+class Region:
+    """A registered staging buffer: device memory ``[base, base + nbytes)``."""
+
+    region_id: int
+    name: str
+    device: str
+    base: int
+    nbytes: int
+    generation: int = FIRST_GENERATION
+    closed: bool = False
+    fresh: Dict[int, Lease] = field(default_factory=dict)  # leases not yet stale
+
+    @property
+    def end(self) -> int:
+        return self.base + self.nbytes
+
+
+def _overlaps(lease: Lease, start: int, end: int) -> bool:
+    return lease.start < end and start < lease.end
+
+
+class Ledger:
+    """Thread-safe record of regions, leases and reuse events.
+
+    ``on_live_change(n)`` is called (outside no lock guarantees; keep it cheap)
+    whenever the number of alive leases goes from 0 to 1 or from 1 to 0: the
+    torch layer uses it to install interception only while borrowed memory is
+    reachable.
+    """
+
+    def __init__(self, history: int = 1024, on_live_change: Optional[Callable[[int], None]] = None):
+        self._lock = threading.RLock()
+        self._ids = itertools.count(1)
+        self._regions: Dict[int, Region] = {}
+        self._by_device: Dict[str, List[Tuple[int, int]]] = {}  # device -> sorted (base, region_id)
+        self._live: Dict[int, Lease] = {}
+        self._history: Deque[ReuseEvent] = deque(maxlen=max(1, history))
+        self.on_live_change = on_live_change
+
+    # -- regions -----------------------------------------------------------
+    def add_region(self, name: str, device: str, base: int, nbytes: int) -> Region:
+        if nbytes < 0:
+            raise LedgerError(f"region '{name}' has negative size {nbytes}")
+        with self._lock:
+            region = Region(next(self._ids), name, device, base, nbytes)
+            self._regions[region.region_id] = region
+            bisect.insort(self._by_device.setdefault(device, []), (base, region.region_id))
+            return region
+
+    def region(self, region_id: int) -> Region:
+        try:
+            return self._regions[region_id]
+        except KeyError:
+            raise LedgerError(f"unknown region id {region_id}") from None
+
+    def regions(self) -> List[Region]:
+        with self._lock:
+            return list(self._regions.values())
+
+    def region_containing(self, device: str, address: int, nbytes: int = 1) -> Optional[Region]:
+        """The open region whose bytes hold ``[address, address + nbytes)``, if any."""
+        with self._lock:
+            entries = self._by_device.get(device)
+            if not entries:
+                return None
+            i = bisect.bisect_right(entries, (address, float("inf"))) - 1
+            # Regions may be nested (an adopted tensor inside another), so walk back.
+            while i >= 0:
+                base, rid = entries[i]
+                region = self._regions[rid]
+                if base <= address and address + max(nbytes, 1) <= region.end:
+                    return region
+                i -= 1
+            return None
+
+    # -- leases ------------------------------------------------------------
+    def lend(
+        self,
+        region_id: int,
+        start: int,
+        end: int,
+        name: Optional[str],
+        dtype: str,
+        shape: Tuple[int, ...],
+        site: Site = (),
+    ) -> Lease:
+        with self._lock:
+            region = self._regions.get(region_id) or self.region(region_id)
+            if region.closed:
+                raise LedgerError(f"staging buffer '{region.name}' is closed: cannot lend '{name}'")
+            if not (0 <= start <= end <= region.nbytes):
+                raise LedgerError(
+                    f"lease '{name}' bytes [{start}, {end}) fall outside staging buffer "
+                    f"'{region.name}' of {region.nbytes} bytes"
+                )
+            lease = Lease(next(self._ids), region_id, region.name, start, end, region.generation, name, dtype,
+                          shape if type(shape) is tuple else tuple(shape), site)
+            region.fresh[lease.lease_id] = lease
+            self._live[lease.lease_id] = lease
+            became_live = len(self._live) == 1
+        if became_live and self.on_live_change is not None:
+            self.on_live_change(1)
+        return lease
+
+    def release(self, lease_id: int) -> Optional[Lease]:
+        """The lease's memory is no longer reachable (its storage died)."""
+        with self._lock:
+            lease = self._live.pop(lease_id, None)
+            if lease is None:
+                return None
+            lease.alive = False
+            if lease.stale_by is None:
+                self._regions[lease.region_id].fresh.pop(lease_id, None)
+            now_idle = not self._live
+        if now_idle and self.on_live_change is not None:
+            self.on_live_change(0)
+        return lease
+
+    def lease(self, lease_id: int) -> Optional[Lease]:
+        return self._live.get(lease_id)
+
+    @property
+    def live_count(self) -> int:
+        return len(self._live)
+
+    def live_leases(self) -> List[Lease]:
+        with self._lock:
+            return list(self._live.values())
+
+    def stale_alive(self) -> List[Lease]:
+        """Leases that are stale yet still reachable: each one is a retained borrow."""
+        with self._lock:
+            return [lease for lease in self._live.values() if lease.stale]
+
+    def overlapping(self, region_id: int, start: int, end: int, include_stale: bool = False) -> List[Lease]:
+        """Alive leases of a region whose bytes intersect ``[start, end)``."""
+        with self._lock:
+            if include_stale:
+                pool = [l for l in self._live.values() if l.region_id == region_id]
+            else:
+                pool = list(self.region(region_id).fresh.values())
+            return [l for l in pool if _overlaps(l, start, end)]
+
+    def is_stale(self, lease_id: int) -> bool:
+        lease = self._live.get(lease_id)
+        if lease is None:
+            raise LedgerError(f"lease {lease_id} is not alive")
+        return lease.stale
+
+    def stale_cause(self, lease_id: int) -> Optional[ReuseEvent]:
+        lease = self._live.get(lease_id)
+        return None if lease is None else lease.stale_by
+
+    # -- reuse -------------------------------------------------------------
+    def reuse(
+        self,
+        region_id: int,
+        start: int,
+        end: int,
+        by: Optional[str] = None,
+        site: Site = (),
+        thread: str = "",
+    ) -> Tuple[ReuseEvent, List[Lease]]:
+        """Advance the region's generation; every fresh lease overlapping ``[start, end)`` goes stale.
+
+        Returns the event and the leases it made stale (the caller verifies,
+        poisons or rescues them before the producer writes).
+        """
+        with self._lock:
+            region = self.region(region_id)
+            if region.closed:
+                raise LedgerError(f"staging buffer '{region.name}' is closed: cannot reuse bytes for '{by}'")
+            if not (0 <= start <= end <= region.nbytes):
+                raise LedgerError(
+                    f"reuse of bytes [{start}, {end}) for '{by}' falls outside staging buffer "
+                    f"'{region.name}' of {region.nbytes} bytes"
+                )
+            before = region.generation
+            region.generation += 1
+            event = ReuseEvent(next(self._ids), region_id, region.name, start, end,
+                               before, region.generation, by, site, "reuse", thread)
+            self._history.append(event)
+            victims = [l for l in region.fresh.values() if _overlaps(l, start, end)]
+            for lease in victims:
+                lease.stale_by = event
+                del region.fresh[lease.lease_id]
+            return event, victims
+
+    def close(self, region_id: int, site: Site = (), thread: str = "") -> Tuple[ReuseEvent, List[Lease]]:
+        """Free the region: every fresh lease goes stale (a later use is a use-after-free)."""
+        with self._lock:
+            region = self.region(region_id)
+            if region.closed:
+                raise LedgerError(f"staging buffer '{region.name}' is already closed")
+            region.closed = True
+            event = ReuseEvent(next(self._ids), region_id, region.name, 0, region.nbytes,
+                               region.generation, None, None, site, "close", thread)
+            self._history.append(event)
+            victims = list(region.fresh.values())
+            for lease in victims:
+                lease.stale_by = event
+            region.fresh.clear()
+            entries = self._by_device.get(region.device, [])
+            try:
+                entries.remove((region.base, region_id))
+            except ValueError:
+                pass
+            return event, victims
+
+    def history(self) -> List[ReuseEvent]:
+        with self._lock:
+            return list(self._history)
+
+
+__all__ = ["Ledger", "LedgerError", "Lease", "Region", "ReuseEvent", "FIRST_GENERATION"]

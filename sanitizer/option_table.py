@@ -1,0 +1,160 @@
+"""The one table of options, in the manner of AddressSanitizer's flag table.
+
+Every option is declared once here with its type, default and help. The
+environment parser (``OWNERSHIP_SANITIZE_OPTIONS="halt_on_error=0:stack_depth=8"``),
+the keyword arguments of :func:`sanitizer.enable`, the command line and the
+README's option list all read this table, so they cannot drift apart.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional
+
+ENV_SWITCH = "OWNERSHIP_SANITIZE"
+ENV_OPTIONS = "OWNERSHIP_SANITIZE_OPTIONS"
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+class OptionError(ValueError):
+    """An unknown option or a value of the wrong type; the message names both."""
+
+
+def parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"expected one of {sorted(_TRUE | _FALSE - {''})}")
+
+
+def _parse_int(text: str) -> int:
+    return int(text.strip(), 0)  # accepts 8, 0x10, 0o7
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    type: type
+    default: Any
+    help: str
+    check: Optional[Callable[[Any], Optional[str]]] = None  # returns a complaint or None
+
+    def parse(self, raw: Any) -> Any:
+        """Turn ``raw`` (a string from the environment, or a Python value) into this option's type."""
+        try:
+            if isinstance(raw, str):
+                value = {bool: parse_bool, int: _parse_int, float: float, str: str}[self.type](raw)
+            elif self.type is bool and isinstance(raw, (bool, int)) and raw in (0, 1):
+                value = bool(raw)
+            elif self.type is float and isinstance(raw, (int, float)) and not isinstance(raw, bool):
+                value = float(raw)
+            elif isinstance(raw, self.type) and not (self.type is int and isinstance(raw, bool)):
+                value = raw
+            else:
+                raise ValueError(f"expected {self.type.__name__}")
+        except ValueError as exc:
+            raise OptionError(
+                f"option '{self.name}': bad value {raw!r} ({exc}); type {self.type.__name__}, default {self.default!r}"
+            ) from None
+        complaint = self.check(value) if self.check else None
+        if complaint:
+            raise OptionError(f"option '{self.name}': bad value {raw!r}: {complaint}")
+        return value
+
+
+def _non_negative(v: int) -> Optional[str]:
+    return None if v >= 0 else "must be >= 0"
+
+
+def _byte(v: int) -> Optional[str]:
+    return None if 0 <= v <= 255 else "must be a byte, 0..255 (0x00..0xff)"
+
+
+OPTIONS: Dict[str, Option] = {
+    o.name: o
+    for o in [
+        Option("halt_on_error", bool, True,
+               "Raise StaleBorrowError at the first stale use. With 0, record the error, let the op run "
+               "on the stale bytes, and go on (report() and report=path then list every error)."),
+        Option("stack_depth", int, 8,
+               "Frames kept for the lent-at, reused-at and used-at stacks. 0 captures none (cheapest).",
+               _non_negative),
+        Option("report", str, "",
+               "Write the JSON report to this path at process exit ({pid} and {rank} expand). Empty: no file."),
+        Option("max_errors_per_lease", int, 4,
+               "With halt_on_error=0, keep at most this many stale-use records for one lease (the rest are counted).",
+               _non_negative),
+    ]
+}
+
+
+def defaults() -> Dict[str, Any]:
+    return {name: opt.default for name, opt in OPTIONS.items()}
+
+
+def _unknown(name: str) -> OptionError:
+    return OptionError(f"unknown option '{name}'; valid options: {', '.join(sorted(OPTIONS))}")
+
+
+def resolve(values: Mapping[str, Any], base: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+    """Validate ``values`` (strings or Python values) over ``base`` (defaults if None)."""
+    out = dict(defaults() if base is None else base)
+    for name, raw in values.items():
+        opt = OPTIONS.get(name)
+        if opt is None:
+            raise _unknown(name)
+        out[name] = opt.parse(raw)
+    return out
+
+
+def parse_options_string(text: str) -> Dict[str, str]:
+    """``"a=1:b=2"`` (or comma-separated, as ASan accepts) -> ``{"a": "1", "b": "2"}``, unvalidated."""
+    out: Dict[str, str] = {}
+    for item in text.replace(",", ":").split(":"):
+        item = item.strip()
+        if not item:
+            continue
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep:
+            raise OptionError(f"{ENV_OPTIONS}: '{item}' is not of the form name=value")
+        if name not in OPTIONS:
+            raise _unknown(name)
+        out[name] = value
+    return out
+
+
+def switch_from_env(environ: Mapping[str, str]) -> bool:
+    """Read ``OWNERSHIP_SANITIZE``: unset, 0, false, off, no or empty disable; 1, true, on, yes enable."""
+    raw = environ.get(ENV_SWITCH)
+    if raw is None:
+        return False
+    try:
+        return parse_bool(raw)
+    except ValueError:
+        raise OptionError(
+            f"{ENV_SWITCH}={raw!r} is not understood; use 1/true/on/yes to enable or 0/false/off/no/empty to disable"
+        ) from None
+
+
+def table_rows() -> Iterable[tuple]:
+    """(name, type, default, help) rows, for the CLI and the docs."""
+    for opt in OPTIONS.values():
+        yield opt.name, opt.type.__name__, opt.default, opt.help
+
+
+def format_table() -> str:
+    rows = list(table_rows())
+    width = max(len(r[0]) for r in rows)
+    lines = [f"{'option':<{width}}  {'type':<5}  {'default':<8}  help"]
+    for name, typ, default, text in rows:
+        shown = int(default) if isinstance(default, bool) else (repr(default) if default == "" else default)
+        lines.append(f"{name:<{width}}  {typ:<5}  {str(shown):<8}  {text}")
+    return "\n".join(lines)
+
+
+__all__ = ["Option", "OPTIONS", "OptionError", "defaults", "resolve", "parse_options_string",
+           "switch_from_env", "format_table", "table_rows", "ENV_SWITCH", "ENV_OPTIONS", "parse_bool"]

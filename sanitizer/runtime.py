@@ -1,0 +1,281 @@
+"""Process-wide sanitizer state: options, the ledger, lease lookup, activation, errors.
+
+The torch-facing modules (staging buffers, the dispatch mode) call into here;
+the ledger below stays pure. The two dicts keyed by storage address are the
+only state the per-op path reads, without a lock (a dict lookup is atomic).
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import threading
+import weakref
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+
+from . import option_table as _opts
+from .aliasing import _DTYPE_NAMES, byte_extent, device_key, dtype_name, storage_key
+from .errors import StaleBorrowError
+from .ledger import Lease, Ledger, Region, ReuseEvent
+from .mode import ModeController
+from .sites import Site, capture, capture_excluding
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+class _State:
+    def __init__(self) -> None:
+        self.options: Dict[str, Any] = _opts.defaults()
+        self.enabled = False
+        self.by_storage: Dict[int, Lease] = {}  # storage address -> alive lease
+        self.stale: Dict[int, Lease] = {}  # storage address -> alive *stale* lease
+        self.tokens: Dict[int, tuple] = {}  # id(weakref) -> (weakref whose callback releases, lease)
+        self.errors: List[dict] = []
+        self.error_counts: Dict[int, int] = {}  # lease id -> stale uses seen
+        self.lock = threading.RLock()
+        self.atexit_registered = False
+        self.ledger = Ledger(on_live_change=_on_live_change)
+        self.modes = ModeController(self.stale, _on_stale_use)
+
+
+def _wants_interception() -> bool:
+    return state.enabled and state.ledger.live_count > 0
+
+
+def _on_live_change(alive: int) -> None:
+    """Interception exists only while a lease is alive (and the sanitizer is enabled)."""
+    if alive == 0:
+        state.modes.uninstall_here()
+        _tensor_hooks(False)
+        if state.enabled:
+            state.modes.sync_main(_wants_interception)
+    elif state.enabled:
+        _tensor_hooks(True)
+        state.modes.sync_main(_wants_interception)
+
+
+_ORIG_TOLIST = torch.Tensor.tolist
+
+
+def _checked_tolist(self: torch.Tensor):
+    """``tolist`` reads memory in C++ without dispatching any op, so the mode cannot see it."""
+    if state.stale:
+        try:
+            lease = state.stale.get(storage_key(self))
+        except (RuntimeError, NotImplementedError):
+            lease = None
+        if lease is not None:
+            _on_stale_use(lease, "Tensor.tolist", self)
+    return _ORIG_TOLIST(self)
+
+
+_TOLIST_IS_OWN = "tolist" in torch.Tensor.__dict__
+
+
+def _tensor_hooks(on: bool) -> None:
+    if on:
+        torch.Tensor.tolist = _checked_tolist  # type: ignore[method-assign]
+    elif torch.Tensor.__dict__.get("tolist") is _checked_tolist:
+        if _TOLIST_IS_OWN:
+            torch.Tensor.tolist = _ORIG_TOLIST  # type: ignore[method-assign]
+        else:
+            del torch.Tensor.tolist
+
+
+def _on_stale_use(lease: Lease, func: Any, tensor: torch.Tensor) -> None:
+    """Called by the mode, before ``func`` runs, for a tensor whose lease is stale."""
+    used_at = capture_excluding(state.options["stack_depth"], (_TORCH_DIR,))
+    used_as = {"dtype": str(tensor.dtype).replace("torch.", ""), "shape": list(tensor.shape)}
+    event = lease.stale_by
+    assert event is not None
+    err = StaleBorrowError(lease, event, str(func), used_at, used_as)
+    if state.options["halt_on_error"]:
+        with state.lock:
+            state.errors.append(err.record)
+        raise err
+    _record(lease, err.record)
+
+
+def _record(lease: Lease, record: dict) -> None:
+    with state.lock:
+        n = state.error_counts.get(lease.lease_id, 0) + 1
+        state.error_counts[lease.lease_id] = n
+        if n <= state.options["max_errors_per_lease"]:
+            record["occurrence"] = n
+            state.errors.append(record)
+
+
+state = _State()
+
+
+# -- leases ------------------------------------------------------------------
+def track_lease(region: Region, start: int, nbytes: int, view: torch.Tensor, piece: Any,
+                name: Optional[str], dtype: torch.dtype, shape: tuple) -> Lease:
+    """Record a lend whose tensor ``view`` has a storage of its own (see aliasing.py).
+
+    While the sanitizer is off only the immediate call site is kept: lending
+    is on every loader's hot path and must stay within 2x a plain slice.
+    """
+    depth = state.options["stack_depth"]
+    if not state.enabled and depth > 1:
+        depth = 1
+    site = capture(depth, skip=3) if depth else ()  # 3: past capture, track_lease and lend
+    lease = state.ledger.lend(region.region_id, start, start + nbytes, name,
+                              _DTYPE_NAMES.get(dtype) or dtype_name(dtype), shape, site)
+    key = view.untyped_storage()._cdata
+    lease.handle = key
+    state.by_storage[key] = lease
+    ref = weakref.ref(piece, _lease_died)
+    state.tokens[id(ref)] = (ref, lease)
+    if state.enabled and not state.modes.installed_here():
+        state.modes.install_here()
+    return lease
+
+
+def _lease_died(ref: Any) -> None:
+    """The lease's storage is gone (weakref callback): it is no longer alive."""
+    entry = state.tokens.pop(id(ref), None)
+    if entry is None:
+        return
+    lease = entry[1]
+    key = lease.handle
+    if state.by_storage.get(key) is lease:
+        del state.by_storage[key]
+    if lease.stale_by is not None and state.stale.get(key) is lease:
+        del state.stale[key]
+    state.ledger.release(lease.lease_id)
+
+
+def retire(region: Region, start: int, end: int, by: Optional[str]) -> ReuseEvent:
+    """Declare ``[start, end)`` of ``region`` about to be overwritten; overlapping leases go stale."""
+    depth = state.options["stack_depth"]
+    site: Site = capture(depth) if depth else ()
+    event, victims = state.ledger.reuse(region.region_id, start, end, by, site, threading.current_thread().name)
+    _mark_stale(victims)
+    return event
+
+
+def close_region(region: Region) -> ReuseEvent:
+    depth = state.options["stack_depth"]
+    site: Site = capture(depth) if depth else ()
+    event, victims = state.ledger.close(region.region_id, site, threading.current_thread().name)
+    _mark_stale(victims)
+    return event
+
+
+def _mark_stale(victims: List[Lease]) -> None:
+    for lease in victims:
+        if lease.handle is not None and lease.alive:
+            state.stale[lease.handle] = lease
+
+
+def lease_of(t: torch.Tensor) -> Optional[Lease]:
+    """The lease record of a lent tensor or of any view derived from it; None otherwise."""
+    try:
+        return state.by_storage.get(storage_key(t))
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def is_borrowed(t: torch.Tensor) -> bool:
+    """True when ``t``'s bytes lie in a registered staging region (or it is a lease's view).
+
+    Answers by address range, so tensors that a third-party loader made inside
+    an adopted buffer are recognised too, however they were derived.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"is_borrowed expects a torch.Tensor, got {type(t).__name__}")
+    if lease_of(t) is not None:
+        return True
+    if t.device.type == "meta":
+        return False
+    try:
+        address, nbytes = byte_extent(t)
+    except (RuntimeError, NotImplementedError):
+        return False
+    if address == 0:
+        return False
+    return state.ledger.region_containing(device_key(t.device), address, nbytes) is not None
+
+
+# -- activation --------------------------------------------------------------
+def enable(**options: Any) -> None:
+    """Turn debug mode on (options as in the table; unknown ones raise OptionError)."""
+    resolved = _opts.resolve(options, base=state.options)
+    with state.lock:
+        state.options = resolved
+        state.enabled = True
+        state.modes.hook_threads(lambda: state.enabled)
+        if state.ledger.live_count:
+            state.modes.install_here()
+            _tensor_hooks(True)
+            state.modes.sync_main(_wants_interception)
+        if resolved["report"] and not state.atexit_registered:
+            atexit.register(_write_report_at_exit)
+            state.atexit_registered = True
+
+
+def disable() -> None:
+    """Turn debug mode off: no mode stays installed in this thread, no thread hook remains."""
+    with state.lock:
+        state.enabled = False
+        state.modes.unhook_threads()
+        state.modes.uninstall_here()
+        _tensor_hooks(False)
+        state.modes.sync_main(_wants_interception)
+
+
+def enabled() -> bool:
+    return state.enabled
+
+
+@contextlib.contextmanager
+def sanitize(**options: Any) -> Iterator[None]:
+    """``with sanitizer.sanitize(halt_on_error=0): ...``: debug mode for a block, then the previous state."""
+    before_enabled, before_options = state.enabled, dict(state.options)
+    enable(**options)
+    try:
+        yield
+    finally:
+        with state.lock:
+            state.options = before_options
+        if not before_enabled:
+            disable()
+
+
+def options() -> Dict[str, Any]:
+    """The options in force (a copy)."""
+    return dict(state.options)
+
+
+def errors() -> List[dict]:
+    with state.lock:
+        return list(state.errors)
+
+
+def clear_errors() -> None:
+    with state.lock:
+        state.errors.clear()
+        state.error_counts.clear()
+
+
+def _write_report_at_exit() -> None:
+    from .report import write_report
+
+    path = state.options.get("report")
+    if path:
+        write_report(path)
+
+
+def activate_from_environment(environ: Optional[Dict[str, str]] = None) -> bool:
+    """Read ``OWNERSHIP_SANITIZE`` and ``OWNERSHIP_SANITIZE_OPTIONS``; enable when asked. Returns enabled()."""
+    env = os.environ if environ is None else environ
+    raw = env.get(_opts.ENV_OPTIONS, "")
+    parsed = _opts.parse_options_string(raw) if raw else {}
+    if parsed:
+        state.options = _opts.resolve(parsed, base=state.options)
+    if _opts.switch_from_env(env):
+        enable()
+    return state.enabled

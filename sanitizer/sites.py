@@ -1,0 +1,96 @@
+"""Call-site capture for reports: cheap at capture time, formatted only when read.
+
+Stacks are taken at lend and at reuse (never per op), so capture must cost well
+under a microsecond per frame. We keep ``(code, instruction offset)`` pairs,
+which hold no frame locals alive (``f_lineno`` would scan the line table on
+every capture), and turn them into file:line text only when a report is built.
+Pure Python: no torch import, so the ledger and its tests stay torch-free.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from types import CodeType
+from typing import Optional, Sequence, Tuple
+
+Site = Tuple[Tuple[CodeType, int], ...]
+"""A captured stack, innermost frame first, as (code object, instruction offset) pairs."""
+
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+_INTERNAL_PREFIXES: Tuple[str, ...] = (_PKG_DIR + os.sep,)
+
+
+def add_internal_prefix(path: str) -> None:
+    """Hide frames under ``path`` from captured stacks (our own plumbing)."""
+    global _INTERNAL_PREFIXES
+    prefix = os.path.abspath(path) + os.sep
+    if prefix not in _INTERNAL_PREFIXES:
+        _INTERNAL_PREFIXES = _INTERNAL_PREFIXES + (prefix,)
+
+
+def capture(depth: int, skip: int = 1) -> Site:
+    """Return up to ``depth`` frames of the caller's stack, innermost first.
+
+    Our own frames at the top are skipped so that a site starts at the code
+    that called the public API, which is what a person needs to find. This
+    runs on every lend and reuse, so the walk below is as plain as it gets.
+    """
+    if depth <= 0:
+        return ()
+    frame = sys._getframe(skip)
+    prefixes = _INTERNAL_PREFIXES
+    while frame is not None and frame.f_code.co_filename.startswith(prefixes):
+        frame = frame.f_back
+    out = []
+    for _ in range(depth):
+        if frame is None:
+            break
+        out.append((frame.f_code, frame.f_lasti))
+        frame = frame.f_back
+    return tuple(out)
+
+
+def capture_excluding(depth: int, extra_prefixes: Sequence[str], skip: int = 1) -> Site:
+    """Like :func:`capture`, also skipping frames under ``extra_prefixes`` (e.g. torch)."""
+    if depth <= 0:
+        return ()
+    prefixes = _INTERNAL_PREFIXES + tuple(extra_prefixes)
+    frame = sys._getframe(skip)
+    out = []
+    while frame is not None and len(out) < depth:
+        code = frame.f_code
+        if not code.co_filename.startswith(prefixes):
+            out.append((code, frame.f_lasti))
+        frame = frame.f_back
+    return tuple(out)
+
+
+def line_of(code: CodeType, lasti: int) -> int:
+    """The source line of instruction offset ``lasti`` in ``code``."""
+    for start, end, line in code.co_lines():
+        if start <= lasti < end and line is not None:
+            return line
+    return code.co_firstlineno
+
+
+def to_records(site: Optional[Site]) -> list:
+    """JSON-ready frames: ``[{"file", "line", "function"}, ...]``, innermost first."""
+    if not site:
+        return []
+    return [
+        {"file": code.co_filename, "line": line_of(code, lasti), "function": code.co_name}
+        for code, lasti in site
+    ]
+
+
+def format_site(site: Optional[Site], indent: str = "    ") -> str:
+    """Human-readable stack, one frame a line, in the style of ASan's reports."""
+    if not site:
+        return f"{indent}<no stack captured (stack_depth=0 or captured outside user code)>"
+    lines = []
+    for i, (code, lasti) in enumerate(site):
+        lines.append(f"{indent}#{i} {code.co_name} {code.co_filename}:{line_of(code, lasti)}")
+    return "\n".join(lines)
+
+
+__all__ = ["Site", "capture", "capture_excluding", "to_records", "format_site", "add_internal_prefix"]

@@ -1,0 +1,176 @@
+"""``StagingBuffer``: the debug allocator that lends leases over one byte buffer.
+
+A loader writes a tensor's bytes into the buffer and lends a view of them; when
+it is about to overwrite bytes it calls :meth:`StagingBuffer.reuse`, which makes
+every overlapping lease stale. The buffer may be allocated here or adopted from
+a loader (:meth:`StagingBuffer.adopt`).
+"""
+from __future__ import annotations
+
+import math
+import operator
+import weakref
+from typing import Any, List, Optional, Sequence
+
+import torch
+
+from . import runtime
+from .aliasing import alias_view, check_device, device_key, dtype_name, host_array
+from .ledger import Lease, Region, ReuseEvent
+from .sources import Source, check_shape, copy_into, layout
+
+BORROWED_MARKER = "_vllm_instanttensor_borrowed"
+
+
+def _index(value: Any, what: str) -> int:
+    """An int-like offset or size (bools and floats are refused, with the value)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {value!r}") from None
+
+
+def _close_region_at_gc(region: Region) -> None:
+    if not region.closed:
+        runtime.close_region(region)
+
+
+class StagingBuffer:
+    """One contiguous byte buffer on a device whose lent views are tracked as leases."""
+
+    def __init__(self, nbytes: int, device: Any = "cpu", name: Optional[str] = None, *, pin_memory: bool = False):
+        nbytes = _index(nbytes, "nbytes")
+        if nbytes < 0:
+            raise ValueError(f"staging buffer size must be >= 0, got {nbytes}")
+        dev = torch.device(device)
+        check_device(dev)
+        data = torch.empty(nbytes, dtype=torch.uint8, device=dev, pin_memory=pin_memory and dev.type == "cpu")
+        self._setup(data, name)
+
+    @classmethod
+    def adopt(cls, tensor: torch.Tensor, name: Optional[str] = None) -> "StagingBuffer":
+        """Track a loader's own buffer (any dtype, contiguous) without copying it."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"adopt expects a torch.Tensor, got {type(tensor).__name__}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"cannot adopt a non-contiguous tensor (shape {list(tensor.shape)}, "
+                             f"stride {list(tensor.stride())})")
+        check_device(tensor.device)
+        data = tensor.detach().reshape(-1)
+        if data.dtype != torch.uint8:
+            data = data.view(torch.uint8)
+        self = cls.__new__(cls)
+        self._setup(data, name)
+        return self
+
+    def _setup(self, data: torch.Tensor, name: Optional[str]) -> None:
+        self._data: Optional[torch.Tensor] = data
+        self._host = host_array(data)
+        self.nbytes = data.numel()
+        self.device = data.device
+        self._region = runtime.state.ledger.add_region(
+            name or f"staging@{data.data_ptr():#x}", device_key(data.device), data.data_ptr(), self.nbytes)
+        self.name = self._region.name
+        self._finalizer = weakref.finalize(self, _close_region_at_gc, self._region)
+
+    # -- state -------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._region.closed
+
+    @property
+    def generation(self) -> int:
+        return self._region.generation
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The raw uint8 bytes, for producers that write directly (call :meth:`reuse` first)."""
+        return self._live("read the raw bytes of")
+
+    def _live(self, action: str) -> torch.Tensor:
+        if self._data is None:
+            raise ValueError(f"staging buffer '{self.name}' is closed: cannot {action} it")
+        return self._data
+
+    def leases(self) -> List[Lease]:
+        """Alive leases of this buffer (fresh and stale)."""
+        return [l for l in runtime.state.ledger.live_leases() if l.region_id == self._region.region_id]
+
+    # -- the lending API ---------------------------------------------------
+    def lend(self, offset: int, shape: Sequence[int], dtype: torch.dtype, name: Optional[str] = None) -> torch.Tensor:
+        """A view of ``shape``/``dtype`` at byte ``offset``, registered as a lease.
+
+        This is on every loader's hot path, so the common case (int offset,
+        tuple of ints) is checked inline; odd inputs take the slower checks.
+        """
+        data = self._data
+        if data is None:
+            raise ValueError(f"staging buffer '{self.name}' is closed: cannot lend '{name}' from it")
+        if type(offset) is not int:
+            offset = _index(offset, "offset")
+        if type(shape) is not tuple or (shape and min(shape) < 0):
+            shape = check_shape(shape)
+        try:
+            itemsize = dtype.itemsize
+        except AttributeError:
+            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}") from None
+        nbytes = math.prod(shape) * itemsize
+        if type(nbytes) is not int:  # a float or other non-int size slipped into the tuple
+            shape = check_shape(shape)
+            nbytes = math.prod(shape) * itemsize
+        if offset < 0 or offset + nbytes > self.nbytes:
+            raise ValueError(f"lend of '{name}' {dtype_name(dtype)}{list(shape)} ({nbytes} bytes) at offset {offset} "
+                             f"is out of bounds of staging buffer '{self.name}' ({self.nbytes} bytes)")
+        if (self._region.base + offset) % itemsize:
+            raise ValueError(f"lend of '{name}' at offset {offset} is not aligned to {dtype_name(dtype)} "
+                             f"({itemsize}-byte elements)")
+        view, piece = alias_view(data, self._host, offset, nbytes, shape, dtype)
+        view._vllm_instanttensor_borrowed = True  # BORROWED_MARKER, for consumers that follow that contract
+        runtime.track_lease(self._region, offset, nbytes, view, piece, name, dtype, shape)
+        return view
+
+    def reuse(self, offset: int, nbytes: int, by: Optional[str] = None) -> ReuseEvent:
+        """Declare bytes ``[offset, offset+nbytes)`` about to be overwritten: overlapping leases go stale."""
+        self._live(f"reuse bytes for '{by}' in")
+        return runtime.retire(self._region, _index(offset, "offset"), _index(offset, "offset") + _index(nbytes, "nbytes"), by)
+
+    def write(self, offset: int, source: Source, name: Optional[str] = None, *,
+              shape: Optional[Sequence[int]] = None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """Reuse, copy ``source`` in and lend it, in one call; returns the lent view."""
+        data = self._live(f"write '{name}' into")
+        shp, dt, nbytes = layout(source, shape, dtype)
+        offset = _index(offset, "offset")
+        if offset < 0 or offset + nbytes > self.nbytes:
+            raise ValueError(f"write of '{name}' ({nbytes} bytes) at offset {offset} is out of bounds of "
+                             f"staging buffer '{self.name}' ({self.nbytes} bytes)")
+        self.reuse(offset, nbytes, by=name)
+        copy_into(data, self._host, offset, source, nbytes)
+        return self.lend(offset, shp, dt, name)
+
+    def close(self) -> None:
+        """Free the buffer. Every lease goes stale; using one then is a use-after-free report.
+
+        The memory itself is released only once no lease can reach it, so a
+        stale read never touches unmapped memory (no segfault), even unsanitized.
+        """
+        if self._data is None:
+            return
+        runtime.close_region(self._region)
+        self._finalizer.detach()
+        self._data = None
+        self._host = None
+
+    def __enter__(self) -> "StagingBuffer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"generation {self.generation}"
+        return f"StagingBuffer('{self.name}', {self.nbytes} bytes on {self.device}, {state})"
+
+
+__all__ = ["StagingBuffer", "BORROWED_MARKER"]

@@ -1,0 +1,33 @@
+"""Shared fixtures: every test starts with the sanitizer off, no errors, no stray leases."""
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+@pytest.fixture(autouse=True)
+def _clean_sanitizer():
+    import sanitizer
+
+    sanitizer.disable()
+    sanitizer.clear_errors()
+    yield
+    sanitizer.disable()
+    sanitizer.clear_errors()
+    gc.collect()
+
+
+def run_python(code: str, env_extra: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter with the repo on the path (for import-time behaviour)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OWNERSHIP_SANITIZE")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)

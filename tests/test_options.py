@@ -1,0 +1,79 @@
+"""The options table, the ASan-style option string and the OWNERSHIP_SANITIZE switch."""
+from __future__ import annotations
+
+import pytest
+
+import sanitizer
+from sanitizer import option_table as opts
+from tests.conftest import run_python
+
+
+def test_option_string_parses_every_type():
+    raw = opts.parse_options_string("halt_on_error=0:stack_depth=3,report=/tmp/r-{pid}.json")
+    resolved = opts.resolve(raw)
+    assert resolved["halt_on_error"] is False
+    assert resolved["stack_depth"] == 3
+    assert resolved["report"] == "/tmp/r-{pid}.json"
+
+
+def test_unknown_option_names_it_and_lists_the_valid_ones():
+    with pytest.raises(opts.OptionError) as err:
+        opts.parse_options_string("halt_on_eror=0")
+    assert "halt_on_eror" in str(err.value)
+    for name in opts.OPTIONS:
+        assert name in str(err.value)
+    with pytest.raises(opts.OptionError, match="nonsense"):
+        sanitizer.enable(nonsense=1)
+    assert not sanitizer.enabled()
+
+
+@pytest.mark.parametrize("text,fragment", [
+    ("stack_depth=many", "stack_depth"),
+    ("stack_depth=-1", ">= 0"),
+    ("halt_on_error=maybe", "halt_on_error"),
+    ("halt_on_error", "name=value"),
+])
+def test_bad_values_name_option_and_value(text, fragment):
+    with pytest.raises(opts.OptionError, match=fragment):
+        opts.resolve(opts.parse_options_string(text))
+
+
+def test_python_values_are_type_checked():
+    assert opts.resolve({"stack_depth": 4})["stack_depth"] == 4
+    with pytest.raises(opts.OptionError, match="stack_depth"):
+        opts.resolve({"stack_depth": True})
+    with pytest.raises(opts.OptionError, match="halt_on_error"):
+        opts.resolve({"halt_on_error": "sometimes"})
+
+
+def test_table_lists_every_option_with_type_default_and_help():
+    table = sanitizer.options_table()
+    for name, opt in opts.OPTIONS.items():
+        assert name in table and opt.help.split()[0] in table
+
+
+@pytest.mark.parametrize("value,expect", [("1", True), ("true", True), ("on", True), ("0", False),
+                                          ("false", False), ("off", False), ("", False)])
+def test_switch_values(value, expect):
+    assert opts.switch_from_env({"OWNERSHIP_SANITIZE": value}) is expect
+
+
+def test_bad_switch_value_fails_import_with_a_clear_error():
+    proc = run_python("import sanitizer", {"OWNERSHIP_SANITIZE": "please"})
+    assert proc.returncode != 0
+    assert "OWNERSHIP_SANITIZE='please'" in proc.stderr
+
+
+def test_environment_enables_with_options_at_import():
+    proc = run_python(
+        "import sanitizer; print(sanitizer.enabled(), sanitizer.options()['halt_on_error'], "
+        "sanitizer.options()['stack_depth'])",
+        {"OWNERSHIP_SANITIZE": "1", "OWNERSHIP_SANITIZE_OPTIONS": "halt_on_error=0:stack_depth=5"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "False", "5"]
+
+
+def test_bad_options_string_fails_import_naming_it():
+    proc = run_python("import sanitizer", {"OWNERSHIP_SANITIZE": "1", "OWNERSHIP_SANITIZE_OPTIONS": "colour=red"})
+    assert proc.returncode != 0 and "colour" in proc.stderr and "halt_on_error" in proc.stderr

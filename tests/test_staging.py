@@ -1,0 +1,208 @@
+"""StagingBuffer and StagingRing: lending, reuse, sources, adoption, lookup, bad input."""
+from __future__ import annotations
+
+import ctypes
+import gc
+import io
+
+import numpy as np
+import pytest
+import torch
+
+import sanitizer
+from sanitizer import StagingBuffer, StagingRing
+
+
+def test_lend_gives_a_view_of_the_written_bytes_with_its_own_storage():
+    buf = StagingBuffer(4096, name="b")
+    src = torch.randn(8, 16)
+    w = buf.write(128, src, name="w")
+    assert torch.equal(w, src) and w.dtype == torch.float32 and w.shape == (8, 16)
+    assert w.data_ptr() == buf.tensor.data_ptr() + 128
+    assert w.untyped_storage()._cdata != buf.tensor.untyped_storage()._cdata
+    assert getattr(w, sanitizer.BORROWED_MARKER) is True
+    lease = sanitizer.lease_of(w)
+    assert (lease.name, lease.dtype, lease.shape, lease.start, lease.end) == ("w", "float32", (8, 16), 128, 640)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.uint8,
+                                   torch.bool, torch.int64, torch.float8_e4m3fn, torch.complex64])
+def test_every_dtype_round_trips_bit_exactly(dtype):
+    buf = StagingBuffer(1 << 14)
+    src = torch.randint(0, 255, (3, 40), dtype=torch.uint8).view(torch.uint8)
+    src = src.view(dtype) if dtype.itemsize == 1 else torch.randint(0, 255, (3, 40 * dtype.itemsize),
+                                                                    dtype=torch.uint8).view(dtype)
+    w = buf.write(64, src, name="x")
+    assert w.dtype == dtype and w.shape == src.shape
+    assert torch.equal(w.view(torch.uint8), src.view(torch.uint8))
+
+
+def test_derived_views_share_the_lease():
+    buf = StagingBuffer(1 << 16)
+    w = buf.lend(0, (16, 32), torch.float32, name="w")
+    lease = sanitizer.lease_of(w)
+    derived = [w.view(-1), w.narrow(0, 2, 3), w[1:, ::2], w.t(), w.detach(), w.as_strided((4, 4), (1, 4)),
+               w.reshape(32, 16), w.unflatten(1, (4, 8)), w.contiguous(), w.to(torch.float32), w[3], w.T.flatten()[:0]]
+    for d in derived[:-1]:
+        assert sanitizer.lease_of(d) is lease
+        assert sanitizer.is_borrowed(d)
+    assert sanitizer.lease_of(w.clone()) is None and not sanitizer.is_borrowed(w.clone())
+    assert not getattr(w.narrow(0, 0, 1), sanitizer.BORROWED_MARKER, False)  # why storage identity matters
+
+
+def test_is_borrowed_recognises_third_party_tensors_in_an_adopted_buffer():
+    loader_buffer = torch.zeros(1 << 12, dtype=torch.uint8)
+    third_party = loader_buffer[256:512].view(torch.float16)  # made by the loader, not by us
+    before = sanitizer.is_borrowed(third_party)
+    buf = StagingBuffer.adopt(loader_buffer, name="loader")
+    assert not before and sanitizer.is_borrowed(third_party)
+    assert sanitizer.lease_of(third_party) is None  # not lent through us
+    assert not sanitizer.is_borrowed(torch.zeros(4))
+    buf.close()
+    assert not sanitizer.is_borrowed(third_party)
+
+
+def test_adopt_refuses_non_contiguous_and_lends_over_any_dtype():
+    with pytest.raises(ValueError, match="non-contiguous"):
+        StagingBuffer.adopt(torch.zeros(8, 8).t())
+    buf = StagingBuffer.adopt(torch.arange(16, dtype=torch.float32), name="f32")
+    assert buf.nbytes == 64
+    assert torch.equal(buf.lend(8, (2,), torch.float32), torch.tensor([2.0, 3.0]))
+
+
+def test_reuse_advances_the_generation_and_stales_overlaps_only():
+    buf = StagingBuffer(1024, name="r")
+    a = buf.lend(0, (64,), torch.float32, name="a")
+    b = buf.lend(256, (64,), torch.float32, name="b")
+    g = buf.generation
+    event = buf.reuse(0, 200, by="c")
+    assert buf.generation == g + 1 and event.by == "c"
+    assert sanitizer.lease_of(a).stale and not sanitizer.lease_of(b).stale
+    assert sanitizer.lease_of(a).stale_by is event
+
+
+def test_writes_through_numpy_readinto_and_ctypes_count_as_reuse_via_the_api():
+    """torch's _version never sees these writes: the buffer API is what makes leases stale."""
+    buf = StagingBuffer(1024, name="r")
+    a = buf.lend(0, (16,), torch.uint8, name="a")
+    version = a._version
+    buf.reuse(0, 16, by="numpy")
+    buf.tensor.numpy()[:16] = 7
+    assert a._version == version and sanitizer.lease_of(a).stale
+    b = buf.lend(0, (16,), torch.uint8, name="b")
+    buf.reuse(0, 16, by="readinto")
+    io.BytesIO(b"\x05" * 16).readinto(memoryview(buf.tensor.numpy()[:16]))
+    assert sanitizer.lease_of(b).stale and int(b[0]) == 5
+    c = buf.lend(0, (16,), torch.uint8, name="c")
+    buf.reuse(0, 16, by="ctypes")
+    ctypes.memset(buf.tensor.data_ptr(), 9, 16)
+    assert sanitizer.lease_of(c).stale and c._version == 0
+
+
+def test_sources_tensor_bytes_and_file():
+    ring = StagingRing(4096, name="ring")
+    t = ring.put("t", torch.arange(10, dtype=torch.int16))
+    by = ring.put("by", bytes(range(16)), dtype=torch.uint8, shape=(4, 4))
+    fh = io.BytesIO(np.arange(6, dtype=np.float32).tobytes())
+    f = ring.put("f", fh, shape=(2, 3), dtype=torch.float32)
+    assert torch.equal(t, torch.arange(10, dtype=torch.int16))
+    assert by.tolist()[1] == [4, 5, 6, 7]
+    assert torch.equal(f, torch.arange(6, dtype=torch.float32).view(2, 3))
+    with pytest.raises(ValueError, match="file ended after 8 of 24 bytes"):
+        ring.put("short", io.BytesIO(b"\0" * 8), shape=(6,), dtype=torch.float32)
+    with pytest.raises(ValueError, match="needs shape"):
+        ring.put("noshape", io.BytesIO(b"\0" * 8))
+    with pytest.raises(TypeError, match="cannot write a int"):
+        ring.put("bad", 42)
+
+
+def test_ring_places_after_previous_and_wraps_without_splitting():
+    ring = StagingRing(1000, name="ring", alignment=64)
+    offsets = []
+    for i, n in enumerate([300, 300, 300, 200, 500]):
+        w = ring.put(f"w{i}", torch.zeros(n, dtype=torch.uint8))
+        offsets.append(w.data_ptr() - ring.buffer.tensor.data_ptr())
+        lease = sanitizer.lease_of(w)
+        assert lease.end <= 1000  # never split across the end
+    # 0, 320 (aligned after 300), 640 would end at 940 -> fits; 200 at 960 does not fit -> wraps to 0
+    assert offsets == [0, 320, 640, 0, 256]
+    assert ring.wraps == 1
+    with pytest.raises(ValueError, match="1001 bytes does not fit staging ring 'ring' of 1000 bytes"):
+        ring.put("huge", torch.zeros(1001, dtype=torch.uint8))
+
+
+def test_ring_reuse_makes_the_overwritten_tensor_stale():
+    ring = StagingRing(512, name="ring")
+    first = ring.put("first", torch.ones(64, dtype=torch.float32))  # 256 bytes at 0
+    second = ring.put("second", torch.ones(64, dtype=torch.float32))  # 256 at 256
+    assert not sanitizer.lease_of(first).stale
+    ring.put("third", torch.full((64,), 3.0))  # wraps to 0: overwrites first
+    assert sanitizer.lease_of(first).stale and not sanitizer.lease_of(second).stale
+    assert sanitizer.lease_of(first).stale_by.by == "third"
+    assert float(first[0]) == 3.0  # unsanitized, the retained view reads the next tensor: the bug
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda b: b.lend(1000, (10,), torch.float32), r"out of bounds.*1024 bytes"),
+    (lambda b: b.lend(-4, (1,), torch.float32), r"at offset -4 is out of bounds"),
+    (lambda b: b.lend(2, (4,), torch.float32), r"offset 2 is not aligned to float32"),
+    (lambda b: b.lend(0, (-1, 4), torch.float32), r"negative size in shape \[-1, 4\]"),
+    (lambda b: b.lend(0, (2,), "float32"), r"dtype must be a torch.dtype"),
+    (lambda b: b.lend(1.5, (2,), torch.uint8), r"offset must be an int, got 1.5"),
+    (lambda b: b.reuse(1000, 100), r"\[1000, 1100\).*1024 bytes"),
+    (lambda b: b.reuse(-1, 10), r"\[-1, 9\)"),
+    (lambda b: b.write(1020, torch.zeros(2)), r"write of 'None' \(8 bytes\) at offset 1020 is out of bounds"),
+])
+def test_bad_input_names_the_numbers(call, match):
+    buf = StagingBuffer(1024, name="bad")
+    with pytest.raises((ValueError, TypeError), match=match):
+        call(buf)
+
+
+def test_use_after_close_is_an_error_not_a_segfault():
+    buf = StagingBuffer(1024, name="gone")
+    w = buf.write(0, torch.arange(4.0), name="w")
+    buf.close()
+    buf.close()  # idempotent
+    for call in (lambda: buf.lend(0, (1,), torch.uint8, name="x"), lambda: buf.reuse(0, 4, by="y"),
+                 lambda: buf.write(0, torch.zeros(1)), lambda: buf.tensor):
+        with pytest.raises(ValueError, match="'gone' is closed"):
+            call()
+    assert sanitizer.lease_of(w).stale_by.kind == "close"
+    gc.collect()
+    assert w.tolist() == [0.0, 1.0, 2.0, 3.0]  # memory outlives close while a lease holds it
+    with sanitizer.sanitize():
+        with pytest.raises(sanitizer.StaleBorrowError, match="was closed"):
+            w.sum()
+
+
+def test_lease_dies_with_its_last_view_and_garbage_collected_buffers_close():
+    buf = StagingBuffer(1024)
+    w = buf.lend(0, (4,), torch.float32, name="w")
+    v = w[1:]
+    lease = sanitizer.lease_of(w)
+    del w
+    gc.collect()
+    assert lease.alive  # the derived view still reaches the bytes
+    del v
+    gc.collect()
+    assert not lease.alive and buf.leases() == []
+    region = buf._region
+    del buf
+    gc.collect()
+    assert region.closed
+
+
+def test_lend_is_tracked_while_the_sanitizer_is_off_so_a_later_check_sees_it():
+    """The issue's own example: lend and reuse first, turn the sanitizer on afterwards."""
+    buf = StagingBuffer(1 << 20, device="cpu", name="ring0")
+    w = buf.lend(0, (256, 128), torch.bfloat16, name="layers.0.mlp.gate_proj.weight")
+    kept = w.t()[:, :64]
+    buf.reuse(0, 4096, by="layers.0.mlp.up_proj.weight")
+    with sanitizer.sanitize():
+        with pytest.raises(sanitizer.StaleBorrowError) as err:
+            kept.sum()
+    first_line = str(err.value).splitlines()[0]
+    assert first_line.startswith(
+        "borrowed view 'layers.0.mlp.gate_proj.weight' bfloat16[256, 128] used after staging buffer 'ring0' "
+        "reused bytes [0x0, 0x1000) for 'layers.0.mlp.up_proj.weight' (generation 1 -> 2) in aten.sum.default")
