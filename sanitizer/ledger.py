@@ -97,6 +97,7 @@ class Lease:
     alive: bool = True
     stale_by: Optional[ReuseEvent] = None
     handle: Any = None  # opaque key the torch layer files the lease under (its storage address)
+    rescued: bool = False  # moved onto owned memory before its bytes were reused: no longer borrowed
 
     @property
     def stale(self) -> bool:
@@ -125,6 +126,7 @@ class Lease:
             "generation": self.generation,
             "alive": self.alive,
             "stale": self.stale,
+            "rescued": self.rescued,
             "lent_at": to_records(self.site),
         }
 
@@ -243,6 +245,20 @@ class Ledger:
             lease.alive = False
             if lease.stale_by is None:
                 self._regions[lease.region_id].fresh.pop(lease_id, None)
+            now_idle = not self._live
+        if now_idle and self.on_live_change is not None:
+            self.on_live_change(0)
+        return lease
+
+    def disown(self, lease_id: int) -> Optional[Lease]:
+        """The lease's views now own their bytes (a rescue moved them): it is no longer a borrow."""
+        with self._lock:
+            lease = self._live.pop(lease_id, None)
+            if lease is None:
+                return None
+            lease.rescued = True
+            lease.stale_by = None
+            self._regions[lease.region_id].fresh.pop(lease_id, None)
             now_idle = not self._live
         if now_idle and self.on_live_change is not None:
             self.on_live_change(0)

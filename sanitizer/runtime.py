@@ -11,7 +11,7 @@ import contextlib
 import os
 import threading
 import weakref
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -23,6 +23,14 @@ from .mode import ModeController
 from .sites import Site, capture, capture_excluding
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+LendHook = Callable[[Lease, torch.Tensor], None]
+"""Called after a lend while enabled: ``(lease, lent view)`` (e.g. take its checksum)."""
+RetireHook = Callable[[Region, ReuseEvent, List[Lease]], None]
+"""Called when a reuse or close retires alive leases, before the producer writes:
+``(region, event, victims)``. A hook may rescue a victim (see :func:`disown`);
+victims still borrowed afterwards become stale. Orders: 100 verify checksums,
+200 rescue, 300 triage, 400 poison."""
 
 
 class _State:
@@ -37,6 +45,8 @@ class _State:
         self.lock = threading.RLock()
         self.atexit_registered = False
         self.ledger = Ledger(on_live_change=_on_live_change)
+        self.lend_hooks: List[LendHook] = []
+        self.retire_hooks: List[Tuple[int, RetireHook]] = []  # (order, hook), run in ascending order
         self.modes = ModeController(self.stale, _on_stale_use)
 
 
@@ -129,8 +139,11 @@ def track_lease(region: Region, start: int, nbytes: int, view: torch.Tensor, pie
     state.by_storage[key] = lease
     ref = weakref.ref(piece, _lease_died)
     state.tokens[id(ref)] = (ref, lease)
-    if state.enabled and not state.modes.installed_here():
-        state.modes.install_here()
+    if state.enabled:
+        if not state.modes.installed_here():
+            state.modes.install_here()
+        for hook in state.lend_hooks:
+            hook(lease, view)
     return lease
 
 
@@ -153,7 +166,7 @@ def retire(region: Region, start: int, end: int, by: Optional[str]) -> ReuseEven
     depth = state.options["stack_depth"]
     site: Site = capture(depth) if depth else ()
     event, victims = state.ledger.reuse(region.region_id, start, end, by, site, threading.current_thread().name)
-    _mark_stale(victims)
+    _run_retire_hooks(region, event, victims)
     return event
 
 
@@ -161,14 +174,39 @@ def close_region(region: Region) -> ReuseEvent:
     depth = state.options["stack_depth"]
     site: Site = capture(depth) if depth else ()
     event, victims = state.ledger.close(region.region_id, site, threading.current_thread().name)
-    _mark_stale(victims)
+    _run_retire_hooks(region, event, victims)
     return event
 
 
-def _mark_stale(victims: List[Lease]) -> None:
+def _run_retire_hooks(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
+    if victims and state.retire_hooks:
+        for _, hook in state.retire_hooks:
+            hook(region, event, victims)
     for lease in victims:
-        if lease.handle is not None and lease.alive:
+        if lease.handle is not None and lease.alive and not lease.rescued:
             state.stale[lease.handle] = lease
+
+
+def add_lend_hook(hook: LendHook) -> None:
+    if hook not in state.lend_hooks:
+        state.lend_hooks.append(hook)
+
+
+def add_retire_hook(hook: RetireHook, order: int) -> None:
+    """Register ``hook`` to run at each retirement (idempotent), ordered by ``order``."""
+    if all(h is not hook for _, h in state.retire_hooks):
+        state.retire_hooks.append((order, hook))
+        state.retire_hooks.sort(key=lambda pair: pair[0])
+
+
+def disown(lease: Lease) -> None:
+    """Record that ``lease``'s views were moved onto owned memory: it is no longer a borrow."""
+    key = lease.handle
+    if state.by_storage.get(key) is lease:
+        del state.by_storage[key]
+    if state.stale.get(key) is lease:
+        del state.stale[key]
+    state.ledger.disown(lease.lease_id)
 
 
 def lease_of(t: torch.Tensor) -> Optional[Lease]:
