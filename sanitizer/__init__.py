@@ -5,7 +5,9 @@ dispatch mode, no numba. ``OWNERSHIP_SANITIZE=1`` turns debug mode on at import.
 """
 from __future__ import annotations
 
-from .errors import OwnershipError, StaleBorrowError
+from . import checksums as _checksums
+from .checksums import synchronize, verify
+from .errors import BorrowCorruptedError, OwnershipError, StaleBorrowError
 from .ledger import Lease, LedgerError, ReuseEvent
 from .option_table import OptionError, format_table as options_table
 from .report import report, write_report
@@ -44,10 +46,14 @@ __all__ = [
     "clear_errors",
     "Lease",
     "ReuseEvent",
+    "verify",
+    "synchronize",
     "OwnershipError",
     "StaleBorrowError",
+    "BorrowCorruptedError",
     "OptionError",
     "LedgerError",
 ]
 
+_checksums.install()
 _activate_from_environment()

@@ -64,9 +64,56 @@ class StaleBorrowError(OwnershipError):
         ])
 
 
+class BorrowCorruptedError(OwnershipError):
+    """A lease's bytes changed behind the buffer API (checksum mismatch), e.g. a write through
+    ``data_ptr``, DMA, numpy or another library's kernel into a view that was still lent.
+
+    Attributes: ``lease``, ``expected`` and ``found`` (64-bit hashes; ``found`` is None when
+    only a device-side flag said "differs"), ``where`` ("reuse", "verify", "synchronize"),
+    ``event`` (the reuse that triggered the check, if any), ``verified_at`` and ``record``.
+    """
+
+    def __init__(self, lease: Lease, expected: Optional[int], found: Optional[int], where: str,
+                 verified_at: Site, event: Optional[ReuseEvent] = None):
+        self.lease, self.expected, self.found, self.where = lease, expected, found, where
+        self.event, self.verified_at = event, verified_at
+        found_text = f"{found:#018x}" if found is not None else "a different value (device flag)"
+        expected_text = f"{expected:#018x}" if expected is not None else "?"
+        self.summary = (
+            f"borrowed view {lease.describe()} in staging buffer '{lease.region_name}' bytes "
+            f"[{lease.start:#x}, {lease.end:#x}) changed behind the buffer API while lent "
+            f"(checksum expected {expected_text}, found {found_text}; checked at {where})"
+        )
+        self.record = {
+            "kind": "checksum_mismatch",
+            "summary": self.summary,
+            "where": where,
+            "expected": expected,
+            "found": found,
+            "lease": lease.to_dict(),
+            "event": event.to_dict() if event is not None else None,
+            "verified_at": to_records(verified_at),
+            "thread": threading.current_thread().name,
+            "pid": os.getpid(),
+        }
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        lines = [
+            self.summary,
+            f"  lent at (generation {self.lease.generation}):",
+            format_site(self.lease.site),
+        ]
+        if self.event is not None:
+            lines += [f"  {'closed' if self.event.kind == 'close' else 'reused'} at (thread {self.event.thread or '?'}):",
+                      format_site(self.event.site)]
+        lines += [f"  verified at (thread {threading.current_thread().name}):", format_site(self.verified_at)]
+        return "\n".join(lines)
+
+
 def stale_summary(lease: Lease, event: ReuseEvent, op: str) -> str:
     """``borrowed view 'w' bfloat16[256, 128] used after staging buffer 'ring0' reused ... in aten.sum.default``."""
     return f"borrowed view {lease.describe()} used after {event.describe()} in {op}"
 
 
-__all__ = ["OwnershipError", "StaleBorrowError", "stale_summary"]
+__all__ = ["OwnershipError", "StaleBorrowError", "BorrowCorruptedError", "stale_summary"]

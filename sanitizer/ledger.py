@@ -52,12 +52,16 @@ class ReuseEvent:
     generation_after: Optional[int]  # None once the region is closed
     by: Optional[str]
     site: Site
-    kind: str = "reuse"  # "reuse" or "close"
+    kind: str = "reuse"  # "reuse", "retire" (lifetime ended, bytes kept out of reuse) or "close"
     thread: str = ""
 
     def describe(self) -> str:
         if self.kind == "close":
             return f"staging buffer '{self.region_name}' was closed (generation {self.generation_before} -> closed)"
+        if self.kind == "retire":
+            what = f" when '{self.by}' was put" if self.by else ""
+            return (f"staging buffer '{self.region_name}' retired bytes [{self.start:#x}, {self.end:#x}){what} "
+                    f"(generation {self.generation_before} -> {self.generation_after})")
         what = f" for '{self.by}'" if self.by else ""
         return (
             f"staging buffer '{self.region_name}' reused bytes [{self.start:#x}, {self.end:#x}){what} "
@@ -98,6 +102,7 @@ class Lease:
     stale_by: Optional[ReuseEvent] = None
     handle: Any = None  # opaque key the torch layer files the lease under (its storage address)
     rescued: bool = False  # moved onto owned memory before its bytes were reused: no longer borrowed
+    guard: Any = None  # the checksum record the kernels layer attaches (a host hash or a device slot)
 
     @property
     def stale(self) -> bool:
@@ -308,6 +313,7 @@ class Ledger:
         by: Optional[str] = None,
         site: Site = (),
         thread: str = "",
+        kind: str = "reuse",
     ) -> Tuple[ReuseEvent, List[Lease]]:
         """Advance the region's generation; every fresh lease overlapping ``[start, end)`` goes stale.
 
@@ -326,7 +332,7 @@ class Ledger:
             before = region.generation
             region.generation += 1
             event = ReuseEvent(next(self._ids), region_id, region.name, start, end,
-                               before, region.generation, by, site, "reuse", thread)
+                               before, region.generation, by, site, kind, thread)
             self._history.append(event)
             victims = [l for l in region.fresh.values() if _overlaps(l, start, end)]
             for lease in victims:

@@ -84,6 +84,18 @@ OPTIONS: Dict[str, Option] = {
                _non_negative),
         Option("report", str, "",
                "Write the JSON report to this path at process exit ({pid} and {rank} expand). Empty: no file."),
+        Option("checksum", bool, False,
+               "Hash each lease's bytes at lend (numba kernels, CUDA or CPU) and verify them when a reuse retires "
+               "the lease while it is alive and at sanitizer.verify(): catches writes that bypass the buffer API."),
+        Option("poison", bool, False,
+               "Fill the bytes of every retired lease with poison_byte before the producer writes, so stale reads "
+               "through any path (numpy, C extensions) read NaN rather than plausible weights."),
+        Option("poison_byte", int, 0xFF,
+               "The poison fill byte; 0xFF reads as NaN in fp16, bf16 and fp32.", _byte),
+        Option("quarantine", int, 0,
+               "StagingRing: retire each tensor when the next one is put (strict lifetime) and keep the N most "
+               "recently retired regions out of reuse (growing the ring if it must), so stale reads keep hitting "
+               "poison longer.", _non_negative),
         Option("max_errors_per_lease", int, 4,
                "With halt_on_error=0, keep at most this many stale-use records for one lease (the rest are counted).",
                _non_negative),

@@ -5,59 +5,110 @@ one (aligned), wrapping to offset 0 when it would run past the end; a tensor
 is never split. This is the reuse pattern of InstantTensor's device ring and
 runai-model-streamer's slot pool: a view stays valid only until the ring comes
 round to its bytes again.
+
+With ``quarantine=N`` (the option, or the argument) the ring applies the
+strict contract instead, as ASan's quarantine does for freed chunks: a tensor's
+lease ends when the next tensor is put (it is retired then, and poisoned when
+``poison=1``), and the N most recently retired regions are kept out of reuse,
+so stale reads keep hitting poison for longer. When quarantined regions leave
+no room, the ring grows by another segment of its size rather than reuse them.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections import deque
+from typing import Any, Deque, List, Optional, Sequence, Tuple
 
 import torch
 
+from . import runtime
 from .sources import Source, layout
 from .staging import StagingBuffer
+
+Span = Tuple[int, int, int]  # (segment index, start, end)
 
 
 class StagingRing:
     """A ring of ``nbytes`` on ``device``; ``put`` returns borrowed views."""
 
-    def __init__(self, nbytes: int, device: Any = "cpu", name: Optional[str] = None, *, alignment: int = 64):
+    def __init__(self, nbytes: int, device: Any = "cpu", name: Optional[str] = None, *, alignment: int = 64,
+                 quarantine: Optional[int] = None):
         if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a positive power of two, got {alignment!r}")
-        self.buffer = StagingBuffer(nbytes, device=device, name=name or "ring")
+        if quarantine is None:
+            quarantine = runtime.state.options["quarantine"] if runtime.state.enabled else 0
+        if isinstance(quarantine, bool) or not isinstance(quarantine, int) or quarantine < 0:
+            raise ValueError(f"quarantine must be an int >= 0, got {quarantine!r}")
+        self._name = name or "ring"
+        self._device = device
+        self.segments: List[StagingBuffer] = [StagingBuffer(nbytes, device=device, name=self._name)]
         self.alignment = alignment
-        self.head = 0  # where the next tensor may start
+        self.quarantine = quarantine
+        self._held: Deque[Span] = deque()  # quarantined spans, oldest first
+        self._last: Optional[Tuple[Span, str]] = None  # the previous put, retired at the next one
+        self.segment = 0  # where the next tensor may start
+        self.head = 0
         self.wraps = 0
 
     @property
+    def buffer(self) -> StagingBuffer:
+        """The first (usually only) segment."""
+        return self.segments[0]
+
+    @property
     def name(self) -> str:
-        return self.buffer.name
+        return self._name
 
     @property
     def nbytes(self) -> int:
-        return self.buffer.nbytes
+        return sum(seg.nbytes for seg in self.segments)
 
-    def place(self, nbytes: int) -> int:
-        """The offset where a tensor of ``nbytes`` goes next (without writing it)."""
-        if nbytes > self.buffer.nbytes:
-            raise ValueError(f"a tensor of {nbytes} bytes does not fit staging ring '{self.name}' "
-                             f"of {self.buffer.nbytes} bytes")
-        offset = -(-self.head // self.alignment) * self.alignment
-        if offset + nbytes > self.buffer.nbytes:
-            offset = 0
-        return offset
+    def _align(self, offset: int) -> int:
+        return -(-offset // self.alignment) * self.alignment
+
+    def place(self, nbytes: int) -> Tuple[int, int]:
+        """``(segment, offset)`` where a tensor of ``nbytes`` goes next (without writing it)."""
+        size = self.segments[0].nbytes
+        if nbytes > size:
+            raise ValueError(f"a tensor of {nbytes} bytes does not fit staging ring '{self.name}' of {size} bytes")
+        seg, offset = self.segment, self._align(self.head)
+        for _ in range(2 * len(self.segments) + 2 * len(self._held) + 2):
+            if offset + nbytes > self.segments[seg].nbytes:
+                seg, offset = (seg + 1) % len(self.segments), 0  # wrap (to the next segment, if grown)
+                continue
+            blocker = self._blocker(seg, offset, offset + nbytes)
+            if blocker is None:
+                return seg, offset
+            offset = self._align(blocker)
+        self.segments.append(StagingBuffer(size, device=self._device, name=f"{self._name}+{len(self.segments)}"))
+        return len(self.segments) - 1, 0
+
+    def _blocker(self, seg: int, start: int, end: int) -> Optional[int]:
+        """The end of a quarantined span overlapping ``[start, end)`` of segment ``seg``, if any."""
+        ends = [e for s_seg, s, e in self._held if s_seg == seg and s < end and start < e]
+        return max(ends) if ends else None
 
     def put(self, name: str, source: Source, *, shape: Optional[Sequence[int]] = None,
             dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """Write ``source`` (tensor, bytes or readable file) into the ring and lend it as ``name``."""
         _, _, nbytes = layout(source, shape, dtype)
-        offset = self.place(nbytes)
-        if offset == 0 and self.head:
+        if self.quarantine and self._last is not None:
+            (seg, start, end), _ = self._last
+            self.segments[seg].retire(start, end - start, by=name)
+            self._held.append((seg, start, end))
+            while len(self._held) > self.quarantine:
+                self._held.popleft()
+            self._last = None
+        seg, offset = self.place(nbytes)
+        if (seg, offset) < (self.segment, self.head) and self.head:
             self.wraps += 1
-        view = self.buffer.write(offset, source, name, shape=shape, dtype=dtype)
-        self.head = offset + nbytes
+        view = self.segments[seg].write(offset, source, name, shape=shape, dtype=dtype)
+        self.segment, self.head = seg, offset + nbytes
+        self._last = ((seg, offset, offset + nbytes), name)
         return view
 
     def close(self) -> None:
-        self.buffer.close()
+        for seg in self.segments:
+            seg.close()
 
     def __enter__(self) -> "StagingRing":
         return self
@@ -66,7 +117,8 @@ class StagingRing:
         self.close()
 
     def __repr__(self) -> str:
-        return f"StagingRing('{self.name}', {self.nbytes} bytes, head {self.head}, wraps {self.wraps})"
+        return (f"StagingRing('{self.name}', {self.nbytes} bytes in {len(self.segments)} segment(s), "
+                f"head {self.head}, wraps {self.wraps}, quarantine {self.quarantine})")
 
 
 __all__ = ["StagingRing"]

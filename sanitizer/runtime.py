@@ -17,7 +17,7 @@ import torch
 
 from . import option_table as _opts
 from .aliasing import _DTYPE_NAMES, byte_extent, device_key, dtype_name, storage_key
-from .errors import StaleBorrowError
+from .errors import OwnershipError, StaleBorrowError
 from .ledger import Lease, Ledger, Region, ReuseEvent
 from .mode import ModeController
 from .sites import Site, capture, capture_excluding
@@ -100,7 +100,11 @@ def _on_stale_use(lease: Lease, func: Any, tensor: torch.Tensor) -> None:
     used_as = {"dtype": str(tensor.dtype).replace("torch.", ""), "shape": list(tensor.shape)}
     event = lease.stale_by
     assert event is not None
-    err = StaleBorrowError(lease, event, str(func), used_at, used_as)
+    raise_or_record(StaleBorrowError(lease, event, str(func), used_at, used_as), lease)
+
+
+def raise_or_record(err: "OwnershipError", lease: Lease) -> None:
+    """Every sanitizer error goes through here: raised (halt_on_error=1) or recorded and let go."""
     if state.options["halt_on_error"]:
         with state.lock:
             state.errors.append(err.record)
@@ -161,11 +165,12 @@ def _lease_died(ref: Any) -> None:
     state.ledger.release(lease.lease_id)
 
 
-def retire(region: Region, start: int, end: int, by: Optional[str]) -> ReuseEvent:
-    """Declare ``[start, end)`` of ``region`` about to be overwritten; overlapping leases go stale."""
+def retire(region: Region, start: int, end: int, by: Optional[str], kind: str = "reuse") -> ReuseEvent:
+    """Declare ``[start, end)`` of ``region`` about to be overwritten (or its lifetime over, ``kind="retire"``);
+    overlapping leases go stale."""
     depth = state.options["stack_depth"]
     site: Site = capture(depth) if depth else ()
-    event, victims = state.ledger.reuse(region.region_id, start, end, by, site, threading.current_thread().name)
+    event, victims = state.ledger.reuse(region.region_id, start, end, by, site, threading.current_thread().name, kind)
     _run_retire_hooks(region, event, victims)
     return event
 
@@ -179,12 +184,14 @@ def close_region(region: Region) -> ReuseEvent:
 
 
 def _run_retire_hooks(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
-    if victims and state.retire_hooks:
-        for _, hook in state.retire_hooks:
-            hook(region, event, victims)
-    for lease in victims:
-        if lease.handle is not None and lease.alive and not lease.rescued:
-            state.stale[lease.handle] = lease
+    try:
+        if victims and state.retire_hooks:
+            for _, hook in state.retire_hooks:
+                hook(region, event, victims)
+    finally:  # a hook that raises (a checksum mismatch) must not leave the victims unchecked
+        for lease in victims:
+            if lease.handle is not None and lease.alive and not lease.rescued:
+                state.stale[lease.handle] = lease
 
 
 def add_lend_hook(hook: LendHook) -> None:

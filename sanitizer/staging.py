@@ -21,6 +21,14 @@ from .sources import Source, check_shape, copy_into, layout
 
 BORROWED_MARKER = "_vllm_instanttensor_borrowed"
 
+_BUFFERS: "weakref.WeakValueDictionary[int, StagingBuffer]" = weakref.WeakValueDictionary()
+
+
+def buffer_bytes(region_id: int) -> Optional[torch.Tensor]:
+    """The uint8 bytes of the open buffer registered as ``region_id`` (None once closed or gone)."""
+    buf = _BUFFERS.get(region_id)
+    return None if buf is None else buf._data
+
 
 def _index(value: Any, what: str) -> int:
     """An int-like offset or size (bools and floats are refused, with the value)."""
@@ -73,6 +81,7 @@ class StagingBuffer:
         self._region = runtime.state.ledger.add_region(
             name or f"staging@{data.data_ptr():#x}", device_key(data.device), data.data_ptr(), self.nbytes)
         self.name = self._region.name
+        _BUFFERS[self._region.region_id] = self
         self._finalizer = weakref.finalize(self, _close_region_at_gc, self._region)
 
     # -- state -------------------------------------------------------------
@@ -135,6 +144,13 @@ class StagingBuffer:
         """Declare bytes ``[offset, offset+nbytes)`` about to be overwritten: overlapping leases go stale."""
         self._live(f"reuse bytes for '{by}' in")
         return runtime.retire(self._region, _index(offset, "offset"), _index(offset, "offset") + _index(nbytes, "nbytes"), by)
+
+    def retire(self, offset: int, nbytes: int, by: Optional[str] = None) -> ReuseEvent:
+        """Declare that the leases over ``[offset, offset+nbytes)`` reached the end of their lifetime,
+        though the bytes are not overwritten yet (a ring's quarantine keeps them poisoned a while)."""
+        self._live(f"retire bytes for '{by}' in")
+        start = _index(offset, "offset")
+        return runtime.retire(self._region, start, start + _index(nbytes, "nbytes"), by, kind="retire")
 
     def write(self, offset: int, source: Source, name: Optional[str] = None, *,
               shape: Optional[Sequence[int]] = None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:

@@ -1,0 +1,29 @@
+"""Thin numba kernels for the borrowed-tensor sanitizer: checksum, verify, poison.
+
+Why a package of its own: the sanitizer needs to hash and poison tensor bytes
+at memory speed on CPU and on CUDA, with one hash definition
+(:mod:`cuda_hooks.hashdef`) shared by both so a hash taken on one device can
+be checked on the other.  Importing this package does not import numba; the
+kernels are compiled (or loaded from numba's disk cache) on first use.
+
+Public API (see :mod:`cuda_hooks.bridge`): :func:`checksum`,
+:func:`checksum_into`, :func:`verify_into`, :func:`poison`,
+:func:`compile_seconds`, and the slot conversions :func:`to_signed` /
+:func:`to_unsigned`.
+"""
+
+from __future__ import annotations
+
+from .bridge import checksum, checksum_into, compile_seconds, poison, to_signed, to_unsigned, verify_into
+from .hashdef import HASH_VERSION
+
+__all__ = [
+    "HASH_VERSION",
+    "checksum",
+    "checksum_into",
+    "compile_seconds",
+    "poison",
+    "to_signed",
+    "to_unsigned",
+    "verify_into",
+]

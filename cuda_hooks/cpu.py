@@ -1,0 +1,169 @@
+"""CPU twin of the CUDA checksum kernel (numba, parallel, cached on disk).
+
+Why: the sanitizer checksums borrowed CPU tensors on hot paths, so hashing
+must run at memory bandwidth.  What makes it fast (measured, see
+``bench/checksum.py``):
+
+* the word index is an unsigned ``range``; with a signed index numba emits
+  negative-index wraparound code and LLVM falls back to gather loads (a 6x
+  slowdown);
+* the position key is stepped by addition (``hashdef.position_key`` is
+  linear), leaving two multiplies per word (~10% faster in cache);
+* a few large chunks per thread (at least :data:`MIN_CHUNK_WORDS`), each
+  summed into one partial by a loop LLVM vectorises (the mix is
+  integer-only, so no fastmath is needed);
+* inputs below :data:`PARALLEL_MIN_BYTES` take a serial kernel, skipping the
+  thread-pool dispatch that dominates for small tensors.
+
+Fork safety: numba's default (GNU OpenMP) thread pool cannot be used in a
+child forked after the parent started it (numba aborts the child:
+"fork() called from a process already using GNU OpenMP").  DataLoader
+workers are such children, so after a fork this module only uses the serial
+kernel.
+
+Importing this module imports numba; ``cuda_hooks.bridge`` imports it lazily.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numba
+import numpy as np
+from numba import prange
+
+from . import hashdef
+
+__all__ = ["hash_bytes", "compile_seconds", "MIN_CHUNK_WORDS", "CHUNKS_PER_THREAD", "PARALLEL_MIN_BYTES"]
+
+#: Smallest parallel work item in words (256 KiB); above that, each thread
+#: gets :data:`CHUNKS_PER_THREAD` items summed into one partial each.
+MIN_CHUNK_WORDS = 1 << 15
+CHUNKS_PER_THREAD = 4
+#: Below this size the serial kernel is faster than waking the thread pool.
+PARALLEL_MIN_BYTES = 1 << 19
+
+_njit_inline = numba.njit(inline="always")
+_mix = _njit_inline(hashdef.mix)
+_position_key = _njit_inline(hashdef.position_key)
+_tail_word = _njit_inline(hashdef.tail_word)
+_finalize = _njit_inline(hashdef.finalize)
+
+
+def _build(defn: str) -> tuple[Any, Any]:
+    """Create the kernels; closing over ``defn`` keys numba's cache to hashdef.py."""
+
+    @numba.njit(nogil=True, cache=True)
+    def hash_serial(words, tail, nbytes):
+        defn  # noqa: B018  (cache key only, see hashdef.definition_digest)
+        n = np.uint64(words.size)
+        total = np.uint64(0)
+        key = np.uint64(0)
+        for i in range(np.uint64(0), n):
+            total += _mix(words[i], key)
+            key += hashdef.K_POS
+        if tail.size > 0:
+            total += _mix(_tail_word(tail, 0, tail.size), _position_key(n))
+        return _finalize(total, np.uint64(nbytes))
+
+    @numba.njit(parallel=True, nogil=True, cache=True)
+    def hash_parallel(words, tail, nbytes, chunk):
+        defn  # noqa: B018
+        n = words.size
+        nchunks = (n + chunk - 1) // chunk
+        parts = np.zeros(nchunks, dtype=np.uint64)
+        for c in prange(nchunks):
+            lo = np.uint64(c * chunk)
+            hi = np.uint64(min((c + 1) * chunk, n))
+            s = np.uint64(0)
+            key = _position_key(lo)
+            for i in range(lo, hi):
+                s += _mix(words[i], key)
+                key += hashdef.K_POS
+            parts[c] = s
+        total = np.uint64(0)
+        for c in range(nchunks):
+            total += parts[c]
+        if tail.size > 0:
+            total += _mix(_tail_word(tail, 0, tail.size), _position_key(np.uint64(n)))
+        return _finalize(total, np.uint64(nbytes))
+
+    return hash_serial, hash_parallel
+
+
+_hash_serial, _hash_parallel = _build(hashdef.definition_digest())
+_compile_seconds: dict[str, float] = {}
+_forked = False
+
+
+def _after_fork_in_child() -> None:
+    global _forked
+    _forked = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _split(buf: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Whole little-endian words (a zero-copy view) and the trailing bytes."""
+    nwords = buf.size // 8
+    return buf[: nwords * 8].view("<u8"), buf[nwords * 8 :]
+
+
+def hash_bytes(buf: np.ndarray) -> int:
+    """Hash of a C-contiguous 1-D uint8 array, as a Python int in [0, 2**64).
+
+    A buffer that is not 8-byte aligned is still read in place (numba then
+    compiles an unaligned-load variant once).
+    """
+    if buf.dtype != np.uint8 or buf.ndim != 1 or not buf.flags.c_contiguous:
+        raise ValueError(f"hash_bytes needs a contiguous 1-D uint8 array, got {buf.dtype} {buf.shape}")
+    if not _compile_seconds:
+        _warm_up()
+    words, tail = _split(buf)
+    if buf.size < PARALLEL_MIN_BYTES or _forked:
+        return int(_hash_serial(words, tail, buf.size))
+    return int(_hash_parallel(words, tail, buf.size, _chunk_words(words.size)))
+
+
+def _chunk_words(nwords: int) -> int:
+    """Words per parallel work item for the current numba thread count."""
+    return max(MIN_CHUNK_WORDS, -(-nwords // (CHUNKS_PER_THREAD * numba.get_num_threads())))
+
+
+def _warm_up() -> None:
+    """Compile or load both kernels, timing each, then check the known answers.
+
+    A known-answer mismatch means a stale on-disk cache (e.g. hashdef edited in
+    a way the cache key missed): recompile once, and if it persists the
+    definition and :data:`hashdef.GOLDEN` disagree, which is a bug.
+    """
+    probe = np.frombuffer(hashdef.golden_input(64), dtype=np.uint8).copy()  # aligned, writable
+    t0 = time.perf_counter()
+    _hash_serial(*_split(probe), probe.size)
+    _compile_seconds["cpu_hash_serial"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    _hash_parallel(*_split(probe), probe.size, MIN_CHUNK_WORDS)
+    _compile_seconds["cpu_hash_parallel"] = time.perf_counter() - t0
+    for attempt in range(2):
+        bad = [n for n, want in hashdef.GOLDEN.items() if _known_answer(n) != want]
+        if not bad:
+            return
+        if attempt == 0:
+            _hash_serial.recompile()
+            _hash_parallel.recompile()
+    raise RuntimeError(f"cuda_hooks CPU hash disagrees with hashdef.GOLDEN for lengths {bad}")
+
+
+def _known_answer(n: int) -> int:
+    buf = np.frombuffer(hashdef.golden_input(n), dtype=np.uint8).copy()
+    words, tail = _split(buf)
+    a, b = int(_hash_serial(words, tail, n)), int(_hash_parallel(words, tail, n, 1))
+    return a if a == b else -1
+
+
+def compile_seconds() -> dict[str, float]:
+    """First-use compile-or-load seconds per CPU kernel (empty before first use)."""
+    return dict(_compile_seconds)

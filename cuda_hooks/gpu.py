@@ -1,0 +1,270 @@
+"""CUDA kernels: checksum, verify and poison fill (numba.cuda).
+
+Why: checksumming a borrowed CUDA tensor must not stall the host, so every
+kernel writes its result into device memory (a hash slot, a mismatch flag)
+on the caller's stream and nothing here synchronises.
+
+The hash is one pass: each thread sums ``mix`` over a grid-stride set of
+words (four loads in flight per iteration to cover DRAM latency), blocks
+reduce in shared memory and add their partial atomically into a 2-word
+scratch ``[sum, blocks_done]``; the last block to finish (ticket counter,
+``threadfence`` before it) takes the total, finalises it, writes the
+result and resets the scratch to zero.  The scratch is therefore reusable by
+the next launch on the same stream (and under CUDA graph replay) with no
+memset in between.
+
+Importing this module imports numba; ``cuda_hooks.bridge`` imports it lazily.
+Under ``NUMBA_ENABLE_CUDASIM=1`` the same kernels run in numba's simulator.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+from numba import config, cuda, int32, int64, uint8, uint64
+
+from . import hashdef
+
+__all__ = [
+    "THREADS",
+    "SIMULATED",
+    "KERNEL_SIGNATURES",
+    "stream_for",
+    "checksum_async",
+    "verify_async",
+    "poison_async",
+    "compile_seconds",
+]
+
+#: True when numba's CUDA simulator is active (no external streams there).
+SIMULATED: bool = bool(config.ENABLE_CUDASIM)
+#: Threads per block (a power of two; the shared-memory reduction is sized to
+#: it).  The simulator runs each thread as a Python thread, so it gets 64.
+THREADS = 64 if SIMULATED else 256
+
+_mix = cuda.jit(device=True, inline=True)(hashdef.mix)
+_position_key = cuda.jit(device=True, inline=True)(hashdef.position_key)
+_tail_word = cuda.jit(device=True, inline=True)(hashdef.tail_word)
+_finalize = cuda.jit(device=True, inline=True)(hashdef.finalize)
+
+_ZERO = np.uint64(0)
+_ONE = np.uint64(1)
+_TWO = np.uint64(2)
+_THREE = np.uint64(3)
+_FOUR = np.uint64(4)
+_SEVEN = np.uint64(7)
+_EIGHT = np.uint64(8)
+
+
+@cuda.jit(device=True, inline=True)
+def _load_word(words, data, nbytes, i):
+    """Word ``i``: a direct 8-byte load when aligned, else assembled from bytes."""
+    if i < np.uint64(words.size):
+        return words[i]
+    start = i * _EIGHT
+    stop = start + _EIGHT
+    if stop > nbytes:  # not min(): numba's vararg min() overload fails to compile for CUDA
+        stop = nbytes
+    return _tail_word(data, start, stop)
+
+
+@cuda.jit(device=True)
+def _grid_hash(words, data, nbytes, scratch):
+    """Whole-grid hash; returns ``(True, hash)`` in exactly one thread, else ``(False, 0)``.
+
+    Indices are uint64 throughout: a signed index makes numba add
+    negative-index wraparound code to every load, and each integer op counts
+    (at HBM speed the mix alone uses a large share of the SMs' integer rate).
+    """
+    nb = np.uint64(nbytes)
+    nwords = (nb + _SEVEN) // _EIGHT
+    ndirect = np.uint64(words.size)
+    stride = np.uint64(cuda.gridsize(1))
+    i = np.uint64(cuda.grid(1))
+    key = _position_key(i)
+    kstride = _position_key(stride)  # keys step by addition, not a multiply per word
+    s = _ZERO
+    while i + _THREE * stride < ndirect:
+        w0 = words[i]
+        w1 = words[i + stride]
+        w2 = words[i + _TWO * stride]
+        w3 = words[i + _THREE * stride]
+        k1 = key + kstride
+        k2 = k1 + kstride
+        k3 = k2 + kstride
+        s += _mix(w0, key) + _mix(w1, k1) + _mix(w2, k2) + _mix(w3, k3)
+        i += _FOUR * stride
+        key = k3 + kstride
+    while i < nwords:
+        s += _mix(_load_word(words, data, nb, i), key)
+        i += stride
+        key += kstride
+
+    partial = cuda.shared.array(THREADS, uint64)
+    t = cuda.threadIdx.x
+    partial[t] = s
+    cuda.syncthreads()
+    step = THREADS // 2
+    while step > 0:
+        if t < step:
+            partial[t] += partial[t + step]
+        cuda.syncthreads()
+        step //= 2
+
+    if t == 0:
+        cuda.atomic.add(scratch, 0, partial[0])
+        cuda.threadfence()
+        ticket = cuda.atomic.add(scratch, 1, _ONE)
+        if ticket == np.uint64(cuda.gridDim.x - 1):
+            total = cuda.atomic.exch(scratch, 0, _ZERO)
+            cuda.atomic.exch(scratch, 1, _ZERO)
+            return True, _finalize(total, nb)
+    return False, _ZERO
+
+
+def _build(defn: str) -> tuple[Any, Any, Any]:
+    """Create the kernels; closing over ``defn`` keys numba's cache to hashdef.py."""
+
+    @cuda.jit(cache=True)
+    def checksum_kernel(words, data, nbytes, scratch, out, slot):
+        defn  # noqa: B018  (cache key only, see hashdef.definition_digest)
+        done, h = _grid_hash(words, data, nbytes, scratch)
+        if done:
+            out[slot] = h
+
+    @cuda.jit(cache=True)
+    def verify_kernel(words, data, nbytes, scratch, expected, slot, flags):
+        defn  # noqa: B018
+        done, h = _grid_hash(words, data, nbytes, scratch)
+        if done and h != expected[slot]:
+            flags[slot] = 1
+
+    @cuda.jit(cache=True)
+    def poison_kernel(data, value):
+        i = cuda.grid(1)
+        stride = cuda.gridsize(1)
+        while i < data.size:
+            data[i] = value
+            i += stride
+
+    return checksum_kernel, verify_kernel, poison_kernel
+
+
+_checksum_kernel, _verify_kernel, _poison_kernel = _build(hashdef.definition_digest())
+
+_U64 = uint64[::1]
+#: ``name -> (python function, argument types)``, for ahead-of-time PTX checks.
+KERNEL_SIGNATURES: dict[str, tuple[Any, tuple[Any, ...]]] = {
+    "checksum": (_checksum_kernel.py_func, (_U64, uint8[::1], int64, _U64, _U64, int64)),
+    "verify": (_verify_kernel.py_func, (_U64, uint8[::1], int64, _U64, _U64, int64, int32[::1])),
+    "poison": (_poison_kernel.py_func, (uint8[::1], uint8)),
+}
+
+_compile_seconds: dict[str, float] = {}
+_streams: dict[int, Any] = {}
+_max_blocks: dict[int, int] = {}
+
+
+def stream_for(handle: int) -> Any:
+    """numba stream wrapping an external ``cudaStream_t`` (torch's current stream).
+
+    The simulator has no external streams, so there it is 0 (the default stream).
+    """
+    if SIMULATED:
+        return 0
+    stream = _streams.get(handle)
+    if stream is None:
+        stream = _streams[handle] = cuda.external_stream(handle)
+    return stream
+
+
+def _grid(nitems: int, per_thread: int = 1) -> int:
+    """Blocks to launch: enough for the work, capped at ~2048 resident threads per SM."""
+    if SIMULATED:
+        cap = 2  # the simulator runs every thread as a Python thread
+    else:
+        dev = cuda.get_current_device()
+        cap = _max_blocks.get(dev.id)
+        if cap is None:
+            cap = _max_blocks[dev.id] = dev.MULTIPROCESSOR_COUNT * (2048 // THREADS)
+    need = -(-nitems // (THREADS * per_thread))
+    return max(1, min(need, cap))
+
+
+def _address(arr: Any) -> int:
+    """Device address of an array's first element (host address in the simulator)."""
+    if SIMULATED:
+        return int(arr.ctypes.data)  # the simulator's arrays delegate to numpy
+    return int(arr.__cuda_array_interface__["data"][0])
+
+
+def _split(data: Any, nbytes: int) -> Any:
+    """uint64 view of the whole words when 8-byte aligned, else an empty one.
+
+    With an empty view the kernel assembles every word from bytes (slower, but
+    a misaligned 8-byte load would fault).
+    """
+    nwords = nbytes // 8
+    if nwords and _address(data) % 8 == 0:
+        return data[: nwords * 8].view(np.uint64)
+    return data[:0].view(np.uint64)
+
+
+_TOOLKIT_HINT = (
+    "numba could not compile or load the cuda_hooks kernels: it needs the CUDA driver and libNVVM "
+    "from a CUDA toolkit. Point CUDA_HOME at the toolkit root (the folder holding nvvm/), or put "
+    "libnvvm.so on the loader path, or install numba-cuda with a CUDA extra."
+)
+
+
+def _launch(name: str, kernel: Any, blocks: int, stream: Any, *args: Any) -> None:
+    """Launch; the first call of each kernel (its compile or cache load) is timed."""
+    if name in _compile_seconds:
+        kernel[blocks, THREADS, stream](*args)
+        return
+    t0 = time.perf_counter()
+    try:
+        kernel[blocks, THREADS, stream](*args)
+    except ImportError as exc:  # numba's CudaSupportError and NvvmSupportError subclass it
+        raise RuntimeError(f"{_TOOLKIT_HINT} ({type(exc).__name__}: {exc})") from exc
+    _compile_seconds[name] = time.perf_counter() - t0
+
+
+def checksum_async(
+    data: Any, scratch: Any, out: Any, slot: int, stream: Any, blocks: int | None = None
+) -> None:
+    """Enqueue ``out[slot] = hash(data)`` on ``stream``.
+
+    ``data``: contiguous 1-D uint8 device array; ``scratch``: 2-element uint64
+    device array, zero before the first use and left zero after each launch
+    (one per stream); ``out``: uint64 device array.  ``blocks`` overrides the
+    grid size (tests use it to reach every code path on small inputs).
+    """
+    nbytes = data.size
+    blocks = blocks or _grid((nbytes + 7) // 8, 4)
+    _launch("cuda_checksum", _checksum_kernel, blocks, stream, _split(data, nbytes), data, nbytes, scratch, out, slot)
+
+
+def verify_async(
+    data: Any, scratch: Any, expected: Any, slot: int, flags: Any, stream: Any, blocks: int | None = None
+) -> None:
+    """Enqueue ``if hash(data) != expected[slot]: flags[slot] = 1`` on ``stream``.
+
+    ``flags`` is an int32 device array; a match leaves the flag unchanged, so a
+    flag once raised stays raised until the caller clears it.
+    """
+    nbytes = data.size
+    blocks = blocks or _grid((nbytes + 7) // 8, 4)
+    _launch("cuda_verify", _verify_kernel, blocks, stream, _split(data, nbytes), data, nbytes, scratch, expected, slot, flags)
+
+
+def poison_async(data: Any, byte: int, stream: Any) -> None:
+    """Enqueue ``data[:] = byte`` (uint8 device array) on ``stream``."""
+    _launch("cuda_poison", _poison_kernel, _grid(data.size, 4), stream, data, np.uint8(byte))
+
+
+def compile_seconds() -> dict[str, float]:
+    """First-launch (compile or cache load) seconds per CUDA kernel launched so far."""
+    return dict(_compile_seconds)
