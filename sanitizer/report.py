@@ -1,20 +1,29 @@
-"""The JSON report: every recorded error plus the leases still retained, ready for tools.
+"""The JSON report: every error and event, the leases still retained, and a summary for people.
 
 ``report()`` returns it in-process; ``report=path`` writes it at exit, with
 ``{pid}`` and ``{rank}`` expanded so that every rank of a distributed job
-writes its own file.
+writes its own file; ``ownsan run`` merges the files of all its processes.
+The format is versioned and described by ``report_schema.json`` (JSON Schema,
+shipped with the package); :func:`validate` checks a report against it.
+
+The summary groups retentions by *retaining consumer*: the holder path with
+list indices wildcarded (``LayerInfo.loaded_weights[*][1]``) plus the code site
+where that holder lives, with a count, the bytes and a first example, biggest
+first: the consumer to fix first is at the top.
 """
 from __future__ import annotations
 
 import json
 import os
 import sys
-from typing import Any, Dict
+from typing import Any, Dict, Iterable, List, Optional, Set
 
 from . import runtime
 
 FORMAT = "ownership-sanitizer-report"
-VERSION = 1
+VERSION = 2
+SCHEMA_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "report_schema.json")
+ERROR_KINDS = ("stale_use", "checksum_mismatch")
 
 
 def _rank_info() -> Dict[str, Any]:
@@ -30,27 +39,149 @@ def _rank_info() -> Dict[str, Any]:
             "world_size": int(world) if world and world.isdigit() else None}
 
 
-def report() -> Dict[str, Any]:
-    """The whole report as a JSON-ready dict."""
+def _with_holder(record: dict) -> dict:
+    """A copy of an error record that names the holder recorded for its lease, if any."""
+    from .triage import holder_of
+
+    lease = record.get("lease")
+    if "holder" in record or not isinstance(lease, dict) or lease.get("lease_id") is None:
+        return record
+    holder = holder_of(lease["lease_id"])
+    return dict(record, holder=holder) if holder is not None else record
+
+
+def report(final: bool = False, exclude: Optional[Set[int]] = None) -> Dict[str, Any]:
+    """The whole report as a JSON-ready dict.
+
+    ``final=True`` (at exit, at the end of a test) also decides retentions whose
+    consumer has not had its turn yet; otherwise those are only counted as pending.
+    ``exclude``: ids of error and event records to leave out (those from before a test).
+    """
+    from . import triage
+
+    triage.settle(final)
     state = runtime.state
-    errors = runtime.errors()
+    pid = os.getpid()
+    raw_errors = runtime.errors()
+    with state.lock:
+        raw_events = list(getattr(state, "events", []))
+    if exclude:
+        raw_errors = [e for e in raw_errors if id(e) not in exclude]
+        raw_events = [e for e in raw_events if id(e) not in exclude]
+    errors = [_with_holder(e) for e in raw_errors]
+    stale = {e["lease"].get("lease_id") for e in errors
+             if e.get("kind") == "stale_use" and isinstance(e.get("lease"), dict)}
+    events = []
+    for e in raw_events:
+        if "pid" not in e:
+            e = dict(e, pid=pid)
+        if e.get("kind") == "retention" and not e.get("used_stale") and e["lease"].get("lease_id") in stale:
+            e = dict(e, used_stale=True)  # used stale after it was confirmed
+        events.append(e)
     retained = [lease.to_dict() | {"stale_by": lease.stale_by.to_dict()} for lease in state.ledger.stale_alive()
                 if lease.stale_by is not None]
-    return {
+    rep = {
         "format": FORMAT,
         "version": VERSION,
-        "pid": os.getpid(),
+        "pid": pid,
         **_rank_info(),
+        "argv": [str(a) for a in sys.argv],
         "enabled": state.enabled,
         "options": runtime.options(),
-        "error_count": sum(state.error_counts.values()) or len(errors),
+        "error_count": len(errors) if exclude else max(sum(state.error_counts.values()), len(errors)),
         "errors": errors,
+        "events": events,
         "retained_stale_leases": retained,
         "buffers": [
             {"name": r.name, "device": r.device, "nbytes": r.nbytes, "generation": r.generation, "closed": r.closed}
             for r in state.ledger.regions()
         ],
     }
+    rep["summary"] = summarize(rep, pending=triage.pending_count())
+    return rep
+
+
+def _site_text(site: Optional[dict]) -> Optional[str]:
+    if not site or not site.get("file"):
+        return None
+    line = site.get("line")
+    return f"{site['file']}:{line}" if line else site["file"]
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def summarize(rep: Dict[str, Any], pending: int = 0) -> Dict[str, Any]:
+    """Counts by kind, retentions grouped by retaining consumer (biggest first), and a one-line summary."""
+    errors_by_kind: Dict[str, int] = {}
+    for e in rep.get("errors", ()):
+        errors_by_kind[e.get("kind", "?")] = errors_by_kind.get(e.get("kind", "?"), 0) + 1
+    events_by_kind: Dict[str, int] = {}
+    groups: Dict[tuple, Dict[str, Any]] = {}
+    for e in rep.get("events", ()):
+        kind = e.get("kind", "?")
+        events_by_kind[kind] = events_by_kind.get(kind, 0) + (e.get("count", 1) if kind == "clone" else 1)
+        if kind != "retention":
+            continue
+        holder = e.get("holder") or {}
+        site = _site_text(holder.get("site"))
+        consumer = holder.get("consumer") or "<unnamed holder>"
+        g = groups.get((consumer, site))
+        if g is None:
+            g = groups[(consumer, site)] = {
+                "consumer": consumer, "holder": holder.get("path") or consumer, "kind": holder.get("kind", "none"),
+                "site": site, "count": 0, "bytes": 0, "leases": [], "used_stale": 0, "first": e}
+        g["count"] += 1
+        g["bytes"] += int(e["lease"].get("nbytes") or 0)
+        g["used_stale"] += bool(e.get("used_stale"))
+        if len(g["leases"]) < 8:
+            g["leases"].append(e["lease"].get("name"))
+    consumers = sorted(groups.values(), key=lambda g: (-g["bytes"], -g["count"], g["consumer"]))
+    n_ret = events_by_kind.get("retention", 0)
+    retained_bytes = sum(g["bytes"] for g in consumers)
+    n_err = rep.get("error_count", 0)
+    parts = [f"{n_err} error{'s' * (n_err != 1)}"]
+    if errors_by_kind:
+        parts[0] += " (" + ", ".join(f"{n} {k}" for k, n in sorted(errors_by_kind.items())) + ")"
+    if n_ret:
+        parts.append(f"{n_ret} retention{'s' * (n_ret != 1)} by {len(consumers)} consumer"
+                     f"{'s' * (len(consumers) != 1)} ({_size(retained_bytes)})")
+        top = consumers[0]
+        parts.append(f"top: {top['consumer']}" + (f" at {top['site']}" if top["site"] else "")
+                     + f" ({top['count']}, {_size(top['bytes'])})")
+    else:
+        parts.append("no retentions")
+    return {
+        "line": "ownership-sanitizer: " + "; ".join(parts),
+        "errors_by_kind": errors_by_kind,
+        "events_by_kind": events_by_kind,
+        "retentions": n_ret,
+        "retained_bytes": retained_bytes,
+        "pending_retentions": pending,
+        "retaining_consumers": consumers,
+    }
+
+
+def merge(reports: Iterable[Dict[str, Any]]) -> Dict[str, Any]:
+    """One report from the reports of several processes (ranks, workers); a single one is returned as is."""
+    reports = sorted(reports, key=lambda r: (r.get("rank") is None, r.get("rank") or 0, r.get("pid", 0)))
+    if not reports:
+        raise ValueError("no report to merge")
+    if len(reports) == 1:
+        return reports[0]
+    first = reports[0]
+    out = {k: first[k] for k in ("format", "version", "pid", "rank", "world_size", "argv", "enabled", "options")}
+    out["error_count"] = sum(r.get("error_count", 0) for r in reports)
+    for key in ("errors", "events", "retained_stale_leases", "buffers"):
+        out[key] = [item for r in reports for item in r.get(key, ())]
+    out["processes"] = [{"pid": r["pid"], "rank": r.get("rank"), "world_size": r.get("world_size"),
+                         "error_count": r.get("error_count", 0), "argv": r.get("argv", [])} for r in reports]
+    out["summary"] = summarize(out, pending=sum(r.get("summary", {}).get("pending_retentions", 0) for r in reports))
+    return out
 
 
 def expand_path(path: str) -> str:
@@ -58,16 +189,49 @@ def expand_path(path: str) -> str:
     return path.replace("{pid}", str(os.getpid())).replace("{rank}", "0" if rank is None else str(rank))
 
 
-def write_report(path: str) -> str:
+def write_report(path: str, final: bool = False) -> str:
     """Write the report to ``path`` ({pid}, {rank} expanded); return the path written."""
     target = expand_path(path)
     directory = os.path.dirname(target)
     if directory:
         os.makedirs(directory, exist_ok=True)
-    with open(target, "w", encoding="utf-8") as fh:
-        json.dump(report(), fh, indent=2)
+    data = report(final=final)
+    tmp = f"{target}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=2, default=str)
         fh.write("\n")
+    os.replace(tmp, target)  # a reader never sees half a report
     return target
 
 
-__all__ = ["report", "write_report", "FORMAT", "VERSION"]
+def load(path: str) -> Dict[str, Any]:
+    """Read a report file, with a clear error when it is not one."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except OSError as exc:
+        raise ValueError(f"cannot read report {path!r}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path!r} is not JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError(f"{path!r} is not an ownership-sanitizer report (format field is "
+                         f"{data.get('format') if isinstance(data, dict) else type(data).__name__!r})")
+    if data.get("version") != VERSION:
+        raise ValueError(f"{path!r} is report version {data.get('version')!r}; this ownsan reads version {VERSION}")
+    return data
+
+
+def schema() -> Dict[str, Any]:
+    with open(SCHEMA_PATH, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def validate(rep: Dict[str, Any]) -> List[str]:
+    """Violations of the report schema ([] when ``rep`` is a valid report)."""
+    from .schema import validate as _validate
+
+    return _validate(rep, schema())
+
+
+__all__ = ["report", "write_report", "summarize", "merge", "load", "validate", "schema", "expand_path",
+           "FORMAT", "VERSION", "SCHEMA_PATH", "ERROR_KINDS"]

@@ -1,0 +1,338 @@
+"""How a holder is named: path segments, roots a person recognises, and where they live in code.
+
+The walk in :mod:`sanitizer.holders` climbs from a tensor to its referrers;
+this module says how each step reads (``.attr``, ``[3]``, ``['key']``) and
+when a referrer is a root worth stopping at: a module global, a class
+attribute, an instance of a class outside the standard library, a frame's or a
+suspended generator's local, a closure, a ``functools.partial``. Standard
+library containers (lists, dicts, ``inspect.BoundArguments``...) are walked
+through, so a path reads like the seed bug's
+``LayerReloadingInfo.loaded_weights[3][1].arguments['loaded_weight']``.
+"""
+from __future__ import annotations
+
+import gc
+import inspect
+import os
+import re
+import sys
+import types
+import weakref
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+
+import torch
+
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_USER_FACING = {"quickstart.py", "demo.py"}  # our example programs are consumers, not plumbing
+_CO_OPTIMIZED = inspect.CO_OPTIMIZED
+GEN_FLAGS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+_SNAPSHOT_LOCALS = sys.version_info < (3, 13)  # PEP 667: 3.13 gives a write-through proxy instead
+_STDLIB = frozenset(getattr(sys, "stdlib_module_names", ())) | {"builtins", "__builtin__"}
+_NUMBER = re.compile(r"\d+")
+_PLAIN_KEYS = (str, int, float, bool, type(None), bytes)  # repr() of a tensor key would read its bytes
+
+
+@dataclass
+class Holder:
+    """One root that holds a lease's memory, with the path from it down to the tensor."""
+
+    kind: str  # global | class | object | frame | generator | closure | partial | unknown
+    path: str
+    site: Optional[Dict[str, Any]] = None  # {"file", "line", "function"} where the holder lives
+    transient: bool = False  # a plain local of a frame on the reusing thread's stack (a loop variable?)
+    frame_id: Optional[int] = None  # id() of that frame, to re-check the local later
+    local: Optional[str] = None
+    pattern: Optional[tuple] = None  # (weakref to the root, steps below it): to look again, cheaply
+
+    @property
+    def rank(self) -> int:
+        if self.transient:
+            return 2
+        return 1 if self.kind in ("frame", "unknown") else 0
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"kind": self.kind, "path": self.path, "site": self.site, "consumer": consumer_key(self.path)}
+
+
+def consumer_key(path: str) -> str:
+    """The grouping key: numbers wildcarded, so one consumer holding its 3rd and 4th weight (or
+    ``['layers.3.weight']`` and ``['layers.4.weight']``) is one group, while ``['loaded_weight']`` stays."""
+    return _NUMBER.sub("*", path)
+
+
+def internal(code: types.CodeType) -> bool:
+    name = code.co_filename
+    return name.startswith(_PKG_DIR) and os.path.basename(name) not in _USER_FACING
+
+
+def qualname(code: types.CodeType) -> str:
+    return getattr(code, "co_qualname", code.co_name)
+
+
+def site_of_frame(frame: types.FrameType) -> Dict[str, Any]:
+    return {"file": frame.f_code.co_filename, "line": frame.f_lineno, "function": qualname(frame.f_code)}
+
+
+def _site_of_code(code: types.CodeType) -> Dict[str, Any]:
+    return {"file": code.co_filename, "line": code.co_firstlineno, "function": qualname(code)}
+
+
+_CLASS_SITES: Dict[type, Optional[Dict[str, Any]]] = {}
+
+
+def _site_of_class(cls: type) -> Optional[Dict[str, Any]]:
+    """Where ``cls`` is defined (cached: ``inspect.findsource`` parses the module once)."""
+    if cls not in _CLASS_SITES:
+        site = None
+        try:
+            lines, line = inspect.findsource(cls)
+            while line + 1 < len(lines) and lines[line].lstrip().startswith("@"):
+                line += 1  # findsource points at the first decorator; people look for `class`
+            site = {"file": inspect.getsourcefile(cls), "line": line + 1, "function": cls.__qualname__}
+        except (OSError, TypeError, IndexError):
+            module = sys.modules.get(getattr(cls, "__module__", ""), None)
+            file = getattr(module, "__file__", None)
+            site = {"file": file, "line": None, "function": cls.__qualname__} if file else None
+        _CLASS_SITES[cls] = site
+    return _CLASS_SITES[cls]
+
+
+def _module_site(module: types.ModuleType, name: str) -> Optional[Dict[str, Any]]:
+    """The module's file and the first top-level line that binds ``name`` (best effort)."""
+    file = getattr(module, "__file__", None)
+    if not file:
+        return None
+    line = None
+    try:
+        import linecache
+
+        pattern = re.compile(rf"^{re.escape(name)}\s*(:[^=]*)?=[^=]")
+        for i, text in enumerate(linecache.getlines(file), 1):
+            if pattern.match(text):
+                line = i
+                break
+    except Exception:  # a source we cannot read only costs the line number
+        pass
+    return {"file": file, "line": line, "function": "<module>"}
+
+
+def _fn_name(fn: Any) -> str:
+    fn = getattr(fn, "__func__", fn)
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _fn_site(fn: Any) -> Optional[Dict[str, Any]]:
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    return _site_of_code(code) if code is not None else None
+
+
+def locals_of(frame: types.FrameType) -> Dict[str, Any]:
+    """The frame's locals, without leaving a snapshot behind that would keep them alive."""
+    code = frame.f_code
+    if not code.co_flags & _CO_OPTIMIZED:
+        return {}  # module and class bodies: their names are found as globals / class attributes
+    loc = frame.f_locals
+    out = dict(loc)
+    if _SNAPSHOT_LOCALS and type(loc) is dict and sys.getrefcount(loc) <= 3:
+        # Only the frame and we hold the snapshot (no `d = locals()` in the program): it is a cache,
+        # the fast locals themselves are untouched. 3 = the frame, `loc`, getrefcount's argument.
+        loc.clear()
+    return out
+
+
+
+Seg = Tuple[Any, ...]
+"""A path step, from a referrer down to its referent: ("i", n) list/tuple index, ("k", key) dict value,
+("a", name) attribute, ("c",) cell contents, ("?", text) a step we can print but not follow again;
+and the first steps below a root: ("g", name) module global, ("ca", name) class attribute,
+("l", name) generator local, ("cl", i) closure cell, ("df",) defaults, ("pa",) / ("pk",) partial args /
+keywords. Structured, so that a found path can be followed again for the next lease (see holders.py)."""
+
+_TEXT = {"a": ".{}", "g": ".{}", "ca": ".{}", "i": "[{}]", "pa": ".args", "pk": ".keywords"}
+
+
+def render(segs: Tuple[Seg, ...]) -> str:
+    out = []
+    for seg in segs:
+        tag = seg[0]
+        if tag == "k":
+            out.append(f"[{seg[1]!r}]")
+        elif tag == "?":
+            out.append(seg[1])
+        elif tag in _TEXT:
+            out.append(_TEXT[tag].format(*seg[1:]))
+    return "".join(out)
+
+
+def label(parent: Any, child: Any) -> Optional[Seg]:
+    """How ``parent`` refers to ``child``, as a path step; None if we cannot tell."""
+    tp = type(parent)
+    if tp is list or tp is tuple:
+        for i, x in enumerate(parent):
+            if x is child:
+                return ("i", i)
+        return None
+    if isinstance(parent, dict):
+        for k, v in parent.items():
+            if v is child:
+                return ("k", k) if type(k) in _PLAIN_KEYS else ("?", f"[<{type(k).__name__}>]")
+            if k is child:
+                return ("?", f"<key {type(k).__name__}>")
+        return None
+    if isinstance(parent, (set, frozenset)):
+        return ("?", "{…}")
+    if tp is types.CellType:
+        return ("c",)
+    if tp is types.MethodType:
+        return ("?", ".__self__" if parent.__self__ is child else ".__func__")
+    d = getattr(parent, "__dict__", None) if not isinstance(parent, type) else None
+    if isinstance(d, dict):
+        if d is child:
+            return ("d",)
+        for k, v in d.items():
+            if v is child:
+                return ("a", k)
+    for klass in tp.__mro__:
+        slots = klass.__dict__.get("__slots__") or ()
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            if slot in ("__dict__", "__weakref__"):
+                continue
+            try:
+                if getattr(parent, _mangled(klass, slot)) is child:
+                    return ("a", slot)
+            except AttributeError:
+                continue
+    return None
+
+
+def _mangled(klass: type, slot: str) -> str:
+    return f"_{klass.__name__.lstrip('_')}{slot}" if slot.startswith("__") and not slot.endswith("__") else slot
+
+
+def join(seg: Seg, below: Tuple[Seg, ...]) -> Tuple[Seg, ...]:
+    """Prepend a step; an instance ``__dict__`` followed by its ``['k']`` reads as ``.k``."""
+    if seg == ("d",):
+        if below and below[0][0] == "k" and isinstance(below[0][1], str):
+            return (("a", below[0][1]),) + below[1:]
+        return below
+    return (seg,) + below
+
+
+def _ref(obj: Any) -> Optional[Callable[[], Any]]:
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return None
+
+
+def _head(segs: Tuple[Seg, ...], tag: str) -> Optional[Any]:
+    return segs[0][1] if segs and segs[0][0] == tag else None
+
+
+def _make(kind: str, obj: Any, head: str, segs: Tuple[Seg, ...], site: Optional[Dict[str, Any]],
+          strong: bool = False) -> Holder:
+    """A holder named ``head`` + steps; remembers how to follow the same steps again from ``obj``."""
+    ref = (lambda o=obj: o) if strong else _ref(obj)
+    pattern = None if ref is None or any(seg[0] == "?" for seg in segs) else (ref, segs, kind, head, site)
+    return Holder(kind, head + render(segs), site, pattern=pattern)
+
+
+def root(r: Any, child: Any, below: Tuple[Seg, ...], modules: Dict[int, Tuple[str, Any]]) -> Optional[Holder]:
+    """If ``r`` is something a person recognises, the holder it names; else None (walk on)."""
+    tp = type(r)
+    if id(r) in modules:
+        name, mod = modules[id(r)]
+        for k, v in r.items():
+            if v is child and isinstance(k, str):
+                return _make("global", r, name, (("g", k),) + below, _module_site(mod, k), strong=True)
+        return None
+    if tp is types.FrameType:
+        for k, v in locals_of(r).items():
+            if v is child:
+                gen = bool(r.f_code.co_flags & GEN_FLAGS)
+                return Holder("generator" if gen else "frame",
+                              f"local '{k}' of {'generator ' if gen else ''}{qualname(r.f_code)}(){render(below)}",
+                              site_of_frame(r), frame_id=id(r), local=k)
+        return None
+    if tp in (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType):
+        frame = getattr(r, "gi_frame", None) or getattr(r, "cr_frame", None) or getattr(r, "ag_frame", None)
+        if frame is None or internal(frame.f_code):
+            return None
+        for k, v in locals_of(frame).items():
+            if v is child:
+                return _make("generator", r, f"local '{k}' of generator {qualname(frame.f_code)}()",
+                             (("l", k),) + below, site_of_frame(frame))
+        return None
+    if tp is types.FunctionType:
+        idx = _head(below, "i")
+        if r.__closure__ is child and idx is not None and below[1:2] == (("c",),):
+            return _make("closure", r, f"closure of {r.__qualname__} (variable '{r.__code__.co_freevars[idx]}')",
+                         (("cl", idx),) + below[2:], _site_of_code(r.__code__))
+        if r.__defaults__ is child:
+            return _make("closure", r, f"defaults of {r.__qualname__}", (("df",),) + below, _site_of_code(r.__code__))
+        return None
+    if isinstance(r, partial):
+        tag = "pa" if r.args is child else "pk" if r.keywords is child else None
+        if tag is None:
+            return None
+        return _make("partial", r, f"partial({_fn_name(r.func)})", ((tag,),) + below, _fn_site(r.func))
+    if isinstance(r, type):
+        name = _head(below, "k")
+        if isinstance(name, str) and any(child is d for d in gc.get_referents(r)):
+            return _make("class", r, f"{r.__module__}.{r.__qualname__}", (("ca", name),) + below[1:],
+                         _site_of_class(r))
+        return None
+    if tp.__module__.split(".")[0] in _STDLIB or isinstance(r, torch.Tensor):
+        return None  # stdlib containers (BoundArguments, deque...) and tensor subclasses: walk through them
+    seg = label(r, child)
+    if seg is None:
+        return None
+    return _make("object", r, tp.__qualname__, join(seg, below), _site_of_class(tp))
+
+
+def step(obj: Any, seg: Seg) -> Iterator[Tuple[Seg, Any]]:
+    """Follow one step down from ``obj`` (list indices are wildcards): ``(concrete step, child)`` pairs."""
+    tag = seg[0]
+    try:
+        if tag == "i":
+            if type(obj) is list or type(obj) is tuple:
+                yield from ((("i", i), x) for i, x in enumerate(obj))
+        elif tag in ("k", "g"):
+            if isinstance(obj, dict) and seg[1] in obj:
+                yield seg, obj[seg[1]]
+        elif tag == "a":
+            d = getattr(obj, "__dict__", None)
+            if isinstance(d, dict) and seg[1] in d:
+                yield seg, d[seg[1]]
+            else:
+                for klass in type(obj).__mro__:
+                    slots = klass.__dict__.get("__slots__") or ()
+                    if seg[1] in ((slots,) if isinstance(slots, str) else slots):
+                        yield seg, getattr(obj, _mangled(klass, seg[1]))
+                        break
+        elif tag == "ca":
+            if isinstance(obj, type) and seg[1] in obj.__dict__:
+                yield seg, obj.__dict__[seg[1]]
+        elif tag == "c":
+            yield seg, obj.cell_contents
+        elif tag == "cl":
+            yield seg, obj.__closure__[seg[1]].cell_contents
+        elif tag == "df":
+            yield seg, obj.__defaults__
+        elif tag == "pa":
+            yield seg, obj.args
+        elif tag == "pk":
+            yield seg, obj.keywords
+        elif tag == "l":
+            frame = getattr(obj, "gi_frame", None) or getattr(obj, "cr_frame", None) or getattr(obj, "ag_frame", None)
+            loc = locals_of(frame) if frame is not None else {}
+            if seg[1] in loc:
+                yield seg, loc[seg[1]]
+    except (AttributeError, IndexError, ValueError, TypeError):  # an empty cell, a changed object
+        return
+
+
+__all__ = ["Holder", "Seg", "consumer_key", "label", "join", "root", "render", "step", "locals_of", "internal",
+           "qualname", "site_of_frame", "GEN_FLAGS"]

@@ -1,0 +1,336 @@
+"""Who holds a lease: walk back from its tensors to something a person recognises.
+
+A retained borrowed view is a bug in *some* consumer; the report must say
+which. We find every tensor whose storage is the lease's (a gc scan), then walk
+``gc.get_referrers`` breadth-first, one pass over the heap per level, labelling
+each step (``.attr``, ``[3]``, ``['key']``), until we reach a root a person
+knows: a module global, an instance of a user class, a frame's local, a
+suspended generator's local, a closure, a ``functools.partial``. Executing
+frames are invisible to the gc on CPython 3.11+, so the threads' stacks are
+scanned directly. The walk is bounded in depth and time: it is slow by nature
+(each level visits the whole heap) and runs only while triage is active.
+
+Reading ``frame.f_locals`` on CPython < 3.13 stores a snapshot dict on the
+frame that would keep every local alive after the function rebinds it; we
+clear those snapshots again, so the walk never extends a lifetime.
+"""
+from __future__ import annotations
+
+import gc
+from inspect import CO_OPTIMIZED
+import sys
+import threading
+import time
+import types
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Set, Tuple
+
+import torch
+
+from .holder_paths import (GEN_FLAGS, Holder, Seg, consumer_key, internal, join, label, locals_of, qualname, render,
+                           root, site_of_frame, step)
+
+_MAX_FRONTIER = 256
+_MAX_PATTERNS = 16  # holder paths remembered, most recent first
+_REPLAY_VISITS = 100_000  # objects a replay may visit before it gives up
+_patterns: List[tuple] = []  # (weakref-like to the root, steps, kind, head, site)
+_patterns_lock = threading.Lock()
+
+
+@dataclass
+class WalkResult:
+    holders: Dict[int, List[Holder]] = field(default_factory=dict)  # storage key -> holders, best first
+    tensors: int = 0
+    ms: float = 0.0
+    truncated: bool = False  # the depth or time bound cut the walk short
+    refs: Dict[int, List[Any]] = field(default_factory=dict)  # storage key -> weakrefs to its tensors
+    replayed: int = 0  # storages named by following a remembered holder path (no heap walk)
+
+
+def _stacks() -> List[Tuple[types.FrameType, bool]]:
+    """Every executing frame of every thread (ours excluded), with 'is on the calling thread'."""
+    me = threading.get_ident()
+    out: List[Tuple[types.FrameType, bool]] = []
+    for tid, frame in sys._current_frames().items():
+        while frame is not None:
+            if not internal(frame.f_code):
+                out.append((frame, tid == me))
+            frame = frame.f_back
+    return out
+
+
+class _Walk:
+    """State of one bounded walk; every object it holds is dropped when it ends."""
+
+    def __init__(self, keys: Set[int], depth: int, deadline: float, max_holders: int):
+        self.keys = keys
+        self.depth = depth
+        self.deadline = deadline
+        self.max_holders = max_holders
+        self.result = WalkResult()
+        self.found: Dict[int, List[Holder]] = {k: [] for k in keys}
+        self.seen_paths: Set[Tuple[int, str]] = set()
+
+    def out_of_time(self) -> bool:
+        if time.perf_counter() > self.deadline:
+            self.result.truncated = True
+            return True
+        return False
+
+    def add(self, key: int, holder: Holder) -> None:
+        bucket = self.found[key]
+        if (key, holder.path) in self.seen_paths or len(bucket) >= self.max_holders:
+            return
+        self.seen_paths.add((key, holder.path))
+        bucket.append(holder)
+
+    def done(self) -> bool:
+        """Every storage has a holder a person recognises (rank 0): deeper levels only add longer paths."""
+        return all(any(h.rank == 0 for h in b) or len(b) >= self.max_holders for b in self.found.values())
+
+
+def _tensor_types() -> Set[type]:
+    out: Set[type] = set()
+    todo = [torch.Tensor]
+    while todo:
+        cls = todo.pop()
+        if cls not in out:
+            out.add(cls)
+            todo.extend(cls.__subclasses__())
+    return out
+
+
+def _targets(keys: Set[int], walk: _Walk) -> List[Tuple[torch.Tensor, int]]:
+    """Every live tensor whose storage is one of ``keys`` (a scan of the gc's objects)."""
+    kinds = _tensor_types()
+    objs = gc.get_objects()
+    try:
+        tensors = [o for o in objs if type(o) in kinds]  # a comprehension: ~10x a loop with checks
+    finally:
+        del objs
+    out: List[Tuple[torch.Tensor, int]] = []
+    for t in tensors:
+        try:
+            key = t.untyped_storage()._cdata
+        except Exception:  # meta, sparse, functorch wrappers: no storage of ours
+            continue
+        if key in keys:
+            out.append((t, key))
+    del tensors
+    return out
+
+
+def find_holders(keys: Iterable[int], *, depth: int = 8, budget_ms: float = 200.0,
+                 max_holders: int = 8) -> WalkResult:
+    """Name what holds the storages ``keys`` (storage ``_cdata`` addresses), best holder first.
+
+    First the holder paths found before are followed again from their roots (a
+    consumer that retained one weight usually retains the next the same way):
+    that costs the size of the containers, not a walk of the heap. Storages not
+    found so are walked.
+    """
+    start = time.perf_counter()
+    walk = _Walk(set(keys), depth, start + budget_ms / 1000.0, max_holders)
+    try:
+        _replay(walk)
+        if not walk.done():
+            walk.keys = {k for k, bucket in walk.found.items() if not bucket}
+            _run(walk)
+    finally:
+        for key, bucket in walk.found.items():
+            bucket.sort(key=lambda h: h.rank)  # stable: discovery order within a rank
+            walk.result.holders[key] = bucket
+        walk.result.ms = (time.perf_counter() - start) * 1000.0
+        _remember(walk)
+    return walk.result
+
+
+def _remember(walk: _Walk) -> None:
+    with _patterns_lock:
+        for bucket in walk.found.values():
+            for h in bucket:
+                if h.pattern is None or h.rank:
+                    continue
+                shape = _shape(h.pattern[1])
+                _patterns[:] = [p for p in _patterns if not (p[0]() is h.pattern[0]() and _shape(p[1]) == shape)]
+                _patterns.insert(0, h.pattern)
+        del _patterns[_MAX_PATTERNS:]
+
+
+def _shape(segs: Tuple[Seg, ...]) -> tuple:
+    return tuple(seg[:1] if seg[0] == "i" else seg for seg in segs)
+
+
+def _replay(walk: _Walk) -> None:
+    """Follow remembered holder paths (list indices as wildcards) down to tensors of ``walk.keys``."""
+    with _patterns_lock:
+        patterns = list(_patterns)
+    kinds = _tensor_types()
+    budget = [_REPLAY_VISITS]
+    for ref, segs, kind, head, site in patterns:
+        obj = ref()
+        if obj is None:
+            continue
+        for concrete, tensor in _follow(obj, segs, 0, (), kinds, budget):
+            try:
+                key = tensor.untyped_storage()._cdata
+            except Exception:
+                continue
+            if key in walk.found and not walk.found[key]:
+                walk.add(key, Holder(kind, head + render(concrete), site, pattern=(ref, concrete, kind, head, site)))
+                walk.result.refs.setdefault(key, []).append(weakref.ref(tensor))
+                walk.result.replayed += 1
+        if budget[0] <= 0 or walk.done():
+            break
+
+
+def _follow(obj: Any, segs: Tuple[Seg, ...], i: int, done: Tuple[Seg, ...], kinds: Set[type],
+            budget: List[int]) -> Iterable[Tuple[Tuple[Seg, ...], Any]]:
+    if budget[0] <= 0:
+        return
+    budget[0] -= 1
+    if i == len(segs):
+        if type(obj) in kinds:
+            yield done, obj
+        return
+    for seg, child in step(obj, segs[i]):
+        yield from _follow(child, segs, i + 1, done + (seg,), kinds, budget)
+
+
+def _run(walk: _Walk) -> None:
+    stacks = _stacks()
+    local_map: Dict[int, List[Tuple[types.FrameType, str, bool]]] = {}
+    ignore: Set[int] = {id(stacks), id(local_map)}
+    try:
+        for entry in stacks:
+            ignore.add(id(entry))
+            frame, mine = entry
+            for name, value in locals_of(frame).items():
+                item = (frame, name, mine)
+                ignore.add(id(item))
+                bucket = local_map.setdefault(id(value), [])
+                ignore.add(id(bucket))
+                bucket.append(item)
+        targets = _targets(walk.keys, walk)
+        walk.result.tensors = len(targets)
+        for t, key in targets:
+            walk.result.refs.setdefault(key, []).append(weakref.ref(t))
+        _bfs(walk, targets, local_map, ignore)
+    finally:
+        local_map.clear()
+        stacks.clear()
+
+
+def _bfs(walk: _Walk, targets: List[Tuple[torch.Tensor, int]],
+         local_map: Dict[int, List[Tuple[types.FrameType, str, bool]]], ignore: Set[int]) -> None:
+    modules: Dict[int, Tuple[str, Any]] = {}
+    for name, mod in list(sys.modules.items()):
+        d = getattr(mod, "__dict__", None) if isinstance(mod, types.ModuleType) else None
+        if isinstance(d, dict) and id(d) not in modules:
+            modules[id(d)] = (name, mod)
+    # Module-level code on this thread's stack: its plain globals are what locals are to a function.
+    running = {id(f.f_globals) for f, mine in _stacks() if mine and not f.f_code.co_flags & CO_OPTIMIZED}
+    # The frontier's objects live in one tuple (gc.get_referrers skips its own argument
+    # tuple); per object id and storage key we keep the path from it down to the tensor.
+    objs: Tuple[Any, ...] = tuple(t for t, _ in targets)
+    paths: Dict[int, Dict[int, Tuple[Seg, ...]]] = {}
+    for t, key in targets:
+        paths.setdefault(id(t), {})[key] = ()
+    targets.clear()
+    visited: Set[int] = set(paths)
+    ignore.update((id(modules), id(paths), id(visited)))
+    level = 0
+    while objs and not walk.done():
+        # Executing frames never show up as referrers: match their locals by identity.
+        for obj in objs:
+            for frame, name, mine in local_map.get(id(obj), ()):
+                gen = bool(frame.f_code.co_flags & GEN_FLAGS)
+                for key, suffix in paths[id(obj)].items():
+                    walk.add(key, Holder(
+                        "generator" if gen else "frame",
+                        f"local '{name}' of {'generator ' if gen else ''}{qualname(frame.f_code)}(){render(suffix)}",
+                        site_of_frame(frame), transient=mine and not suffix, frame_id=id(frame), local=name))
+        if level == walk.depth or (level and walk.out_of_time()):
+            break  # the time bound is checked between heap passes: a pass, once paid for, is used
+        level += 1
+        by_id = {id(o): o for o in objs}
+        ignore.add(id(by_id))
+        next_objs: List[Any] = []
+        next_paths: Dict[int, Dict[int, Tuple[Seg, ...]]] = {}
+        referrers = gc.get_referrers(*objs)
+        try:
+            for r in referrers:
+                rid = id(r)
+                if rid in ignore or rid in visited or rid in by_id:
+                    continue
+                for child in [by_id[id(c)] for c in gc.get_referents(r) if id(c) in by_id]:
+                    for key, suffix in paths[id(child)].items():
+                        found = root(r, child, suffix, modules)
+                        if found is not None:
+                            if found.kind == "global" and not suffix and rid in running:
+                                found.transient = True  # a plain global of module code running now: loop variable?
+                            walk.add(key, found)
+                        elif type(r) is not types.FrameType:
+                            seg = label(r, child)
+                            next_paths.setdefault(rid, {}).setdefault(
+                                key, join(("?", f"<{type(r).__name__}>") if seg is None else seg, suffix))
+                if rid in next_paths:
+                    visited.add(rid)
+                    next_objs.append(r)
+        finally:
+            del referrers
+        ignore.discard(id(by_id))
+        del by_id
+        if len(next_objs) > _MAX_FRONTIER:  # get_referrers is O(heap x frontier): keep it bounded
+            del next_objs[_MAX_FRONTIER:]
+            walk.result.truncated = True
+        objs = tuple(next_objs)
+        del next_objs
+        paths = next_paths
+    if objs:
+        walk.result.truncated = True
+        # Bounds reached: the deepest anonymous containers are still better than nothing.
+        for obj in objs[: walk.max_holders]:
+            for key, suffix in paths.get(id(obj), {}).items():
+                if not walk.found[key]:
+                    walk.add(key, Holder("unknown", f"<{type(obj).__name__}>{render(suffix)}"))
+    for key, bucket in walk.found.items():
+        if not bucket and walk.result.tensors and not walk.result.truncated:
+            bucket.append(Holder("unknown", "<held from C++ only: a view's base, autograd or a native library>"))
+
+
+def still_holding(holder: Holder, keys: Set[int]) -> bool:
+    """Does ``holder`` still hold a tensor of ``keys``? (a stack re-scan, or its path followed again)"""
+    if holder.frame_id is not None and holder.local is not None:
+        for frame, _ in _stacks():
+            if id(frame) == holder.frame_id:
+                value = locals_of(frame).get(holder.local)
+                if isinstance(value, torch.Tensor):
+                    try:
+                        return value.untyped_storage()._cdata in keys
+                    except Exception:
+                        return False
+                return value is not None and not isinstance(value, (int, float, str, bytes))
+        return False
+    if holder.pattern is not None:
+        obj = holder.pattern[0]()
+        if obj is None:
+            return False
+        for _, tensor in _follow(obj, holder.pattern[1], 0, (), _tensor_types(), [_REPLAY_VISITS]):
+            try:
+                if tensor.untyped_storage()._cdata in keys:
+                    return True
+            except Exception:
+                continue
+        return False
+    return True
+
+
+def forget_patterns() -> None:
+    """Drop the remembered holder paths (tests; a new process starts with none)."""
+    with _patterns_lock:
+        _patterns.clear()
+
+
+__all__ = ["Holder", "WalkResult", "find_holders", "consumer_key", "still_holding", "forget_patterns"]

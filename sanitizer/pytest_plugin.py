@@ -1,0 +1,192 @@
+"""pytest plugin (entry point ``pytest11``): check ownership in every test, or in marked ones.
+
+* ``pytest --ownership-sanitize`` turns the sanitizer on for every test
+  (``--ownership-sanitize-options "checksum=1:stack_depth=4"`` adds options);
+* ``@pytest.mark.ownership_sanitize(**options)`` turns it on for one test;
+* fixtures: ``staging_ring`` (a 1 MiB :class:`~sanitizer.StagingRing`, closed
+  after the test) and ``ownership_report`` (this test's errors and events);
+* a test in which the sanitizer recorded an error fails, with the one-line
+  summary and the path of the test's JSON report (``ownsan triage PATH``).
+
+Tests run with ``triage=1``: a stale use is recorded, not raised, so the test
+runs on and every retaining consumer is named; the failure comes at the end of
+the test. Nothing is enabled unless asked, and nothing heavy is imported until a
+test asks (the package itself imports torch, never numba).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from typing import Any, Dict, Optional, Set
+
+import pytest
+
+MARKER = "ownership_sanitize"
+_STATE_KEY = "_ownership_sanitizer_state"
+
+
+def pytest_addoption(parser: Any) -> None:
+    group = parser.getgroup("ownership-sanitizer", "ownership sanitizer (borrowed tensor views)")
+    group.addoption("--ownership-sanitize", action="store_true", default=False,
+                    help="run every test with the ownership sanitizer on; a test that records an error fails")
+    group.addoption("--ownership-sanitize-options", default="", metavar="NAME=VALUE:...",
+                    help="sanitizer options for every sanitized test (see `ownsan options`)")
+    group.addoption("--ownership-fail-on-retention", action="store_true", default=False,
+                    help="also fail a sanitized test in which a borrowed view was retained past its reuse")
+    group.addoption("--ownership-report-dir", default=None, metavar="DIR",
+                    help="where failing tests' reports go (default: the pytest cache, d/ownership-sanitizer)")
+
+
+def pytest_configure(config: Any) -> None:
+    config.addinivalue_line(
+        "markers", f"{MARKER}(**options): run this test with the ownership sanitizer on (options as in "
+        "`ownsan options`); a test that records an error fails")
+    raw = config.getoption("--ownership-sanitize-options")
+    if raw:
+        from sanitizer import option_table
+
+        try:
+            parsed = option_table.parse_options_string(raw)
+            option_table.resolve(parsed)
+        except option_table.OptionError as exc:
+            raise pytest.UsageError(f"--ownership-sanitize-options: {exc}") from None
+        config._ownership_options = parsed
+    else:
+        config._ownership_options = {}
+
+
+def _wanted(item: Any) -> Optional[Dict[str, Any]]:
+    """The options for this test if it is to be sanitized, else None."""
+    marker = item.get_closest_marker(MARKER)
+    if marker is None and not item.config.getoption("--ownership-sanitize"):
+        return None
+    if marker is not None and marker.args:
+        pytest.fail(f"@pytest.mark.{MARKER} takes keyword options only, got {marker.args!r}", pytrace=False)
+    return {"triage": 1, **getattr(item.config, "_ownership_options", {}), **(marker.kwargs if marker else {})}
+
+
+def _record_ids() -> Set[int]:
+    from sanitizer import runtime
+
+    with runtime.state.lock:
+        return {id(e) for e in runtime.state.errors} | {id(e) for e in runtime.state.events}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: Any) -> None:
+    options = _wanted(item)
+    if options is None:
+        return
+    import sanitizer
+    from sanitizer import runtime, triage
+
+    before = (runtime.state.enabled, dict(runtime.state.options))
+    triage.reset()
+    try:
+        sanitizer.enable(**options)
+    except sanitizer.OptionError as exc:
+        pytest.fail(f"@pytest.mark.{MARKER}: {exc}", pytrace=False)
+    item.__dict__[_STATE_KEY] = {"before": before, "exclude": _record_ids(), "options": options}
+
+
+def _safe(nodeid: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", nodeid).strip("_")[:150] or "test"
+
+
+def _report_dir(config: Any) -> str:
+    chosen = config.getoption("--ownership-report-dir")
+    if chosen:
+        os.makedirs(chosen, exist_ok=True)
+        return chosen
+    cache = getattr(config, "cache", None)
+    if cache is not None:
+        return str(cache.mkdir("ownership-sanitizer"))
+    return tempfile.mkdtemp(prefix="ownership-sanitizer-")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_call(item: Any) -> None:
+    """After the test body (it passed, or we would not be here): fail it if the sanitizer recorded an error."""
+    st = item.__dict__.get(_STATE_KEY)
+    if st is None:
+        return
+    import importlib
+
+    report_mod = importlib.import_module("sanitizer.report")
+    rep = report_mod.report(final=True, exclude=st["exclude"])  # the test's frame is gone: decide now
+    st["report"] = rep
+    failing = rep["error_count"] or (item.config.getoption("--ownership-fail-on-retention")
+                                     and rep["summary"]["retentions"])
+    if not failing:
+        return
+    path = os.path.join(_report_dir(item.config), _safe(item.nodeid) + ".json")
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(rep, fh, indent=2, default=str)
+        fh.write("\n")
+    first = (rep["errors"] or [{}])[0].get("summary") or ""
+    pytest.fail(f"{rep['summary']['line']}\n  first: {first}\n  report: {path} (ownsan triage {path})",
+                pytrace=False)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: Any) -> None:
+    st = item.__dict__.pop(_STATE_KEY, None)
+    if st is None:
+        return
+    from sanitizer import runtime, triage
+
+    triage.settle(final=True)
+    was_enabled, options = st["before"]
+    with runtime.state.lock:
+        runtime.state.options = options
+    if not was_enabled:
+        runtime.disable()
+
+
+class OwnershipReport:
+    """This test's sanitizer findings, read live: ``errors``, ``events``, ``retentions``, ``line``, ``report()``."""
+
+    def __init__(self, exclude: Set[int]):
+        self._exclude = exclude
+
+    def report(self, final: bool = False) -> Dict[str, Any]:
+        import importlib
+
+        return importlib.import_module("sanitizer.report").report(final=final, exclude=self._exclude)
+
+    @property
+    def errors(self) -> list:
+        return self.report()["errors"]
+
+    @property
+    def events(self) -> list:
+        return self.report()["events"]
+
+    @property
+    def retentions(self) -> list:
+        return [e for e in self.events if e.get("kind") == "retention"]
+
+    @property
+    def line(self) -> str:
+        return self.report()["summary"]["line"]
+
+
+@pytest.fixture
+def ownership_report(request: Any) -> OwnershipReport:
+    """The errors and events the sanitizer recorded during this test (retentions, rescues, clones)."""
+    st = request.node.__dict__.get(_STATE_KEY)
+    return OwnershipReport(st["exclude"] if st else _record_ids())
+
+
+@pytest.fixture
+def staging_ring(request: Any):
+    """A small staging ring (1 MiB on CPU) for the test, closed afterwards."""
+    from sanitizer import StagingRing
+
+    ring = StagingRing(1 << 20, device="cpu", name=f"staging_ring[{request.node.name}]")
+    try:
+        yield ring
+    finally:
+        ring.close()

@@ -1,0 +1,113 @@
+"""A small JSON Schema validator for the subset the report schema uses.
+
+The report schema (``report_schema.json``) is plain JSON Schema (draft
+2020-12), so any standard validator accepts it. We check it with this one to
+avoid a dependency for one file: it supports ``type``, ``const``, ``enum``,
+``required``, ``properties``, ``additionalProperties``, ``items``,
+``minimum``, ``minItems``, ``maxItems``, ``anyOf``, ``not`` and local
+``$ref`` (``#/$defs/NAME``). An unsupported keyword is an error, so the schema
+cannot silently say more than is checked.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+_TYPES = {
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+}
+_ANNOTATIONS = {"$schema", "$id", "$comment", "title", "description", "$defs", "default", "examples"}
+_KNOWN = _ANNOTATIONS | {"type", "const", "enum", "required", "properties", "additionalProperties", "items",
+                         "minimum", "minItems", "maxItems", "anyOf", "not", "$ref"}
+
+
+class SchemaError(ValueError):
+    """The schema itself uses something this validator does not support."""
+
+
+def validate(instance: Any, schema: Dict[str, Any]) -> List[str]:
+    """Every violation of ``schema`` by ``instance``, as ``"$.path: problem"`` lines; [] when valid."""
+    errors: List[str] = []
+    _check(instance, schema, schema, "$", errors)
+    return errors
+
+
+def _resolve(ref: str, root: Dict[str, Any]) -> Dict[str, Any]:
+    if not ref.startswith("#/"):
+        raise SchemaError(f"only local $ref are supported, got {ref!r}")
+    node: Any = root
+    for part in ref[2:].split("/"):
+        try:
+            node = node[part]
+        except (KeyError, TypeError):
+            raise SchemaError(f"$ref {ref!r} does not resolve") from None
+    return node
+
+
+def _check(v: Any, s: Dict[str, Any], root: Dict[str, Any], path: str, errors: List[str]) -> None:
+    unknown = set(s) - _KNOWN
+    if unknown:
+        raise SchemaError(f"unsupported schema keywords at {path}: {sorted(unknown)}")
+    if "$ref" in s:
+        _check(v, _resolve(s["$ref"], root), root, path, errors)
+    if "type" in s:
+        types = s["type"] if isinstance(s["type"], list) else [s["type"]]
+        if not any(_TYPES[t](v) for t in types):
+            errors.append(f"{path}: expected {' or '.join(types)}, got {type(v).__name__} {_short(v)}")
+            return
+    if "const" in s and v != s["const"]:
+        errors.append(f"{path}: expected {s['const']!r}, got {_short(v)}")
+    if "enum" in s and v not in s["enum"]:
+        errors.append(f"{path}: {_short(v)} is not one of {s['enum']}")
+    if "minimum" in s and _TYPES["number"](v) and v < s["minimum"]:
+        errors.append(f"{path}: {v} is below the minimum {s['minimum']}")
+    if isinstance(v, dict):
+        for key in s.get("required", ()):
+            if key not in v:
+                errors.append(f"{path}: missing required key {key!r}")
+        props = s.get("properties", {})
+        extra = s.get("additionalProperties", True)
+        for key, value in v.items():
+            if key in props:
+                _check(value, props[key], root, f"{path}.{key}", errors)
+            elif extra is False:
+                errors.append(f"{path}: unexpected key {key!r}")
+            elif isinstance(extra, dict):
+                _check(value, extra, root, f"{path}.{key}", errors)
+    if isinstance(v, list):
+        if "minItems" in s and len(v) < s["minItems"]:
+            errors.append(f"{path}: {len(v)} items, fewer than {s['minItems']}")
+        if "maxItems" in s and len(v) > s["maxItems"]:
+            errors.append(f"{path}: {len(v)} items, more than {s['maxItems']}")
+        if "items" in s:
+            for i, item in enumerate(v):
+                _check(item, s["items"], root, f"{path}[{i}]", errors)
+    if "anyOf" in s:
+        attempts = []
+        for option in s["anyOf"]:
+            sub: List[str] = []
+            _check(v, option, root, path, sub)
+            if not sub:
+                break
+            attempts.append(sub)
+        else:
+            best = min(attempts, key=len) if attempts else [f"{path}: no alternative given"]
+            errors.append(f"{path}: matches none of {len(s['anyOf'])} alternatives; closest: {'; '.join(best[:3])}")
+    if "not" in s:
+        sub = []
+        _check(v, s["not"], root, path, sub)
+        if not sub:
+            errors.append(f"{path}: {_short(v)} matches a schema it must not match")
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+__all__ = ["validate", "SchemaError"]

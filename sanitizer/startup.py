@@ -1,0 +1,212 @@
+"""Zero-code activation: ``OWNERSHIP_SANITIZE=1 python any_script.py``, no import of ours needed.
+
+The package ships ``ownership_sanitizer.pth`` (at the top of site-packages,
+as coverage.py does for subprocesses). Python runs its one line at every
+start-up; with ``OWNERSHIP_SANITIZE`` unset it is one dictionary lookup. Only
+when the variable is set does it load *this file* by path (importing the
+``sanitizer`` package would import torch) and call :func:`activate`.
+
+:func:`activate` imports nothing heavy either: it puts a finder on
+``sys.meta_path`` that waits for the program itself to import torch or one of
+the known loaders. Right after torch has executed (or right before a loader
+package executes, so the loader's own import of torch is already ours), it
+imports ``sanitizer`` (which enables itself from the environment) and asks the
+adapters to wrap the loaders' iterators as they get imported. A program that
+never imports torch pays nothing but the finder. This file must stay
+standalone: no relative imports, standard library only.
+"""
+from __future__ import annotations
+
+import _thread
+import importlib.util
+import os
+import sys
+
+# Standard library only, and little of it: this runs at every start-up while the variable is
+# set. (importlib.abc alone pulls in pathlib and tempfile: ~14 ms; typing ~2 ms.)
+if False:  # for the annotations only, which `from __future__ import annotations` never evaluates
+    from typing import Any, Optional
+
+ENV_SWITCH = "OWNERSHIP_SANITIZE"
+PTH_NAME = "ownership_sanitizer.pth"
+MODULE_NAME = "_ownership_sanitizer_startup"
+# Top-level packages of the loaders that sanitizer.adapters wraps (tests check this against
+# adapters.TARGETS): we activate before they execute, so their import of torch is seen too.
+LOADER_PACKAGES = frozenset({"fastsafetensors", "runai_model_streamer", "instanttensor", "safetensors"})
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+# Loads this file by path under MODULE_NAME and calls activate(); used by the .pth line and by
+# the sitecustomize that `ownsan run` puts on PYTHONPATH. It never raises into the interpreter.
+BOOTSTRAP = (
+    "import sys\n"
+    "try:\n"
+    f" m = sys.modules.get('{MODULE_NAME}')\n"
+    " if m is None:\n"
+    "  import importlib.util as u, os.path as p\n"
+    "  s = u.find_spec('sanitizer')\n"
+    "  if s is not None and s.submodule_search_locations:\n"
+    f"   f = u.spec_from_file_location('{MODULE_NAME}', p.join(list(s.submodule_search_locations)[0], 'startup.py'))\n"
+    "   m = u.module_from_spec(f); sys.modules[f.name] = m; f.loader.exec_module(m)\n"
+    " m is not None and m.activate()\n"
+    "except Exception as e:\n"
+    " print('ownership-sanitizer: the start-up hook failed: %r' % (e,), file=sys.stderr)\n"
+)
+PTH_LINE = f"import os; exec({BOOTSTRAP!r}) if os.environ.get({ENV_SWITCH!r}) else None\n"
+
+_lock = _thread.RLock()
+_finder: Optional["_StartupFinder"] = None
+_done = False
+state = {"activated": False, "trigger": None, "error": None}  # for tests and `ownsan doctor`-style checks
+
+
+def switch_on(environ: Any = None) -> bool:
+    """Read ``OWNERSHIP_SANITIZE`` as :mod:`sanitizer.option_table` does; a bad value is reported, not raised."""
+    raw = (os.environ if environ is None else environ).get(ENV_SWITCH)
+    if raw is None:
+        return False
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value not in _FALSE and not state.get("warned"):
+        state["warned"] = True  # a venv's lib64 symlink makes site run the .pth line twice
+        print(f"ownership-sanitizer: {ENV_SWITCH}={raw!r} is not understood; use 1/true/on/yes to enable or "
+              f"0/false/off/no/empty to disable (sanitizer not enabled)", file=sys.stderr)
+    return False
+
+
+def _enable_now(trigger: str) -> None:
+    """Import the sanitizer (it enables itself from the environment) and hook the loaders."""
+    global _done
+    with _lock:
+        if _done:
+            return
+        _done = True
+        _remove_finder()
+    state["trigger"] = trigger
+    try:
+        import sanitizer  # noqa: F401  (activation from the environment happens at its import)
+
+        if importlib.util.find_spec("sanitizer.adapters") is not None:
+            from sanitizer.adapters import install_import_hooks
+
+            install_import_hooks()
+        state["activated"] = True
+    except Exception as exc:  # never break the program's own import of torch
+        state["error"] = repr(exc)
+        print(f"ownership-sanitizer: zero-code activation failed ({trigger}): {exc}", file=sys.stderr)
+
+
+class _RunAfter:
+    """Wraps torch's loader: executes torch, then enables the sanitizer."""
+
+    def __init__(self, loader: Any, name: str):
+        self._loader = loader
+        self._name = name
+
+    def create_module(self, spec):  # type: ignore[override]
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:  # type: ignore[override]
+        self._loader.exec_module(module)
+        _enable_now(f"import {self._name}")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class _StartupFinder:
+    """Finds nothing itself; notices the first import of torch or of a known loader package."""
+
+    def __init__(self) -> None:
+        self._busy = _thread._local()
+
+    def _elsewhere(self, fullname: str, path: Any, target: Any):
+        """The spec the other finders give (the adapters' finder, once installed, among them)."""
+        self._busy.on = True
+        try:
+            for finder in list(sys.meta_path):
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    return spec
+            return None
+        finally:
+            self._busy.on = False
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None):
+        if getattr(self._busy, "on", False):
+            return None
+        if fullname == "torch":
+            # Never import torch from here (it would execute twice): wrap its loader instead.
+            spec = self._elsewhere(fullname, path, target)
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = _RunAfter(spec.loader, fullname)
+            return spec
+        if fullname in LOADER_PACKAGES and "torch" not in sys.modules:
+            # Importing torch here is safe (it is not being imported); the adapters' finder, installed
+            # now, must still see this very import, so we ask the finders ourselves.
+            _enable_now(f"import {fullname}")
+            return self._elsewhere(fullname, path, target)
+        return None
+
+
+def _remove_finder() -> None:
+    global _finder
+    if _finder is not None:
+        try:
+            sys.meta_path.remove(_finder)
+        except ValueError:
+            pass
+        _finder = None
+
+
+def activate(environ: Any = None) -> bool:
+    """Arrange for the sanitizer to turn on when the program imports torch (or now, if it has). Idempotent."""
+    global _finder
+    if not switch_on(environ):
+        return False
+    with _lock:
+        if _done or _finder is not None:
+            return True
+        torch = sys.modules.get("torch")
+        initializing = getattr(getattr(torch, "__spec__", None), "_initializing", False)
+        if torch is not None and not initializing:
+            ready = True
+        else:
+            ready = False
+            _finder = _StartupFinder()
+            sys.meta_path.insert(0, _finder)
+    if ready:
+        _enable_now("already imported")
+    return True
+
+
+def site_packages() -> str:
+    """Where the .pth goes for this interpreter (the purelib of the running environment)."""
+    import sysconfig
+
+    return sysconfig.get_paths()["purelib"]
+
+
+def install_pth(directory: Optional[str] = None) -> str:
+    """Write the .pth hook into ``directory`` (default: this environment's site-packages); return its path."""
+    target = os.path.join(directory or site_packages(), PTH_NAME)
+    with open(target, "w", encoding="utf-8") as fh:
+        fh.write(PTH_LINE)
+    return target
+
+
+def uninstall_pth(directory: Optional[str] = None) -> Optional[str]:
+    """Remove the .pth hook; return the path removed, or None if it was not there."""
+    target = os.path.join(directory or site_packages(), PTH_NAME)
+    try:
+        os.remove(target)
+    except FileNotFoundError:
+        return None
+    return target
+
+
+__all__ = ["activate", "switch_on", "install_pth", "uninstall_pth", "site_packages", "PTH_LINE", "PTH_NAME",
+           "BOOTSTRAP", "LOADER_PACKAGES", "ENV_SWITCH"]

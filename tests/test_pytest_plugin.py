@@ -1,0 +1,100 @@
+"""The pytest plugin, run on a small suite with pytester (in a subprocess: its own sanitizer state)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT
+
+pytest_plugins = ["pytester"]
+
+SUITE = '''
+import pytest
+import torch
+
+KEPT = []
+
+def load(ring, n):
+    for i in range(n):
+        yield f"layers.{i}.weight", ring.put(f"layers.{i}.weight", torch.full((64, 64), float(i)))
+
+@MARK
+def test_retaining_consumer(staging_ring):
+    for name, w in load(staging_ring, 80):
+        KEPT.append(w)  # keeps borrowed views past the ring's reuse
+    total = sum(float(k.sum()) for k in KEPT)
+
+@MARK
+def test_correct_consumer(staging_ring, ownership_report):
+    acc = torch.zeros(64, 64)
+    for name, w in load(staging_ring, 80):
+        acc += w
+    assert float(acc[0, 0]) == sum(range(80))
+    assert ownership_report.errors == [] and ownership_report.retentions == []
+
+@MARK
+def test_report_fixture_sees_this_test_only(staging_ring, ownership_report):
+    keep = [w for _, w in load(staging_ring, 80)]
+    assert ownership_report.errors == []  # retained, but never read stale
+    assert len(ownership_report.report(final=True)["events"]) > 0
+    assert "retention" in ownership_report.line
+    keep.clear()
+'''
+
+
+def _run(pytester, mark: str, *args: str):
+    pytester.makepyfile(test_suite=SUITE.replace("@MARK", mark))
+    pytester._monkeypatch.setenv("PYTHONPATH", ROOT)
+    pytester._monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")  # load ours by name, once
+    for key in ("OWNERSHIP_SANITIZE", "OWNERSHIP_SANITIZE_OPTIONS"):
+        pytester._monkeypatch.delenv(key, raising=False)
+    return pytester.runpytest_subprocess("-p", "sanitizer.pytest_plugin", "-p", "no:cacheprovider",
+                                         "--ownership-report-dir", str(pytester.path / "reports"), *args)
+
+
+def test_flag_fails_the_retaining_consumer_and_passes_the_correct_one(pytester):
+    result = _run(pytester, "# (no marker)", "--ownership-sanitize")
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines([
+        "*test_retaining_consumer*",
+        "*ownership-sanitizer: * errors (* stale_use); * retentions by 1 consumer*top: test_suite.KEPT[[]*[]]*",
+        "*report: */reports/test_suite.py_test_retaining_consumer.json*",
+    ])
+    report = json.loads((pytester.path / "reports" / "test_suite.py_test_retaining_consumer.json").read_text())
+    assert report["summary"]["retaining_consumers"][0]["consumer"] == "test_suite.KEPT[*]"
+    triage = subprocess.run([sys.executable, "-m", "sanitizer", "triage",
+                             str(pytester.path / "reports" / "test_suite.py_test_retaining_consumer.json")],
+                            capture_output=True, text=True, env={"PYTHONPATH": ROOT, "PATH": ""}, timeout=120)
+    assert triage.returncode == 0 and "test_suite.KEPT[*]" in triage.stdout
+
+
+def test_marker_alone_sanitizes_marked_tests_and_nothing_else(pytester):
+    result = _run(pytester, "@pytest.mark.ownership_sanitize(stack_depth=4)")
+    result.assert_outcomes(passed=2, failed=1)
+    pytester.makepyfile(test_unmarked=SUITE.replace("@MARK", "# (no marker)").replace(
+        "    assert ownership_report.errors == []  # retained, but never read stale\n"
+        "    assert len(ownership_report.report(final=True)[\"events\"]) > 0\n"
+        "    assert \"retention\" in ownership_report.line\n", ""))
+    result = pytester.runpytest_subprocess("-p", "sanitizer.pytest_plugin", "-p", "no:cacheprovider",
+                                           "test_unmarked.py")
+    result.assert_outcomes(passed=3)  # off: the retaining consumer reads wrong bytes, silently
+
+
+def test_bad_marker_option_is_a_usage_error(pytester):
+    result = _run(pytester, "@pytest.mark.ownership_sanitize(bogus=1)", "-k", "correct")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*@pytest.mark.ownership_sanitize: unknown option 'bogus'; valid options:*"])
+    result = _run(pytester, "# (no marker)", "--ownership-sanitize", "--ownership-sanitize-options", "bogus=1")
+    assert result.ret == 4  # pytest's usage-error status
+    result.stderr.fnmatch_lines(["*--ownership-sanitize-options: unknown option 'bogus'*"])
+
+
+def test_loading_the_plugin_enables_nothing_and_imports_no_numba():
+    from conftest import run_python
+
+    out = run_python("import sys, sanitizer.pytest_plugin, sanitizer\n"
+                     "print(sanitizer.enabled(), 'numba' in sys.modules, len(sanitizer.runtime.state.retire_hooks))")
+    assert out.returncode == 0, out.stderr
+    enabled, numba, _ = out.stdout.split()
+    assert enabled == "False" and numba == "False"
