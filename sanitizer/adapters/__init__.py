@@ -1,0 +1,188 @@
+"""Adapters: put the named loaders' borrowed iterators under lease tracking, on import.
+
+:func:`install_import_hooks` (called by the zero-code activation when
+``OWNERSHIP_SANITIZE=1``) patches each loader's iterator entry point right
+after the loader's module executes, through a ``sys.meta_path`` finder, or at
+once when it is already imported. Nothing here is imported, and nothing is
+installed, while the sanitizer is off. The patches check ``enabled()`` per call,
+so a loader used after ``disable()`` runs untouched.
+
+============================  ======================================  ==============================
+loader                        entry point patched                     semantics
+============================  ======================================  ==============================
+fastsafetensors 0.5           ``ParallelLoader.iterate_weights``      ``borrowed_tensors=True``: lifetime 1
+runai-model-streamer 0.17     ``SafetensorsStreamer.get_tensors``     ``stream_files(owned=False)``: lifetime 1
+InstantTensor                 ``safe_open(copy=False).tensors()``     lifetime 1, CUDA only
+safetensors                   ``safe_open().get_tensor``              emulated, only with ``safetensors_ring=N``
+============================  ======================================  ==============================
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import sys
+import threading
+import warnings
+from typing import Any, Dict, List, Optional, Tuple
+
+# module name -> adapter module (relative); the adapter's patch(module) runs after the module executes
+TARGETS: Dict[str, str] = {
+    "fastsafetensors.parallel_loader": "fastsafetensors_adapter",
+    "runai_model_streamer.safetensors_streamer.safetensors_streamer": "runai_adapter",
+    "instanttensor._impl": "instanttensor_adapter",
+    "safetensors": "safetensors_adapter",
+}
+
+_MISSING = object()
+_lock = threading.RLock()
+_patches: List[Tuple[Any, str, Any]] = []  # (owner, attribute, original), for uninstall
+_patched_modules: List[str] = []
+_finder: Optional["_PostImportFinder"] = None
+
+
+def replace(owner: Any, attribute: str, new: Any) -> None:
+    """Set ``owner.attribute = new``, remembering the original for :func:`uninstall_import_hooks`."""
+    with _lock:
+        original = owner.__dict__.get(attribute, _MISSING) if isinstance(owner, type) else getattr(owner, attribute)
+        _patches.append((owner, attribute, original))
+        setattr(owner, attribute, new)
+
+
+def _adapter(target: str):
+    return importlib.import_module(f"{__name__}.{TARGETS[target]}")
+
+
+def _patch(target: str, module: Any) -> None:
+    """Patch ``module``; a loader version the adapter does not know is reported, never broken."""
+    with _lock:
+        if target in _patched_modules:
+            return
+        adapter = _adapter(target)
+        if not adapter.wanted():
+            return
+        try:
+            adapter.patch(module)
+        except Exception as exc:
+            warnings.warn(f"ownership-sanitizer: could not wrap {target} "
+                          f"(version {_version_of(target)}): {type(exc).__name__}: {exc}; it runs unsanitized",
+                          RuntimeWarning, stacklevel=2)
+            return
+        _patched_modules.append(target)
+
+
+def _version_of(target: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(target.split(".")[0].replace("_", "-"))
+    except Exception:
+        return "unknown"
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """Runs the real loader, then the adapter's patch on the freshly executed module."""
+
+    def __init__(self, loader: Any, target: str):
+        self._loader = loader
+        self._target = target
+
+    def create_module(self, spec):  # type: ignore[override]
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:  # type: ignore[override]
+        self._loader.exec_module(module)
+        _patch(self._target, module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, is_package, resource readers...
+        return getattr(self._loader, name)
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for a target module it asks the other finders and wraps their loader."""
+
+    def __init__(self, targets: Dict[str, str]):
+        self._targets = targets
+        self._busy = threading.local()
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None):
+        if fullname not in self._targets or getattr(self._busy, "name", None) == fullname:
+            return None
+        self._busy.name = fullname
+        try:
+            spec = None
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+        finally:
+            self._busy.name = None
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _PatchingLoader(spec.loader, fullname)
+        return spec
+
+
+def install_import_hooks() -> List[str]:
+    """Patch the loaders already imported and hook the others' import. Idempotent.
+
+    Returns the target modules patched so far (the others get patched when imported).
+    """
+    global _finder
+    with _lock:
+        for target in TARGETS:
+            module = sys.modules.get(target)
+            if module is not None:
+                _patch(target, module)
+        if _finder is None:
+            _finder = _PostImportFinder(TARGETS)
+            sys.meta_path.insert(0, _finder)
+        return list(_patched_modules)
+
+
+def uninstall_import_hooks() -> None:
+    """Restore every patched attribute and remove the finder (for tests and for ``disable`` at will)."""
+    global _finder
+    with _lock:
+        while _patches:
+            owner, attribute, original = _patches.pop()
+            if original is _MISSING:
+                delattr(owner, attribute)
+            else:
+                setattr(owner, attribute, original)
+        _patched_modules.clear()
+        if _finder is not None:
+            try:
+                sys.meta_path.remove(_finder)
+            except ValueError:
+                pass
+            _finder = None
+
+
+def patched() -> List[str]:
+    """The target modules whose entry points are patched now."""
+    with _lock:
+        return list(_patched_modules)
+
+
+def track_open(owner: Any, iterator: Any) -> Any:
+    """Remember ``iterator`` on the loader object, so the loader's close/exit can end its leases first."""
+    import weakref
+
+    refs = owner.__dict__.setdefault("_ownsan_iterators", [])
+    refs[:] = [r for r in refs if r() is not None]
+    refs.append(weakref.ref(iterator))
+    return iterator
+
+
+def close_open(owner: Any) -> None:
+    """Close the tracked iterators of ``owner`` (their leases end while the loader's memory is still there)."""
+    for ref in owner.__dict__.pop("_ownsan_iterators", []):
+        iterator = ref()
+        if iterator is not None:
+            iterator.close()
+
+
+__all__ = ["install_import_hooks", "uninstall_import_hooks", "patched", "replace", "track_open", "close_open",
+           "TARGETS"]

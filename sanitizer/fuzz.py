@@ -1,0 +1,414 @@
+"""The fuzz campaign: no miss, no false alarm, bit-exact when owning or rescuing.
+
+A case is a generated checkpoint (layers of parameters in bf16, fp16, fp32 and
+int8, in one or several safetensors files), a stream order (name-sorted,
+layer-grouped, shuffled), a staging ring from the largest tensor up to the
+whole checkpoint, a lifetime, debug options and a consumer. The stream is the
+files read with ``safe_open`` either through
+:func:`~sanitizer.iterators.emulate_borrowed` (a ``StagingRing``) or through a
+plain ring loader that knows nothing of the sanitizer, wrapped by
+:func:`~sanitizer.iterators.borrowed_iterator` (real borrowed views, real
+reuse either way); the oracle is ``safetensors.torch.load_file``.
+
+Each case runs unsanitized (is the result corrupted?) and sanitized with
+``halt_on_error=0`` (how many errors?), and retaining consumers once more with
+``rescue=1``. Properties:
+
+(a) no miss: a result that differs from the oracle comes with at least one error;
+(b) no false alarm: a correct consumer gets no error and a bit-exact result;
+(c) ``own_arguments`` (the owning deferred loader) and ``rescue=1`` are bit-exact.
+
+``ownsan fuzz --examples N --seed S [-j J]`` runs N cases over J processes and
+prints the counts; ``--replay JSON`` reruns one case. The bounded campaign for
+CI lives in ``tests/test_fuzz.py`` (hypothesis, derandomized).
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import gc
+import json
+import multiprocessing
+import os
+import random
+import sys
+import tempfile
+import time
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from . import runtime
+from .iterators import borrowed_iterator, emulate_borrowed
+from .option_table import OPTIONS
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "int8": torch.int8}
+ORDERS = ("sorted", "grouped", "shuffled")
+CORRECT = ("copy", "non_blocking", "deferred_own")
+RETAINING = ("list", "dict", "assign", "state_dict_copy", "deferred")
+CONSUMERS = CORRECT + RETAINING
+DEBUG = ("generations", "checksum+poison")
+STREAMS = ("emulated", "borrowed")  # emulate_borrowed over safe_open; borrowed_iterator over a raw ring loader
+ALIGN = 64  # the emulation ring's alignment
+
+Param = Tuple[str, Tuple[int, ...], str]  # (name in its layer, shape, dtype key)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    layers: Tuple[Tuple[Param, ...], ...]
+    files: int
+    order: str
+    ring_fraction: float  # 0: the largest tensor; 1: the whole checkpoint
+    lifetime: Optional[int]  # None: the ring's reuse alone; N: each view also ends N advances later
+    consumer: str
+    debug: str
+    seed: int
+    stream: str = "emulated"
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Case":
+        d = json.loads(text)
+        layers = tuple(tuple((n, tuple(s), dt) for n, s, dt in layer) for layer in d.pop("layers"))
+        return cls(layers=layers, **d)
+
+    def names(self) -> List[str]:
+        return [f"layers.{i}.{p[0]}" for i, layer in enumerate(self.layers) for p in layer]
+
+
+@dataclasses.dataclass
+class Outcome:
+    corrupted: bool  # unsanitized result differs from the oracle
+    errors: int  # errors recorded by the sanitized run
+    sanitized_exact: bool
+    rescue_exact: Optional[bool]  # retaining consumers only
+
+
+# -- generation ------------------------------------------------------------------------
+def random_case(rng: random.Random) -> Case:
+    layers = tuple(
+        tuple((f"w{j}", tuple(rng.randint(1, 24) for _ in range(rng.randint(1, 2))), rng.choice(list(DTYPES)))
+              for j in range(rng.randint(1, 4)))
+        for _ in range(rng.randint(1, 4)))
+    return Case(layers, rng.randint(1, 3), rng.choice(ORDERS), rng.random(), rng.choice([None, 1, 2, 3]),
+                rng.choice(CONSUMERS), rng.choice(DEBUG), rng.randrange(2**31), rng.choice(STREAMS))
+
+
+def case_strategy() -> Any:
+    """The same space as a hypothesis strategy (hypothesis shrinks to a minimal failing case)."""
+    from hypothesis import strategies as st
+
+    param = st.tuples(st.lists(st.integers(1, 24), min_size=1, max_size=2).map(tuple), st.sampled_from(list(DTYPES)))
+    layer = st.lists(param, min_size=1, max_size=4).map(lambda ps: tuple((f"w{j}", s, d) for j, (s, d) in enumerate(ps)))
+    return st.builds(Case, layers=st.lists(layer, min_size=1, max_size=4).map(tuple), files=st.integers(1, 3),
+                     order=st.sampled_from(ORDERS), ring_fraction=st.floats(0, 1),
+                     lifetime=st.sampled_from([None, 1, 2, 3]), consumer=st.sampled_from(CONSUMERS),
+                     debug=st.sampled_from(DEBUG), seed=st.integers(0, 2**31 - 1), stream=st.sampled_from(STREAMS))
+
+
+def _tensor(shape: Tuple[int, ...], dtype: str, g: torch.Generator) -> torch.Tensor:
+    if dtype == "int8":
+        return torch.randint(-128, 128, shape, dtype=torch.int8, generator=g)
+    return torch.randn(shape, generator=g).to(DTYPES[dtype])
+
+
+def stream_order(case: Case) -> List[str]:
+    names = case.names()
+    if case.order == "sorted":
+        return sorted(names)  # layers.10 before layers.2: interleaves layers, as real shards do
+    if case.order == "shuffled":
+        random.Random(case.seed).shuffle(names)
+    return names  # grouped: layer by layer
+
+
+def write_checkpoint(case: Case, directory: str) -> Tuple[List[Tuple[str, str]], Dict[str, torch.Tensor]]:
+    """Write the case's files; return the stream ``[(name, path)]`` and the oracle (``load_file`` of them)."""
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(case.seed)
+    tensors = {f"layers.{i}.{n}": _tensor(shape, dt, g) for i, layer in enumerate(case.layers) for n, shape, dt in layer}
+    order = stream_order(case)
+    per_file = -(-len(order) // case.files)
+    where: Dict[str, str] = {}
+    oracle: Dict[str, torch.Tensor] = {}
+    for f in range(case.files):
+        part = order[f * per_file:(f + 1) * per_file]
+        if not part:
+            continue
+        path = os.path.join(directory, f"model-{f + 1:05d}.safetensors")
+        save_file({n: tensors[n] for n in part}, path)
+        where.update((n, path) for n in part)
+        oracle.update(load_file(path))
+    return [(n, where[n]) for n in order], oracle
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def ring_bytes(case: Case, oracle: Dict[str, torch.Tensor]) -> int:
+    sizes = [t.numel() * t.element_size() for t in oracle.values()]
+    largest, total = max(sizes), sum(_aligned(s) for s in sizes)
+    ring = max(largest, largest + int(case.ring_fraction * (total - largest)))
+    if case.stream == "borrowed":  # the raw loader must honour its own contract: L+1 tensors never overlap
+        ring = max(ring, (_lifetime(case) + 1) * _aligned(largest))
+    return ring
+
+
+def _lifetime(case: Case) -> int:
+    return case.lifetime or 1
+
+
+def raw_ring_loader(plan: List[Tuple[str, str]], nbytes: int) -> Iterator[Tuple[str, torch.Tensor]]:
+    """A borrowing loader with no sanitizer inside: views of one plain uint8 ring it keeps rewriting."""
+    pool = torch.empty(nbytes, dtype=torch.uint8)
+    head = 0
+    for name, t in _stream(plan):
+        n = t.numel() * t.element_size()
+        offset = _aligned(head) if _aligned(head) + n <= nbytes else 0
+        pool[offset:offset + n].copy_(t.reshape(-1).view(torch.uint8))
+        yield name, pool[offset:offset + n].view(t.dtype).view(t.shape)
+        head = offset + n
+
+
+def _stream(plan: List[Tuple[str, str]]) -> Iterator[Tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    handles: Dict[str, Any] = {}
+    try:
+        for name, path in plan:
+            if path not in handles:
+                handles[path] = safe_open(path, framework="pt").__enter__()
+            yield name, handles[path].get_tensor(name)
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+
+
+# -- consumers -------------------------------------------------------------------------
+class _Layer(nn.Module):
+    def __init__(self, params: Sequence[Param]):
+        super().__init__()
+        for name, shape, dt in params:
+            self.register_parameter(name, nn.Parameter(torch.zeros(shape, dtype=DTYPES[dt]), requires_grad=False))
+
+
+class FuzzModel(nn.Module):
+    def __init__(self, case: Case):
+        super().__init__()
+        self.layers = nn.ModuleList(_Layer(layer) for layer in case.layers)
+
+
+def consume(case: Case, weights: Any) -> Dict[str, torch.Tensor]:
+    """Run ``case.consumer`` over ``weights``; return clones of what it ends up holding."""
+    model = FuzzModel(case)
+    kind = case.consumer
+    if kind in ("copy", "non_blocking"):
+        params = dict(model.named_parameters())
+        for name, t in weights:
+            params[name].copy_(t, non_blocking=kind == "non_blocking")
+    elif kind in ("deferred", "deferred_own"):
+        from .deferred_loader import LayerwiseLoader
+
+        loader = LayerwiseLoader(model, ownership=kind == "deferred_own")
+        for name, t in weights:
+            p = model.get_parameter(name)
+            p.weight_loader(p, t)
+        del t
+        loader.finalize()
+    elif kind == "list":
+        held = list(weights)
+        return {n: t.clone() for n, t in held}
+    elif kind == "dict":
+        acc: Dict[str, torch.Tensor] = {}
+        for name, t in weights:
+            acc[name] = t
+        return {n: t.clone() for n, t in acc.items()}
+    elif kind == "assign":
+        model.load_state_dict(dict(weights), assign=True)
+    elif kind == "state_dict_copy":
+        model.load_state_dict(dict(weights))
+    else:
+        raise ValueError(f"unknown consumer {kind!r}; valid consumers: {', '.join(CONSUMERS)}")
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _exact(got: Dict[str, torch.Tensor], oracle: Dict[str, torch.Tensor]) -> bool:
+    return set(got) == set(oracle) and all(
+        got[n].dtype == oracle[n].dtype and got[n].shape == oracle[n].shape and torch.equal(got[n], oracle[n])
+        for n in oracle)
+
+
+def _load(case: Case, plan: List[Tuple[str, str]], ring: int) -> Dict[str, torch.Tensor]:
+    if case.stream == "borrowed":
+        return consume(case, borrowed_iterator(raw_ring_loader(plan, ring), _lifetime(case), name="fuzz-loader"))
+    return consume(case, emulate_borrowed(_stream(plan), ring, lifetime=case.lifetime, name="fuzz-ring"))
+
+
+def run_case(case: Case) -> Outcome:
+    quiet = {"triage_budget_ms": 0} if "triage_budget_ms" in OPTIONS else {}  # no heap walks: diagnostics only
+    debug = {"checksum": 1, "poison": 1} if case.debug == "checksum+poison" else {}
+    with tempfile.TemporaryDirectory(prefix="ownsan-fuzz-") as tmp:
+        plan, oracle = write_checkpoint(case, tmp)
+        ring = ring_bytes(case, oracle)
+        was_enabled = runtime.state.enabled
+        runtime.disable()
+        try:
+            corrupted = not _exact(_load(case, plan, ring), oracle)
+            runtime.clear_errors()
+            with runtime.sanitize(halt_on_error=0, **quiet, **debug):
+                sanitized = _load(case, plan, ring)
+                errors = len(runtime.errors())
+            runtime.clear_errors()
+            rescue_exact = None
+            if case.consumer in RETAINING:
+                with runtime.sanitize(halt_on_error=0, rescue=1, **quiet, **debug):
+                    rescue_exact = _exact(_load(case, plan, ring), oracle)
+                runtime.clear_errors()
+        finally:
+            gc.collect()
+            if was_enabled:
+                runtime.enable()
+    return Outcome(corrupted, errors, _exact(sanitized, oracle), rescue_exact)
+
+
+def violations(case: Case, out: Outcome) -> List[str]:
+    """The properties this outcome breaks (empty: the case passes)."""
+    bad = []
+    if out.corrupted and out.errors == 0:
+        bad.append("(a) miss: the unsanitized result differs from the oracle, yet no error was recorded")
+    if not out.sanitized_exact and out.errors == 0:
+        bad.append("(a) miss: the sanitized result differs from the oracle, yet no error was recorded")
+    if case.consumer in CORRECT and (out.errors or out.corrupted or not out.sanitized_exact):
+        bad.append(f"(b) false alarm or wrong result for a correct consumer: {out.errors} error(s), "
+                   f"corrupted={out.corrupted}, sanitized bit-exact={out.sanitized_exact}")
+    if case.consumer == "deferred_own" and out.corrupted:
+        bad.append("(c) own_arguments: not bit-exact")
+    if out.rescue_exact is False:
+        bad.append("(c) rescue=1: not bit-exact")
+    return bad
+
+
+# -- shrinking, campaign, CLI ----------------------------------------------------------
+def _simpler(case: Case) -> Iterator[Case]:
+    r = dataclasses.replace
+    if len(case.layers) > 1:
+        for i in range(len(case.layers)):
+            yield r(case, layers=case.layers[:i] + case.layers[i + 1:])
+    for i, layer in enumerate(case.layers):
+        if len(layer) > 1:
+            for j in range(len(layer)):
+                yield r(case, layers=case.layers[:i] + (layer[:j] + layer[j + 1:],) + case.layers[i + 1:])
+        for j, (n, shape, dt) in enumerate(layer):
+            if shape != (1,):
+                small = layer[:j] + ((n, (1,), dt),) + layer[j + 1:]
+                yield r(case, layers=case.layers[:i] + (small,) + case.layers[i + 1:])
+    if case.files > 1:
+        yield r(case, files=1)
+    if case.debug != DEBUG[0]:
+        yield r(case, debug=DEBUG[0])
+    if case.lifetime is not None:
+        yield r(case, lifetime=None)
+    if case.order != "grouped":
+        yield r(case, order="grouped")
+    if case.stream != "emulated":
+        yield r(case, stream="emulated")
+
+
+def shrink(case: Case, budget: int = 200) -> Case:
+    """Greedily simplify a failing case while it keeps failing."""
+    improved = True
+    while improved and budget > 0:
+        improved = False
+        for smaller in _simpler(case):
+            budget -= 1
+            if violations(smaller, run_case(smaller)):
+                case, improved = smaller, True
+                break
+            if budget <= 0:
+                break
+    return case
+
+
+def case_for(seed: int, index: int) -> Case:
+    return random_case(random.Random(f"{seed}:{index}"))
+
+
+def _work(seed: int, indices: Sequence[int]) -> Dict[str, Any]:
+    counts = {"cases": 0, "unguarded": 0, "unguarded_corrupted": 0, "detected": 0, "correct": 0,
+              "false_alarms": 0, "misses": 0, "rescue_inexact": 0, "own_inexact": 0, "failures": []}
+    for i in indices:
+        case = case_for(seed, i)
+        out = run_case(case)
+        counts["cases"] += 1
+        if case.consumer in RETAINING:
+            counts["unguarded"] += 1
+            if out.corrupted:
+                counts["unguarded_corrupted"] += 1
+                counts["detected"] += out.errors > 0
+            counts["rescue_inexact"] += out.rescue_exact is False
+        else:
+            counts["correct"] += 1
+            counts["false_alarms"] += bool(out.errors)
+        counts["misses"] += (out.corrupted or not out.sanitized_exact) and out.errors == 0
+        counts["own_inexact"] += case.consumer == "deferred_own" and out.corrupted
+        bad = violations(case, out)
+        if bad:
+            counts["failures"].append({"index": i, "case": case.to_json(), "violations": bad})
+    return counts
+
+
+def campaign(examples: int, seed: int, jobs: int = 1) -> Dict[str, Any]:
+    chunks = [list(range(i, examples, max(1, jobs))) for i in range(max(1, jobs))]
+    if jobs <= 1:
+        parts = [_work(seed, chunks[0])]
+    else:
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process with torch's threads
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+            parts = list(pool.map(_work, [seed] * len(chunks), chunks))
+    total: Dict[str, Any] = {"failures": []}
+    for part in parts:
+        for k, v in part.items():
+            total[k] = total.get(k, 0) + v if k != "failures" else total["failures"] + v
+    return total
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="ownsan fuzz", description="Fuzz the sanitizer: no miss, no false alarm.")
+    parser.add_argument("--examples", type=int, default=200, help="cases to run (default 200)")
+    parser.add_argument("--seed", type=int, default=0, help="campaign seed: case i is generated from (seed, i)")
+    parser.add_argument("-j", "--jobs", type=int, default=1, help="worker processes")
+    parser.add_argument("--replay", metavar="JSON", help="run one case (as printed on a failure) and show it")
+    parser.add_argument("--no-shrink", action="store_true", help="report failures without minimizing them")
+    args = parser.parse_args(argv)
+    if args.replay:
+        case = Case.from_json(args.replay)
+        out = run_case(case)
+        print(json.dumps({"case": json.loads(case.to_json()), "outcome": dataclasses.asdict(out),
+                          "violations": violations(case, out)}, indent=2))
+        return 1 if violations(case, out) else 0
+    if args.examples < 1 or args.jobs < 1:
+        parser.error(f"--examples and -j must be >= 1, got {args.examples} and {args.jobs}")
+    start = time.perf_counter()
+    c = campaign(args.examples, args.seed, args.jobs)
+    print(f"cases: {c['cases']} (seed {args.seed}, {args.jobs} job(s), {time.perf_counter() - start:.1f} s)\n"
+          f"unguarded consumers: {c['unguarded']}; unguarded corruptions seen: {c['unguarded_corrupted']}; "
+          f"detected: {c['detected']}\n"
+          f"correct consumers: {c['correct']}; false alarms: {c['false_alarms']}\n"
+          f"misses: {c['misses']}; own_arguments not bit-exact: {c['own_inexact']}; "
+          f"rescue=1 not bit-exact: {c['rescue_inexact']}")
+    for f in c["failures"][:5]:
+        case = Case.from_json(f["case"])
+        small = case if args.no_shrink else shrink(case)
+        print(f"\nFAILED case {f['index']} of seed {args.seed}: " + "; ".join(f["violations"]))
+        print(f"  minimal case: ownsan fuzz --replay '{small.to_json()}'")
+    return 1 if c["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

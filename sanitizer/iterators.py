@@ -1,0 +1,335 @@
+"""Leases for any loader's iterator: track its own memory, or emulate a borrowing loader.
+
+:func:`borrowed_iterator` wraps a loader that yields ``(name, tensor)`` pairs
+whose tensors are valid only until the iterator advances (``lifetime=1``), or
+for N advances, or until it is closed. Nothing is copied: each yielded tensor's
+storage is adopted as a staging *window* (a region over the loader's own
+bytes, which the sanitizer never allocated) and the consumer gets a lease over
+exactly the tensor's bytes, with the tensor's shape, dtype and strides. Each
+advance retires the leases whose lifetime ended *before* the loader runs again
+(the loader may overwrite or free the bytes in that call), so checksum
+verification, rescue and poison run while the bytes are still the loader's.
+
+:func:`emulate_borrowed` is for loaders that copy (safetensors, ``torch.load``,
+a dict): it copies each tensor into a :class:`~sanitizer.ring.StagingRing` and
+yields the ring's lent views, so a consumer meets real borrowed views and real
+reuse on CPU with the loaders it already uses.
+"""
+from __future__ import annotations
+
+import warnings
+from collections import deque
+from typing import Any, Deque, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+
+from . import runtime
+from .aliasing import byte_extent, device_key
+from .ledger import Lease
+from .ring import StagingRing
+from .staging import BORROWED_MARKER, StagingBuffer
+
+_TRACKED_DEVICES = ("cpu", "cuda")
+_warned_devices: set = set()
+
+
+def _check_count(value: Any, what: str, allow_none: bool = False) -> Optional[int]:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be an int >= 1{' or None' if allow_none else ''}, got {value!r}")
+    return value
+
+
+def _pair(item: Any, label: str) -> Tuple[Any, torch.Tensor]:
+    if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
+        what = f"a tuple of {len(item)}" if isinstance(item, tuple) else type(item).__name__
+        raise TypeError(f"{label}: expected the loader to yield (name, tensor) pairs, got {what}: {item!r:.120}")
+    return item
+
+
+def _subtract(span: Tuple[int, int], holes: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    """``span`` minus the union of ``holes`` (half-open intervals)."""
+    out, cur = [], span[0]
+    for start, end in sorted(holes):
+        if end <= cur or start >= span[1]:
+            continue
+        if start > cur:
+            out.append((cur, start))
+        cur = max(cur, end)
+    if cur < span[1]:
+        out.append((cur, span[1]))
+    return out
+
+
+class _Window:
+    """A loader's storage adopted as a region: open while one of its leases is within its lifetime,
+    and while idle until a yield falls outside it."""
+
+    __slots__ = ("buffer", "device", "base", "end", "pending")
+
+    def __init__(self, buffer: StagingBuffer, device: str, base: int):
+        self.buffer = buffer
+        self.device = device
+        self.base = base
+        self.end = base + buffer.nbytes
+        self.pending = 0  # leases lent here whose lifetime has not ended yet
+
+
+class _Entry:
+    __slots__ = ("lease", "window", "start", "end", "expire_at")
+
+    def __init__(self, lease: Lease, window: Any, start: int, end: int, expire_at: int):
+        self.lease, self.window, self.start, self.end, self.expire_at = lease, window, start, end, expire_at
+
+
+class _LeasingIterator:
+    """Shared plumbing: count advances, retire expired leases first, then ask the loader."""
+
+    def __init__(self, iterable: Iterable, label: str):
+        self._it: Iterator = iter(iterable)
+        self.name = label
+        self._calls = 0  # yields asked for so far; a yield's index is the call that produced it
+        self._entries: Deque[_Entry] = deque()
+        self._done = False
+
+    def __iter__(self) -> "_LeasingIterator":
+        return self
+
+    def __next__(self) -> Tuple[Any, torch.Tensor]:
+        if self._done:
+            raise StopIteration
+        if self._calls:
+            self._expire(self._calls)
+        index = self._calls
+        self._calls += 1
+        try:
+            item = next(self._it)
+        except StopIteration:
+            self._finish(loader_ended=True)
+            raise
+        except BaseException:
+            self._finish(loader_ended=True)  # a loader that raised may have freed its buffers
+            raise
+        name, tensor = _pair(item, self.name)
+        return name, self._lend(name, tensor, index)
+
+    def _expire(self, call: int) -> None:
+        entries = self._entries
+        while entries and entries[0].expire_at <= call:
+            self._retire(entries.popleft())
+
+    def close(self) -> None:
+        """End every lease now (verified, rescued, poisoned as the options say), then close the loader."""
+        if self._done:
+            return
+        try:
+            while self._entries:
+                self._retire(self._entries.popleft())
+        finally:
+            self._finish(loader_ended=False)
+            close = getattr(self._it, "close", None)
+            if close is not None:
+                close()
+
+    def __enter__(self) -> "_LeasingIterator":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            if not self._done:
+                if getattr(self._it, "gi_frame", True) is None:  # a finished generator: its memory may be gone
+                    self._finish(loader_ended=True)
+                else:
+                    self.close()
+        except Exception:  # never raise from a finalizer (interpreter shutdown included)
+            pass
+
+    # -- subclass API --------------------------------------------------------------
+    def _lend(self, name: Any, tensor: torch.Tensor, index: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _retire(self, entry: _Entry) -> None:
+        raise NotImplementedError
+
+    def _finish(self, loader_ended: bool) -> None:
+        raise NotImplementedError
+
+
+class BorrowedIterator(_LeasingIterator):
+    """Wraps a borrowing loader's ``(name, tensor)`` iterator; see :func:`borrowed_iterator`."""
+
+    def __init__(self, iterable: Iterable, lifetime: int = 1, name: Optional[str] = None):
+        self.lifetime = _check_count(lifetime, "lifetime")
+        super().__init__(iterable, name or "borrowed_iterator")
+        self._windows: List[_Window] = []
+
+    def _window_for(self, tensor: torch.Tensor, device: str, address: int, span: int) -> _Window:
+        for w in self._windows:  # few: the windows of leases within their lifetime, and the last idle one
+            if w.device == device and w.base <= address and address + span <= w.end:
+                return w
+        # Idle windows stay open until a yield falls outside them, so a loader that lends many tensors
+        # from one buffer (a batch, a pool) costs one window, not one per tensor.
+        for w in [w for w in self._windows if w.pending == 0]:
+            self._close_window(w, run_hooks=False)  # no fresh lease left (see _retire): nothing to check
+        storage = tensor.untyped_storage()
+        raw = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, 0, (storage.nbytes(),), (1,))
+        base = storage.data_ptr()
+        w = _Window(StagingBuffer.adopt(raw, name=f"{self.name}@{base:#x}"), device, base)
+        self._windows.append(w)
+        return w
+
+    def _lend(self, name: Any, tensor: torch.Tensor, index: int) -> torch.Tensor:
+        kind = type(tensor)
+        if kind is not torch.Tensor and kind is not torch.nn.Parameter:
+            return tensor  # a tensor subclass (DTensor, a wrapper): not plain memory we can alias
+        if tensor.device.type not in _TRACKED_DEVICES:
+            if tensor.device.type != "meta" and tensor.device.type not in _warned_devices:
+                _warned_devices.add(tensor.device.type)
+                warnings.warn(f"{self.name}: tensors on '{tensor.device.type}' are not tracked "
+                              f"(staging leases support {_TRACKED_DEVICES})", RuntimeWarning, stacklevel=3)
+            return tensor
+        address, span = byte_extent(tensor)
+        if span == 0 or address == 0:
+            return tensor  # no bytes: nothing can go stale
+        window = self._window_for(tensor, device_key(tensor.device), address, span)
+        offset = address - window.base
+        lease_name = name if isinstance(name, str) else str(name)
+        dtype, itemsize = tensor.dtype, tensor.element_size()
+        aligned = (address % itemsize) == 0
+        if tensor.is_contiguous() and aligned:
+            view = window.buffer.lend(offset, tuple(tensor.shape), dtype, lease_name)
+        else:  # strided or unaligned: lend the covering bytes, then take the yield's own layout
+            if aligned:
+                flat = window.buffer.lend(offset, (span // itemsize,), dtype, lease_name)
+            else:
+                flat = window.buffer.lend(offset, (span,), torch.uint8, lease_name).view(dtype)
+            view = flat.as_strided(tuple(tensor.shape), tuple(tensor.stride()), 0)
+            setattr(view, BORROWED_MARKER, True)
+        lease = runtime.lease_of(view)
+        if kind is torch.nn.Parameter:
+            view = torch.nn.Parameter(view, requires_grad=tensor.requires_grad)
+            setattr(view, BORROWED_MARKER, True)
+        elif tensor.requires_grad:
+            view.requires_grad_(True)
+        window.pending += 1
+        self._entries.append(_Entry(lease, window, offset, offset + span, index + self.lifetime))
+        return view
+
+    def _retire(self, entry: _Entry) -> None:
+        window, lease = entry.window, entry.lease
+        if (window.buffer is not None and lease is not None and lease.alive
+                and lease.stale_by is None and not lease.rescued):
+            region_id = lease.region_id
+            others = [(l.start, l.end) for l in runtime.state.ledger.overlapping(region_id, entry.start, entry.end)
+                      if l is not lease]
+            # Bytes another yield still within its lifetime covers stay valid (an aliasing yield):
+            # retiring them would turn that yield stale too early, and poison would change it.
+            for start, end in _subtract((entry.start, entry.end), others):
+                window.buffer.retire(start, end - start)
+        window.pending -= 1
+        if window.pending == 0 and window.buffer is not None and runtime.state.ledger.overlapping(
+                window.buffer._region.region_id, 0, window.buffer.nbytes):
+            # An expired lease kept fresh because a later aliasing yield covered its bytes, and that
+            # one died unretired: end it now, while the loader has not run again (its bytes are valid).
+            window.buffer.retire(0, window.buffer.nbytes)
+
+    def _close_window(self, window: _Window, run_hooks: bool) -> None:
+        buf, window.buffer = window.buffer, None
+        if buf is None:
+            return
+        self._windows.remove(window)
+        if not buf.closed:
+            runtime.close_region(buf._region, run_hooks=run_hooks)
+        # Dropping ``buf`` drops our reference to the loader's storage: the loader's memory lives
+        # exactly as long as the loader and any consumer that still holds a view keep it.
+
+    def _finish(self, loader_ended: bool) -> None:
+        """Leases still within their lifetime go stale; when the loader ended, without touching bytes."""
+        self._done = True
+        self._entries.clear()
+        for window in list(self._windows):
+            self._close_window(window, run_hooks=not loader_ended)
+
+
+class EmulatedBorrowing(_LeasingIterator):
+    """Copies a loader's tensors into a staging ring; see :func:`emulate_borrowed`."""
+
+    def __init__(self, iterable: Iterable, ring_bytes: int, lifetime: Optional[int] = None,
+                 device: Any = None, name: Optional[str] = None, alignment: int = 64):
+        if isinstance(ring_bytes, bool) or not isinstance(ring_bytes, int) or ring_bytes <= 0:
+            raise ValueError(f"ring_bytes must be an int > 0, got {ring_bytes!r}")
+        self.ring_bytes = ring_bytes
+        self.lifetime = _check_count(lifetime, "lifetime", allow_none=True)
+        super().__init__(iterable, name or "emulated")
+        self._device = device
+        self._alignment = alignment
+        self.ring: Optional[StagingRing] = None
+
+    def _lend(self, name: Any, tensor: torch.Tensor, index: int) -> torch.Tensor:
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes > self.ring_bytes:
+            raise ValueError(f"{self.name}: tensor '{name}' ({nbytes} bytes, {str(tensor.dtype)[6:]}"
+                             f"{list(tensor.shape)}) does not fit the emulation ring of {self.ring_bytes} bytes; "
+                             f"pass ring_bytes >= the largest tensor")
+        if self.ring is None:
+            self.ring = StagingRing(self.ring_bytes, device=self._device or tensor.device, name=self.name,
+                                    alignment=self._alignment)
+        source = tensor.detach()
+        if source.device != self.ring.buffer.device:
+            source = source.to(self.ring.buffer.device)
+        view = self.ring.put(name if isinstance(name, str) else str(name), source)
+        if self.lifetime is not None:
+            lease = runtime.lease_of(view)
+            self._entries.append(_Entry(lease, self.ring.segment, 0, 0, index + self.lifetime))
+        return view
+
+    def _retire(self, entry: _Entry) -> None:
+        lease, ring = entry.lease, self.ring
+        if ring is None or lease is None or not lease.alive or lease.stale_by is not None or lease.rescued:
+            return  # dropped, or the ring already reused its bytes
+        segment = ring.segments[entry.window]
+        if not segment.closed:
+            segment.retire(lease.start, lease.end - lease.start)
+
+    def _finish(self, loader_ended: bool) -> None:
+        """The ring is ours: close it with every check, whatever happened to the loader."""
+        self._done = True
+        self._entries.clear()
+        if self.ring is not None:
+            self.ring.close()
+
+
+def borrowed_iterator(iterable: Iterable, lifetime: int = 1, *, name: Optional[str] = None) -> BorrowedIterator:
+    """Track a borrowing loader's yields as leases over its own memory, without copying.
+
+    ``iterable`` yields ``(name, tensor)``; each tensor is valid until the
+    iterator advances ``lifetime`` times, or until it is closed or exhausted.
+    The consumer gets, for each yield, a tensor with the same shape, dtype and
+    strides over the same bytes, whose storage is a lease: using it after its
+    lifetime is a :class:`~sanitizer.StaleBorrowError` while the sanitizer is
+    enabled. Leases still within their lifetime when the loader itself ends (or
+    raises) go stale without verification, rescue or poison, since the loader
+    may have freed their bytes; ``close()`` (or ``with``) ends them with every
+    check. ``name`` labels the windows in reports.
+    """
+    return BorrowedIterator(iterable, lifetime, name)
+
+
+def emulate_borrowed(iterable: Iterable, ring_bytes: int, *, lifetime: Optional[int] = None,
+                     device: Any = None, name: Optional[str] = None) -> EmulatedBorrowing:
+    """Give a copying loader borrowed semantics: each tensor is copied into a ``StagingRing``.
+
+    The consumer gets the ring's lent views, reused as the ring comes round
+    (``ring_bytes`` from the largest tensor, strictest, up to the whole
+    checkpoint); ``lifetime=N`` also ends each view N advances later, the strict
+    contract whatever the ring size. Exhausting or closing the iterator closes
+    the ring. ``device`` defaults to the first tensor's device.
+    """
+    return EmulatedBorrowing(iterable, ring_bytes, lifetime, device, name)
+
+
+__all__ = ["borrowed_iterator", "emulate_borrowed", "BorrowedIterator", "EmulatedBorrowing"]
