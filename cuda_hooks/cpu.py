@@ -42,8 +42,12 @@ __all__ = ["hash_bytes", "compile_seconds", "MIN_CHUNK_WORDS", "CHUNKS_PER_THREA
 #: gets :data:`CHUNKS_PER_THREAD` items summed into one partial each.
 MIN_CHUNK_WORDS = 1 << 15
 CHUNKS_PER_THREAD = 4
-#: Below this size the serial kernel is faster than waking the thread pool.
-PARALLEL_MIN_BYTES = 1 << 19
+#: Below this size the serial kernel is used. Waking numba's thread pool is a
+#: fork-join: on a busy machine (torch's own pool, other processes) one
+#: descheduled worker stalls the join for a scheduler tick, measured here at
+#: ~15 ms for a 2 MiB hash that the serial kernel does in 0.02-0.2 ms. A
+#: loader's tensors are mostly below this size and often still in cache.
+PARALLEL_MIN_BYTES = 32 << 20
 
 _njit_inline = numba.njit(inline="always")
 _mix = _njit_inline(hashdef.mix)

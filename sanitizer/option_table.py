@@ -96,6 +96,25 @@ OPTIONS: Dict[str, Option] = {
                "StagingRing: retire each tensor when the next one is put (strict lifetime) and keep the N most "
                "recently retired regions out of reuse (growing the ring if it must), so stale reads keep hitting "
                "poison longer.", _non_negative),
+        Option("rescue", bool, False,
+               "When a reuse or close would overwrite a lease that something still holds, first move it and all "
+               "its derived views onto an owned copy (same size), so retaining consumers keep correct data; "
+               "sanitizer.rescues() lists each one with its lend site."),
+        Option("safetensors_ring", int, 0,
+               "With OWNERSHIP_SANITIZE=1: serve safetensors safe_open().get_tensor() through a StagingRing of this "
+               "many bytes (emulated borrowing: views reused as the ring comes round, freed at the with-block's end), "
+               "to test a consumer against the borrowed contract. 0: off (safetensors tensors are owned; load_file "
+               "is never affected).", _non_negative),
+        Option("triage", bool, False,
+               "Triage mode: never raise; record every error and every retention (a retired view that something "
+               "still held, with the holder named) so the program runs to the end. ownsan run and the pytest "
+               "plugin set it."),
+        Option("triage_budget_ms", int, 1000,
+               "Time bound of one holder walk (gc referrers from a retained view up to a global, an object "
+               "attribute, a closure, a partial or a frame local). 0: record retentions without naming the holder.",
+               _non_negative),
+        Option("triage_depth", int, 8,
+               "Referrer levels the holder walk climbs before it gives up.", _non_negative),
         Option("max_errors_per_lease", int, 4,
                "With halt_on_error=0, keep at most this many stale-use records for one lease (the rest are counted).",
                _non_negative),

@@ -47,6 +47,7 @@ class _State:
         self.ledger = Ledger(on_live_change=_on_live_change)
         self.lend_hooks: List[LendHook] = []
         self.retire_hooks: List[Tuple[int, RetireHook]] = []  # (order, hook), run in ascending order
+        self.events: List[dict] = []  # non-error records: rescues, retentions, clones by policy
         self.modes = ModeController(self.stale, _on_stale_use)
 
 
@@ -105,7 +106,7 @@ def _on_stale_use(lease: Lease, func: Any, tensor: torch.Tensor) -> None:
 
 def raise_or_record(err: "OwnershipError", lease: Lease) -> None:
     """Every sanitizer error goes through here: raised (halt_on_error=1) or recorded and let go."""
-    if state.options["halt_on_error"]:
+    if state.options["halt_on_error"] and not state.options["triage"]:
         with state.lock:
             state.errors.append(err.record)
         raise err
@@ -175,11 +176,18 @@ def retire(region: Region, start: int, end: int, by: Optional[str], kind: str = 
     return event
 
 
-def close_region(region: Region) -> ReuseEvent:
+def close_region(region: Region, run_hooks: bool = True) -> ReuseEvent:
+    """Free ``region``: its alive leases go stale. ``run_hooks=False`` skips the retire hooks
+    (checksum verify, rescue, poison), for memory a third-party loader may already have freed."""
     depth = state.options["stack_depth"]
     site: Site = capture(depth) if depth else ()
     event, victims = state.ledger.close(region.region_id, site, threading.current_thread().name)
-    _run_retire_hooks(region, event, victims)
+    if run_hooks:
+        _run_retire_hooks(region, event, victims)
+    else:
+        for lease in victims:
+            if lease.handle is not None and lease.alive and not lease.rescued:
+                state.stale[lease.handle] = lease
     return event
 
 
@@ -260,6 +268,10 @@ def enable(**options: Any) -> None:
         if resolved["report"] and not state.atexit_registered:
             atexit.register(_write_report_at_exit)
             state.atexit_registered = True
+        if resolved.get("rescue"):
+            from .rescue import install as _install_rescue  # lazily: off means no hook at all
+
+            _install_rescue()
 
 
 def disable() -> None:
@@ -311,7 +323,7 @@ def _write_report_at_exit() -> None:
 
     path = state.options.get("report")
     if path:
-        write_report(path)
+        write_report(path, final=True)
 
 
 def activate_from_environment(environ: Optional[Dict[str, str]] = None) -> bool:

@@ -17,7 +17,12 @@ Site = Tuple[Tuple[CodeType, int], ...]
 """A captured stack, innermost frame first, as (code object, instruction offset) pairs."""
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
-_INTERNAL_PREFIXES: Tuple[str, ...] = (_PKG_DIR + os.sep,)
+# Modules of this package that play a *consumer* of borrowed tensors (the reference deferred loader,
+# its model and the demo): a report must show their frames, so only the plumbing around them is internal.
+_CONSUMER_MODULES = frozenset({"checkpoint.py", "deferred_loader.py", "demo.py", "fused_loaders.py", "quantize.py"})
+_INTERNAL_PREFIXES: Tuple[str, ...] = tuple(
+    os.path.join(_PKG_DIR, f) for f in sorted(os.listdir(_PKG_DIR)) if f not in _CONSUMER_MODULES
+) or (_PKG_DIR + os.sep,)
 
 
 def add_internal_prefix(path: str) -> None:
