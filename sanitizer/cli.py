@@ -320,9 +320,17 @@ _COMMANDS = {"run": cmd_run, "triage": cmd_triage, "demo": cmd_demo, "options": 
              "install-hook": cmd_install_hook, "uninstall-hook": cmd_uninstall_hook}
 
 
+_PASS_THROUGH = ("demo", "fuzz")  # their flags belong to the command itself (ownsan fuzz --seed 3 -j 2)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if argv and argv[0] in _PASS_THROUGH:
+            sub = parser._subparsers._group_actions[0].choices[argv[0]]  # type: ignore[union-attr]
+            rest = argv[1:][1:] if argv[1:2] == ["--"] else argv[1:]
+            return _COMMANDS[argv[0]](argparse.Namespace(cmd=argv[0], args=rest), sub)
         args = parser.parse_args(argv)
         sub = parser._subparsers._group_actions[0].choices[args.cmd]  # type: ignore[union-attr]
         if getattr(args, "args", None) and args.args[:1] == ["--"]:

@@ -148,6 +148,7 @@ class Region:
     generation: int = FIRST_GENERATION
     closed: bool = False
     fresh: Dict[int, Lease] = field(default_factory=dict)  # leases not yet stale
+    alive: int = 0  # alive leases (fresh or stale): a closed region is forgotten once this reaches 0
 
     @property
     def end(self) -> int:
@@ -235,6 +236,7 @@ class Ledger:
             lease = Lease(next(self._ids), region_id, region.name, start, end, region.generation, name, dtype,
                           shape if type(shape) is tuple else tuple(shape), site)
             region.fresh[lease.lease_id] = lease
+            region.alive += 1
             self._live[lease.lease_id] = lease
             became_live = len(self._live) == 1
         if became_live and self.on_live_change is not None:
@@ -248,8 +250,10 @@ class Ledger:
             if lease is None:
                 return None
             lease.alive = False
+            region = self._regions[lease.region_id]
             if lease.stale_by is None:
-                self._regions[lease.region_id].fresh.pop(lease_id, None)
+                region.fresh.pop(lease_id, None)
+            self._forget_lease_of(region)
             now_idle = not self._live
         if now_idle and self.on_live_change is not None:
             self.on_live_change(0)
@@ -263,11 +267,19 @@ class Ledger:
                 return None
             lease.rescued = True
             lease.stale_by = None
-            self._regions[lease.region_id].fresh.pop(lease_id, None)
+            region = self._regions[lease.region_id]
+            region.fresh.pop(lease_id, None)
+            self._forget_lease_of(region)
             now_idle = not self._live
         if now_idle and self.on_live_change is not None:
             self.on_live_change(0)
         return lease
+
+    def _forget_lease_of(self, region: Region) -> None:
+        """One alive lease fewer; a closed region with none left is dropped (loaders open one per batch)."""
+        region.alive -= 1
+        if region.closed and region.alive <= 0:
+            self._regions.pop(region.region_id, None)
 
     def lease(self, lease_id: int) -> Optional[Lease]:
         return self._live.get(lease_id)
@@ -359,6 +371,8 @@ class Ledger:
                 entries.remove((region.base, region_id))
             except ValueError:
                 pass
+            if region.alive <= 0:
+                del self._regions[region_id]  # nothing reaches it any more: forget it
             return event, victims
 
     def history(self) -> List[ReuseEvent]:

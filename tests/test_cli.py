@@ -171,3 +171,11 @@ def test_install_and_uninstall_hook(tmp_path, capsys):
     assert not pth.exists()
     assert cli.main(["uninstall-hook", "--dir", str(tmp_path)]) == 0
     assert "no ownership_sanitizer.pth" in capsys.readouterr().out
+
+
+def test_fuzz_flags_pass_straight_to_the_campaign(capsys):
+    from sanitizer import cli
+
+    assert cli.main(["fuzz", "--examples", "2", "--seed", "5", "-j", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "cases: 2 (seed 5, 1 job(s)" in out and "false alarms: 0" in out

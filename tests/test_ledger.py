@@ -147,3 +147,16 @@ def test_threads_lend_reuse_and_release_without_losing_an_event():
     assert not errors
     assert all(r.generation == FIRST_GENERATION + 2 * per_thread for r in regions)
     assert led.live_count == 0
+
+
+def test_closed_regions_are_forgotten_once_no_lease_reaches_them():
+    led = Ledger()
+    empty = led.add_region("empty", "cpu", 0, 100)
+    held = led.add_region("held", "cpu", 1000, 100)
+    lease = led.lend(held.region_id, 0, 10, "x", "uint8", (10,))
+    led.close(empty.region_id)
+    led.close(held.region_id)
+    assert [r.name for r in led.regions()] == ["held"]  # a stale lease still reaches it
+    assert lease.stale_by.region_name == "held"
+    led.release(lease.lease_id)
+    assert led.regions() == []
