@@ -253,11 +253,11 @@ def _dispatch(module: str, argv: Sequence[str], missing: str) -> int:
 
 
 def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    if importlib.util.find_spec("sanitizer.demo") is not None:
-        return int(importlib.import_module("sanitizer.demo").main(list(args.args)) or 0)
+    if importlib.util.find_spec("sanitizer.reference.demo") is not None:
+        return int(importlib.import_module("sanitizer.reference.demo").main(list(args.args)) or 0)
     if args.args:
         parser.error("the core scenario takes no arguments (the end-to-end demo is not installed)")
-    from .quickstart import main as quickstart
+    from .reference.quickstart import main as quickstart
 
     return int(quickstart() or 0)
 
@@ -268,6 +268,10 @@ def cmd_fuzz(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def cmd_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.sync_readme:
+        changed = _opts.sync_readme(args.sync_readme)
+        print(f"{args.sync_readme}: {'updated' if changed else 'already in sync'}")
+        return 0
     print(_opts.format_table())
     print(f"\nSet them with {_opts.ENV_OPTIONS}=\"name=value:name=value\", sanitizer.enable(name=value), "
           f"or ownsan run -o name=value.")
@@ -306,7 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
     tri.add_argument("--top", type=int, default=20, help="consumers shown (default: %(default)s)")
     demo = sub.add_parser("demo", help="the end-to-end demonstration (the layerwise-reload bug, caught and fixed)")
     demo.add_argument("args", nargs=argparse.REMAINDER, help="passed to the demo (ownsan demo -- --help)")
-    sub.add_parser("options", help="the option table: names, types, defaults, help")
+    opt = sub.add_parser("options", help="the option table: names, types, defaults, help")
+    opt.add_argument("--sync-readme", metavar="README", default=None,
+                     help="rewrite the generated option table in this README instead of printing")
     fuzz = sub.add_parser("fuzz", help="the bounded fuzz campaign")
     fuzz.add_argument("args", nargs=argparse.REMAINDER, help="passed to the fuzzer")
     for name, text in (("install-hook", "write the zero-code activation .pth into site-packages"),

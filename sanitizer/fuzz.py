@@ -213,7 +213,7 @@ def consume(case: Case, weights: Any) -> Dict[str, torch.Tensor]:
         for name, t in weights:
             params[name].copy_(t, non_blocking=kind == "non_blocking")
     elif kind in ("deferred", "deferred_own"):
-        from .deferred_loader import LayerwiseLoader
+        from .reference.deferred_loader import LayerwiseLoader
 
         loader = LayerwiseLoader(model, ownership=kind == "deferred_own")
         for name, t in weights:

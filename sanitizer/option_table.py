@@ -187,5 +187,39 @@ def format_table() -> str:
     return "\n".join(lines)
 
 
+README_BEGIN = "<!-- options-table: generated from sanitizer/option_table.py by `ownsan options --sync-readme README.md` -->"
+README_END = "<!-- /options-table -->"
+
+
+def _shown(opt: Option) -> str:
+    if isinstance(opt.default, bool):
+        return str(int(opt.default))
+    if opt.default == "":
+        return "(none)"
+    return f"{opt.default:#04x}" if opt.check is _byte else str(opt.default)
+
+
+def markdown_table() -> str:
+    """The option table as the README shows it (the README's copy is generated from this)."""
+    lines = ["| option | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for opt in OPTIONS.values():
+        lines.append(f"| `{opt.name}` | {opt.type.__name__} | {_shown(opt)} | {opt.help} |")
+    return "\n".join(lines)
+
+
+def sync_readme(path: str) -> bool:
+    """Rewrite the generated block of ``path``; returns True when it changed."""
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    start, end = text.index(README_BEGIN) + len(README_BEGIN), text.index(README_END)
+    updated = text[:start] + "\n" + markdown_table() + "\n" + text[end:]
+    if updated != text:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(updated)
+    return updated != text
+
+
 __all__ = ["Option", "OPTIONS", "OptionError", "defaults", "resolve", "parse_options_string",
-           "switch_from_env", "format_table", "table_rows", "ENV_SWITCH", "ENV_OPTIONS", "parse_bool"]
+           "switch_from_env", "format_table", "table_rows", "ENV_SWITCH", "ENV_OPTIONS", "parse_bool",
+           "markdown_table", "sync_readme"]
+

@@ -17,12 +17,14 @@ Site = Tuple[Tuple[CodeType, int], ...]
 """A captured stack, innermost frame first, as (code object, instruction offset) pairs."""
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
-# Modules of this package that play a *consumer* of borrowed tensors (the reference deferred loader,
-# its model and the demo): a report must show their frames, so only the plumbing around them is internal.
-_CONSUMER_MODULES = frozenset({"checkpoint.py", "deferred_loader.py", "demo.py", "fused_loaders.py", "quantize.py"})
-_INTERNAL_PREFIXES: Tuple[str, ...] = tuple(
-    os.path.join(_PKG_DIR, f) for f in sorted(os.listdir(_PKG_DIR)) if f not in _CONSUMER_MODULES
-) or (_PKG_DIR + os.sep,)
+_INTERNAL_PREFIXES: Tuple[str, ...] = (_PKG_DIR + os.sep,)
+# sanitizer/reference/ holds reference *consumers* (the deferred loader, the demos): a report must
+# show their frames like any user code, so only the plumbing around them is internal.
+_USER_PREFIX = os.path.join(_PKG_DIR, "reference") + os.sep
+
+
+def _internal(filename: str, prefixes: Tuple[str, ...]) -> bool:
+    return filename.startswith(prefixes) and not filename.startswith(_USER_PREFIX)
 
 
 def add_internal_prefix(path: str) -> None:
@@ -44,7 +46,7 @@ def capture(depth: int, skip: int = 1) -> Site:
         return ()
     frame = sys._getframe(skip)
     prefixes = _INTERNAL_PREFIXES
-    while frame is not None and frame.f_code.co_filename.startswith(prefixes):
+    while frame is not None and _internal(frame.f_code.co_filename, prefixes):
         frame = frame.f_back
     out = []
     for _ in range(depth):
@@ -64,7 +66,7 @@ def capture_excluding(depth: int, extra_prefixes: Sequence[str], skip: int = 1) 
     out = []
     while frame is not None and len(out) < depth:
         code = frame.f_code
-        if not code.co_filename.startswith(prefixes):
+        if not _internal(code.co_filename, prefixes):
             out.append((code, frame.f_lasti))
         frame = frame.f_back
     return tuple(out)

@@ -13,15 +13,23 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
-@pytest.fixture(autouse=True)
-def _clean_sanitizer():
+def _forget_everything() -> None:
+    """Sanitizer off, and no error, event or pending retention left over from another test."""
     import sanitizer
+    from sanitizer import runtime, triage
 
     sanitizer.disable()
     sanitizer.clear_errors()
+    triage.reset()
+    with runtime.state.lock:
+        runtime.state.events.clear()
+
+
+@pytest.fixture(autouse=True)
+def _clean_sanitizer():
+    _forget_everything()
     yield
-    sanitizer.disable()
-    sanitizer.clear_errors()
+    _forget_everything()
     gc.collect()
 
 

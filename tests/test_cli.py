@@ -135,7 +135,7 @@ def test_demo_dispatches_to_the_end_to_end_demo(capsys):
 def test_demo_falls_back_to_the_core_scenario(monkeypatch, capsys):
     real = cli.importlib.util.find_spec
     monkeypatch.setattr(cli.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "sanitizer.demo" else real(name, *a))
+                        lambda name, *a: None if name == "sanitizer.reference.demo" else real(name, *a))
     assert cli.main(["demo"]) == 0
     out = capsys.readouterr().out
     assert "sanitized: the same read raises at once" in out and "StaleBorrowError" not in out.split("\n")[0]

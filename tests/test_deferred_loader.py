@@ -8,10 +8,10 @@ import torch
 from safetensors.torch import load_file
 
 import sanitizer
-from sanitizer.checkpoint import (ORDERS, corrupted_tensors, ordered_names, read_header, reference_state,
+from sanitizer.reference.checkpoint import (ORDERS, corrupted_tensors, ordered_names, read_header, reference_state,
                                   stream_through_ring, write_checkpoint)
-from sanitizer.deferred_loader import LayerwiseLoader, get_numel_loaded
-from sanitizer.fused_loaders import QKVParallelLinear, TinyConfig, TinyForCausalLM, checkpoint_layout
+from sanitizer.reference.deferred_loader import LayerwiseLoader, get_numel_loaded
+from sanitizer.reference.fused_loaders import QKVParallelLinear, TinyConfig, TinyForCausalLM, checkpoint_layout
 from sanitizer.option_table import OPTIONS
 
 # Detection only: the heap walk that names holders (triage) is another feature, and slow in a big heap.

@@ -77,3 +77,12 @@ def test_environment_enables_with_options_at_import():
 def test_bad_options_string_fails_import_naming_it():
     proc = run_python("import sanitizer", {"OWNERSHIP_SANITIZE": "1", "OWNERSHIP_SANITIZE_OPTIONS": "colour=red"})
     assert proc.returncode != 0 and "colour" in proc.stderr and "halt_on_error" in proc.stderr
+
+
+def test_readme_option_table_is_generated_from_the_table():
+    """The docs read the one table too: README.md's block must equal the generated one."""
+    import os
+
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    block = readme.split(opts.README_BEGIN)[1].split(opts.README_END)[0].strip()
+    assert block == opts.markdown_table(), "run: ownsan options --sync-readme README.md"

@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .fused_loaders import default_weight_loader
-from .ownership import DeferralScope, _check_policy as check_policy, note_consumed
+from ..ownership import DeferralScope, _check_policy as check_policy, note_consumed
 
 _aten_copy = torch.ops.aten.copy_.default
 
