@@ -253,7 +253,9 @@ class Ledger:
             region = self._regions[lease.region_id]
             if lease.stale_by is None:
                 region.fresh.pop(lease_id, None)
-            self._forget_lease_of(region)
+            region.alive -= 1  # _forget_lease_of, inlined: this runs at every lease's death
+            if region.closed and region.alive <= 0:
+                self._regions.pop(region.region_id, None)
             now_idle = not self._live
         if now_idle and self.on_live_change is not None:
             self.on_live_change(0)

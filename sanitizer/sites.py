@@ -45,8 +45,11 @@ def capture(depth: int, skip: int = 1) -> Site:
     if depth <= 0:
         return ()
     frame = sys._getframe(skip)
-    prefixes = _INTERNAL_PREFIXES
-    while frame is not None and _internal(frame.f_code.co_filename, prefixes):
+    prefixes, user = _INTERNAL_PREFIXES, _USER_PREFIX
+    while frame is not None:  # inlined _internal(): this runs on every lend
+        filename = frame.f_code.co_filename
+        if not filename.startswith(prefixes) or filename.startswith(user):
+            break
         frame = frame.f_back
     out = []
     for _ in range(depth):
