@@ -158,12 +158,17 @@ def _lease_died(ref: Any) -> None:
     if entry is None:
         return
     lease = entry[1]
+    _unfile(lease)
+    state.ledger.release(lease.lease_id)
+
+
+def _unfile(lease: Lease) -> None:
+    """Drop the lease from the storage-keyed lookups (it died, or a rescue made it owned)."""
     key = lease.handle
     if state.by_storage.get(key) is lease:
         del state.by_storage[key]
     if lease.stale_by is not None and state.stale.get(key) is lease:
         del state.stale[key]
-    state.ledger.release(lease.lease_id)
 
 
 def retire(region: Region, start: int, end: int, by: Optional[str], kind: str = "reuse") -> ReuseEvent:
@@ -185,9 +190,7 @@ def close_region(region: Region, run_hooks: bool = True) -> ReuseEvent:
     if run_hooks:
         _run_retire_hooks(region, event, victims)
     else:
-        for lease in victims:
-            if lease.handle is not None and lease.alive and not lease.rescued:
-                state.stale[lease.handle] = lease
+        _mark_stale(victims)
     return event
 
 
@@ -197,9 +200,14 @@ def _run_retire_hooks(region: Region, event: ReuseEvent, victims: List[Lease]) -
             for _, hook in state.retire_hooks:
                 hook(region, event, victims)
     finally:  # a hook that raises (a checksum mismatch) must not leave the victims unchecked
-        for lease in victims:
-            if lease.handle is not None and lease.alive and not lease.rescued:
-                state.stale[lease.handle] = lease
+        _mark_stale(victims)
+
+
+def _mark_stale(victims: List[Lease]) -> None:
+    """Victims still borrowed (alive, not rescued) are what the dispatch mode refuses from now on."""
+    for lease in victims:
+        if lease.handle is not None and lease.alive and not lease.rescued:
+            state.stale[lease.handle] = lease
 
 
 def add_lend_hook(hook: LendHook) -> None:
@@ -216,11 +224,7 @@ def add_retire_hook(hook: RetireHook, order: int) -> None:
 
 def disown(lease: Lease) -> None:
     """Record that ``lease``'s views were moved onto owned memory: it is no longer a borrow."""
-    key = lease.handle
-    if state.by_storage.get(key) is lease:
-        del state.by_storage[key]
-    if state.stale.get(key) is lease:
-        del state.stale[key]
+    _unfile(lease)
     state.ledger.disown(lease.lease_id)
 
 

@@ -184,5 +184,35 @@ def close_open(owner: Any) -> None:
             iterator.close()
 
 
+def lease_iterators(cls: Any, method: str, borrowed: Any, name: str) -> None:
+    """Patch ``cls.method`` (which returns a ``(name, tensor)`` iterator) and ``cls.__exit__``.
+
+    While the sanitizer is enabled and ``borrowed(self)`` says the loader lends
+    its views, the iterator is wrapped by ``borrowed_iterator(lifetime=1)``;
+    ``__exit__`` then ends those leases before the loader frees its memory.
+    """
+    import functools
+
+    from .. import runtime
+    from ..iterators import borrowed_iterator
+
+    original, exit_ = getattr(cls, method), cls.__exit__
+
+    @functools.wraps(original)
+    def patched_method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        iterator = original(self, *args, **kwargs)
+        if runtime.state.enabled and borrowed(self):
+            return track_open(self, borrowed_iterator(iterator, lifetime=1, name=name))
+        return iterator
+
+    @functools.wraps(exit_)
+    def patched_exit(self: Any, *exc: Any) -> Any:
+        close_open(self)
+        return exit_(self, *exc)
+
+    replace(cls, method, patched_method)
+    replace(cls, "__exit__", patched_exit)
+
+
 __all__ = ["install_import_hooks", "uninstall_import_hooks", "patched", "replace", "track_open", "close_open",
-           "TARGETS"]
+           "lease_iterators", "TARGETS"]

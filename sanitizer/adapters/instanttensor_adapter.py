@@ -9,12 +9,9 @@ this path runs where InstantTensor runs.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
-from .. import runtime
-from ..iterators import borrowed_iterator
-from . import close_open, replace, track_open
+from . import lease_iterators
 
 NAME = "instanttensor"
 
@@ -24,20 +21,4 @@ def wanted() -> bool:
 
 
 def patch(module: Any) -> None:
-    cls = module.safe_open
-    tensors, exit_ = cls.tensors, cls.__exit__
-
-    @functools.wraps(tensors)
-    def patched_tensors(self, *args: Any, **kwargs: Any) -> Any:
-        iterator = tensors(self, *args, **kwargs)
-        if getattr(self, "copy", True) is False and runtime.state.enabled:
-            return track_open(self, borrowed_iterator(iterator, lifetime=1, name=NAME))
-        return iterator
-
-    @functools.wraps(exit_)
-    def patched_exit(self, *exc: Any) -> Any:
-        close_open(self)
-        return exit_(self, *exc)
-
-    replace(cls, "tensors", patched_tensors)
-    replace(cls, "__exit__", patched_exit)
+    lease_iterators(module.safe_open, "tensors", lambda self: getattr(self, "copy", True) is False, NAME)

@@ -11,9 +11,7 @@ import functools
 import inspect
 from typing import Any
 
-from .. import runtime
-from ..iterators import borrowed_iterator
-from . import close_open, replace, track_open
+from . import lease_iterators, replace
 
 NAME = "runai-model-streamer"
 
@@ -24,7 +22,7 @@ def wanted() -> bool:
 
 def patch(module: Any) -> None:
     cls = module.SafetensorsStreamer
-    stream_files, get_tensors, exit_ = cls.stream_files, cls.get_tensors, cls.__exit__
+    stream_files = cls.stream_files
     signature = inspect.signature(stream_files)
 
     @functools.wraps(stream_files)
@@ -34,18 +32,5 @@ def patch(module: Any) -> None:
         self._ownsan_borrowed = not bound.arguments.get("owned", True)
         return stream_files(self, *args, **kwargs)
 
-    @functools.wraps(get_tensors)
-    def patched_get_tensors(self, *args: Any, **kwargs: Any) -> Any:
-        iterator = get_tensors(self, *args, **kwargs)
-        if getattr(self, "_ownsan_borrowed", False) and runtime.state.enabled:
-            return track_open(self, borrowed_iterator(iterator, lifetime=1, name=NAME))
-        return iterator
-
-    @functools.wraps(exit_)
-    def patched_exit(self, *exc: Any) -> Any:
-        close_open(self)
-        return exit_(self, *exc)
-
     replace(cls, "stream_files", patched_stream_files)
-    replace(cls, "get_tensors", patched_get_tensors)
-    replace(cls, "__exit__", patched_exit)
+    lease_iterators(cls, "get_tensors", lambda self: getattr(self, "_ownsan_borrowed", False), NAME)
