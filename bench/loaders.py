@@ -35,7 +35,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 import sanitizer  # noqa: E402
-from sanitizer import option_table  # noqa: E402
+from sanitizer.core import options as option_table  # noqa: E402
 
 MODES = ("off", "tracking", "full")
 

@@ -2,7 +2,7 @@
 
 Prints, side by side in one run:
   1. the .pth line itself, executed in-process with OWNERSHIP_SANITIZE unset and set
-     (set: it loads sanitizer/startup.py and puts a finder on sys.meta_path; torch is
+     (set: it loads sanitizer/tools/startup.py and puts a finder on sys.meta_path; torch is
      not imported until the program imports it);
   2. interpreter start-up (`python -c pass`) with a site directory holding the .pth vs
      the same site directory without it (median of N runs each, interleaved), unset and set.
@@ -27,7 +27,7 @@ sys.path.insert(0, ROOT)
 def _load_startup():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("_bench_startup", os.path.join(ROOT, "sanitizer", "startup.py"))
+    spec = importlib.util.spec_from_file_location("_bench_startup", os.path.join(ROOT, "sanitizer", "tools", "startup.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

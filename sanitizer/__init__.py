@@ -5,17 +5,17 @@ dispatch mode, no numba. ``OWNERSHIP_SANITIZE=1`` turns debug mode on at import.
 """
 from __future__ import annotations
 
-from . import checksums as _checksums
-from .checksums import synchronize, verify
-from .errors import BorrowCorruptedError, OwnershipError, StaleBorrowError
-from .iterators import borrowed_iterator, emulate_borrowed
-from .ledger import Lease, LedgerError, ReuseEvent
-from .option_table import OptionError, format_table as options_table
-from .ownership import DeferralScope, add_borrowed_marker, own, own_arguments, reset_stats, stats
-from .report import report, write_report
-from .rescue import rescues
-from .ring import StagingRing
-from .runtime import (
+from sanitizer.features import checksums as _checksums
+from sanitizer.features.checksums import synchronize, verify
+from sanitizer.core.errors import BorrowCorruptedError, OwnershipError, StaleBorrowError
+from sanitizer.torch_layer.iterators import borrowed_iterator, emulate_borrowed
+from sanitizer.core.ledger import Lease, LedgerError, ReuseEvent
+from sanitizer.core.options import OptionError, format_table as options_table
+from sanitizer.features.ownership import DeferralScope, add_borrowed_marker, own, own_arguments, reset_stats, stats
+from sanitizer.reporting.report import report, write_report
+from sanitizer.features.rescue import rescues
+from sanitizer.torch_layer.ring import StagingRing
+from sanitizer.torch_layer.runtime import (
     activate_from_environment as _activate_from_environment,
     clear_errors,
     disable,
@@ -27,9 +27,9 @@ from .runtime import (
     options,
     sanitize,
 )
-from .staging import BORROWED_MARKER, StagingBuffer
-from . import triage as _triage
-from .triage import retentions
+from sanitizer.torch_layer.staging import BORROWED_MARKER, StagingBuffer
+from sanitizer.features import triage as _triage
+from sanitizer.features.triage import retentions
 
 __version__ = "0.1.0"
 

@@ -1,6 +1,6 @@
-"""``python -m sanitizer ...`` is ``ownsan ...`` (see :mod:`sanitizer.cli`)."""
+"""``python -m sanitizer ...`` is ``ownsan ...`` (see :mod:`sanitizer.tools.cli`)."""
 import sys
 
-from .cli import main
+from sanitizer.tools.cli import main
 
 sys.exit(main())

@@ -16,7 +16,8 @@ if ROOT not in sys.path:
 def _forget_everything() -> None:
     """Sanitizer off, and no error, event or pending retention left over from another test."""
     import sanitizer
-    from sanitizer import runtime, triage
+    from sanitizer.torch_layer import runtime
+    from sanitizer.features import triage
 
     sanitizer.disable()
     sanitizer.clear_errors()

@@ -85,7 +85,7 @@ def test_fastsafetensors_correct_consumer_passes(ckpt_files, hooks):
     paths, oracle = ckpt_files
     loader = _fst_loader(paths)
     it = loader.iterate_weights()
-    assert isinstance(it, sanitizer.iterators.BorrowedIterator)
+    assert isinstance(it, sanitizer.torch_layer.iterators.BorrowedIterator)
     got = _copy_into_params(it, oracle)
     loader.close()
     assert _bit_exact(got, oracle) and sanitizer.errors() == []
@@ -95,7 +95,7 @@ def test_fastsafetensors_owning_mode_is_left_alone(ckpt_files, hooks):
     paths, oracle = ckpt_files
     loader = _fst_loader(paths, borrowed=False)
     it = loader.iterate_weights()
-    assert not isinstance(it, sanitizer.iterators.BorrowedIterator)
+    assert not isinstance(it, sanitizer.torch_layer.iterators.BorrowedIterator)
     kept = dict(it)  # clones: retaining is correct here
     loader.close()
     assert _bit_exact(kept, oracle) and sanitizer.errors() == []
@@ -307,9 +307,9 @@ def test_uninstall_restores_the_loaders(hooks):
 def test_zero_code_activation_wraps_a_loader(ckpt_files):
     """OWNERSHIP_SANITIZE=1 and the start-up hook (what the .pth runs): no sanitizer import in the program."""
     pytest.importorskip("fastsafetensors")
-    if importlib.util.find_spec("sanitizer.startup") is None:
+    if importlib.util.find_spec("sanitizer.tools.startup") is None:
         pytest.skip("the zero-code start-up hook is not part of this installation")
-    from sanitizer.startup import PTH_LINE
+    from sanitizer.tools.startup import PTH_LINE
 
     paths, _ = ckpt_files
     code = textwrap.dedent(f"""

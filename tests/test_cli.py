@@ -9,7 +9,9 @@ import sys
 
 import pytest
 
-from sanitizer import cli, option_table, startup
+from sanitizer.tools import cli
+from sanitizer.core import options as option_table
+from sanitizer.tools import startup
 from conftest import ROOT
 
 # A consumer that defers every weight it is given (never imports sanitizer). Under ownsan run,
@@ -135,7 +137,7 @@ def test_demo_dispatches_to_the_end_to_end_demo(capsys):
 def test_demo_falls_back_to_the_core_scenario(monkeypatch, capsys):
     real = cli.importlib.util.find_spec
     monkeypatch.setattr(cli.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "sanitizer.reference.demo" else real(name, *a))
+                        lambda name, *a: None if name == "sanitizer.testing.demo" else real(name, *a))
     assert cli.main(["demo"]) == 0
     out = capsys.readouterr().out
     assert "sanitized: the same read raises at once" in out and "StaleBorrowError" not in out.split("\n")[0]
@@ -143,7 +145,7 @@ def test_demo_falls_back_to_the_core_scenario(monkeypatch, capsys):
 
 def test_fuzz_dispatches_or_says_it_is_missing(capsys):
     code = cli.main(["fuzz", "--help"])
-    if cli.importlib.util.find_spec("sanitizer.fuzz") is None:
+    if cli.importlib.util.find_spec("sanitizer.testing.fuzz") is None:
         assert code == 2 and "not part of this installation" in capsys.readouterr().err
     else:
         assert code == 0
@@ -174,7 +176,7 @@ def test_install_and_uninstall_hook(tmp_path, capsys):
 
 
 def test_fuzz_flags_pass_straight_to_the_campaign(capsys):
-    from sanitizer import cli
+    from sanitizer.tools import cli
 
     assert cli.main(["fuzz", "--examples", "2", "--seed", "5", "-j", "1"]) == 0
     out = capsys.readouterr().out

@@ -8,11 +8,11 @@ import torch
 from safetensors.torch import load_file
 
 import sanitizer
-from sanitizer.reference.checkpoint import (ORDERS, corrupted_tensors, ordered_names, read_header, reference_state,
+from sanitizer.testing.reference.checkpoint import (ORDERS, corrupted_tensors, ordered_names, read_header, reference_state,
                                   stream_through_ring, write_checkpoint)
-from sanitizer.reference.deferred_loader import LayerwiseLoader, get_numel_loaded
-from sanitizer.reference.fused_loaders import QKVParallelLinear, TinyConfig, TinyForCausalLM, checkpoint_layout
-from sanitizer.option_table import OPTIONS
+from sanitizer.testing.reference.deferred_loader import LayerwiseLoader, get_numel_loaded
+from sanitizer.testing.reference.fused_loaders import QKVParallelLinear, TinyConfig, TinyForCausalLM, checkpoint_layout
+from sanitizer.core.options import OPTIONS
 
 # Detection only: the heap walk that names holders (triage) is another feature, and slow in a big heap.
 QUIET = {"triage_budget_ms": 0} if "triage_budget_ms" in OPTIONS else {}

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from sanitizer.reference import demo
+from sanitizer.testing import demo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--hidden", "64", "--intermediate", "128", "--moe-intermediate", "64", "--dense-layers", "2",

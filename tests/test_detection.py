@@ -232,7 +232,7 @@ def test_no_interception_remains_once_no_lease_is_alive():
         del v
         gc.collect()
         assert torch._C._len_torch_dispatch_stack() == 0
-        assert "tolist" not in torch.Tensor.__dict__ or torch.Tensor.tolist is not sanitizer.runtime._checked_tolist
+        assert "tolist" not in torch.Tensor.__dict__ or torch.Tensor.tolist is not sanitizer.torch_layer.runtime._checked_tolist
     assert torch._C._len_torch_dispatch_stack() == 0
 
 

@@ -16,7 +16,7 @@ pytest.importorskip("safetensors")
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
-from sanitizer import fuzz  # noqa: E402
+from sanitizer.testing import fuzz  # noqa: E402
 
 pytestmark = pytest.mark.fuzz
 

@@ -7,12 +7,12 @@ import threading
 
 import pytest
 
-from sanitizer.ledger import FIRST_GENERATION, Ledger, LedgerError
+from sanitizer.core.ledger import FIRST_GENERATION, Ledger, LedgerError
 
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sanitizer")
 
 
-@pytest.mark.parametrize("module", ["ledger.py", "sites.py", "option_table.py"])
+@pytest.mark.parametrize("module", ["core/ledger.py", "core/sites.py", "core/options.py"])
 def test_pure_modules_import_no_torch_or_numpy(module):
     tree = ast.parse(open(os.path.join(PKG, module)).read())
     names = set()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 import sanitizer
-from sanitizer import option_table as opts
+from sanitizer.core import options as opts
 from tests.conftest import run_python
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import sanitizer
-from sanitizer import ownership, runtime
+from sanitizer.features import ownership
+from sanitizer.torch_layer import runtime
 
 
 @pytest.fixture(autouse=True)

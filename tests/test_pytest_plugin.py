@@ -49,7 +49,7 @@ def _run(pytester, mark: str, *args: str):
     pytester._monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")  # load ours by name, once
     for key in ("OWNERSHIP_SANITIZE", "OWNERSHIP_SANITIZE_OPTIONS"):
         pytester._monkeypatch.delenv(key, raising=False)
-    return pytester.runpytest_subprocess("-p", "sanitizer.pytest_plugin", "-p", "no:cacheprovider",
+    return pytester.runpytest_subprocess("-p", "sanitizer.tools.pytest_plugin", "-p", "no:cacheprovider",
                                          "--ownership-report-dir", str(pytester.path / "reports"), *args)
 
 
@@ -76,7 +76,7 @@ def test_marker_alone_sanitizes_marked_tests_and_nothing_else(pytester):
         "    assert ownership_report.errors == []  # retained, but never read stale\n"
         "    assert len(ownership_report.report(final=True)[\"events\"]) > 0\n"
         "    assert \"retention\" in ownership_report.line\n", ""))
-    result = pytester.runpytest_subprocess("-p", "sanitizer.pytest_plugin", "-p", "no:cacheprovider",
+    result = pytester.runpytest_subprocess("-p", "sanitizer.tools.pytest_plugin", "-p", "no:cacheprovider",
                                            "test_unmarked.py")
     result.assert_outcomes(passed=3)  # off: the retaining consumer reads wrong bytes, silently
 
@@ -93,8 +93,8 @@ def test_bad_marker_option_is_a_usage_error(pytester):
 def test_loading_the_plugin_enables_nothing_and_imports_no_numba():
     from conftest import run_python
 
-    out = run_python("import sys, sanitizer.pytest_plugin, sanitizer\n"
-                     "print(sanitizer.enabled(), 'numba' in sys.modules, len(sanitizer.runtime.state.retire_hooks))")
+    out = run_python("import sys, sanitizer.tools.pytest_plugin, sanitizer\n"
+                     "print(sanitizer.enabled(), 'numba' in sys.modules, len(sanitizer.torch_layer.runtime.state.retire_hooks))")
     assert out.returncode == 0, out.stderr
     enabled, numba, _ = out.stdout.split()
     assert enabled == "False" and numba == "False"

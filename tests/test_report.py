@@ -10,12 +10,13 @@ import pytest
 import torch
 
 import sanitizer
-from sanitizer import holders, triage
-from sanitizer.errors import BorrowCorruptedError
-from sanitizer.schema import SchemaError, validate
+from sanitizer.features import holders
+from sanitizer.features import triage
+from sanitizer.core.errors import BorrowCorruptedError
+from sanitizer.reporting.schema import SchemaError, validate
 from conftest import run_python
 
-R = importlib.import_module("sanitizer.report")  # `sanitizer.report` is also the function
+R = importlib.import_module("sanitizer.reporting.report")  # `sanitizer.reporting.report` is also the function
 _KEPT: list = []
 _OTHER: dict = {}
 
@@ -43,7 +44,7 @@ def _scenario() -> dict:
         _KEPT[0].sum()  # a stale use, recorded
         lease = sanitizer.lease_of(_KEPT[1])
         mismatch = BorrowCorruptedError(lease, 1, 2, "verify", ())
-        sanitizer.runtime.raise_or_record(mismatch, lease)  # triage=1: recorded, not raised
+        sanitizer.torch_layer.runtime.raise_or_record(mismatch, lease)  # triage=1: recorded, not raised
         return sanitizer.report(final=True)
 
 
@@ -69,7 +70,7 @@ def test_rescue_and_clone_events_validate_too():
     assert R.validate(rep) == []
     assert float(_KEPT[0].sum()) == 16.0  # rescued: still its own bytes
     sanitizer.rescues  # noqa: B018 (public API present)
-    from sanitizer import rescue
+    from sanitizer.features import rescue
 
     rescue.clear()
 

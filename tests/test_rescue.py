@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import sanitizer
-from sanitizer import rescue, runtime
+from sanitizer.features import rescue
+from sanitizer.torch_layer import runtime
 from conftest import run_python
 
 
@@ -104,7 +105,7 @@ def test_weak_handles_of_dead_leases_are_freed():
 
 
 def test_off_means_no_rescue_hook():
-    code = ("import sanitizer, sanitizer.runtime as r, sanitizer.rescue as s\n"
+    code = ("import sanitizer, sanitizer.torch_layer.runtime as r, sanitizer.features.rescue as s\n"
             "print(any(h is s._on_retire for _, h in r.state.retire_hooks))\n"
             "sanitizer.enable(rescue=1)\n"
             "print(any(h is s._on_retire for _, h in r.state.retire_hooks))\n")

@@ -8,7 +8,7 @@ import zipfile
 
 import pytest
 
-from sanitizer import startup
+from sanitizer.tools import startup
 from conftest import ROOT
 
 PTH_FILE = os.path.join(ROOT, startup.PTH_NAME)
@@ -110,8 +110,8 @@ def test_wheel_and_editable_wheel_put_the_pth_at_the_top(tmp_path):
             assert startup.PTH_NAME in names, names
             assert zf.read(startup.PTH_NAME).decode() == startup.PTH_LINE
     with zipfile.ZipFile(tmp_path / wheel) as zf:
-        assert "sanitizer/report_schema.json" in zf.namelist()
+        assert "sanitizer/reporting/report_schema.json" in zf.namelist()
         assert "sanitizer/adapters/__init__.py" in zf.namelist()
         entry_points = next(n for n in zf.namelist() if n.endswith("entry_points.txt"))
         text = zf.read(entry_points).decode()
-    assert "ownsan = sanitizer.cli:main" in text and "ownership_sanitizer = sanitizer.pytest_plugin" in text
+    assert "ownsan = sanitizer.tools.cli:main" in text and "ownership_sanitizer = sanitizer.tools.pytest_plugin" in text

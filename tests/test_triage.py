@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import sanitizer
-from sanitizer import holders, triage
+from sanitizer.features import holders
+from sanitizer.features import triage
 
 THIS_FILE = __file__.rstrip("c")
 _KEPT: list = []

@@ -193,8 +193,8 @@ def lease_iterators(cls: Any, method: str, borrowed: Any, name: str) -> None:
     """
     import functools
 
-    from .. import runtime
-    from ..iterators import borrowed_iterator
+    from sanitizer.torch_layer import runtime
+    from sanitizer.torch_layer.iterators import borrowed_iterator
 
     original, exit_ = getattr(cls, method), cls.__exit__
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from .. import runtime
-from ..iterators import borrowed_iterator
-from . import replace
+from sanitizer.torch_layer import runtime
+from sanitizer.torch_layer.iterators import borrowed_iterator
+from sanitizer.adapters import replace
 
 NAME = "fastsafetensors"
 

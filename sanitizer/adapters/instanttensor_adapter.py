@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import lease_iterators
+from sanitizer.adapters import lease_iterators
 
 NAME = "instanttensor"
 

@@ -11,7 +11,7 @@ import functools
 import inspect
 from typing import Any
 
-from . import lease_iterators, replace
+from sanitizer.adapters import lease_iterators, replace
 
 NAME = "runai-model-streamer"
 

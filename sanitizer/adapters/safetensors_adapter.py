@@ -3,7 +3,7 @@
 ``safe_open`` hands out tensors that are safe to retain, so nothing is wrong
 with a consumer that keeps them. To test that consumer against the borrowed
 contract anyway (before pointing it at fastsafetensors, runai or InstantTensor)
-its tensors are served through a :class:`~sanitizer.ring.StagingRing`:
+its tensors are served through a :class:`~sanitizer.torch_layer.ring.StagingRing`:
 
 * :func:`iterate` yields ``(name, view)`` for every tensor of some files;
 * with ``OWNERSHIP_SANITIZE=1`` and option ``safetensors_ring=N`` (bytes), the
@@ -22,10 +22,10 @@ from typing import Any, Iterable, Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .. import runtime
-from ..iterators import EmulatedBorrowing, emulate_borrowed
-from ..ring import StagingRing
-from . import replace
+from sanitizer.torch_layer import runtime
+from sanitizer.torch_layer.iterators import EmulatedBorrowing, emulate_borrowed
+from sanitizer.torch_layer.ring import StagingRing
+from sanitizer.adapters import replace
 
 NAME = "safetensors"
 _TORCH_FRAMEWORKS = ("pt", "torch", "pytorch")

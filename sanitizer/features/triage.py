@@ -2,7 +2,7 @@
 
 A retire hook (order 300, after checksums and rescue, before poison) sees every
 lease that a reuse or close retires while it is alive, and walks the heap from
-its tensors to the holder (see :mod:`sanitizer.holders`).
+its tensors to the holder (see :mod:`sanitizer.features.holders`).
 
 Not every alive victim is a retaining consumer: in ``for name, w in loader:``
 the loop variable still holds the previous view while the loader fetches the
@@ -25,10 +25,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from . import runtime
-from .holders import Holder, find_holders, still_holding
-from .ledger import Lease, Region, ReuseEvent
-from .sites import to_records
+from sanitizer.torch_layer import runtime
+from sanitizer.features.holders import Holder, find_holders, still_holding
+from sanitizer.core.ledger import Lease, Region, ReuseEvent
+from sanitizer.core.sites import to_records
 
 ORDER = 300
 TRANSIENT_STREAK = 2  # after this many transient victims in a row, a site is walked only on confirmation

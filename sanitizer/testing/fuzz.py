@@ -5,9 +5,9 @@ int8, in one or several safetensors files), a stream order (name-sorted,
 layer-grouped, shuffled), a staging ring from the largest tensor up to the
 whole checkpoint, a lifetime, debug options and a consumer. The stream is the
 files read with ``safe_open`` either through
-:func:`~sanitizer.iterators.emulate_borrowed` (a ``StagingRing``) or through a
+:func:`~sanitizer.torch_layer.iterators.emulate_borrowed` (a ``StagingRing``) or through a
 plain ring loader that knows nothing of the sanitizer, wrapped by
-:func:`~sanitizer.iterators.borrowed_iterator` (real borrowed views, real
+:func:`~sanitizer.torch_layer.iterators.borrowed_iterator` (real borrowed views, real
 reuse either way); the oracle is ``safetensors.torch.load_file``.
 
 Each case runs unsanitized (is the result corrupted?) and sanitized with
@@ -40,9 +40,9 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from . import runtime
-from .iterators import borrowed_iterator, emulate_borrowed
-from .option_table import OPTIONS
+from sanitizer.torch_layer import runtime
+from sanitizer.torch_layer.iterators import borrowed_iterator, emulate_borrowed
+from sanitizer.core.options import OPTIONS
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "int8": torch.int8}
 ORDERS = ("sorted", "grouped", "shuffled")
@@ -213,7 +213,7 @@ def consume(case: Case, weights: Any) -> Dict[str, torch.Tensor]:
         for name, t in weights:
             params[name].copy_(t, non_blocking=kind == "non_blocking")
     elif kind in ("deferred", "deferred_own"):
-        from .reference.deferred_loader import LayerwiseLoader
+        from sanitizer.testing.reference.deferred_loader import LayerwiseLoader
 
         loader = LayerwiseLoader(model, ownership=kind == "deferred_own")
         for name, t in weights:

@@ -15,12 +15,12 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from . import option_table as _opts
-from .aliasing import _DTYPE_NAMES, byte_extent, device_key, dtype_name, storage_key
-from .errors import OwnershipError, StaleBorrowError
-from .ledger import Lease, Ledger, Region, ReuseEvent
-from .mode import ModeController
-from .sites import Site, capture, capture_excluding
+from sanitizer.core import options as _opts
+from sanitizer.torch_layer.aliasing import _DTYPE_NAMES, byte_extent, device_key, dtype_name, storage_key
+from sanitizer.core.errors import OwnershipError, StaleBorrowError
+from sanitizer.core.ledger import Lease, Ledger, Region, ReuseEvent
+from sanitizer.torch_layer.mode import ModeController
+from sanitizer.core.sites import Site, capture, capture_excluding
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
@@ -273,7 +273,7 @@ def enable(**options: Any) -> None:
             atexit.register(_write_report_at_exit)
             state.atexit_registered = True
         if resolved.get("rescue"):
-            from .rescue import install as _install_rescue  # lazily: off means no hook at all
+            from sanitizer.features.rescue import install as _install_rescue  # lazily: off means no hook at all
 
             _install_rescue()
 
@@ -323,7 +323,7 @@ def clear_errors() -> None:
 
 
 def _write_report_at_exit() -> None:
-    from .report import write_report
+    from sanitizer.reporting.report import write_report
 
     path = state.options.get("report")
     if path:

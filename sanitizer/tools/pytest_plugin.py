@@ -45,7 +45,7 @@ def pytest_configure(config: Any) -> None:
         "`ownsan options`); a test that records an error fails")
     raw = config.getoption("--ownership-sanitize-options")
     if raw:
-        from sanitizer import option_table
+        from sanitizer.core import options as option_table
 
         try:
             parsed = option_table.parse_options_string(raw)
@@ -68,7 +68,7 @@ def _wanted(item: Any) -> Optional[Dict[str, Any]]:
 
 
 def _record_ids() -> Set[int]:
-    from sanitizer import runtime
+    from sanitizer.torch_layer import runtime
 
     with runtime.state.lock:
         return {id(e) for e in runtime.state.errors} | {id(e) for e in runtime.state.events}
@@ -80,7 +80,8 @@ def pytest_runtest_setup(item: Any) -> None:
     if options is None:
         return
     import sanitizer
-    from sanitizer import runtime, triage
+    from sanitizer.torch_layer import runtime
+    from sanitizer.features import triage
 
     before = (runtime.state.enabled, dict(runtime.state.options))
     triage.reset()
@@ -114,7 +115,7 @@ def pytest_runtest_call(item: Any) -> None:
         return
     import importlib
 
-    report_mod = importlib.import_module("sanitizer.report")
+    report_mod = importlib.import_module("sanitizer.reporting.report")
     rep = report_mod.report(final=True, exclude=st["exclude"])  # the test's frame is gone: decide now
     st["report"] = rep
     failing = rep["error_count"] or (item.config.getoption("--ownership-fail-on-retention")
@@ -135,7 +136,8 @@ def pytest_runtest_teardown(item: Any) -> None:
     st = item.__dict__.pop(_STATE_KEY, None)
     if st is None:
         return
-    from sanitizer import runtime, triage
+    from sanitizer.torch_layer import runtime
+    from sanitizer.features import triage
 
     triage.settle(final=True)
     was_enabled, options = st["before"]
@@ -154,7 +156,7 @@ class OwnershipReport:
     def report(self, final: bool = False) -> Dict[str, Any]:
         import importlib
 
-        return importlib.import_module("sanitizer.report").report(final=final, exclude=self._exclude)
+        return importlib.import_module("sanitizer.reporting.report").report(final=final, exclude=self._exclude)
 
     @property
     def errors(self) -> list:

@@ -14,10 +14,10 @@ from typing import Any, List, Optional, Sequence
 
 import torch
 
-from . import runtime
-from .aliasing import alias_view, check_device, device_key, dtype_name, host_array
-from .ledger import Lease, Region, ReuseEvent
-from .sources import Source, check_shape, copy_into, layout
+from sanitizer.torch_layer import runtime
+from sanitizer.torch_layer.aliasing import alias_view, check_device, device_key, dtype_name, host_array
+from sanitizer.core.ledger import Lease, Region, ReuseEvent
+from sanitizer.torch_layer.sources import Source, check_shape, copy_into, layout
 
 BORROWED_MARKER = "_vllm_instanttensor_borrowed"
 

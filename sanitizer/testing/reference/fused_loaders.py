@@ -19,7 +19,7 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 import torch
 from torch import nn
 
-from .quantize import Int8RowwiseOnlineMethod
+from sanitizer.testing.reference.quantize import Int8RowwiseOnlineMethod
 
 
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:

@@ -17,7 +17,7 @@ It follows vLLM's ``model_loader/reload/layerwise.py`` (``make_online_process_lo
 
 The retained calls are the hazard: their tensors may be views of a staging
 ring that has moved on by replay time. The ownership boundary (a
-:class:`~sanitizer.ownership.DeferralScope` per incomplete layer, calling
+:class:`~sanitizer.features.ownership.DeferralScope` per incomplete layer, calling
 ``own_arguments``) copies exactly the borrowed ones, and only for calls that
 really defer: the call that completes a layer is replayed at once and keeps
 its borrowed view. ``ownership=False`` retains them as they are (the bug).
@@ -33,8 +33,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .fused_loaders import default_weight_loader
-from ..ownership import DeferralScope, _check_policy as check_policy, note_consumed
+from sanitizer.testing.reference.fused_loaders import default_weight_loader
+from sanitizer.features.ownership import DeferralScope, _check_policy as check_policy, note_consumed
 
 _aten_copy = torch.ops.aten.copy_.default
 
@@ -114,7 +114,7 @@ class LayerwiseLoader:
     """Wraps every parameter's ``weight_loader`` of ``model`` with deferring, layerwise processing.
 
     ``ownership``: own borrowed arguments at the deferral point (the fix);
-    ``policy``: how borrowed is decided (see :mod:`sanitizer.ownership`);
+    ``policy``: how borrowed is decided (see :mod:`sanitizer.features.ownership`);
     ``device``: where layers are materialized.
     """
 

@@ -31,9 +31,9 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import runtime
-from .aliasing import alias_view, host_array
-from .staging import BORROWED_MARKER
+from sanitizer.torch_layer import runtime
+from sanitizer.torch_layer.aliasing import alias_view, host_array
+from sanitizer.torch_layer.staging import BORROWED_MARKER
 
 POLICIES: Tuple[str, ...] = ("registered", "marked", "accelerator", "all")
 _MARKERS: List[str] = [BORROWED_MARKER]
@@ -271,7 +271,7 @@ def _verify_leased(tensors: Iterable[torch.Tensor]) -> None:
         return
     leased = [t for t in tensors if runtime.lease_of(t) is not None]
     if leased:
-        from .checksums import verify
+        from sanitizer.features.checksums import verify
 
         verify(*leased)
 

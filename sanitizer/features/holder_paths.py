@@ -1,6 +1,6 @@
 """How a holder is named: path segments, roots a person recognises, and where they live in code.
 
-The walk in :mod:`sanitizer.holders` climbs from a tensor to its referrers;
+The walk in :mod:`sanitizer.features.holders` climbs from a tensor to its referrers;
 this module says how each step reads (``.attr``, ``[3]``, ``['key']``) and
 when a referrer is a root worth stopping at: a module global, a class
 attribute, an instance of a class outside the standard library, a frame's or a
@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
-_PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _USER_FACING = {"quickstart.py", "demo.py"}  # our example programs are consumers, not plumbing
 _CO_OPTIMIZED = inspect.CO_OPTIMIZED
 GEN_FLAGS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR

@@ -20,9 +20,9 @@ from typing import Any, Deque, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import runtime
-from .sources import Source, layout
-from .staging import StagingBuffer
+from sanitizer.torch_layer import runtime
+from sanitizer.torch_layer.sources import Source, layout
+from sanitizer.torch_layer.staging import StagingBuffer
 
 Span = Tuple[int, int, int]  # (segment index, start, end)
 

@@ -6,7 +6,7 @@ bytes changed behind torch's back (a C extension writing through
 such paths. So, with ``checksum=1``, each lease's bytes are hashed at lend
 (after the producer's write) and re-hashed when a reuse retires it while it
 is still alive, and at :func:`verify`; a difference is a
-:class:`~sanitizer.errors.BorrowCorruptedError` naming the lease. With
+:class:`~sanitizer.core.errors.BorrowCorruptedError` naming the lease. With
 ``poison=1`` the bytes of every retired lease are filled with ``poison_byte``
 (0xFF reads as NaN in fp16, bf16 and fp32) before the producer writes, so a
 stale read through any path reads NaN instead of plausible weights.
@@ -27,11 +27,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from . import runtime
-from .errors import BorrowCorruptedError
-from .ledger import Lease, Region, ReuseEvent
-from .sites import capture
-from .staging import buffer_bytes
+from sanitizer.torch_layer import runtime
+from sanitizer.core.errors import BorrowCorruptedError
+from sanitizer.core.ledger import Lease, Region, ReuseEvent
+from sanitizer.core.sites import capture
+from sanitizer.torch_layer.staging import buffer_bytes
 
 _lock = threading.RLock()
 

@@ -28,7 +28,7 @@ from typing import Any, Dict, Iterable, List, Set, Tuple
 
 import torch
 
-from .holder_paths import (GEN_FLAGS, Holder, Seg, consumer_key, internal, join, label, locals_of, qualname, render,
+from sanitizer.features.holder_paths import (GEN_FLAGS, Holder, Seg, consumer_key, internal, join, label, locals_of, qualname, render,
                            root, site_of_frame, step)
 
 _MAX_FRONTIER = 256

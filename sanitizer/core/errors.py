@@ -10,8 +10,8 @@ import os
 import threading
 from typing import Optional
 
-from .ledger import Lease, ReuseEvent
-from .sites import Site, format_site, to_records
+from sanitizer.core.ledger import Lease, ReuseEvent
+from sanitizer.core.sites import Site, format_site, to_records
 
 
 class OwnershipError(RuntimeError):
@@ -21,8 +21,8 @@ class OwnershipError(RuntimeError):
 class StaleBorrowError(OwnershipError):
     """A borrowed view was read or written after its staging bytes were reused or freed.
 
-    Attributes: ``lease`` (the :class:`~sanitizer.ledger.Lease`), ``event``
-    (the :class:`~sanitizer.ledger.ReuseEvent` that made it stale), ``op``
+    Attributes: ``lease`` (the :class:`~sanitizer.core.ledger.Lease`), ``event``
+    (the :class:`~sanitizer.core.ledger.ReuseEvent` that made it stale), ``op``
     (the aten op, as text), ``used_at`` (the captured stack) and ``record``
     (the JSON-ready report entry).
     """

@@ -1,6 +1,6 @@
 """The core scenario: a loader lends a view, reuses its bytes, a consumer reads it late.
 
-Run: ``python examples/quickstart.py`` (or ``python -m sanitizer.reference.quickstart``;
+Run: ``python examples/quickstart.py`` (or ``python -m sanitizer.testing.quickstart``;
 ``ownsan demo`` runs it where the end-to-end demo is not installed). It shows, in order:
   1. without the sanitizer, the retained view silently reads the next tensor's bytes;
   2. with the sanitizer, the same read raises StaleBorrowError with the full report;

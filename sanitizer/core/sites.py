@@ -16,11 +16,11 @@ from typing import Optional, Sequence, Tuple
 Site = Tuple[Tuple[CodeType, int], ...]
 """A captured stack, innermost frame first, as (code object, instruction offset) pairs."""
 
-_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _INTERNAL_PREFIXES: Tuple[str, ...] = (_PKG_DIR + os.sep,)
-# sanitizer/reference/ holds reference *consumers* (the deferred loader, the demos): a report must
+# sanitizer/testing/ holds reference *consumers* (the deferred loader, the demos): a report must
 # show their frames like any user code, so only the plumbing around them is internal.
-_USER_PREFIX = os.path.join(_PKG_DIR, "reference") + os.sep
+_USER_PREFIX = os.path.join(_PKG_DIR, "testing") + os.sep
 
 
 def _internal(filename: str, prefixes: Tuple[str, ...]) -> bool:

@@ -1,10 +1,10 @@
 """The end-to-end demo and benchmark: the vLLM layerwise-reload bug on CPU, caught and fixed.
 
-``python examples/layerwise_reload.py`` (or ``python -m sanitizer.reference.demo``)
+``python examples/layerwise_reload.py`` (or ``python -m sanitizer.testing.demo``)
 writes a real ``.safetensors`` checkpoint whose layers are interleaved, reads
 it through a :class:`~sanitizer.StagingRing` smaller than a layer's deferral
 window, loads it with the faithful layerwise deferred loader
-(:mod:`sanitizer.reference.deferred_loader`) plus an online int8 quantizer, and
+(:mod:`sanitizer.testing.reference.deferred_loader`) plus an online int8 quantizer, and
 compares every checkpoint tensor bit for bit against ``load_file`` + the same
 quantizer, in five configurations:
 
@@ -34,14 +34,16 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .. import ownership, rescue, runtime
-from .checkpoint import (ORDERS, config_of, corrupted_tensors, deferral_windows, read_header, reference_state,
+from sanitizer.features import ownership
+from sanitizer.features import rescue
+from sanitizer.torch_layer import runtime
+from sanitizer.testing.reference.checkpoint import (ORDERS, config_of, corrupted_tensors, deferral_windows, read_header, reference_state,
                          stream_through_ring, write_checkpoint)
-from .deferred_loader import LayerwiseLoader
-from ..errors import OwnershipError
-from .fused_loaders import TinyConfig, TinyForCausalLM
-from ..option_table import OPTIONS
-from ..ring import StagingRing
+from sanitizer.testing.reference.deferred_loader import LayerwiseLoader
+from sanitizer.core.errors import OwnershipError
+from sanitizer.testing.reference.fused_loaders import TinyConfig, TinyForCausalLM
+from sanitizer.core.options import OPTIONS
+from sanitizer.torch_layer.ring import StagingRing
 
 CONFIGS = ("unsafe", "debug", "clone-on-defer", "rescue", "copy-everything")
 LABELS = {
@@ -151,11 +153,11 @@ def _child_debug(path: str, ring_bytes: int) -> Result:
 
 def start_debug_subprocess(path: str, ring_bytes: int) -> subprocess.Popen:
     """Start the debug configuration in a fresh interpreter with ``OWNERSHIP_SANITIZE=1`` (activation at import)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if not k.startswith("OWNERSHIP_SANITIZE")}
     env["OWNERSHIP_SANITIZE"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "sanitizer.reference.demo", "--child", "debug", "--checkpoint", path,
+    cmd = [sys.executable, "-m", "sanitizer.testing.demo", "--child", "debug", "--checkpoint", path,
            "--ring-bytes", str(ring_bytes)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

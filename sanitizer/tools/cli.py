@@ -30,14 +30,14 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-from . import option_table as _opts
-from . import startup
+from sanitizer.core import options as _opts
+from sanitizer.tools import startup
 
-_PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PKG_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _report_mod():
-    return importlib.import_module("sanitizer.report")  # the package's `report` attribute is the function
+    return importlib.import_module("sanitizer.reporting.report")  # the package's `report` attribute is the function
 
 
 # -- run ---------------------------------------------------------------------
@@ -253,17 +253,17 @@ def _dispatch(module: str, argv: Sequence[str], missing: str) -> int:
 
 
 def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    if importlib.util.find_spec("sanitizer.reference.demo") is not None:
-        return int(importlib.import_module("sanitizer.reference.demo").main(list(args.args)) or 0)
+    if importlib.util.find_spec("sanitizer.testing.demo") is not None:
+        return int(importlib.import_module("sanitizer.testing.demo").main(list(args.args)) or 0)
     if args.args:
         parser.error("the core scenario takes no arguments (the end-to-end demo is not installed)")
-    from .reference.quickstart import main as quickstart
+    from sanitizer.testing.quickstart import main as quickstart
 
     return int(quickstart() or 0)
 
 
 def cmd_fuzz(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    return _dispatch("sanitizer.fuzz", args.args,
+    return _dispatch("sanitizer.testing.fuzz", args.args,
                      "ownsan fuzz: the fuzz campaign is not part of this installation (no sanitizer/fuzz.py)")
 
 

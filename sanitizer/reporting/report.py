@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Any, Dict, Iterable, List, Optional, Set
 
-from . import runtime
+from sanitizer.torch_layer import runtime
 
 FORMAT = "ownership-sanitizer-report"
 VERSION = 2
@@ -41,7 +41,7 @@ def _rank_info() -> Dict[str, Any]:
 
 def _with_holder(record: dict) -> dict:
     """A copy of an error record that names the holder recorded for its lease, if any."""
-    from .triage import holder_of
+    from sanitizer.features.triage import holder_of
 
     lease = record.get("lease")
     if "holder" in record or not isinstance(lease, dict) or lease.get("lease_id") is None:
@@ -57,7 +57,7 @@ def report(final: bool = False, exclude: Optional[Set[int]] = None) -> Dict[str,
     consumer has not had its turn yet; otherwise those are only counted as pending.
     ``exclude``: ids of error and event records to leave out (those from before a test).
     """
-    from . import triage
+    from sanitizer.features import triage
 
     triage.settle(final)
     state = runtime.state
@@ -228,7 +228,7 @@ def schema() -> Dict[str, Any]:
 
 def validate(rep: Dict[str, Any]) -> List[str]:
     """Violations of the report schema ([] when ``rep`` is a valid report)."""
-    from .schema import validate as _validate
+    from sanitizer.reporting.schema import validate as _validate
 
     return _validate(rep, schema())
 

@@ -46,7 +46,7 @@ BOOTSTRAP = (
     "  import importlib.util as u, os.path as p\n"
     "  s = u.find_spec('sanitizer')\n"
     "  if s is not None and s.submodule_search_locations:\n"
-    f"   f = u.spec_from_file_location('{MODULE_NAME}', p.join(list(s.submodule_search_locations)[0], 'startup.py'))\n"
+    f"   f = u.spec_from_file_location('{MODULE_NAME}', p.join(list(s.submodule_search_locations)[0], 'tools', 'startup.py'))\n"
     "   m = u.module_from_spec(f); sys.modules[f.name] = m; f.loader.exec_module(m)\n"
     " m is not None and m.activate()\n"
     "except Exception as e:\n"
@@ -61,7 +61,7 @@ state = {"activated": False, "trigger": None, "error": None}  # for tests and `o
 
 
 def switch_on(environ: Any = None) -> bool:
-    """Read ``OWNERSHIP_SANITIZE`` as :mod:`sanitizer.option_table` does; a bad value is reported, not raised."""
+    """Read ``OWNERSHIP_SANITIZE`` as :mod:`sanitizer.core.options` does; a bad value is reported, not raised."""
     raw = (os.environ if environ is None else environ).get(ENV_SWITCH)
     if raw is None:
         return False

@@ -22,9 +22,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import runtime
-from .aliasing import alias_view, host_array
-from .ledger import Lease, Region, ReuseEvent
+from sanitizer.torch_layer import runtime
+from sanitizer.torch_layer.aliasing import alias_view, host_array
+from sanitizer.core.ledger import Lease, Region, ReuseEvent
 
 ORDER = 200  # after checksum verification (100), before triage (300) and poison (400)
 
@@ -111,7 +111,7 @@ def _rescue(lease: Lease, handle: int, event: ReuseEvent) -> None:
     storage._swap_data_ptr_(owned)  # the lease's storage (and all its views) now own the copy
     runtime.disown(lease)  # before `owned` (now holding the staging alias) dies and releases the lease
     del owned, fresh, buf
-    from .ownership import account_copy
+    from sanitizer.features.ownership import account_copy
 
     account_copy("rescue", nbytes, piece)
     _remember({"kind": "rescue", "rescued": True, "nbytes": nbytes, "holders": holders,

@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
-from .sites import Site
+from sanitizer.core.sites import Site
 
 FIRST_GENERATION = 1
 
@@ -69,7 +69,7 @@ class ReuseEvent:
         )
 
     def to_dict(self) -> dict:
-        from .sites import to_records
+        from sanitizer.core.sites import to_records
 
         return {
             "event_id": self.event_id,
@@ -118,7 +118,7 @@ class Lease:
         return f"'{self.name or f'<lease {self.lease_id}>'}' {self.dtype}[{shape}]"
 
     def to_dict(self) -> dict:
-        from .sites import to_records
+        from sanitizer.core.sites import to_records
 
         return {
             "lease_id": self.lease_id,

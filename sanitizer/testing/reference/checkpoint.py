@@ -17,9 +17,9 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from .fused_loaders import TinyConfig, TinyForCausalLM, checkpoint_layout
-from ..ownership import own
-from ..ring import StagingRing
+from sanitizer.testing.reference.fused_loaders import TinyConfig, TinyForCausalLM, checkpoint_layout
+from sanitizer.features.ownership import own
+from sanitizer.torch_layer.ring import StagingRing
 
 ORDERS = ("interleaved", "grouped", "sorted", "shuffled")
 _ST = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",

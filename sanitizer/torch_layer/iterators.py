@@ -11,7 +11,7 @@ advance retires the leases whose lifetime ended *before* the loader runs again
 verification, rescue and poison run while the bytes are still the loader's.
 
 :func:`emulate_borrowed` is for loaders that copy (safetensors, ``torch.load``,
-a dict): it copies each tensor into a :class:`~sanitizer.ring.StagingRing` and
+a dict): it copies each tensor into a :class:`~sanitizer.torch_layer.ring.StagingRing` and
 yields the ring's lent views, so a consumer meets real borrowed views and real
 reuse on CPU with the loaders it already uses.
 """
@@ -23,11 +23,11 @@ from typing import Any, Deque, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from . import runtime
-from .aliasing import byte_extent, device_key
-from .ledger import Lease
-from .ring import StagingRing
-from .staging import BORROWED_MARKER, StagingBuffer
+from sanitizer.torch_layer import runtime
+from sanitizer.torch_layer.aliasing import byte_extent, device_key
+from sanitizer.core.ledger import Lease
+from sanitizer.torch_layer.ring import StagingRing
+from sanitizer.torch_layer.staging import BORROWED_MARKER, StagingBuffer
 
 _TRACKED_DEVICES = ("cpu", "cuda")
 _warned_devices: set = set()
