@@ -129,11 +129,11 @@ _CLONE_EVENTS: Dict[str, dict] = {}
 
 
 def _clone_event(policy: str, entry: List[int]) -> None:
-    """One aggregated ``{"kind": "clone"}`` record per policy in ``runtime.state.events`` (not one per copy)."""
+    """One aggregated ``{"kind": "clone"}`` record per policy among ``runtime.events()`` (not one per copy)."""
     record = _CLONE_EVENTS.get(policy)
     if record is None:
         record = _CLONE_EVENTS[policy] = {"kind": "clone", "policy": policy, "count": 0, "bytes": 0}
-        runtime.state.events.append(record)
+        runtime.record_event("clone", record)
     record["count"], record["bytes"] = entry[0], entry[1]
 
 
@@ -172,10 +172,7 @@ def reset_stats() -> None:
     with _acct.lock:
         _acct.reset()
         for record in _CLONE_EVENTS.values():
-            try:
-                runtime.state.events.remove(record)
-            except ValueError:
-                pass
+            runtime.forget_events(record=record)
         _CLONE_EVENTS.clear()
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -26,7 +26,7 @@ from sanitizer.torch_layer import runtime
 from sanitizer.torch_layer.aliasing import alias_view, host_array
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
 
-ORDER = 200  # after checksum verification (100), before triage (300) and poison (400)
+ORDER = runtime.RetireOrder.RESCUE  # after checksum verification, before triage and poison
 
 _S = torch.UntypedStorage
 _API_NAMES = ("_weak_ref", "_new_with_weak_ptr", "_expired", "_free_weak_ref", "_swap_data_ptr_")
@@ -43,7 +43,18 @@ _installed = False
 
 
 def install() -> None:
-    """Register the lend and retire hooks (idempotent). Called by ``enable(rescue=1)``."""
+    """Arm rescue (idempotent): ``enable(rescue=1)`` then installs the lend and retire hooks.
+    Called by the package's composition root; with rescue off no hook is ever installed."""
+    runtime.on_enable(_on_enable)
+
+
+def _on_enable(options: Dict[str, Any]) -> None:
+    if options.get("rescue"):
+        install_hooks()
+
+
+def install_hooks() -> None:
+    """Register the lend and retire hooks (idempotent)."""
     global _installed
     if not _installed:
         runtime.add_lend_hook(_on_lend)
@@ -122,8 +133,7 @@ def _rescue(lease: Lease, handle: int, event: ReuseEvent) -> None:
 def _remember(record: dict) -> None:
     with _lock:
         _records.append(record)
-    with runtime.state.lock:
-        runtime.state.events.append(record)
+    runtime.record_event("rescue", record)
 
 
 def rescues() -> List[dict]:
@@ -139,8 +149,7 @@ def clear() -> None:
             _free(handle)
         _handles.clear()
         _records.clear()
-    with runtime.state.lock:
-        runtime.state.events[:] = [e for e in runtime.state.events if e.get("kind") != "rescue"]
+    runtime.forget_events("rescue")
 
 
-__all__ = ["install", "rescues", "clear", "AVAILABLE", "ORDER"]
+__all__ = ["install", "install_hooks", "rescues", "clear", "AVAILABLE", "ORDER"]

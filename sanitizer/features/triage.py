@@ -30,7 +30,7 @@ from sanitizer.features.holders import Holder, find_holders, still_holding
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.core.sites import to_records
 
-ORDER = 300
+ORDER = runtime.RetireOrder.TRIAGE
 TRANSIENT_STREAK = 2  # after this many transient victims in a row, a site is walked only on confirmation
 
 _lock = threading.RLock()
@@ -52,14 +52,6 @@ class _Pending:
 
 _pending: Dict[int, _Pending] = {}  # lease id -> pending retention
 _streak: Dict[Tuple[Any, ...], int] = {}  # (lend site, reuse site) -> transient victims in a row
-
-
-def _events() -> List[dict]:
-    state = runtime.state
-    events = getattr(state, "events", None)
-    if events is None:  # older runtime without the shared list: keep ours on the state
-        events = state.events = []
-    return events
 
 
 def _site_key(lease: Lease, event: ReuseEvent) -> Tuple[Any, ...]:
@@ -182,8 +174,7 @@ def _confirm(p: _Pending, used_stale: bool) -> None:
         "thread": p.thread,
         "pid": os.getpid(),
     }
-    with state.lock:
-        _events().append(record)
+    runtime.record_event("retention", record)
 
 
 def _promote(h: Holder) -> Holder:
@@ -193,8 +184,7 @@ def _promote(h: Holder) -> Holder:
 def retentions() -> List[dict]:
     """Confirmed retention records so far (pending ones whose consumer had its turn are decided first)."""
     settle()
-    with runtime.state.lock:
-        return [e for e in _events() if e.get("kind") == "retention"]
+    return runtime.events("retention")
 
 
 def holder_of(lease_id: int) -> Optional[dict]:
@@ -203,8 +193,8 @@ def holder_of(lease_id: int) -> Optional[dict]:
         p = _pending.get(lease_id)
         if p is not None and p.holders:
             return p.holders[0].to_dict()
-    for e in _events():
-        if e.get("kind") == "retention" and e["lease"].get("lease_id") == lease_id:
+    for e in runtime.events("retention"):
+        if e["lease"].get("lease_id") == lease_id:
             return e.get("holder")
     return None
 
@@ -225,8 +215,7 @@ def reset() -> None:
 def clear() -> None:
     """Forget pending retentions, site statistics and the retention records (tests)."""
     reset()
-    with runtime.state.lock:
-        _events()[:] = [e for e in _events() if e.get("kind") != "retention"]
+    runtime.forget_events("retention")
 
 
 def install() -> None:

@@ -13,11 +13,13 @@ first: the consumer to fix first is at the top.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
 from typing import Any, Dict, Iterable, List, Optional, Set
 
+from sanitizer.core.units import format_bytes
 from sanitizer.torch_layer import runtime
 
 FORMAT = "ownership-sanitizer-report"
@@ -30,7 +32,7 @@ def _rank_info() -> Dict[str, Any]:
     dist = sys.modules.get("torch.distributed")
     try:
         if dist is not None and dist.is_available() and dist.is_initialized():
-            return {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
+            return {"rank": dist.get_rank(), "world_size": dist.get_worldformat_bytes()}
     except Exception:  # a half-torn-down process group at exit must not lose the report
         pass
     rank = os.environ.get("RANK")
@@ -63,8 +65,7 @@ def report(final: bool = False, exclude: Optional[Set[int]] = None) -> Dict[str,
     state = runtime.state
     pid = os.getpid()
     raw_errors = runtime.errors()
-    with state.lock:
-        raw_events = list(getattr(state, "events", []))
+    raw_events = runtime.events()
     if exclude:
         raw_errors = [e for e in raw_errors if id(e) not in exclude]
         raw_events = [e for e in raw_events if id(e) not in exclude]
@@ -108,13 +109,6 @@ def _site_text(site: Optional[dict]) -> Optional[str]:
     return f"{site['file']}:{line}" if line else site["file"]
 
 
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
-
-
 def summarize(rep: Dict[str, Any], pending: int = 0) -> Dict[str, Any]:
     """Counts by kind, retentions grouped by retaining consumer (biggest first), and a one-line summary."""
     errors_by_kind: Dict[str, int] = {}
@@ -149,10 +143,10 @@ def summarize(rep: Dict[str, Any], pending: int = 0) -> Dict[str, Any]:
         parts[0] += " (" + ", ".join(f"{n} {k}" for k, n in sorted(errors_by_kind.items())) + ")"
     if n_ret:
         parts.append(f"{n_ret} retention{'s' * (n_ret != 1)} by {len(consumers)} consumer"
-                     f"{'s' * (len(consumers) != 1)} ({_size(retained_bytes)})")
+                     f"{'s' * (len(consumers) != 1)} ({format_bytes(retained_bytes)})")
         top = consumers[0]
         parts.append(f"top: {top['consumer']}" + (f" at {top['site']}" if top["site"] else "")
-                     + f" ({top['count']}, {_size(top['bytes'])})")
+                     + f" ({top['count']}, {format_bytes(top['bytes'])})")
     else:
         parts.append("no retentions")
     return {
@@ -233,5 +227,27 @@ def validate(rep: Dict[str, Any]) -> List[str]:
     return _validate(rep, schema())
 
 
-__all__ = ["report", "write_report", "summarize", "merge", "load", "validate", "schema", "expand_path",
+_exit_writer_armed = False
+
+
+def _on_enable(options: Dict[str, Any]) -> None:
+    """Arm the exit writer (once) when enabled with a ``report`` path."""
+    global _exit_writer_armed
+    if options.get("report") and not _exit_writer_armed:
+        atexit.register(_write_report_at_exit)
+        _exit_writer_armed = True
+
+
+def _write_report_at_exit() -> None:
+    path = runtime.state.options.get("report")
+    if path:
+        write_report(path, final=True)
+
+
+def install() -> None:
+    """Make ``enable(report=path)`` write the report at exit (idempotent); called by the composition root."""
+    runtime.on_enable(_on_enable)
+
+
+__all__ = ["install", "report", "write_report", "summarize", "merge", "load", "validate", "schema", "expand_path",
            "FORMAT", "VERSION", "SCHEMA_PATH", "ERROR_KINDS"]

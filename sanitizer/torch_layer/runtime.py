@@ -6,8 +6,8 @@ only state the per-op path reads, without a lock (a dict lookup is atomic).
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
+import enum
 import os
 import threading
 import weakref
@@ -29,8 +29,18 @@ LendHook = Callable[[Lease, torch.Tensor], None]
 RetireHook = Callable[[Region, ReuseEvent, List[Lease]], None]
 """Called when a reuse or close retires alive leases, before the producer writes:
 ``(region, event, victims)``. A hook may rescue a victim (see :func:`disown`);
-victims still borrowed afterwards become stale. Orders: 100 verify checksums,
-200 rescue, 300 triage, 400 poison."""
+victims still borrowed afterwards become stale. Orders: see :class:`RetireOrder`."""
+EnableHook = Callable[[Dict[str, Any]], None]
+"""Called by :func:`enable` with the resolved options (a feature arms itself when asked)."""
+
+
+class RetireOrder(enum.IntEnum):
+    """Where each feature's retire hook runs (ascending), declared once."""
+
+    VERIFY = 100  # checksums: verify the borrowed bytes before anything else
+    RESCUE = 200  # rescue: copy victims out before the producer writes
+    TRIAGE = 300  # triage: record who still holds the victims
+    POISON = 400  # checksums: poison what is left stale
 
 
 class _State:
@@ -43,10 +53,10 @@ class _State:
         self.errors: List[dict] = []
         self.error_counts: Dict[int, int] = {}  # lease id -> stale uses seen
         self.lock = threading.RLock()
-        self.atexit_registered = False
         self.ledger = Ledger(on_live_change=_on_live_change)
         self.lend_hooks: List[LendHook] = []
         self.retire_hooks: List[Tuple[int, RetireHook]] = []  # (order, hook), run in ascending order
+        self.enable_hooks: List[EnableHook] = []  # run by enable() with the resolved options
         self.events: List[dict] = []  # non-error records: rescues, retentions, clones by policy
         self.modes = ModeController(self.stale, _on_stale_use)
 
@@ -215,11 +225,42 @@ def add_lend_hook(hook: LendHook) -> None:
         state.lend_hooks.append(hook)
 
 
-def add_retire_hook(hook: RetireHook, order: int) -> None:
+def add_retire_hook(hook: RetireHook, order: RetireOrder) -> None:
     """Register ``hook`` to run at each retirement (idempotent), ordered by ``order``."""
     if all(h is not hook for _, h in state.retire_hooks):
-        state.retire_hooks.append((order, hook))
+        state.retire_hooks.append((int(order), hook))
         state.retire_hooks.sort(key=lambda pair: pair[0])
+
+
+def on_enable(hook: EnableHook) -> None:
+    """Register ``hook(resolved_options)`` to run at each :func:`enable` (idempotent), in registration order."""
+    with state.lock:
+        if hook not in state.enable_hooks:
+            state.enable_hooks.append(hook)
+
+
+# -- events (non-error records: rescues, retentions, clones by policy) ------
+def record_event(kind: str, record: dict) -> dict:
+    """File ``record`` (its ``kind`` set to ``kind``) among the events; returns it."""
+    record["kind"] = kind
+    with state.lock:
+        state.events.append(record)
+    return record
+
+
+def events(kind: Optional[str] = None) -> List[dict]:
+    """The events so far (a copy), only those of ``kind`` when given."""
+    with state.lock:
+        return [e for e in state.events if kind is None or e.get("kind") == kind]
+
+
+def forget_events(kind: Optional[str] = None, record: Optional[dict] = None) -> None:
+    """Drop the events of ``kind`` (all when None), or only ``record`` (by identity) when given."""
+    with state.lock:
+        if record is not None:
+            state.events[:] = [e for e in state.events if e is not record]
+        else:
+            state.events[:] = [e for e in state.events if kind is not None and e.get("kind") != kind]
 
 
 def disown(lease: Lease) -> None:
@@ -269,13 +310,8 @@ def enable(**options: Any) -> None:
             state.modes.install_here()
             _tensor_hooks(True)
             state.modes.sync_main(_wants_interception)
-        if resolved["report"] and not state.atexit_registered:
-            atexit.register(_write_report_at_exit)
-            state.atexit_registered = True
-        if resolved.get("rescue"):
-            from sanitizer.features.rescue import install as _install_rescue  # lazily: off means no hook at all
-
-            _install_rescue()
+        for hook in list(state.enable_hooks):  # features arm themselves (rescue, the exit report)
+            hook(resolved)
 
 
 def disable() -> None:
@@ -320,14 +356,6 @@ def clear_errors() -> None:
     with state.lock:
         state.errors.clear()
         state.error_counts.clear()
-
-
-def _write_report_at_exit() -> None:
-    from sanitizer.reporting.report import write_report
-
-    path = state.options.get("report")
-    if path:
-        write_report(path, final=True)
 
 
 def activate_from_environment(environ: Optional[Dict[str, str]] = None) -> bool:

@@ -1,0 +1,148 @@
+"""Layering contract for the ``sanitizer`` package (issue 9).
+
+Every module under ``sanitizer/`` belongs to a layer; a module may import only
+sanitizer modules of its own layer or a lower one, and sanitizer modules must not
+import each other in a cycle.  ``core`` stays free of torch, numpy and numba.
+The package face (``sanitizer/__init__.py``) and ``sanitizer/__main__.py`` are the
+composition root and are exempt.  All imports count, including those inside
+functions, relative and absolute.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Dict, List, Optional, Set, Tuple
+
+PKG = "sanitizer"
+ROOT = Path(__file__).resolve().parent.parent / PKG
+
+LAYERS = {
+    "core": 0,
+    "torch_layer": 1,
+    "features": 2,
+    "adapters": 3,
+    "reporting": 4,
+    "tools": 5,
+    "testing": 5,
+}
+TOP = max(LAYERS.values())
+EXEMPT = {PKG, f"{PKG}.__main__"}
+CORE_FORBIDDEN = {"torch", "numpy", "numba"}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> Dict[str, Path]:
+    return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _layer(mod: str) -> Optional[int]:
+    parts = mod.split(".")
+    if len(parts) < 2:
+        return None
+    return LAYERS.get(parts[1])
+
+
+def _imports(mod: str, path: Path) -> List[Tuple[str, int]]:
+    """Every imported module name (absolute) with its line, including names
+    imported from a package that are themselves modules."""
+    is_pkg = path.name == "__init__.py"
+    package = mod if is_pkg else mod.rpartition(".")[0]
+    out: List[Tuple[str, int]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.extend((alias.name, node.lineno) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                if node.level > 1:
+                    base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            out.append((target, node.lineno))
+            out.extend((f"{target}.{alias.name}", node.lineno) for alias in node.names)
+    return out
+
+
+def _graph() -> Tuple[Dict[str, Path], Dict[str, List[Tuple[str, int]]]]:
+    mods = _modules()
+    edges: Dict[str, List[Tuple[str, int]]] = {}
+    for mod, path in mods.items():
+        found = []
+        for target, line in _imports(mod, path):
+            # resolve to the longest sanitizer module the name denotes
+            name = target
+            while name and name not in mods:
+                name = name.rpartition(".")[0]
+            if name and name != mod and name.split(".")[0] == PKG:
+                found.append((name, line))
+        edges[mod] = found
+    return mods, edges
+
+
+def test_every_module_has_a_layer():
+    unknown = [m for m in _modules() if m not in EXEMPT and _layer(m) is None]
+    assert not unknown, f"modules outside any layer: {unknown}"
+
+
+def test_no_upward_imports():
+    mods, edges = _graph()
+    bad = []
+    for mod, targets in edges.items():
+        if mod in EXEMPT:
+            continue
+        mine = _layer(mod)
+        for target, line in targets:
+            if target == PKG:  # the face composes every layer: only the top layer may use it
+                if mine != TOP:
+                    bad.append(f"{mod} (line {line}, layer {mine}) imports the package face {target!r}")
+                continue
+            theirs = _layer(target)
+            if theirs is not None and mine is not None and theirs > mine:
+                bad.append(f"{mod} (line {line}, layer {mine}) imports {target} (layer {theirs})")
+    assert not bad, "upward imports:\n  " + "\n  ".join(sorted(set(bad)))
+
+
+def test_no_import_cycles():
+    mods, edges = _graph()
+    graph = {m: sorted({t for t, _ in ts if t not in EXEMPT}) for m, ts in edges.items() if m not in EXEMPT}
+    # a submodule's import of its own parent package is implicit in Python; skip those edges.
+    cycles: List[List[str]] = []
+    color: Dict[str, int] = {}
+    stack: List[str] = []
+
+    def visit(node: str) -> None:
+        color[node] = 1
+        stack.append(node)
+        for nxt in graph.get(node, ()):
+            if node.startswith(nxt + "."):
+                continue
+            if color.get(nxt) == 1:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in color:
+                visit(nxt)
+        stack.pop()
+        color[node] = 2
+
+    for node in sorted(graph):
+        if node not in color:
+            visit(node)
+    assert not cycles, "import cycles:\n  " + "\n  ".join(" -> ".join(c) for c in cycles)
+
+
+def test_core_imports_no_array_libraries():
+    bad = []
+    for mod, path in _modules().items():
+        if _layer(mod) != 0:
+            continue
+        for target, line in _imports(mod, path):
+            if target.split(".")[0] in CORE_FORBIDDEN:
+                bad.append(f"{mod} (line {line}) imports {target}")
+    assert not bad, "core must stay torch/numpy/numba-free:\n  " + "\n  ".join(sorted(set(bad)))
