@@ -155,6 +155,16 @@ def checksum(t: torch.Tensor) -> int:
     return to_unsigned(int(out.item()))
 
 
+def _enqueue_hash(raw: torch.Tensor, launch: Any) -> None:
+    """The CUDA prologue of the hashing calls: on ``raw``'s device, hand ``launch(gpu, data,
+    scratch, stream)`` the bytes and this stream's scratch as numba arrays, and torch's current
+    stream."""
+    ctx, gpu, handle = _on_device(raw)
+    with ctx:
+        launch(gpu, _as_numba(gpu, raw), _as_numba(gpu, _scratch_for(raw.device, handle), np.uint64),
+               gpu.stream_for(handle))
+
+
 def checksum_into(t: torch.Tensor, out: torch.Tensor, slot: int) -> None:
     """``out[slot] = hash(t)`` (int64 bit pattern), same device as ``t``.
 
@@ -166,15 +176,8 @@ def checksum_into(t: torch.Tensor, out: torch.Tensor, slot: int) -> None:
     if raw.device.type == "cpu":
         out[slot] = to_signed(_cpu().hash_bytes(raw.numpy()))
         return
-    ctx, gpu, handle = _on_device(raw)
-    with ctx:
-        gpu.checksum_async(
-            _as_numba(gpu, raw),
-            _as_numba(gpu, _scratch_for(raw.device, handle), np.uint64),
-            _as_numba(gpu, out, np.uint64),
-            slot,
-            gpu.stream_for(handle),
-        )
+    _enqueue_hash(raw, lambda gpu, data, scratch, stream: gpu.checksum_async(
+        data, scratch, _as_numba(gpu, out, np.uint64), slot, stream))
 
 
 def verify_into(t: torch.Tensor, expected: torch.Tensor, slot: int, flags: torch.Tensor) -> None:
@@ -190,16 +193,8 @@ def verify_into(t: torch.Tensor, expected: torch.Tensor, slot: int, flags: torch
         if to_signed(_cpu().hash_bytes(raw.numpy())) != int(expected[slot]):
             flags[slot] = 1
         return
-    ctx, gpu, handle = _on_device(raw)
-    with ctx:
-        gpu.verify_async(
-            _as_numba(gpu, raw),
-            _as_numba(gpu, _scratch_for(raw.device, handle), np.uint64),
-            _as_numba(gpu, expected, np.uint64),
-            slot,
-            _as_numba(gpu, flags),
-            gpu.stream_for(handle),
-        )
+    _enqueue_hash(raw, lambda gpu, data, scratch, stream: gpu.verify_async(
+        data, scratch, _as_numba(gpu, expected, np.uint64), slot, _as_numba(gpu, flags), stream))
 
 
 def poison(t: torch.Tensor, byte: int) -> None:

@@ -232,6 +232,15 @@ def _launch(name: str, kernel: Any, blocks: int, stream: Any, *args: Any) -> Non
     _compile_seconds[name] = time.perf_counter() - t0
 
 
+def _launch_hash(name: str, kernel: Any, data: Any, scratch: Any, blocks: int | None, stream: Any,
+                 *rest: Any) -> None:
+    """The hashing kernels' shared prologue: size the grid (unless ``blocks`` is given), split
+    off the aligned words, and launch ``kernel(words, data, nbytes, scratch, *rest)``."""
+    nbytes = data.size
+    blocks = blocks or _grid((nbytes + 7) // 8, 4)
+    _launch(name, kernel, blocks, stream, _split(data, nbytes), data, nbytes, scratch, *rest)
+
+
 def checksum_async(
     data: Any, scratch: Any, out: Any, slot: int, stream: Any, blocks: int | None = None
 ) -> None:
@@ -242,9 +251,7 @@ def checksum_async(
     (one per stream); ``out``: uint64 device array.  ``blocks`` overrides the
     grid size (tests use it to reach every code path on small inputs).
     """
-    nbytes = data.size
-    blocks = blocks or _grid((nbytes + 7) // 8, 4)
-    _launch("cuda_checksum", _checksum_kernel, blocks, stream, _split(data, nbytes), data, nbytes, scratch, out, slot)
+    _launch_hash("cuda_checksum", _checksum_kernel, data, scratch, blocks, stream, out, slot)
 
 
 def verify_async(
@@ -255,9 +262,7 @@ def verify_async(
     ``flags`` is an int32 device array; a match leaves the flag unchanged, so a
     flag once raised stays raised until the caller clears it.
     """
-    nbytes = data.size
-    blocks = blocks or _grid((nbytes + 7) // 8, 4)
-    _launch("cuda_verify", _verify_kernel, blocks, stream, _split(data, nbytes), data, nbytes, scratch, expected, slot, flags)
+    _launch_hash("cuda_verify", _verify_kernel, data, scratch, blocks, stream, expected, slot, flags)
 
 
 def poison_async(data: Any, byte: int, stream: Any) -> None:

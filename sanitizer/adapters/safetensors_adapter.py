@@ -14,14 +14,13 @@ its tensors are served through a :class:`~sanitizer.torch_layer.ring.StagingRing
 from __future__ import annotations
 
 import functools
-import json
 import os
-import struct
 import threading
 from typing import Any, Iterable, Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 
+from sanitizer.core.safetensors_header import read_header
 from sanitizer.torch_layer import runtime
 from sanitizer.torch_layer.iterators import EmulatedBorrowing, emulate_borrowed
 from sanitizer.torch_layer.ring import StagingRing
@@ -47,14 +46,7 @@ def _safe_open() -> Any:
 
 def header(path: str) -> dict:
     """The safetensors JSON header of ``path`` (tensor name -> dtype, shape, data_offsets)."""
-    with open(path, "rb") as fh:
-        size = fh.read(8)
-        if len(size) != 8:
-            raise ValueError(f"'{path}' is not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", size)
-        meta = json.loads(fh.read(n))
-    meta.pop("__metadata__", None)
-    return meta
+    return read_header(path)[0]
 
 
 def largest_tensor_bytes(paths: Sequence[str]) -> int:

@@ -8,10 +8,23 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Optional
+from typing import Any, Dict, List, Optional
 
 from sanitizer.core.ledger import Lease, ReuseEvent
 from sanitizer.core.sites import Site, format_site, to_records
+
+
+def _record(kind: str, summary: str, **fields: Any) -> Dict[str, Any]:
+    """The JSON-ready report entry every error carries: its kind, summary and own fields, then
+    the thread and process that raised it."""
+    return {"kind": kind, "summary": summary, **fields,
+            "thread": threading.current_thread().name, "pid": os.getpid()}
+
+
+def _event_lines(event: ReuseEvent) -> List[str]:
+    """The "reused at" (or "closed at") header and stack of a report."""
+    return [f"  {'closed' if event.kind == 'close' else 'reused'} at (thread {event.thread or '?'}):",
+            format_site(event.site)]
 
 
 class OwnershipError(RuntimeError):
@@ -34,17 +47,10 @@ class StaleBorrowError(OwnershipError):
         self.used_at = used_at
         self.used_as = used_as
         self.summary = stale_summary(lease, event, op)
-        self.record = {
-            "kind": "stale_use",
-            "summary": self.summary,
-            "op": op,
-            "lease": lease.to_dict(),
-            "event": event.to_dict(),
-            "used_as": used_as,
-            "used_at": to_records(used_at),
-            "thread": threading.current_thread().name,
-            "pid": os.getpid(),
-        }
+        self.record = _record(
+            "stale_use", self.summary, op=op, lease=lease.to_dict(), event=event.to_dict(),
+            used_as=used_as, used_at=to_records(used_at),
+        )
         super().__init__(self.render())
 
     def render(self) -> str:
@@ -57,8 +63,7 @@ class StaleBorrowError(OwnershipError):
             f"  lent at (generation {lease.generation}, bytes [{lease.start:#x}, {lease.end:#x}) "
             f"of '{lease.region_name}'):",
             format_site(lease.site),
-            f"  {'closed' if event.kind == 'close' else 'reused'} at (thread {event.thread or '?'}):",
-            format_site(event.site),
+            *_event_lines(event),
             f"  used at (thread {threading.current_thread().name}):",
             format_site(self.used_at),
         ])
@@ -84,18 +89,11 @@ class BorrowCorruptedError(OwnershipError):
             f"[{lease.start:#x}, {lease.end:#x}) changed behind the buffer API while lent "
             f"(checksum expected {expected_text}, found {found_text}; checked at {where})"
         )
-        self.record = {
-            "kind": "checksum_mismatch",
-            "summary": self.summary,
-            "where": where,
-            "expected": expected,
-            "found": found,
-            "lease": lease.to_dict(),
-            "event": event.to_dict() if event is not None else None,
-            "verified_at": to_records(verified_at),
-            "thread": threading.current_thread().name,
-            "pid": os.getpid(),
-        }
+        self.record = _record(
+            "checksum_mismatch", self.summary, where=where, expected=expected, found=found,
+            lease=lease.to_dict(), event=event.to_dict() if event is not None else None,
+            verified_at=to_records(verified_at),
+        )
         super().__init__(self.render())
 
     def render(self) -> str:
@@ -105,8 +103,7 @@ class BorrowCorruptedError(OwnershipError):
             format_site(self.lease.site),
         ]
         if self.event is not None:
-            lines += [f"  {'closed' if self.event.kind == 'close' else 'reused'} at (thread {self.event.thread or '?'}):",
-                      format_site(self.event.site)]
+            lines += _event_lines(self.event)
         lines += [f"  verified at (thread {threading.current_thread().name}):", format_site(self.verified_at)]
         return "\n".join(lines)
 

@@ -17,14 +17,27 @@ Site = Tuple[Tuple[CodeType, int], ...]
 """A captured stack, innermost frame first, as (code object, instruction offset) pairs."""
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_INTERNAL_PREFIXES: Tuple[str, ...] = (_PKG_DIR + os.sep,)
-# sanitizer/testing/ holds reference *consumers* (the deferred loader, the demos): a report must
-# show their frames like any user code, so only the plumbing around them is internal.
+# The one rule for "our own frames", shared by stack capture here and the holder walk in
+# sanitizer.features.holder_paths: files under the sanitizer package and under cuda_hooks/
+# (its numba kernels) are internal, except sanitizer/testing/, which holds reference
+# *consumers* (the deferred loader, the demos, quickstart): a report must show their frames
+# like any user code, so only the plumbing around them is internal.
+_HOOKS_DIR = os.path.join(os.path.dirname(_PKG_DIR), "cuda_hooks")
+_INTERNAL_PREFIXES: Tuple[str, ...] = (_PKG_DIR + os.sep, _HOOKS_DIR + os.sep)
 _USER_PREFIX = os.path.join(_PKG_DIR, "testing") + os.sep
 
 
 def _internal(filename: str, prefixes: Tuple[str, ...]) -> bool:
     return filename.startswith(prefixes) and not filename.startswith(_USER_PREFIX)
+
+
+def is_internal_file(filename: str) -> bool:
+    """Whether ``filename`` is our own plumbing (hidden from stacks and holder walks).
+
+    Files under the sanitizer package, under ``cuda_hooks/`` and under any prefix given to
+    :func:`add_internal_prefix` are internal; ``sanitizer/testing/`` is not (it is user code).
+    """
+    return _internal(filename, _INTERNAL_PREFIXES)
 
 
 def add_internal_prefix(path: str) -> None:
@@ -103,4 +116,4 @@ def format_site(site: Optional[Site], indent: str = "    ") -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Site", "capture", "capture_excluding", "to_records", "format_site", "add_internal_prefix"]
+__all__ = ["Site", "is_internal_file", "capture", "capture_excluding", "to_records", "format_site", "add_internal_prefix"]

@@ -31,6 +31,7 @@ from sanitizer.torch_layer import runtime
 from sanitizer.core.errors import BorrowCorruptedError
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.core.sites import capture
+from sanitizer.core.spans import merge, subtract
 from sanitizer.torch_layer.staging import buffer_bytes
 
 _lock = threading.RLock()
@@ -159,43 +160,17 @@ def on_poison(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
     data = buffer_bytes(region.region_id)
     if data is None:
         return
-    spans = _merge([(l.start, l.end) for l in victims if not l.rescued and l.alive])
+    spans = merge([(l.start, l.end) for l in victims if not l.rescued and l.alive])
     if not spans:
         return
     lo, hi = spans[0][0], spans[-1][1]
     keep = [(l.start, l.end) for l in runtime.state.ledger.overlapping(region.region_id, lo, hi)]
     if event.kind == "reuse":
         keep.append((event.start, event.end))
-    keep = _merge(keep)
+    keep = merge(keep)
     hooks = _kernels()
-    for start, end in _subtract(spans, keep):
+    for start, end in subtract(spans, keep):
         hooks.poison(data[start:end], opts["poison_byte"])
-
-
-def _merge(spans: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
-    out: List[Tuple[int, int]] = []
-    for start, end in sorted(spans):
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        elif end > start:
-            out.append((start, end))
-    return out
-
-
-def _subtract(spans: List[Tuple[int, int]], holes: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
-    """``spans`` minus ``holes`` (both sorted, merged, half-open)."""
-    out = []
-    for start, end in spans:
-        cur = start
-        for h_start, h_end in holes:
-            if h_end <= cur or h_start >= end:
-                continue
-            if h_start > cur:
-                out.append((cur, h_start))
-            cur = max(cur, h_end)
-        if cur < end:
-            out.append((cur, end))
-    return out
 
 
 # -- public API ----------------------------------------------------------------
@@ -250,8 +225,8 @@ def _synchronize_at_exit() -> None:
 def install() -> None:
     """Plug the checks into lending and retirement (idempotent; cheap while the options are off)."""
     runtime.add_lend_hook(on_lend)
-    runtime.add_retire_hook(on_retire, 100)
-    runtime.add_retire_hook(on_poison, 400)
+    runtime.add_retire_hook(on_retire, runtime.RetireOrder.VERIFY)
+    runtime.add_retire_hook(on_poison, runtime.RetireOrder.POISON)
 
 
 __all__ = ["verify", "synchronize", "install", "on_lend", "on_retire", "on_poison"]

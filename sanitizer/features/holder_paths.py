@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import gc
 import inspect
-import os
 import re
 import sys
 import types
@@ -24,8 +23,8 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
-_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_USER_FACING = {"quickstart.py", "demo.py"}  # our example programs are consumers, not plumbing
+from sanitizer.core.sites import is_internal_file
+
 _CO_OPTIMIZED = inspect.CO_OPTIMIZED
 GEN_FLAGS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 _SNAPSHOT_LOCALS = sys.version_info < (3, 13)  # PEP 667: 3.13 gives a write-through proxy instead
@@ -63,8 +62,8 @@ def consumer_key(path: str) -> str:
 
 
 def internal(code: types.CodeType) -> bool:
-    name = code.co_filename
-    return name.startswith(_PKG_DIR) and os.path.basename(name) not in _USER_FACING
+    """Our own frame? The same rule as stack capture: :func:`sanitizer.core.sites.is_internal_file`."""
+    return is_internal_file(code.co_filename)
 
 
 def qualname(code: types.CodeType) -> str:

@@ -31,6 +31,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from sanitizer.core import options as _opts
+from sanitizer.core.units import format_bytes
 from sanitizer.tools import startup
 
 _PKG_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -168,11 +169,7 @@ def _finish_run(args: argparse.Namespace, files: List[str], code: int) -> int:
 
 
 # -- triage ------------------------------------------------------------------
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
+_size = format_bytes  # the one byte-size formatter, shared with the report
 
 
 def _frame(rec: Optional[dict]) -> str:

@@ -26,6 +26,7 @@ import torch
 from sanitizer.torch_layer import runtime
 from sanitizer.torch_layer.aliasing import byte_extent, device_key
 from sanitizer.core.ledger import Lease
+from sanitizer.core.spans import subtract
 from sanitizer.torch_layer.ring import StagingRing
 from sanitizer.torch_layer.staging import BORROWED_MARKER, StagingBuffer
 
@@ -46,20 +47,6 @@ def _pair(item: Any, label: str) -> Tuple[Any, torch.Tensor]:
         what = f"a tuple of {len(item)}" if isinstance(item, tuple) else type(item).__name__
         raise TypeError(f"{label}: expected the loader to yield (name, tensor) pairs, got {what}: {item!r:.120}")
     return item
-
-
-def _subtract(span: Tuple[int, int], holes: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
-    """``span`` minus the union of ``holes`` (half-open intervals)."""
-    out, cur = [], span[0]
-    for start, end in sorted(holes):
-        if end <= cur or start >= span[1]:
-            continue
-        if start > cur:
-            out.append((cur, start))
-        cur = max(cur, end)
-    if cur < span[1]:
-        out.append((cur, span[1]))
-    return out
 
 
 class _Window:
@@ -228,7 +215,7 @@ class BorrowedIterator(_LeasingIterator):
                       if l is not lease]
             # Bytes another yield still within its lifetime covers stay valid (an aliasing yield):
             # retiring them would turn that yield stale too early, and poison would change it.
-            for start, end in _subtract((entry.start, entry.end), others):
+            for start, end in subtract([(entry.start, entry.end)], others):
                 window.buffer.retire(start, end - start)
         window.pending -= 1
         if window.pending == 0 and window.buffer is not None and runtime.state.ledger.overlapping(

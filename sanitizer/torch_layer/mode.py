@@ -43,6 +43,24 @@ _METADATA_ONLY = {
 
 _NEEDS_CHECK: Dict[Any, bool] = {}
 
+# Private torch APIs, feature-detected (as sanitizer.features.rescue does its own): the mode may
+# leave a thread's dispatch-mode stack only from the top, and these say what is on top.
+_STACK_API_NAMES = ("_len_torch_dispatch_stack", "_get_dispatch_stack_at")
+STACK_INTROSPECTION: bool = all(hasattr(torch._C, n) for n in _STACK_API_NAMES)
+STACK_INTROSPECTION_MISSING: Optional[str] = None if STACK_INTROSPECTION else (
+    "this torch lacks torch._C." + "/".join(n for n in _STACK_API_NAMES if not hasattr(torch._C, n))
+    + ": the borrow-check mode, once installed in a thread, stays there (cheap while no lease is"
+    " stale) instead of being removed when no lease is alive")
+
+
+def _top_dispatch_mode() -> Any:
+    """The mode on top of this thread's dispatch-mode stack (None when empty).
+
+    Only call when :data:`STACK_INTROSPECTION` is true.
+    """
+    depth = torch._C._len_torch_dispatch_stack()
+    return torch._C._get_dispatch_stack_at(depth - 1) if depth else None
+
 StaleHandler = Callable[[Any, Any, torch.Tensor], None]  # (lease, func, tensor)
 
 
@@ -120,13 +138,16 @@ class ModeController:
         """Pop this thread's mode if it is on top of the stack; False if it must wait.
 
         Inside an op's dispatch (or under a mode pushed later by someone else)
-        the mode is not on top; it then stays until the next call here.
+        the mode is not on top; it then stays until the next call here. On a torch
+        without the private stack APIs (:data:`STACK_INTROSPECTION_MISSING` says
+        which) the mode always stays.
         """
         mode = getattr(self._tls, "mode", None)
         if mode is None:
             return True
-        depth = torch._C._len_torch_dispatch_stack()
-        if depth == 0 or torch._C._get_dispatch_stack_at(depth - 1) is not mode:
+        # Without stack introspection we cannot tell whether the mode is on top, and popping one
+        # that is not would unwind someone else's: keep it installed (correct, only slower).
+        if not STACK_INTROSPECTION or _top_dispatch_mode() is not mode:
             return False
         mode.__exit__(None, None, None)
         self._tls.mode = None

@@ -10,13 +10,13 @@ hand out the ring's view (borrowed), or an owned copy (``copy=True``, the
 from __future__ import annotations
 
 import json
-import os
 import random
 import struct
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from sanitizer.core.safetensors_header import read_header as _read_raw_header
 from sanitizer.testing.reference.fused_loaders import TinyConfig, TinyForCausalLM, checkpoint_layout
 from sanitizer.features.ownership import own
 from sanitizer.torch_layer.ring import StagingRing
@@ -90,15 +90,7 @@ def write_checkpoint(path: str, cfg: TinyConfig, order: str = "interleaved", see
 
 def read_header(path: str) -> Tuple[List[Entry], int, Dict[str, str]]:
     """``(entries in file order, offset of the data section, metadata)``."""
-    with open(path, "rb") as fh:
-        raw = fh.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > os.path.getsize(path):
-            raise ValueError(f"{path}: header length {n} exceeds the file size")
-        header = json.loads(fh.read(n))
-    meta = header.pop("__metadata__", {}) or {}
+    header, meta, data_start = _read_raw_header(path)
     entries = []
     for name, spec in header.items():
         if spec["dtype"] not in _FROM_ST:
@@ -106,7 +98,7 @@ def read_header(path: str) -> Tuple[List[Entry], int, Dict[str, str]]:
         begin, end = spec["data_offsets"]
         entries.append((name, _FROM_ST[spec["dtype"]], tuple(spec["shape"]), begin, end))
     entries.sort(key=lambda e: e[3])
-    return entries, 8 + n, meta
+    return entries, data_start, meta
 
 
 def stream_through_ring(path: str, ring: StagingRing, *, copy: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
