@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import ast
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -12,7 +14,7 @@ from sanitizer.core.ledger import FIRST_GENERATION, Ledger, LedgerError
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sanitizer")
 
 
-@pytest.mark.parametrize("module", ["core/ledger.py", "core/sites.py", "core/options.py"])
+@pytest.mark.parametrize("module", ["core/ledger.py", "core/sites.py", "core/options.py", "core/errors.py"])
 def test_pure_modules_import_no_torch_or_numpy(module):
     tree = ast.parse(open(os.path.join(PKG, module)).read())
     names = set()
@@ -160,3 +162,98 @@ def test_closed_regions_are_forgotten_once_no_lease_reaches_them():
     assert lease.stale_by.region_name == "held"
     led.release(lease.lease_id)
     assert led.regions() == []
+
+
+def test_disown_ends_the_borrow_without_making_it_stale():
+    changes = []
+    led = Ledger(on_live_change=changes.append)
+    r = led.add_region("r", "cpu", 0, 100)
+    a = led.lend(r.region_id, 0, 10, "a", "uint8", (10,))
+    b = led.lend(r.region_id, 10, 20, "b", "uint8", (10,))
+    assert led.live_count == 2 and changes == [1]
+    assert led.disown(a.lease_id) is a
+    assert a.rescued and not a.stale
+    assert led.lease(a.lease_id) is None and a not in led.live_leases()  # no longer a borrow
+    assert led.live_count == 1 and changes == [1]
+    with pytest.raises(LedgerError):
+        led.is_stale(a.lease_id)
+    # a later reuse of its bytes makes only the still-borrowed lease a victim
+    event, victims = led.reuse(r.region_id, 0, 20, by="next")
+    assert victims == [b] and not a.stale and a.stale_by is None
+    assert led.stale_cause(a.lease_id) is None and led.stale_alive() == [b]
+    assert led.overlapping(r.region_id, 0, 100, include_stale=True) == [b]
+    # twice, or an id the ledger never lent, is a no-op
+    assert led.disown(a.lease_id) is None and led.disown(10_000) is None
+    assert led.release(a.lease_id) is None  # its storage dying later is no event either
+    assert led.live_count == 1 and changes == [1]
+    led.disown(b.lease_id)  # a stale lease can be disowned too: the borrow (and its staleness) ends
+    assert b.rescued and not b.stale and led.stale_alive() == []
+    assert led.live_count == 0 and changes == [1, 0]
+
+
+def test_disown_lets_a_closed_region_be_forgotten():
+    led = Ledger()
+    r = led.add_region("r", "cpu", 0, 100)
+    lease = led.lend(r.region_id, 0, 10, "x", "uint8", (10,))
+    led.close(r.region_id)
+    assert [x.name for x in led.regions()] == ["r"]
+    led.disown(lease.lease_id)
+    assert led.regions() == []
+
+
+_TORCHLESS = r"""
+import sys
+sys.modules['torch'] = None  # any 'import torch' now raises ImportError
+import sanitizer
+import sanitizer.core.errors, sanitizer.core.ledger, sanitizer.core.options
+from sanitizer.core.ledger import Ledger
+led = Ledger()
+r = led.add_region('r', 'cpu', 0x1000, 64)
+a = led.lend(r.region_id, 0, 8, 'a', 'uint8', (8,))
+b = led.lend(r.region_id, 8, 16, 'b', 'uint8', (8,))
+_, victims = led.reuse(r.region_id, 0, 8, by='next')
+assert victims == [a] and a.stale and not b.stale
+led.disown(b.lease_id); led.release(a.lease_id)
+assert led.live_count == 0
+assert sanitizer.OptionError is sanitizer.core.options.OptionError
+assert 'option' in sanitizer.options_table()
+assert issubclass(sanitizer.StaleBorrowError, sanitizer.OwnershipError)
+assert sanitizer.LedgerError is sanitizer.core.ledger.LedgerError
+assert sys.modules['torch'] is None, 'torch was imported'
+assert not [m for m in sys.modules if m.startswith(('torch.', 'numba', 'numpy'))]
+print('ok')
+"""
+
+
+def _clean_env():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OWNERSHIP_SANITIZE")}
+    root = os.path.dirname(PKG)
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def test_core_and_the_package_face_import_without_torch():
+    proc = subprocess.run([sys.executable, "-c", _TORCHLESS], env=_clean_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["ok"]
+
+
+def test_importing_the_package_loads_no_torch_until_a_torch_name_is_used():
+    code = ("import sys, sanitizer\n"
+            "print('torch' in sys.modules, 'numba' in sys.modules, 'sanitizer.torch_layer' in sys.modules)\n"
+            "print(set(sanitizer.__all__) <= set(dir(sanitizer)))\n"
+            "print(sanitizer.enabled(), 'torch' in sys.modules, 'numba' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=_clean_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", "False", "False", "True", "False", "True", "False"]
+
+
+def test_the_features_are_installed_when_the_torch_layer_is_imported_directly():
+    code = ("import sanitizer.torch_layer.runtime as r, sanitizer.features.checksums as c, sys\n"
+            "print(sys.modules['sanitizer']._loaded, any(h is c.on_retire for _, h in r.state.retire_hooks))\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=_clean_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "True"]
