@@ -185,11 +185,10 @@ def verify(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"verify expects tensors, got {type(t).__name__}")
-        lease = runtime.lease_of(t)
-        if lease is None:
+        if runtime.check_not_stale(t, "sanitizer.verify"):
             continue
-        if lease.stale_by is not None:
-            runtime._on_stale_use(lease, "sanitizer.verify", t)
+        lease = runtime.lease_of(t)
+        if lease is None or lease.stale_by is not None:
             continue
         _check(lease, "verify", None)
 

@@ -80,15 +80,28 @@ def _on_live_change(alive: int) -> None:
 _ORIG_TOLIST = torch.Tensor.tolist
 
 
+def check_not_stale(tensor: torch.Tensor, where: str) -> bool:
+    """The one stale check for reads the dispatch mode cannot see (``tolist``, ``verify``, ...).
+
+    Reports through :func:`raise_or_record` when ``tensor``'s lease is stale and
+    returns True (when the error was recorded, not raised); False when it is not stale.
+    The mode's per-op path does the same lookup inline, for speed.
+    """
+    if not state.stale:
+        return False
+    try:
+        lease = state.stale.get(storage_key(tensor))
+    except (RuntimeError, NotImplementedError):  # sparse, nested, storage-less subclasses
+        return False
+    if lease is None:
+        return False
+    _on_stale_use(lease, where, tensor)
+    return True
+
+
 def _checked_tolist(self: torch.Tensor):
     """``tolist`` reads memory in C++ without dispatching any op, so the mode cannot see it."""
-    if state.stale:
-        try:
-            lease = state.stale.get(storage_key(self))
-        except (RuntimeError, NotImplementedError):
-            lease = None
-        if lease is not None:
-            _on_stale_use(lease, "Tensor.tolist", self)
+    check_not_stale(self, "Tensor.tolist")
     return _ORIG_TOLIST(self)
 
 
