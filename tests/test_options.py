@@ -86,3 +86,19 @@ def test_readme_option_table_is_generated_from_the_table():
     readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
     block = readme.split(opts.README_BEGIN)[1].split(opts.README_END)[0].strip()
     assert block == opts.markdown_table(), "run: ownsan options --sync-readme README.md"
+
+
+def test_resolved_options_are_frozen_typed_and_hold_the_cross_option_rule():
+    o = opts.resolve({"stack_depth": "4", "halt_on_error": "1"})
+    assert o["stack_depth"] == 4 and o.stack_depth == 4 and isinstance(o["halt_on_error"], bool)
+    with pytest.raises(TypeError):
+        o["stack_depth"] = 5  # type: ignore[index]
+    with pytest.raises(AttributeError, match="frozen"):
+        o.stack_depth = 5
+    assert o.halts and not o.replace(triage=True).halts  # triage overrides halt_on_error
+    assert o.replace(stack_depth=2)["stack_depth"] == 2 and o["stack_depth"] == 4
+    with pytest.raises(opts.OptionError, match="unknown option 'stack_dept'"):
+        o.replace(stack_dept=2)
+    assert dict(o) == dict(opts.resolve(dict(o)))
+    import pickle
+    assert dict(pickle.loads(pickle.dumps(o))) == dict(o)

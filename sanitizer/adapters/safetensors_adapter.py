@@ -33,7 +33,7 @@ _original_safe_open: Any = None
 
 
 def wanted() -> bool:
-    return runtime.state.options.get("safetensors_ring", 0) > 0
+    return runtime.state.options["safetensors_ring"] > 0
 
 
 def _safe_open() -> Any:

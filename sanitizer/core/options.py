@@ -130,7 +130,53 @@ def _unknown(name: str) -> OptionError:
     return OptionError(f"unknown option '{name}'; valid options: {', '.join(sorted(OPTIONS))}")
 
 
-def resolve(values: Mapping[str, Any], base: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+class Options(Mapping):
+    """The options in force: frozen, every value parsed to its table type.
+
+    Built only by :func:`resolve`, so a value never skips validation; read as
+    ``opts["stack_depth"]`` or ``opts.stack_depth``; change by building a new
+    one (:meth:`replace`). Rules that join several options live here, once.
+    """
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: Mapping[str, Any]) -> None:
+        object.__setattr__(self, "_values", dict(values))
+
+    def __getitem__(self, name: str) -> Any:
+        return self._values[name]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(f"no option '{name}'") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"options are frozen: build new ones with replace({name}=...)")
+
+    def __repr__(self) -> str:
+        return f"Options({self._values!r})"
+
+    def __reduce__(self):
+        return (Options, (self._values,))
+
+    def replace(self, **changes: Any) -> "Options":
+        return resolve(changes, base=self)
+
+    @property
+    def halts(self) -> bool:
+        """Does a finding raise at once? ``triage=1`` overrides ``halt_on_error=1``: triage records every finding."""
+        return bool(self._values["halt_on_error"]) and not self._values["triage"]
+
+
+def resolve(values: Mapping[str, Any], base: Optional[Mapping[str, Any]] = None) -> Options:
     """Validate ``values`` (strings or Python values) over ``base`` (defaults if None)."""
     out = dict(defaults() if base is None else base)
     for name, raw in values.items():
@@ -138,7 +184,7 @@ def resolve(values: Mapping[str, Any], base: Optional[Mapping[str, Any]] = None)
         if opt is None:
             raise _unknown(name)
         out[name] = opt.parse(raw)
-    return out
+    return Options(out)
 
 
 def parse_options_string(text: str) -> Dict[str, str]:

@@ -213,10 +213,12 @@ def _synchronize_at_exit() -> None:
     if not _slots:
         return
     try:
-        saved = runtime.state.options["halt_on_error"]
-        runtime.state.options["halt_on_error"] = False  # at exit, record: there is no caller to raise to
-        synchronize()
-        runtime.state.options["halt_on_error"] = saved
+        saved = runtime.state.options
+        runtime.state.options = saved.replace(halt_on_error=False)  # at exit, record: no caller to raise to
+        try:
+            synchronize()
+        finally:
+            runtime.state.options = saved
     except Exception as exc:  # a torn-down CUDA context must not turn exit into a traceback
         print(f"ownership-sanitizer: device checksum flags unreadable at exit: {exc}", file=sys.stderr)
 

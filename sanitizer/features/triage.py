@@ -144,9 +144,9 @@ def _confirm(p: _Pending, used_stale: bool) -> None:
     _streak[p.site_key] = 0
     lease = p.lease
     state = runtime.state
-    if p.holders is None and lease.alive and state.options.get("triage_budget_ms", 1000) > 0:
-        result = find_holders({lease.handle}, depth=state.options.get("triage_depth", 8),
-                              budget_ms=state.options.get("triage_budget_ms", 1000))
+    if p.holders is None and lease.alive and state.options["triage_budget_ms"] > 0:
+        result = find_holders({lease.handle}, depth=state.options["triage_depth"],
+                              budget_ms=state.options["triage_budget_ms"])
         p.holders = result.holders.get(lease.handle, [])
         p.walk = {"when": "confirm", "ms": round(result.ms, 3), "tensors": result.tensors,
                   "truncated": result.truncated}

@@ -83,7 +83,7 @@ def pytest_runtest_setup(item: Any) -> None:
     from sanitizer.torch_layer import runtime
     from sanitizer.features import triage
 
-    before = (runtime.state.enabled, dict(runtime.state.options))
+    before = (runtime.state.enabled, runtime.state.options)
     triage.reset()
     try:
         sanitizer.enable(**options)

@@ -45,7 +45,7 @@ class RetireOrder(enum.IntEnum):
 
 class _State:
     def __init__(self) -> None:
-        self.options: Dict[str, Any] = _opts.defaults()
+        self.options: _opts.Options = _opts.resolve({})
         self.enabled = False
         self.by_storage: Dict[int, Lease] = {}  # storage address -> alive lease
         self.stale: Dict[int, Lease] = {}  # storage address -> alive *stale* lease
@@ -129,7 +129,7 @@ def _on_stale_use(lease: Lease, func: Any, tensor: torch.Tensor) -> None:
 
 def raise_or_record(err: "OwnershipError", lease: Lease) -> None:
     """Every sanitizer error goes through here: raised (halt_on_error=1) or recorded and let go."""
-    if state.options["halt_on_error"] and not state.options["triage"]:
+    if state.options.halts:
         with state.lock:
             state.errors.append(err.record)
         raise err
@@ -344,7 +344,7 @@ def enabled() -> bool:
 @contextlib.contextmanager
 def sanitize(**options: Any) -> Iterator[None]:
     """``with sanitizer.sanitize(halt_on_error=0): ...``: debug mode for a block, then the previous state."""
-    before_enabled, before_options = state.enabled, dict(state.options)
+    before_enabled, before_options = state.enabled, state.options
     enable(**options)
     try:
         yield
