@@ -130,31 +130,26 @@ def _unknown(name: str) -> OptionError:
     return OptionError(f"unknown option '{name}'; valid options: {', '.join(sorted(OPTIONS))}")
 
 
-class Options(Mapping):
+class Options(dict):
     """The options in force: frozen, every value parsed to its table type.
 
     Built only by :func:`resolve`, so a value never skips validation; read as
     ``opts["stack_depth"]`` or ``opts.stack_depth``; change by building a new
     one (:meth:`replace`). Rules that join several options live here, once.
+    A read-only ``dict`` subclass rather than a Mapping: lending reads options
+    on the hot path, and a dict lookup stays in C.
     """
 
-    __slots__ = ("_values",)
+    __slots__ = ()
 
-    def __init__(self, values: Mapping[str, Any]) -> None:
-        object.__setattr__(self, "_values", dict(values))
+    def _frozen(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("options are frozen: build new ones with replace(name=value)")
 
-    def __getitem__(self, name: str) -> Any:
-        return self._values[name]
-
-    def __iter__(self):
-        return iter(self._values)
-
-    def __len__(self) -> int:
-        return len(self._values)
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _frozen  # type: ignore
 
     def __getattr__(self, name: str) -> Any:
         try:
-            return self._values[name]
+            return self[name]
         except KeyError:
             raise AttributeError(f"no option '{name}'") from None
 
@@ -162,10 +157,13 @@ class Options(Mapping):
         raise AttributeError(f"options are frozen: build new ones with replace({name}=...)")
 
     def __repr__(self) -> str:
-        return f"Options({self._values!r})"
+        return f"Options({dict.__repr__(self)})"
 
     def __reduce__(self):
-        return (Options, (self._values,))
+        return (Options, (dict(self),))
+
+    def __copy__(self) -> "Options":
+        return self
 
     def replace(self, **changes: Any) -> "Options":
         return resolve(changes, base=self)
@@ -173,7 +171,7 @@ class Options(Mapping):
     @property
     def halts(self) -> bool:
         """Does a finding raise at once? ``triage=1`` overrides ``halt_on_error=1``: triage records every finding."""
-        return bool(self._values["halt_on_error"]) and not self._values["triage"]
+        return bool(self["halt_on_error"]) and not self["triage"]
 
 
 def resolve(values: Mapping[str, Any], base: Optional[Mapping[str, Any]] = None) -> Options:
