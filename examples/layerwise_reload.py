@@ -1,12 +1,12 @@
 """The bug that started this project, end to end on CPU: run ``python examples/layerwise_reload.py``.
 
 A layerwise deferred loader (vLLM's online-quantization reload, reproduced
-small in ``sanitizer/reference/deferred_loader.py``) retains borrowed views of a staging
+small in ``sanitizer/testing/reference/deferred_loader.py``) retains borrowed views of a staging
 ring until each layer is complete; the ring has moved on by then. The demo
 loads a real ``.safetensors`` checkpoint five ways (unsafe, debug mode,
 clone-on-defer, rescue, copy-everything) and prints a table of corrupted
 tensors, errors raised, load time and peak extra memory. ``--help`` lists the
-size and order options. The implementation is ``sanitizer/reference/demo.py``.
+size and order options. The implementation is ``sanitizer/testing/demo.py``.
 """
 from __future__ import annotations
 
