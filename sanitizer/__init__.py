@@ -206,35 +206,6 @@ else:  # pragma: no cover  (the package re-imported after its torch layer)
     _load()
 
 
-def __getattr__(self, name):
-        return getattr(self._loader, name)
-
-
-class _TorchLayerFinder:
-    """A one-shot meta-path finder for ``sanitizer.torch_layer`` (removes itself once used)."""
-
-    @classmethod
-    def find_spec(cls, fullname, path=None, target=None):
-        if fullname != __name__ + ".torch_layer":
-            return None
-        try:
-            sys.meta_path.remove(cls)
-        except ValueError:
-            pass
-        import importlib.machinery
-
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
-        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _ComposingLoader(spec.loader)
-        return spec
-
-
-if __name__ + ".torch_layer" not in sys.modules:
-    sys.meta_path.insert(0, _TorchLayerFinder)
-else:  # pragma: no cover  (the package re-imported after its torch layer)
-    _load()
-
-
 def __getattr__(name: str):
     target = _CORE.get(name)
     if target is None:

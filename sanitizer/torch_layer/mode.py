@@ -61,6 +61,7 @@ def _top_dispatch_mode() -> Any:
     depth = torch._C._len_torch_dispatch_stack()
     return torch._C._get_dispatch_stack_at(depth - 1) if depth else None
 
+
 StaleHandler = Callable[[Any, Any, torch.Tensor], None]  # (lease, func, tensor)
 
 
