@@ -4,25 +4,26 @@ Per op, the mode does one dict test (are any leases stale at all?) and, only
 then, one storage-address lookup per tensor argument. No pytree, no stack
 capture: those cost 20 µs and more per op (see docs/domain notes).
 
-Dispatch modes live on a per-thread stack. :class:`ModeController` installs the
-mode in a thread while the sanitizer is enabled *and* a lease is alive, and
-removes it as soon as no lease is alive, so a program pays per-op interception
-only while borrowed memory is reachable. That holds for the thread that lends
-and for the main thread, even when a loader lends from a background thread and
-hands the views to the main thread: the controller asks the main thread to
-follow through CPython's pending-call queue (``Py_AddPendingCall``), which runs
-in the main thread at its next bytecode boundary. Other threads started while
-the sanitizer is enabled get the mode at start (a mode cannot be pushed into an
-arbitrary thread later); there it stays until the thread ends, taking the
-cheap path while no lease is stale. Threads started before ``enable()`` that
-never lend are not checked: enable first (``OWNERSHIP_SANITIZE=1`` does).
+Dispatch modes live on a per-thread stack; :class:`ModeController` decides
+where ours sits. The main thread carries it only while a stale lease exists (a
+program whose leases are all fresh pays nothing per op there), following every
+change at once or, when another thread made it, at its next bytecode boundary
+through CPython's pending-call queue (``Py_AddPendingCall``). Other threads get
+the mode when they start while the sanitizer is enabled, or when they lend (a
+mode cannot be pushed into another thread later), and keep it until they end,
+taking the cheap path while nothing is stale. Threads started before
+``enable()`` that never lend are not checked: enable first
+(``OWNERSHIP_SANITIZE=1`` does); the guard's tombstones cover their reads.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import sys
 import threading
-from typing import Any, Callable, Dict, Optional
+import weakref
+from types import MappingProxyType
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -43,23 +44,10 @@ _METADATA_ONLY = {
 
 _NEEDS_CHECK: Dict[Any, bool] = {}
 
-# Private torch APIs, feature-detected (as sanitizer.features.rescue does its own): the mode may
-# leave a thread's dispatch-mode stack only from the top, and these say what is on top.
-_STACK_API_NAMES = ("_len_torch_dispatch_stack", "_get_dispatch_stack_at")
-STACK_INTROSPECTION: bool = all(hasattr(torch._C, n) for n in _STACK_API_NAMES)
-STACK_INTROSPECTION_MISSING: Optional[str] = None if STACK_INTROSPECTION else (
-    "this torch lacks torch._C." + "/".join(n for n in _STACK_API_NAMES if not hasattr(torch._C, n))
-    + ": the borrow-check mode, once installed in a thread, stays there (cheap while no lease is"
-    " stale) instead of being removed when no lease is alive")
-
-
-def _top_dispatch_mode() -> Any:
-    """The mode on top of this thread's dispatch-mode stack (None when empty).
-
-    Only call when :data:`STACK_INTROSPECTION` is true.
-    """
-    depth = torch._C._len_torch_dispatch_stack()
-    return torch._C._get_dispatch_stack_at(depth - 1) if depth else None
+# The dispatch-mode stack is manipulated through torch's private stack API (present since
+# torch 2.1; this package needs 2.4): ours goes beneath the user's modes and leaves from
+# wherever it is. Infra modes (fake, proxy, functional) live in slots of their own.
+_INFRA_KEYS = tuple(torch._C._TorchDispatchModeKey.__members__.values())
 
 
 StaleHandler = Callable[[Any, Any, torch.Tensor], None]  # (lease, func, tensor)
@@ -75,15 +63,26 @@ def _decide(func: Any) -> bool:
 
 
 class BorrowCheckMode(TorchDispatchMode):
-    """Raises (through ``on_stale``) before any op touches a stale lease's storage."""
+    """Raises (through ``on_stale``) before any op touches a stale lease's storage.
 
-    def __init__(self, stale: Dict[int, Any], on_stale: StaleHandler):
+    Placed on the stack by :class:`ModeController` directly (not with ``with``),
+    so it never sets torch's process-wide "inside a mode" flags.
+    """
+
+    def __init__(self, stale: Mapping[int, Any], on_stale: StaleHandler):
         super().__init__()
-        self._stale = stale
+        self.stale = stale
         self._on_stale = on_stale
+        self.leave_requested = False  # a removal had to wait (see ModeController.retry_leave)
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """torch.compile keeps compiling while a lease is alive; compiled kernels run unchecked
+        (the guard's tombstones still keep them off the next tensor's bytes)."""
+        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self._stale:
+        if self.stale:
             needs = _NEEDS_CHECK.get(func)
             if needs is None:
                 needs = _NEEDS_CHECK[func] = _decide(func)
@@ -96,7 +95,7 @@ class BorrowCheckMode(TorchDispatchMode):
         return func(*args)
 
     def _scan(self, func: Any, values) -> None:
-        stale = self._stale
+        stale = self.stale
         for a in values:
             if isinstance(a, torch.Tensor):
                 self._test(func, a, stale)
@@ -105,7 +104,7 @@ class BorrowCheckMode(TorchDispatchMode):
                     if isinstance(x, torch.Tensor):
                         self._test(func, x, stale)
 
-    def _test(self, func: Any, t: torch.Tensor, stale: Dict[int, Any]) -> None:
+    def _test(self, func: Any, t: torch.Tensor, stale: Mapping[int, Any]) -> None:
         try:
             key = t.untyped_storage()._cdata
         except (RuntimeError, NotImplementedError):  # sparse, nested, storage-less subclasses
@@ -116,43 +115,79 @@ class BorrowCheckMode(TorchDispatchMode):
 
 
 class ModeController:
-    """Installs :class:`BorrowCheckMode` per thread, only while it is needed."""
+    """Places :class:`BorrowCheckMode` in threads, and takes it out again, by these rules.
+
+    * **Beneath the user's modes.** Ours is inserted at the bottom of a thread's
+      (non-infra) dispatch-mode stack, so a user mode entered before or after is
+      always above it and its ``__exit__`` pops its own mode, never ours.
+    * **Gone before its thread ends.** A thread ending with a Python mode object in
+      its C++ thread-local stack releases it after its Python state is gone; if the
+      interpreter is finalizing then, the process aborts ("terminate called without
+      an active exception"). So threads remove ours on their way out
+      (``Thread._delete``), and the main thread at exit (``atexit``).
+    * **Never dropped while it may be needed.** A thread other than main keeps its
+      mode until it ends (a mode cannot be pushed into another thread later);
+      :meth:`arm` makes all of them inert on ``disable()`` and live again on ``enable()``.
+      Only the main thread follows ``wants()`` both ways, through
+      ``Py_AddPendingCall`` when another thread changes the state.
+    """
 
     def __init__(self, stale: Dict[int, Any], on_stale: StaleHandler):
         self._stale = stale
         self._on_stale = on_stale
+        self._armed = True
         self._tls = threading.local()
+        self._lock = threading.Lock()
+        self._modes: "weakref.WeakSet[BorrowCheckMode]" = weakref.WeakSet()
+        self._installed = 0  # threads whose stack holds one of ours
         self._orig_bootstrap: Optional[Callable] = None
+        self._orig_delete: Optional[Callable] = None
+        self._atexit = False
         self._main_wants: Callable[[], bool] = lambda: False
         self._pending = _PendingCall(self._sync_main) if _PendingCall.available() else None
 
+    # -- this thread -------------------------------------------------------------
     def installed_here(self) -> bool:
         return getattr(self._tls, "mode", None) is not None
 
     def install_here(self) -> None:
-        if getattr(self._tls, "mode", None) is None:
-            mode = BorrowCheckMode(self._stale, self._on_stale)
-            mode.__enter__()
-            self._tls.mode = mode
+        """Insert a mode beneath this thread's user modes (no-op when one is there)."""
+        if getattr(self._tls, "mode", None) is not None:
+            return
+        mode = BorrowCheckMode(self._stale if self._armed else _NOTHING_STALE, self._on_stale)
+        _insert_at_bottom(mode)
+        self._tls.mode = mode
+        with self._lock:
+            self._modes.add(mode)
+            self._installed += 1
+            self._watch_thread_ends()
 
     def uninstall_here(self) -> bool:
-        """Pop this thread's mode if it is on top of the stack; False if it must wait.
+        """Take this thread's mode off its stack, wherever it sits; False if it must wait.
 
-        Inside an op's dispatch (or under a mode pushed later by someone else)
-        the mode is not on top; it then stays until the next call here. On a torch
-        without the private stack APIs (:data:`STACK_INTROSPECTION_MISSING` says
-        which) the mode always stays.
+        It must wait while this thread runs our own ``__torch_dispatch__`` (the
+        mode is off the stack then, and torch puts it back on return): the mode
+        then asks to be removed at the next bytecode boundary outside it.
         """
         mode = getattr(self._tls, "mode", None)
         if mode is None:
             return True
-        # Without stack introspection we cannot tell whether the mode is on top, and popping one
-        # that is not would unwind someone else's: keep it installed (correct, only slower).
-        if not STACK_INTROSPECTION or _top_dispatch_mode() is not mode:
+        if not _remove_from_stack(mode):
+            mode.leave_requested = True
             return False
-        mode.__exit__(None, None, None)
+        mode.leave_requested = False
         self._tls.mode = None
+        with self._lock:
+            self._installed -= 1
         return True
+
+    # -- every thread ------------------------------------------------------------
+    def arm(self, on: bool) -> None:
+        """Make every mode of ours check (``on``) or pass everything through (disabled)."""
+        with self._lock:
+            self._armed = on
+            for mode in list(self._modes):
+                mode.stale = self._stale if on else _NOTHING_STALE
 
     # -- the main thread ---------------------------------------------------------
     def sync_main(self, wants: Callable[[], bool]) -> None:
@@ -167,13 +202,22 @@ class ModeController:
         elif self._pending is not None:
             self._pending.schedule()
 
+    def retry_leave(self) -> None:
+        """Retry a removal that had to wait (the last stale lease died inside one of our own
+        dispatches, e.g. ``set_``): called at the next lend and reuse, outside any op."""
+        mode = getattr(self._tls, "mode", None)
+        if mode is not None and mode.leave_requested:
+            self._sync_main()
+
     def _sync_main(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
         if self._main_wants():
             self.install_here()
         else:
             self.uninstall_here()
 
-    # -- threads started while enabled ---------------------------------------
+    # -- thread starts and ends ----------------------------------------------------
     def hook_threads(self, should_install: Callable[[], bool]) -> None:
         """Make threads started from now on install the mode when ``should_install()``."""
         if self._orig_bootstrap is not None:
@@ -184,7 +228,10 @@ class ModeController:
         def _bootstrap_inner(thread: threading.Thread) -> None:
             if should_install():
                 controller.install_here()
-            orig(thread)
+            try:
+                orig(thread)
+            finally:  # also done in Thread._delete; this covers Pythons without it
+                controller.uninstall_here()
 
         self._orig_bootstrap = orig
         threading.Thread._bootstrap_inner = _bootstrap_inner  # type: ignore[attr-defined]
@@ -193,6 +240,68 @@ class ModeController:
         if self._orig_bootstrap is not None:
             threading.Thread._bootstrap_inner = self._orig_bootstrap  # type: ignore[attr-defined]
             self._orig_bootstrap = None
+
+    def _watch_thread_ends(self) -> None:
+        """(Under the lock.) Remove ours from any thread as it ends, and from main at exit."""
+        if not self._atexit:
+            atexit.register(self._at_exit)
+            self._atexit = True
+        orig = getattr(threading.Thread, "_delete", None)
+        if self._orig_delete is not None or orig is None:
+            return
+        controller = self
+
+        def _delete(thread: threading.Thread) -> None:
+            try:
+                controller.uninstall_here()
+            except Exception:  # never keep a thread from ending
+                pass
+            orig(thread)
+
+        self._orig_delete = orig
+        threading.Thread._delete = _delete  # type: ignore[attr-defined]
+
+    def _at_exit(self) -> None:
+        """Interpreter shutdown: nothing of ours may stay on the main thread's stack."""
+        self.arm(False)
+        if threading.current_thread() is threading.main_thread():
+            self.uninstall_here()
+
+
+_NOTHING_STALE: Mapping[int, Any] = MappingProxyType({})
+
+
+def _user_mode_count() -> int:
+    """Modes on this thread's stack that are not infra modes (fake, proxy, functional)."""
+    infra = sum(1 for key in _INFRA_KEYS if torch._C._get_dispatch_mode(key) is not None)
+    return torch._C._len_torch_dispatch_stack() - infra
+
+
+def _insert_at_bottom(mode: "BorrowCheckMode") -> None:
+    """Push ``mode`` beneath every user mode of this thread (infra modes have slots of their own)."""
+    above = [torch._C._pop_torch_dispatch_stack(None) for _ in range(_user_mode_count())]
+    try:
+        torch._C._push_on_torch_dispatch_stack(mode)
+    finally:
+        for other in reversed(above):
+            torch._C._push_on_torch_dispatch_stack(other)
+
+
+def _remove_from_stack(mode: "BorrowCheckMode") -> bool:
+    """Take ``mode`` out of this thread's user modes, keeping the others in order; False if absent."""
+    above: List[Any] = []
+    found = False
+    try:
+        for _ in range(_user_mode_count()):
+            top = torch._C._pop_torch_dispatch_stack(None)
+            if top is mode:
+                found = True
+                break
+            above.append(top)
+    finally:
+        for other in reversed(above):
+            torch._C._push_on_torch_dispatch_stack(other)
+    return found
 
 
 class _PendingCall:

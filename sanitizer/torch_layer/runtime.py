@@ -53,7 +53,8 @@ class _State:
         self.errors: List[dict] = []
         self.error_counts: Dict[int, int] = {}  # lease id -> stale uses seen
         self.lock = threading.RLock()
-        self.ledger = Ledger(on_live_change=_on_live_change)
+        self.ledger = Ledger()
+        self.intercepting = False  # tolist hook set and the main thread asked to carry the mode
         self.lend_hooks: List[LendHook] = []
         self.retire_hooks: List[Tuple[int, RetireHook]] = []  # (order, hook), run in ascending order
         self.enable_hooks: List[EnableHook] = []  # run by enable() with the resolved options
@@ -62,19 +63,22 @@ class _State:
 
 
 def _wants_interception() -> bool:
-    return state.enabled and state.ledger.live_count > 0
+    return state.enabled and bool(state.stale)
 
 
-def _on_live_change(alive: int) -> None:
-    """Interception exists only while a lease is alive (and the sanitizer is enabled)."""
-    if alive == 0:
-        state.modes.uninstall_here()
-        _tensor_hooks(False)
-        if state.enabled:
-            state.modes.sync_main(_wants_interception)
-    elif state.enabled:
-        _tensor_hooks(True)
-        state.modes.sync_main(_wants_interception)
+def _sync_interception() -> None:
+    """Per-op interception in the main thread (and the ``tolist`` hook) exists only while
+    a stale lease is reachable and the sanitizer is enabled; called after every change
+    of either. Cheap when nothing flips: it runs at each lease's death."""
+    if _wants_interception() == state.intercepting:
+        return
+    with state.lock:
+        want = _wants_interception()
+        if want == state.intercepting:
+            return
+        state.intercepting = want
+        _tensor_hooks(want)
+    state.modes.sync_main(_wants_interception)
 
 
 _ORIG_TOLIST = torch.Tensor.tolist
@@ -87,7 +91,7 @@ def check_not_stale(tensor: torch.Tensor, where: str) -> bool:
     returns True (when the error was recorded, not raised); False when it is not stale.
     The mode's per-op path does the same lookup inline, for speed.
     """
-    if not state.stale:
+    if not state.stale or not state.enabled:
         return False
     try:
         lease = state.stale.get(storage_key(tensor))
@@ -167,8 +171,11 @@ def track_lease(region: Region, start: int, nbytes: int, view: torch.Tensor, pie
     state.by_storage[key] = lease
     ref = weakref.ref(piece, _lease_died)
     state.tokens[id(ref)] = (ref, lease)
+    state.modes.retry_leave()
     if state.enabled:
-        if not state.modes.installed_here():
+        # A lending thread other than main keeps a mode until it ends: its consumers may
+        # read here after the reuse. The main thread follows the stale set instead.
+        if not state.modes.installed_here() and threading.current_thread() is not threading.main_thread():
             state.modes.install_here()
         for hook in state.lend_hooks:
             hook(lease, view)
@@ -192,6 +199,8 @@ def _unfile(lease: Lease) -> None:
         del state.by_storage[key]
     if lease.stale_by is not None and state.stale.get(key) is lease:
         del state.stale[key]
+        if not state.stale:
+            _sync_interception()
 
 
 def retire(region: Region, start: int, end: int, by: Optional[str], kind: str = "reuse") -> ReuseEvent:
@@ -200,6 +209,7 @@ def retire(region: Region, start: int, end: int, by: Optional[str], kind: str = 
     depth = state.options["stack_depth"]
     site: Site = capture(depth) if depth else ()
     event, victims = state.ledger.reuse(region.region_id, start, end, by, site, threading.current_thread().name, kind)
+    state.modes.retry_leave()
     _run_retire_hooks(region, event, victims)
     return event
 
@@ -231,6 +241,8 @@ def _mark_stale(victims: List[Lease]) -> None:
     for lease in victims:
         if lease.handle is not None and lease.alive and not lease.rescued:
             state.stale[lease.handle] = lease
+    if state.stale:
+        _sync_interception()
 
 
 def add_lend_hook(hook: LendHook) -> None:
@@ -318,22 +330,21 @@ def enable(**options: Any) -> None:
     with state.lock:
         state.options = resolved
         state.enabled = True
+        state.modes.arm(True)
         state.modes.hook_threads(lambda: state.enabled)
-        if state.ledger.live_count:
-            state.modes.install_here()
-            _tensor_hooks(True)
-            state.modes.sync_main(_wants_interception)
+        _sync_interception()
         for hook in list(state.enable_hooks):  # features arm themselves (rescue, the exit report)
             hook(resolved)
 
 
 def disable() -> None:
-    """Turn debug mode off: no mode stays installed in this thread, no thread hook remains."""
+    """Turn debug mode off: no error anywhere from now on, no mode in the main thread, no
+    thread hook. Other threads' modes pass everything through until those threads end."""
     with state.lock:
         state.enabled = False
+        state.modes.arm(False)
         state.modes.unhook_threads()
-        state.modes.uninstall_here()
-        _tensor_hooks(False)
+        _sync_interception()
         state.modes.sync_main(_wants_interception)
 
 
@@ -349,10 +360,12 @@ def sanitize(**options: Any) -> Iterator[None]:
     try:
         yield
     finally:
-        with state.lock:
+        if before_enabled:  # even when the block called disable()
             state.options = before_options
-        if not before_enabled:
+            enable()
+        else:
             disable()
+            state.options = before_options
 
 
 def options() -> Dict[str, Any]:
