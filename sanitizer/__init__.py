@@ -17,7 +17,7 @@ import os
 import sys
 import threading
 
-__version__ = "0.1.0"
+from sanitizer.core.version import __version__  # single-sourced: pyproject.toml reads it too
 
 __all__ = [
     "StagingBuffer",
@@ -121,6 +121,7 @@ def _load(blocking: bool = True) -> None:
         _loading = True
         try:
             from sanitizer.features import checksums as _checksums
+            from sanitizer.features import guard as _guard
             from sanitizer.features import triage as _triage
             from sanitizer.features.rescue import install as _install_rescue
             from sanitizer.reporting.report import install as _install_report
@@ -129,6 +130,7 @@ def _load(blocking: bool = True) -> None:
             _checksums.install()
             _triage.install()
             _install_rescue()  # enable(rescue=1) installs its hooks
+            _guard.install()  # enable(guard=1), the default, installs its hooks
             _install_report()  # enable(report=path) writes the report at exit
             _loaded = True
         finally:

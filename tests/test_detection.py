@@ -233,7 +233,7 @@ def test_no_interception_remains_once_no_stale_lease_is_reachable():
         del v
         gc.collect()
         assert torch._C._len_torch_dispatch_stack() == 0
-        assert "tolist" not in torch.Tensor.__dict__ or torch.Tensor.tolist is not sanitizer.torch_layer.runtime._checked_tolist
+        assert not sanitizer.torch_layer.readers.hooked() and "tolist" not in torch.Tensor.__dict__
     assert torch._C._len_torch_dispatch_stack() == 0
 
 

@@ -189,3 +189,37 @@ def test_sanitize_restores_enabled_when_its_block_called_disable():
     w = _stale_view(buf)
     with pytest.raises(StaleBorrowError):
         w.sum()
+
+
+def test_a_caught_error_does_not_keep_the_stale_view_alive():
+    code = (
+        "import gc, torch, sanitizer\n"
+        "from sanitizer.torch_layer import runtime\n"
+        "gc.collect(); gc.disable()\n"  # no cyclic GC: only reference counts free things
+        "b = sanitizer.StagingBuffer(256)\n"
+        "w = b.write(0, torch.ones(4), name='w'); b.reuse(0, 16)\n"
+        "try:\n"
+        "    w.sum()\n"
+        "except sanitizer.StaleBorrowError:\n"
+        "    pass\n"
+        "del w\n"
+        "print(runtime.state.ledger.live_count)\n"
+    )
+    proc = run_python(code, {"OWNERSHIP_SANITIZE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["0"]
+
+
+def test_records_are_capped_in_total_and_the_rest_counted():
+    buf = StagingBuffer(256)
+    kept = []
+    with sanitizer.sanitize(halt_on_error=0, max_records=6, max_errors_per_lease=1):
+        for i in range(20):
+            v = buf.write(0, torch.ones(4), name=f"v{i}")
+            buf.reuse(0, 16)
+            v.sum()
+            kept.append(v)
+        counts = runtime.record_counts()
+        rep = sanitizer.report()
+    assert counts["errors_seen"] == 20 and counts["errors_kept"] + counts["events_kept"] <= 6
+    assert rep["error_count"] == 20 and rep["records_dropped"] >= 14

@@ -44,6 +44,10 @@ class Option:
 
     def parse(self, raw: Any) -> Any:
         """Turn ``raw`` (a string from the environment, or a Python value) into this option's type."""
+        if isinstance(raw, str) and not raw.strip() and self.type is not str:
+            raise OptionError(f"option '{self.name}': empty value {raw!r}; give {'an' if self.type is int else 'a'} {self.type.__name__} "
+                              f"(e.g. {self.name}={int(self.default) if self.type is bool else self.default!r}) "
+                              f"or leave the option out for its default")
         try:
             if isinstance(raw, str):
                 value = {bool: parse_bool, int: _parse_int, float: float, str: str}[self.type](raw)
@@ -89,9 +93,16 @@ OPTIONS: Dict[str, Option] = {
                "the lease while it is alive and at sanitizer.verify(): catches writes that bypass the buffer API."),
         Option("poison", bool, False,
                "Fill the bytes of every retired lease with poison_byte before the producer writes, so stale reads "
-               "through any path (numpy, C extensions) read NaN rather than plausible weights."),
+               "through any path (numpy, C extensions) read NaN rather than plausible weights. Only memory the "
+               "sanitizer allocated (StagingBuffer(nbytes), rings) is written; adopted loader memory (adopt(), "
+               "borrowed_iterator) never is."),
         Option("poison_byte", int, 0xFF,
                "The poison fill byte; 0xFF reads as NaN in fp16, bf16 and fp32.", _byte),
+        Option("guard", bool, True,
+               "When a reuse or close retires a lease that something still holds (and rescue did not take it), "
+               "re-point its storage to a tombstone filled with poison_byte, so a read the dispatch mode cannot see "
+               "(ctypes, a C extension, DLPack, a thread started before enable) reads NaN, never the next tensor's "
+               "bytes. The tombstone is freed with the lease; stats() counts them."),
         Option("quarantine", int, 0,
                "StagingRing: retire each tensor when the next one is put (strict lifetime) and keep the N most "
                "recently retired regions out of reuse (growing the ring if it must), so stale reads keep hitting "
@@ -115,9 +126,18 @@ OPTIONS: Dict[str, Option] = {
                _non_negative),
         Option("triage_depth", int, 8,
                "Referrer levels the holder walk climbs before it gives up.", _non_negative),
+        Option("max_records", int, 1000,
+               "Keep at most this many error and event records in all (errors, rescues, retentions); later ones "
+               "are counted, not kept, so a long run's memory stays bounded. 0: count only.", _non_negative),
         Option("max_errors_per_lease", int, 4,
                "With halt_on_error=0, keep at most this many stale-use records for one lease (the rest are counted).",
                _non_negative),
+        Option("timeline_events", int, 10000,
+               "Lends kept (the most recent) for the report's timeline of each staging buffer (ownsan triage --html, "
+               "--trace); reuses come from the ledger's history. 0: no timeline.", _non_negative),
+        Option("fail_on_retention", bool, True,
+               "ownsan run exits 1 when a retention was confirmed, even without an error (as LeakSanitizer fails "
+               "a run that leaked). 0: only errors fail the run."),
     ]
 }
 
@@ -127,7 +147,11 @@ def defaults() -> Dict[str, Any]:
 
 
 def _unknown(name: str) -> OptionError:
-    return OptionError(f"unknown option '{name}'; valid options: {', '.join(sorted(OPTIONS))}")
+    import difflib
+
+    close = difflib.get_close_matches(name, OPTIONS, n=1, cutoff=0.75)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return OptionError(f"unknown option '{name}'{hint}; valid options: {', '.join(sorted(OPTIONS))}")
 
 
 class Options(dict):

@@ -19,30 +19,57 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import re
 import sys
 import threading
+import traceback
 import weakref
 from types import MappingProxyType
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _aten = torch.ops.aten
 
-# View ops only re-describe memory, so a stale lease may still be viewed (its
-# metadata stays readable, as with JAX's deleted arrays). detach and alias are
-# the exception: tolist(), numpy-style readers and nn.Parameter read through them.
-_READS_THROUGH = {_aten.detach.default, _aten.alias.default}
-_METADATA_ONLY = {
-    getattr(_aten, name).default
-    for name in ("empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
-                 "new_empty", "new_zeros", "new_ones", "new_full", "sym_size", "sym_stride",
-                 "sym_numel", "sym_storage_offset", "is_same_size")
-    if hasattr(_aten, name) and hasattr(getattr(_aten, name), "default")
-}
+# Which arguments of an op touch tensor *data* is read from the op's schema, as PyTorch's
+# stream sanitizer (torch.cuda._sanitizer) does: an argument aliased by the output and not
+# written (a view's input: view, narrow, t, detach, alias...) is metadata only; so are the
+# inputs of factories that copy only metadata (new_*, *_like); an op returning only
+# non-tensor values (bool, int, sizes) that writes nothing and is not tagged
+# data_dependent_output (is_pinned, sym_size, is_same_size...) reads metadata only.
+# Everything else (reads, and writes through Tensor(a!) arguments) is checked. A stale view
+# may thus still be viewed and asked its shape, as with JAX's deleted arrays.
+_FACTORY = re.compile(r"(new_.*|.*_like)$")
+_DATA_DEPENDENT = getattr(torch.Tag, "data_dependent_output", None)
+_TO_COPY = {_aten._to_copy.default}  # .to("meta") copies nothing: decided per call
 
-_NEEDS_CHECK: Dict[Any, bool] = {}
+CheckPlan = Union[bool, Tuple[Tuple[int, str], ...]]
+"""True: every tensor argument; False: none; else (position, name) of the arguments to check."""
+_PLANS: Dict[Any, CheckPlan] = {}
+
+
+def _holds_tensors(arg: Any) -> bool:
+    return "Tensor" in str(arg.type)
+
+
+def _plan(func: Any) -> CheckPlan:
+    """Which arguments of ``func`` read or write tensor data, from its schema (cached per op)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return True
+    if _FACTORY.match(schema.name.split("::")[-1]):
+        return False
+    tensor_args = [(i, a) for i, a in enumerate(schema.arguments) if _holds_tensors(a)]
+    written = [a for _, a in tensor_args if a.alias_info is not None and a.alias_info.is_write]
+    if (schema.returns and not written and not any(_holds_tensors(r) for r in schema.returns)
+            and not (_DATA_DEPENDENT is not None and _DATA_DEPENDENT in getattr(func, "tags", ()))):
+        return False  # a metadata query
+    checked = [(i, a.name) for i, a in tensor_args if a.alias_info is None or a.alias_info.is_write]
+    if not checked:
+        return False
+    return True if len(checked) == len(tensor_args) else tuple(checked)
+
 
 # The dispatch-mode stack is manipulated through torch's private stack API (present since
 # torch 2.1; this package needs 2.4): ours goes beneath the user's modes and leaves from
@@ -51,15 +78,6 @@ _INFRA_KEYS = tuple(torch._C._TorchDispatchModeKey.__members__.values())
 
 
 StaleHandler = Callable[[Any, Any, torch.Tensor], None]  # (lease, func, tensor)
-
-
-def _decide(func: Any) -> bool:
-    """Does ``func`` read or write tensor data (True) or only describe it (False)?"""
-    if func in _METADATA_ONLY:
-        return False
-    if getattr(func, "is_view", False) and func not in _READS_THROUGH:
-        return False
-    return True
 
 
 class BorrowCheckMode(TorchDispatchMode):
@@ -83,13 +101,23 @@ class BorrowCheckMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.stale:
-            needs = _NEEDS_CHECK.get(func)
-            if needs is None:
-                needs = _NEEDS_CHECK[func] = _decide(func)
-            if needs:
-                self._scan(func, args)
-                if kwargs:
-                    self._scan(func, kwargs.values())
+            plan = _PLANS.get(func)
+            if plan is None:
+                plan = _PLANS[func] = _plan(func)
+            if plan and not (func in _TO_COPY and kwargs and _is_meta(kwargs.get("device"))):
+                try:
+                    if plan is True:
+                        self._scan(func, args)
+                        if kwargs:
+                            self._scan(func, kwargs.values())
+                    else:
+                        self._scan_some(func, plan, args, kwargs)
+                except Exception as err:
+                    # A caught error must not keep the stale view alive: drop the tensor
+                    # references of our finished frames (and this one's) before it travels.
+                    traceback.clear_frames(err.__traceback__)
+                    args = kwargs = None  # noqa: F841
+                    raise
         if kwargs:
             return func(*args, **kwargs)
         return func(*args)
@@ -104,7 +132,17 @@ class BorrowCheckMode(TorchDispatchMode):
                     if isinstance(x, torch.Tensor):
                         self._test(func, x, stale)
 
+    def _scan_some(self, func: Any, plan: Tuple[Tuple[int, str], ...], args: tuple, kwargs: Optional[dict]) -> None:
+        picked = [args[i] if i < len(args) else (kwargs or {}).get(name) for i, name in plan]
+        self._scan(func, picked)
+
     def _test(self, func: Any, t: torch.Tensor, stale: Mapping[int, Any]) -> None:
+        if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+            # A wrapper subclass (TwoTensor-style) holds its data in inner tensors, which its own
+            # __torch_dispatch__ computes on below us, where we no longer see: look inside now.
+            for inner in _inner_tensors(t):
+                self._test(func, inner, stale)
+            return
         try:
             key = t.untyped_storage()._cdata
         except (RuntimeError, NotImplementedError):  # sparse, nested, storage-less subclasses
@@ -112,6 +150,20 @@ class BorrowCheckMode(TorchDispatchMode):
         lease = stale.get(key)
         if lease is not None:
             self._on_stale(lease, func, t)
+
+
+def _inner_tensors(t: torch.Tensor) -> List[torch.Tensor]:
+    try:
+        names = t.__tensor_flatten__()[0]
+    except Exception:  # not a traceable wrapper after all
+        return []
+    inner = (getattr(t, n, None) for n in names)
+    return [x for x in inner if isinstance(x, torch.Tensor)]
+
+
+def _is_meta(device: Any) -> bool:
+    """``.to("meta")`` (``_to_copy(..., device=meta)``) copies no data: not a read."""
+    return device is not None and torch.device(device).type == "meta"
 
 
 class ModeController:
@@ -155,6 +207,7 @@ class ModeController:
         if getattr(self._tls, "mode", None) is not None:
             return
         mode = BorrowCheckMode(self._stale if self._armed else _NOTHING_STALE, self._on_stale)
+        _warm(mode)
         _insert_at_bottom(mode)
         self._tls.mode = mode
         with self._lock:
@@ -269,6 +322,21 @@ class ModeController:
 
 
 _NOTHING_STALE: Mapping[int, Any] = MappingProxyType({})
+_WARM = False
+
+
+def _warm(mode: "BorrowCheckMode") -> None:
+    """Run one op through the mode before it meets user tensors.
+
+    torch wraps ``__torch_dispatch__`` in a dynamo-disable shim that imports
+    ``torch._dynamo`` on its first call; done then, with a user's stale view on
+    the stack, the import leaves a reference cycle that keeps the view alive
+    until the cyclic GC runs. Warmed here, a caught error frees it at once.
+    """
+    global _WARM
+    if not _WARM:
+        _WARM = True
+        type(mode).__torch_dispatch__(mode, _aten.detach.default, (), (torch.empty(0),), None)
 
 
 def _user_mode_count() -> int:

@@ -19,6 +19,7 @@ from sanitizer.core import options as _opts
 from sanitizer.torch_layer.aliasing import _DTYPE_NAMES, byte_extent, device_key, dtype_name, storage_key
 from sanitizer.core.errors import OwnershipError, StaleBorrowError
 from sanitizer.core.ledger import Lease, Ledger, Region, ReuseEvent
+from sanitizer.torch_layer import readers
 from sanitizer.torch_layer.mode import ModeController
 from sanitizer.core.sites import Site, capture, capture_excluding
 
@@ -40,6 +41,7 @@ class RetireOrder(enum.IntEnum):
     VERIFY = 100  # checksums: verify the borrowed bytes before anything else
     RESCUE = 200  # rescue: copy victims out before the producer writes
     TRIAGE = 300  # triage: record who still holds the victims
+    GUARD = 350  # guard: re-point what is still held to a poison tombstone
     POISON = 400  # checksums: poison what is left stale
 
 
@@ -51,6 +53,8 @@ class _State:
         self.stale: Dict[int, Lease] = {}  # storage address -> alive *stale* lease
         self.tokens: Dict[int, tuple] = {}  # id(weakref) -> (weakref whose callback releases, lease)
         self.errors: List[dict] = []
+        self.error_total = 0  # errors seen, kept or not
+        self.dropped_records = 0  # errors and events not kept: the max_records cap was reached
         self.error_counts: Dict[int, int] = {}  # lease id -> stale uses seen
         self.lock = threading.RLock()
         self.ledger = Ledger()
@@ -81,11 +85,8 @@ def _sync_interception() -> None:
     state.modes.sync_main(_wants_interception)
 
 
-_ORIG_TOLIST = torch.Tensor.tolist
-
-
 def check_not_stale(tensor: torch.Tensor, where: str) -> bool:
-    """The one stale check for reads the dispatch mode cannot see (``tolist``, ``verify``, ...).
+    """The one stale check for reads the dispatch mode cannot see (``tolist``, ``numpy``, ``verify``...).
 
     Reports through :func:`raise_or_record` when ``tensor``'s lease is stale and
     returns True (when the error was recorded, not raised); False when it is not stale.
@@ -103,23 +104,9 @@ def check_not_stale(tensor: torch.Tensor, where: str) -> bool:
     return True
 
 
-def _checked_tolist(self: torch.Tensor):
-    """``tolist`` reads memory in C++ without dispatching any op, so the mode cannot see it."""
-    check_not_stale(self, "Tensor.tolist")
-    return _ORIG_TOLIST(self)
-
-
-_TOLIST_IS_OWN = "tolist" in torch.Tensor.__dict__
-
-
 def _tensor_hooks(on: bool) -> None:
-    if on:
-        torch.Tensor.tolist = _checked_tolist  # type: ignore[method-assign]
-    elif torch.Tensor.__dict__.get("tolist") is _checked_tolist:
-        if _TOLIST_IS_OWN:
-            torch.Tensor.tolist = _ORIG_TOLIST  # type: ignore[method-assign]
-        else:
-            del torch.Tensor.tolist
+    """The readers the mode cannot see (tolist, numpy, dlpack, pickle...): see readers.py."""
+    readers.set_hooks(on, check_not_stale)
 
 
 def _on_stale_use(lease: Lease, func: Any, tensor: torch.Tensor) -> None:
@@ -135,18 +122,33 @@ def raise_or_record(err: "OwnershipError", lease: Lease) -> None:
     """Every sanitizer error goes through here: raised (halt_on_error=1) or recorded and let go."""
     if state.options.halts:
         with state.lock:
-            state.errors.append(err.record)
-        raise err
+            state.error_total += 1
+            _keep(state.errors, err.record)
+        try:
+            raise err
+        finally:
+            del err  # no frame -> traceback -> error cycle: a caught error is freed at once
     _record(lease, err.record)
+
+
+def _keep(records: List[dict], record: dict) -> None:
+    """(Under the lock.) Keep ``record`` unless the total cap (option ``max_records``) is reached."""
+    if len(state.errors) + len(state.events) < state.options["max_records"]:
+        records.append(record)
+    else:
+        state.dropped_records += 1
 
 
 def _record(lease: Lease, record: dict) -> None:
     with state.lock:
+        state.error_total += 1
         n = state.error_counts.get(lease.lease_id, 0) + 1
         state.error_counts[lease.lease_id] = n
         if n <= state.options["max_errors_per_lease"]:
             record["occurrence"] = n
-            state.errors.append(record)
+            _keep(state.errors, record)
+        if len(state.error_counts) > 4 * max(1, state.options["max_records"]):
+            state.error_counts.clear()  # per-lease counts are a bound, not a record: keep them bounded too
 
 
 state = _State()
@@ -171,8 +173,8 @@ def track_lease(region: Region, start: int, nbytes: int, view: torch.Tensor, pie
     state.by_storage[key] = lease
     ref = weakref.ref(piece, _lease_died)
     state.tokens[id(ref)] = (ref, lease)
-    state.modes.retry_leave()
     if state.enabled:
+        state.modes.retry_leave()
         # A lending thread other than main keeps a mode until it ends: its consumers may
         # read here after the reuse. The main thread follows the stale set instead.
         if not state.modes.installed_here() and threading.current_thread() is not threading.main_thread():
@@ -190,6 +192,17 @@ def _lease_died(ref: Any) -> None:
     lease = entry[1]
     _unfile(lease)
     state.ledger.release(lease.lease_id)
+
+
+def rebind_lease(lease: Lease, piece: Any) -> None:
+    """``lease``'s storage now holds other memory, whose deleter keeps ``piece``: from now on its
+    death is what ends the lease (the guard's tombstones). Call before the old memory is dropped."""
+    with state.lock:
+        for key, (_, held) in list(state.tokens.items()):
+            if held is lease:
+                del state.tokens[key]
+        ref = weakref.ref(piece, _lease_died)
+        state.tokens[id(ref)] = (ref, lease)
 
 
 def _unfile(lease: Lease) -> None:
@@ -238,11 +251,15 @@ def _run_retire_hooks(region: Region, event: ReuseEvent, victims: List[Lease]) -
 
 def _mark_stale(victims: List[Lease]) -> None:
     """Victims still borrowed (alive, not rescued) are what the dispatch mode refuses from now on."""
+    marked = False
     for lease in victims:
         if lease.handle is not None and lease.alive and not lease.rescued:
             state.stale[lease.handle] = lease
+            marked = True
     if state.stale:
         _sync_interception()
+        if marked and state.intercepting:  # writers imported since the last stale lease get wrapped too
+            readers.set_hooks(True, check_not_stale)
 
 
 def add_lend_hook(hook: LendHook) -> None:
@@ -269,7 +286,7 @@ def record_event(kind: str, record: dict) -> dict:
     """File ``record`` (its ``kind`` set to ``kind``) among the events; returns it."""
     record["kind"] = kind
     with state.lock:
-        state.events.append(record)
+        _keep(state.events, record)
     return record
 
 
@@ -382,6 +399,15 @@ def clear_errors() -> None:
     with state.lock:
         state.errors.clear()
         state.error_counts.clear()
+        state.error_total = 0
+        state.dropped_records = 0
+
+
+def record_counts() -> Dict[str, int]:
+    """Errors seen in all, records kept (errors, events) and records dropped by the ``max_records`` cap."""
+    with state.lock:
+        return {"errors_seen": state.error_total, "errors_kept": len(state.errors),
+                "events_kept": len(state.events), "dropped": state.dropped_records}
 
 
 def activate_from_environment(environ: Optional[Dict[str, str]] = None) -> bool:

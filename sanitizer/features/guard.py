@@ -1,0 +1,95 @@
+"""``guard=1`` (default in debug mode): retained stale views read poison, never the next tensor.
+
+The dispatch mode catches every aten read of a stale lease, but some reads never
+reach it: ctypes and C extensions reading ``data_ptr()``, DLPack consumers, a
+thread started before ``enable()``. For those the only defence is the bytes
+themselves. When a reuse or close retires a lease that something still holds
+(and rescue did not take it), the guard re-points that lease's storage (the data
+pointer swap rescue uses) to a *tombstone*: fresh memory of the same size filled
+with ``poison_byte`` (0xFF: NaN in fp16, bf16 and fp32). The staging bytes go
+back to the producer untouched; the stale view, and every view derived from it,
+now reads NaN. The lease stays stale, so the mode still reports any aten read.
+
+A tombstone lives exactly as long as the lease's storage (it is that storage's
+memory now) and is counted in :func:`stats`.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Dict, List
+
+from sanitizer.core.ledger import Lease, Region, ReuseEvent
+from sanitizer.torch_layer import runtime, storage_handles
+
+ORDER = runtime.RetireOrder.GUARD  # after rescue (which may take the lease) and triage (which names holders)
+
+_lock = threading.Lock()
+_table = storage_handles.WeakStorageTable(lambda: runtime.state.ledger.live_count)
+_counts = {"tombstones": 0, "tombstone_bytes": 0, "alive": 0, "alive_bytes": 0}
+_installed = False
+
+
+def install() -> None:
+    """Arm the guard (idempotent): each ``enable(guard=1)`` then installs its hooks. Called by the
+    package's composition root; with the sanitizer off no hook is ever installed."""
+    runtime.on_enable(_on_enable)
+
+
+def _on_enable(options: Dict[str, Any]) -> None:
+    global _installed
+    if options.get("guard") and storage_handles.AVAILABLE and not _installed:
+        runtime.add_lend_hook(_on_lend)
+        runtime.add_retire_hook(_on_retire, ORDER)
+        _installed = True
+
+
+def _on_lend(lease: Lease, view: Any) -> None:
+    if runtime.state.options.get("guard"):
+        _table.add(lease, view)
+
+
+def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
+    if not (runtime.state.enabled and runtime.state.options.get("guard")):
+        return
+    fill = runtime.state.options["poison_byte"]
+    for lease in victims:
+        if not lease.alive or lease.rescued or not _table.has(lease):
+            continue
+        storage = _table.take(lease)
+        if storage is None or storage_handles.holders(storage) <= 0:
+            continue  # nobody holds it: it dies now and nobody can read it
+        _entomb(lease, storage, fill)
+
+
+def _entomb(lease: Lease, storage: Any, fill: int) -> None:
+    old, piece = storage_handles.repoint(storage, fill)
+    runtime.rebind_lease(lease, piece)  # before `old` (the staging alias) is dropped
+    del old
+    nbytes = storage.nbytes()
+    with _lock:
+        _counts["tombstones"] += 1
+        _counts["tombstone_bytes"] += nbytes
+        _counts["alive"] += 1
+        _counts["alive_bytes"] += nbytes
+    weakref.finalize(piece, _buried, nbytes)
+
+
+def _buried(nbytes: int) -> None:
+    with _lock:
+        _counts["alive"] -= 1
+        _counts["alive_bytes"] -= nbytes
+
+
+def stats() -> Dict[str, int]:
+    """Tombstones made in all and alive now, with their bytes."""
+    with _lock:
+        return dict(_counts)
+
+
+def clear() -> None:
+    """Drop every weak handle (the counts of tombstones still alive stay true)."""
+    _table.clear()
+
+
+__all__ = ["install", "stats", "clear", "ORDER"]

@@ -1,0 +1,102 @@
+"""Reach a lease's storage at retire time, and re-point it to other memory.
+
+Rescue (copy out) and guard (tombstone) both act on the storage of a lease that
+something still holds when its bytes are retired. The lease record knows only
+the storage's address, so each feature keeps a *weak* storage handle per lease
+(taken at lend, so holding it never keeps a view alive) and, at retire, swaps
+the storage's data pointer (``_swap_data_ptr_``): the lent tensor and every view
+derived from it then read the new memory.
+
+Needs private storage APIs (weak handles, ``_swap_data_ptr_``,
+``_storage_Use_Count``); :data:`AVAILABLE` says whether this torch has them.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+
+from sanitizer.core.ledger import Lease
+from sanitizer.torch_layer.aliasing import alias_view, host_array
+
+_S = torch.UntypedStorage
+_API_NAMES = ("_weak_ref", "_new_with_weak_ptr", "_expired", "_free_weak_ref", "_swap_data_ptr_")
+AVAILABLE: bool = all(hasattr(_S, n) for n in _API_NAMES) and hasattr(torch._C, "_storage_Use_Count")
+UNAVAILABLE_REASON: Optional[str] = None if AVAILABLE else (
+    "this torch lacks UntypedStorage." + "/".join(n for n in _API_NAMES if not hasattr(_S, n))
+    + ("" if hasattr(torch._C, "_storage_Use_Count") else " and torch._C._storage_Use_Count"))
+
+
+class WeakStorageTable:
+    """Lease id -> weak handle on its storage; bounded by sweeping the dead ones as it grows."""
+
+    def __init__(self, live_count: Callable[[], int]):
+        self._lock = threading.RLock()
+        self._handles: Dict[int, Tuple[Lease, int]] = {}
+        self._live_count = live_count
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def add(self, lease: Lease, view: torch.Tensor) -> None:
+        handle = view.untyped_storage()._weak_ref()
+        with self._lock:
+            self._handles[lease.lease_id] = (lease, handle)
+            if len(self._handles) > 64 + 2 * self._live_count():
+                self._sweep()
+
+    def has(self, lease: Lease) -> bool:
+        return lease.lease_id in self._handles
+
+    def take(self, lease: Lease) -> Optional[torch.UntypedStorage]:
+        """The lease's storage if it still exists (a strong reference), dropping the handle; else None."""
+        with self._lock:
+            entry = self._handles.pop(lease.lease_id, None)
+        if entry is None:
+            return None
+        handle = entry[1]
+        try:
+            return None if _S._expired(handle) else _S._new_with_weak_ptr(handle)
+        finally:
+            _S._free_weak_ref(handle)
+
+    def clear(self) -> None:
+        with self._lock:
+            for _, handle in self._handles.values():
+                _S._free_weak_ref(handle)
+            self._handles.clear()
+
+    def _sweep(self) -> None:
+        dead = [lid for lid, (lease, _) in self._handles.items() if not lease.alive or lease.rescued]
+        for lid in dead:
+            _S._free_weak_ref(self._handles.pop(lid)[1])
+
+
+def holders(storage: torch.UntypedStorage) -> int:
+    """References to ``storage`` from tensors and storages other than the caller's one."""
+    return torch._C._storage_Use_Count(storage._cdata) - 1
+
+
+def repoint(storage: torch.UntypedStorage, fill: Optional[int] = None) -> Tuple[torch.UntypedStorage, Any]:
+    """Give ``storage`` fresh memory of its size: a copy of its bytes, or ``fill`` in every byte.
+
+    Returns ``(old, piece)``: ``old`` now holds the previous memory (drop it once
+    the lease's bookkeeping is done: dropping it releases the staging alias), and
+    ``piece`` is the object the new memory's deleter keeps (weak-referenceable:
+    it dies with ``storage``).
+    """
+    nbytes = storage.nbytes()
+    if fill is None:
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=storage.device)
+    else:
+        buf = torch.full((nbytes,), fill, dtype=torch.uint8, device=storage.device)
+    fresh, piece = alias_view(buf, host_array(buf), 0, nbytes, (nbytes,), torch.uint8)
+    old = fresh.untyped_storage()
+    if fill is None:
+        old.copy_(storage)
+    storage._swap_data_ptr_(old)
+    return old, piece
+
+
+__all__ = ["AVAILABLE", "UNAVAILABLE_REASON", "WeakStorageTable", "holders", "repoint"]

@@ -1,0 +1,105 @@
+"""guard=1: a retained stale view reads poison through paths the dispatch mode cannot see."""
+from __future__ import annotations
+
+import ctypes
+import gc
+import math
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import sanitizer
+from sanitizer import StagingBuffer, StaleBorrowError
+from sanitizer.features import guard
+from sanitizer.torch_layer import runtime
+
+
+def _ctypes_floats(t: torch.Tensor) -> list:
+    """Read the bytes behind ``t`` as a C extension would: no aten op, nothing dispatched."""
+    return list((ctypes.c_float * t.numel()).from_address(t.data_ptr()))
+
+
+def test_a_retained_view_reads_nan_not_the_next_tensor_and_is_still_reported():
+    buf = StagingBuffer(256, name="ring")
+    with sanitizer.sanitize():
+        before = guard.stats()
+        w = buf.write(0, torch.arange(8, dtype=torch.float32), name="w")
+        part = w[2:6]  # a derived view shares the tombstone
+        buf.write(0, torch.full((8,), 7.0), name="next")
+        assert all(math.isnan(x) for x in _ctypes_floats(w)) and all(math.isnan(x) for x in _ctypes_floats(part))
+        assert torch.equal(buf.lend(0, (8,), torch.float32, name="next"), torch.full((8,), 7.0))  # producer untouched
+        with pytest.raises(StaleBorrowError, match="'w'"):
+            part.sum()
+        after = guard.stats()
+        assert after["tombstones"] == before["tombstones"] + 1 and after["alive"] == before["alive"] + 1
+        assert after["alive_bytes"] - before["alive_bytes"] == 32
+        del w, part
+        gc.collect()
+        assert guard.stats()["alive"] == before["alive"]  # freed with the lease
+        assert not runtime.state.stale and torch._C._len_torch_dispatch_stack() == 0
+
+
+def test_without_guard_the_same_read_sees_the_next_tensor():
+    buf = StagingBuffer(256, name="ring")
+    with sanitizer.sanitize(guard=0):
+        w = buf.write(0, torch.arange(8, dtype=torch.float32), name="w")
+        buf.write(0, torch.full((8,), 7.0), name="next")
+        assert _ctypes_floats(w) == [7.0] * 8  # the silent corruption the guard exists for
+
+
+def test_numpy_over_the_raw_pointer_reads_poison():
+    buf = StagingBuffer(256, name="ring")
+    with sanitizer.sanitize(halt_on_error=0):
+        w = buf.write(0, torch.arange(8, dtype=torch.float32), name="w")
+        buf.write(0, torch.full((8,), 7.0), name="next")
+        arr = np.frombuffer((ctypes.c_char * 32).from_address(w.data_ptr()), dtype=np.float32)
+        assert np.isnan(arr).all()
+
+
+def test_a_thread_started_before_enable_reads_poison():
+    buf = StagingBuffer(256, name="ring")
+    go, done = threading.Event(), threading.Event()
+    seen = []
+
+    def old_thread():
+        go.wait(10)
+        seen.extend(_ctypes_floats(box[0]))
+        done.set()
+
+    box = []
+    t = threading.Thread(target=old_thread)
+    t.start()
+    with sanitizer.sanitize():
+        box.append(buf.write(0, torch.arange(4, dtype=torch.float32), name="w"))
+        buf.write(0, torch.full((4,), 7.0), name="next")
+        go.set()
+        done.wait(10)
+    t.join()
+    assert len(seen) == 4 and all(math.isnan(x) for x in seen)
+
+
+def test_close_entombs_held_views_too():
+    buf = StagingBuffer(256, name="ring")
+    with sanitizer.sanitize():
+        w = buf.write(0, torch.arange(4, dtype=torch.float32), name="w")
+        buf.close()
+        assert all(math.isnan(x) for x in _ctypes_floats(w))
+
+
+def test_rescue_takes_precedence_and_unheld_views_cost_nothing():
+    buf = StagingBuffer(256, name="ring")
+    with sanitizer.sanitize(rescue=1):
+        made = guard.stats()["tombstones"]
+        w = buf.write(0, torch.arange(4, dtype=torch.float32), name="w")
+        buf.write(0, torch.full((4,), 7.0), name="next")
+        assert torch.equal(w, torch.arange(4, dtype=torch.float32))  # rescued: owned copy, no error
+        dropped = buf.write(64, torch.ones(4), name="dropped")
+        del dropped
+        buf.reuse(64, 16)
+        assert guard.stats()["tombstones"] == made
+
+
+def test_guard_is_listed_with_its_default_on():
+    assert sanitizer.options()["guard"] is True
