@@ -3,15 +3,33 @@
 The first line is one sentence that says what was used, what reused it and in
 which op; three short stacks follow (lent at, reused at, used at). Programs get
 the same facts as attributes and as a JSON-ready ``record``.
+
+Errors travel: they pickle (a ``ProcessPoolExecutor`` or ``multiprocessing``
+boundary), ``copy.copy`` and ``copy.deepcopy``. What travels is the report text
+and the JSON-ready record; the live ledger objects (``lease``, ``event``, whose
+stacks hold code objects) stay behind and arrive as read-only snapshots built
+from the record (``err.lease.name``, ``err.event.by``... still work). An error
+holds no tensor and no frame: only what its report needs.
 """
 from __future__ import annotations
 
+import copy
 import os
 import threading
-from typing import Any, Dict, List, Optional
+import types
+from typing import Any, Callable, Dict, List, Optional
 
 from sanitizer.core.ledger import Lease, ReuseEvent
 from sanitizer.core.sites import Site, format_site, to_records
+
+HolderLookup = Callable[[int], Optional[Dict[str, Any]]]
+holder_lookup: Optional[HolderLookup] = None
+"""``holder_lookup(lease_id)`` -> the holder dict (``{"kind", "path", "site", ...}``) of a lease, or None.
+
+Set by the triage feature (``sanitizer.features.triage.holder_of``); this module stays free of torch and
+of the features. When set, an error about a lease names who holds it, in its text (``held by ...``) and
+its record (``"holder"``). The lookup runs when the error is built and again, while still unknown, when
+its text is read (a holder walk may finish after the error was raised)."""
 
 
 def _record(kind: str, summary: str, **fields: Any) -> Dict[str, Any]:
@@ -27,8 +45,138 @@ def _event_lines(event: ReuseEvent) -> List[str]:
             format_site(event.site)]
 
 
+def _holder_line(holder: Dict[str, Any]) -> str:
+    site = holder.get("site") or {}
+    where = f" ({site.get('function', '?')} {site.get('file', '?')}:{site.get('line', '?')})" if site else ""
+    return f"  held by {holder.get('kind', 'unknown')} {holder.get('path', '?')}{where}"
+
+
+# -- the last error built in each thread (for boundaries that drop an exception's text) -------------------
+_last = threading.local()
+
+
+def error_mark() -> int:
+    """A mark for :func:`raised_since`: how many sanitizer errors this thread has built so far."""
+    return getattr(_last, "seq", 0)
+
+
+def raised_since(mark: int) -> Optional["OwnershipError"]:
+    """A copy of the last sanitizer error this thread built after ``mark`` (None if none).
+
+    For boundaries that turn a Python exception into text and lose it on the way (TorchScript's
+    interpreter reports an exception raised by a dispatch mode as an empty ``RuntimeError:``): the
+    caller re-raises this copy. Only the error's own facts are kept here (no tensor, no frame)."""
+    if getattr(_last, "seq", 0) <= mark:
+        return None
+    cls, text, state = _last.error
+    return _rebuild(cls, text, dict(state))
+
+
+def _note(err: "OwnershipError") -> None:
+    _last.seq = getattr(_last, "seq", 0) + 1
+    _last.error = (type(err), None, err.__dict__)  # text read lazily (see raised_since): render once
+
+
+def _rebuild(cls: type, text: Optional[str], state: Dict[str, Any]) -> "OwnershipError":
+    """Unpickle / copy: an instance of ``cls`` with ``args == (text,)`` and ``state``, without ``__init__``."""
+    err = cls.__new__(cls)
+    err.__dict__.update(state)
+    if text is None:
+        text = err._render() if hasattr(err, "_render") and "summary" in state else ""
+    err.args = (text,)
+    return err
+
+
+class _Snapshot(types.SimpleNamespace):
+    """A read-only stand-in for a ledger object on the far side of a pickle: its record's fields as
+    attributes (``name``, ``dtype``, ``by``, ``kind``...), plus the ledger's names for them
+    (``region_name``, ``start``, ``end``), and ``site = ()`` (code objects do not travel)."""
+
+    def __init__(self, record: Optional[Dict[str, Any]] = None):
+        record = dict(record or {})
+        byte_range = record.get("byte_range") or [None, None]
+        super().__init__(**record)
+        self.region_name = record.get("buffer")
+        self.start, self.end = byte_range[0], byte_range[1]
+        self.site = ()
+        if "shape" in record and isinstance(record["shape"], list):
+            self.shape = tuple(record["shape"])
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {k: v for k, v in vars(self).items() if k not in ("region_name", "start", "end", "site")}
+
+    def describe(self) -> str:
+        """What the ledger object's ``describe()`` said, rebuilt from the record."""
+        v = vars(self)
+        if "dtype" in v:  # a lease
+            shape = ", ".join(str(s) for s in v.get("shape", ()))
+            name = v.get("name") or f"<lease {v.get('lease_id', '?')}>"
+            return f"'{name}' {v['dtype']}[{shape}]"
+        kind, by, start, end = v.get("kind"), v.get("by"), self.start or 0, self.end or 0
+        if kind == "close":
+            return f"staging buffer '{self.region_name}' was closed (generation {v.get('generation_before')} -> closed)"
+        verb, what = ("retired", f" when '{by}' was put") if kind == "retire" else ("reused", f" for '{by}'")
+        return (f"staging buffer '{self.region_name}' {verb} bytes [{start:#x}, {end:#x}){what if by else ''} "
+                f"(generation {v.get('generation_before')} -> {v.get('generation_after')})")
+
+
 class OwnershipError(RuntimeError):
-    """Base of the sanitizer's errors about borrowed memory."""
+    """Base of the sanitizer's errors about borrowed memory.
+
+    ``args == (report text,)``; ``record`` is the JSON-ready entry. Pickling and copying keep the
+    text and the record; the live ``lease`` and ``event`` become :class:`_Snapshot` views of the record.
+    """
+
+    _LIVE = ("lease", "event")  # ledger objects: replaced by snapshots of their records when pickled
+    _DROP = ("used_at", "verified_at")  # stacks of code objects: their records are in ``record``
+
+    def __str__(self) -> str:
+        if self.__dict__.get("_holder_pending"):
+            self._look_up_holder()
+        return super().__str__()
+
+    def _look_up_holder(self) -> None:
+        """Ask :data:`holder_lookup` who holds this error's lease; put the answer in text and record."""
+        lookup, lease = holder_lookup, self.__dict__.get("lease")
+        if lookup is None or not isinstance(lease, Lease):
+            return
+        try:
+            holder = lookup(lease.lease_id)
+        except Exception:  # a diagnostic must never replace the error it annotates
+            return
+        if holder:
+            self.holder = dict(holder)
+            self._holder_pending = False
+            if isinstance(self.__dict__.get("record"), dict):
+                self.record["holder"] = self.holder
+            if "summary" in self.__dict__:
+                self.args = (self._render(),)
+
+    def _portable_state(self) -> Dict[str, Any]:
+        state = {k: v for k, v in self.__dict__.items() if k not in self._LIVE and k not in self._DROP}
+        state["_holder_pending"] = False
+        record = self.__dict__.get("record") if isinstance(self.__dict__.get("record"), dict) else {}
+        for name in self._LIVE:
+            if name in self.__dict__:
+                value = self.__dict__[name]
+                state[name] = None if value is None else _Snapshot(record.get(name) if isinstance(record.get(name), dict)
+                                                                   else getattr(value, "to_dict", lambda: {})())
+        for name in self._DROP:
+            if name in self.__dict__:
+                state[name] = ()
+        return state
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), str(self), self._portable_state()))
+
+    def __copy__(self) -> "OwnershipError":
+        return _rebuild(type(self), str(self), dict(self.__dict__))
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "OwnershipError":
+        # The ledger objects are identities (the lease, the reuse that staled it): shared, not cloned.
+        state = {k: (v if k in self._LIVE or k in self._DROP else copy.deepcopy(v, memo))
+                 for k, v in self.__dict__.items()}
+        return _rebuild(type(self), str(self), state)
 
 
 class StaleBorrowError(OwnershipError):
@@ -36,8 +184,8 @@ class StaleBorrowError(OwnershipError):
 
     Attributes: ``lease`` (the :class:`~sanitizer.core.ledger.Lease`), ``event``
     (the :class:`~sanitizer.core.ledger.ReuseEvent` that made it stale), ``op``
-    (the aten op, as text), ``used_at`` (the captured stack) and ``record``
-    (the JSON-ready report entry).
+    (the aten op, as text), ``used_at`` (the captured stack), ``holder`` (who still
+    holds the view, when triage knows; else None) and ``record`` (the JSON-ready report entry).
     """
 
     def __init__(self, lease: Lease, event: ReuseEvent, op: str, used_at: Site, used_as: Optional[dict] = None):
@@ -46,26 +194,38 @@ class StaleBorrowError(OwnershipError):
         self.op = op
         self.used_at = used_at
         self.used_as = used_as
+        self.thread = threading.current_thread().name
+        self.holder: Optional[Dict[str, Any]] = None
+        self._holder_pending = holder_lookup is not None
         self.summary = stale_summary(lease, event, op)
         self.record = _record(
             "stale_use", self.summary, op=op, lease=lease.to_dict(), event=event.to_dict(),
             used_as=used_as, used_at=to_records(used_at),
         )
-        super().__init__(self.render())
+        self._used_lines = format_site(used_at)
+        super().__init__(self._render())
+        if self._holder_pending:
+            self._look_up_holder()
+        _note(self)
 
     def render(self) -> str:
+        """The report text (the same as ``str(err)``)."""
+        return str(self)
+
+    def _render(self) -> str:
         lease, event = self.lease, self.event
         via = ""
-        if self.used_as and (tuple(self.used_as["shape"]) != lease.shape or self.used_as["dtype"] != lease.dtype):
+        if self.used_as and (tuple(self.used_as["shape"]) != tuple(lease.shape) or self.used_as["dtype"] != lease.dtype):
             via = f" (through a derived view {self.used_as['dtype']}{list(self.used_as['shape'])})"
         return "\n".join([
             self.summary + via,
+            *([_holder_line(self.holder)] if self.holder else []),
             f"  lent at (generation {lease.generation}, bytes [{lease.start:#x}, {lease.end:#x}) "
             f"of '{lease.region_name}'):",
             format_site(lease.site),
             *_event_lines(event),
-            f"  used at (thread {threading.current_thread().name}):",
-            format_site(self.used_at),
+            f"  used at (thread {self.thread}):",
+            self._used_lines,
         ])
 
 
@@ -75,13 +235,16 @@ class BorrowCorruptedError(OwnershipError):
 
     Attributes: ``lease``, ``expected`` and ``found`` (64-bit hashes; ``found`` is None when
     only a device-side flag said "differs"), ``where`` ("reuse", "verify", "synchronize"),
-    ``event`` (the reuse that triggered the check, if any), ``verified_at`` and ``record``.
+    ``event`` (the reuse that triggered the check, if any), ``verified_at``, ``holder`` and ``record``.
     """
 
     def __init__(self, lease: Lease, expected: Optional[int], found: Optional[int], where: str,
                  verified_at: Site, event: Optional[ReuseEvent] = None):
         self.lease, self.expected, self.found, self.where = lease, expected, found, where
         self.event, self.verified_at = event, verified_at
+        self.thread = threading.current_thread().name
+        self.holder: Optional[Dict[str, Any]] = None
+        self._holder_pending = holder_lookup is not None
         found_text = f"{found:#018x}" if found is not None else "a different value (device flag)"
         expected_text = f"{expected:#018x}" if expected is not None else "?"
         self.summary = (
@@ -94,18 +257,21 @@ class BorrowCorruptedError(OwnershipError):
             lease=lease.to_dict(), event=event.to_dict() if event is not None else None,
             verified_at=to_records(verified_at),
         )
-        super().__init__(self.render())
+        self._lines = [f"  lent at (generation {lease.generation}):", format_site(lease.site)]
+        if event is not None:
+            self._lines += _event_lines(event)
+        self._lines += [f"  verified at (thread {self.thread}):", format_site(verified_at)]
+        super().__init__(self._render())
+        if self._holder_pending:
+            self._look_up_holder()
+        _note(self)
 
     def render(self) -> str:
-        lines = [
-            self.summary,
-            f"  lent at (generation {self.lease.generation}):",
-            format_site(self.lease.site),
-        ]
-        if self.event is not None:
-            lines += _event_lines(self.event)
-        lines += [f"  verified at (thread {threading.current_thread().name}):", format_site(self.verified_at)]
-        return "\n".join(lines)
+        """The report text (the same as ``str(err)``)."""
+        return str(self)
+
+    def _render(self) -> str:
+        return "\n".join([self.summary, *([_holder_line(self.holder)] if self.holder else []), *self._lines])
 
 
 def stale_summary(lease: Lease, event: ReuseEvent, op: str) -> str:
@@ -113,4 +279,5 @@ def stale_summary(lease: Lease, event: ReuseEvent, op: str) -> str:
     return f"borrowed view {lease.describe()} used after {event.describe()} in {op}"
 
 
-__all__ = ["OwnershipError", "StaleBorrowError", "BorrowCorruptedError", "stale_summary"]
+__all__ = ["OwnershipError", "StaleBorrowError", "BorrowCorruptedError", "stale_summary", "holder_lookup",
+           "error_mark", "raised_since"]

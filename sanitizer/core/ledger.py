@@ -149,6 +149,7 @@ class Region:
     closed: bool = False
     fresh: Dict[int, Lease] = field(default_factory=dict)  # leases not yet stale
     alive: int = 0  # alive leases (fresh or stale): a closed region is forgotten once this reaches 0
+    orphaned: bool = False  # its owner is gone, its views are not: found by address until the last one dies
 
     @property
     def end(self) -> int:
@@ -156,7 +157,8 @@ class Region:
 
 
 def _overlaps(lease: Lease, start: int, end: int) -> bool:
-    return lease.start < end and start < lease.end
+    """Do the lease's bytes and ``[start, end)`` share a byte? A zero-byte range shares none."""
+    return lease.start < end and start < lease.end and start < end and lease.start < lease.end
 
 
 class Ledger:
@@ -255,7 +257,7 @@ class Ledger:
                 region.fresh.pop(lease_id, None)
             region.alive -= 1  # _forget_lease_of, inlined: this runs at every lease's death
             if region.closed and region.alive <= 0:
-                self._regions.pop(region.region_id, None)
+                self._drop(region)
             now_idle = not self._live
         if now_idle and self.on_live_change is not None:
             self.on_live_change(0)
@@ -281,7 +283,35 @@ class Ledger:
         """One alive lease fewer; a closed region with none left is dropped (loaders open one per batch)."""
         region.alive -= 1
         if region.closed and region.alive <= 0:
-            self._regions.pop(region.region_id, None)
+            self._drop(region)
+
+    def _drop(self, region: Region) -> None:
+        """Forget a closed region nothing reaches any more (an orphan also leaves the address index)."""
+        self._regions.pop(region.region_id, None)
+        if region.orphaned:
+            self._unindex(region)
+
+    def _unindex(self, region: Region) -> None:
+        entries = self._by_device.get(region.device, [])
+        try:
+            entries.remove((region.base, region.region_id))
+        except ValueError:
+            pass
+
+    def orphan(self, region_id: int) -> None:
+        """The region's owner is gone (a buffer object collected by the GC) while its views may live on.
+
+        Nobody can reuse those bytes any more (the views keep the memory alive), so no lease goes
+        stale: the region stops lending and reusing, stays findable by address while a lease is
+        alive, and is forgotten with its last one. Unknown or closed regions are left alone."""
+        with self._lock:
+            region = self._regions.get(region_id)
+            if region is None or region.closed:
+                return
+            region.closed = True
+            region.orphaned = True
+            if region.alive <= 0:
+                self._drop(region)
 
     def lease(self, lease_id: int) -> Optional[Lease]:
         return self._live.get(lease_id)
@@ -368,11 +398,7 @@ class Ledger:
             for lease in victims:
                 lease.stale_by = event
             region.fresh.clear()
-            entries = self._by_device.get(region.device, [])
-            try:
-                entries.remove((region.base, region_id))
-            except ValueError:
-                pass
+            self._unindex(region)
             if region.alive <= 0:
                 del self._regions[region_id]  # nothing reaches it any more: forget it
             return event, victims

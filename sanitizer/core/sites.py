@@ -88,12 +88,25 @@ def capture_excluding(depth: int, extra_prefixes: Sequence[str], skip: int = 1) 
     return tuple(out)
 
 
+_LINES: dict = {}  # (code, lasti) -> line: reports format the same few sites over and over
+_LINES_MAX = 1 << 16
+
+
 def line_of(code: CodeType, lasti: int) -> int:
-    """The source line of instruction offset ``lasti`` in ``code``."""
-    for start, end, line in code.co_lines():
-        if start <= lasti < end and line is not None:
-            return line
-    return code.co_firstlineno
+    """The source line of instruction offset ``lasti`` in ``code`` (cached: a linear scan of the line table)."""
+    key = (code, lasti)
+    line = _LINES.get(key)
+    if line is not None:
+        return line
+    line = code.co_firstlineno
+    for start, end, ln in code.co_lines():
+        if start <= lasti < end and ln is not None:
+            line = ln
+            break
+    if len(_LINES) >= _LINES_MAX:
+        _LINES.clear()
+    _LINES[key] = line
+    return line
 
 
 def to_records(site: Optional[Site]) -> list:

@@ -32,7 +32,7 @@ from sanitizer.core.errors import BorrowCorruptedError
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.core.sites import capture
 from sanitizer.core.spans import merge, subtract
-from sanitizer.torch_layer.staging import buffer_bytes
+from sanitizer.torch_layer.staging import buffer_bytes, poisonable_bytes
 
 _lock = threading.RLock()
 
@@ -146,6 +146,10 @@ def on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
 def on_poison(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
     """Fill retired leases' bytes with the poison byte (retire hook, order 400).
 
+    Only buffers the sanitizer allocated (``StagingBuffer(nbytes)``, rings) are ever poisoned; an
+    adopted buffer is a loader's memory (a ``borrowed_iterator`` over a state_dict that lives on):
+    its bytes are never written.
+
     Bytes that a still-fresh lease covers are left alone: poisoning must never
     change what a correct consumer reads. On a plain reuse the declared range
     itself is skipped too: the producer overwrites it right after this hook,
@@ -157,7 +161,7 @@ def on_poison(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
     opts = runtime.state.options
     if not opts["poison"]:
         return
-    data = buffer_bytes(region.region_id)
+    data = poisonable_bytes(region.region_id)  # only memory the sanitizer allocated: never a loader's tensors
     if data is None:
         return
     spans = merge([(l.start, l.end) for l in victims if not l.rescued and l.alive])

@@ -24,6 +24,7 @@ deleter), so a copy kept alive only by a ``view(dtype)`` is still counted.
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import threading
 import weakref
@@ -164,7 +165,15 @@ def stats() -> Dict[str, Any]:
             "scope_peaks": dict(_acct.scope_peaks),
             "open_scopes": _acct.open_scopes,
             "copy_everything_bytes": _acct.seen_bytes,
+            "tombstones": _guard_stats(),
         }
+
+
+def _guard_stats() -> Dict[str, int]:
+    """The guard's tombstones (made in all, alive now, and their bytes): memory the sanitizer holds."""
+    from sanitizer.features import guard  # a sibling feature: imported when asked, not at load
+
+    return guard.stats()
 
 
 def reset_stats() -> None:
@@ -219,15 +228,80 @@ def own(t: torch.Tensor, policy: str = "registered", *, scope: Optional["Deferra
     return _copy(t, policy, scope)
 
 
+class _Owner:
+    """Owns the tensors inside one value, at any depth of lists, tuples (namedtuples too), dicts and sets.
+
+    A container is rebuilt (same type, same keys, same order) only when something inside it was
+    copied; otherwise the very same object is returned. A tensor met twice gets one copy, so
+    aliasing inside the arguments survives; a container that holds itself is left as it is."""
+
+    __slots__ = ("policy", "scope", "done", "active")
+
+    def __init__(self, policy: str, scope: Optional["DeferralScope"]):
+        self.policy, self.scope = policy, scope
+        self.done: Dict[int, Tuple[Any, Any]] = {}  # id(value) -> (value, result): keeps ``value`` alive
+        self.active: set = set()  # ids of the containers being walked (cycles)
+
+    def __call__(self, value: Any) -> Any:
+        hit = self.done.get(id(value))
+        if hit is not None:
+            return hit[1]
+        if isinstance(value, torch.Tensor):
+            out = own(value, self.policy, scope=self.scope)
+        elif isinstance(value, (list, tuple, dict, set, frozenset)) and id(value) not in self.active:
+            self.active.add(id(value))
+            try:
+                out = self._container(value)
+            finally:
+                self.active.discard(id(value))
+        else:
+            return value
+        self.done[id(value)] = (value, out)
+        return out
+
+    def _container(self, value: Any) -> Any:
+        if isinstance(value, dict):
+            items = {k: self(v) for k, v in value.items()}
+            changed = [k for k, v in items.items() if v is not value[k]]
+            if not changed:
+                return value
+            if type(value) is dict:
+                return items
+            out = copy.copy(value)  # OrderedDict, defaultdict (its factory), other dict subclasses
+            for k in changed:
+                out[k] = items[k]
+            return out
+        items = [self(v) for v in value]
+        if all(a is b for a, b in zip(items, value)):
+            return value
+        kind = type(value)
+        if kind in (list, tuple, set, frozenset):
+            return kind(items)
+        if isinstance(value, tuple) and hasattr(value, "_make"):  # a namedtuple
+            return value._make(items)
+        if isinstance(value, list):
+            out = copy.copy(value)
+            out[:] = items
+            return out
+        try:
+            return kind(items)
+        except TypeError:
+            raise TypeError(f"own_arguments: cannot rebuild a {kind.__name__} holding borrowed tensors "
+                            f"(its constructor does not take an iterable of items)") from None
+
+
 def _own_value(value: Any, policy: str, scope: Optional["DeferralScope"]) -> Any:
+    return _Owner(policy, scope)(value)
+
+
+def _walk_tensors(value: Any, out: List[torch.Tensor], seen: set) -> None:
+    """Append every tensor inside ``value`` (any depth of lists, tuples, dicts, sets) to ``out``."""
     if isinstance(value, torch.Tensor):
-        return own(value, policy, scope=scope)
-    if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
-        items = [own(v, policy, scope=scope) if isinstance(v, torch.Tensor) else v for v in value]
-        return type(value)(items) if type(value) in (list, tuple) else type(value)(*items)
-    if isinstance(value, dict) and any(isinstance(v, torch.Tensor) for v in value.values()):
-        return {k: own(v, policy, scope=scope) if isinstance(v, torch.Tensor) else v for k, v in value.items()}
-    return value
+        out.append(value)
+    elif isinstance(value, (list, tuple, dict, set, frozenset)) and id(value) not in seen:
+        seen.add(id(value))
+        for v in (value.values() if isinstance(value, dict) else value):
+            _walk_tensors(v, out, seen)
 
 
 def own_arguments(bound: inspect.BoundArguments, policy: str = "registered", skip: Sequence[str] = ("param",),
@@ -235,27 +309,29 @@ def own_arguments(bound: inspect.BoundArguments, policy: str = "registered", ski
     """Own every tensor argument of ``bound`` (in place; returns ``bound``), except those named in ``skip``.
 
     This is what a deferring weight loader retains: ``skip`` leaves the
-    destination parameter alone. Tensors inside list/tuple/dict arguments
-    (``*args``, ``**kwargs``) are owned too.
+    destination parameter alone. Tensors inside ``*args``, ``**kwargs`` and any
+    list, tuple (namedtuple), dict or set argument are owned at any depth; a
+    container is rebuilt with its own type and keys only when it held a borrowed
+    tensor, and tensors that are not borrowed are never copied.
     """
     if not isinstance(bound, inspect.BoundArguments):
         raise TypeError(f"own_arguments expects an inspect.BoundArguments, got {type(bound).__name__}")
     _check_policy(policy)
     if isinstance(skip, str):
         skip = (skip,)
+    owner = _Owner(policy, scope)  # one walk for all arguments: a tensor passed twice gets one copy
     for name, value in list(bound.arguments.items()):
         if name not in skip:
-            bound.arguments[name] = _own_value(value, policy, scope)
+            bound.arguments[name] = owner(value)
     return bound
 
 
 def _tensors_of(bound: inspect.BoundArguments, skip: Sequence[str]) -> List[torch.Tensor]:
     out: List[torch.Tensor] = []
+    seen: set = set()
     for name, value in bound.arguments.items():
-        if name in skip:
-            continue
-        values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
-        out.extend(v for v in values if isinstance(v, torch.Tensor))
+        if name not in skip:
+            _walk_tensors(value, out, seen)
     return out
 
 

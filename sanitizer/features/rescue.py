@@ -18,27 +18,22 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 
-from sanitizer.torch_layer import runtime
-from sanitizer.torch_layer.aliasing import alias_view, host_array
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
+from sanitizer.torch_layer import runtime, storage_handles
 
 ORDER = runtime.RetireOrder.RESCUE  # after checksum verification, before triage and poison
 
-_S = torch.UntypedStorage
-_API_NAMES = ("_weak_ref", "_new_with_weak_ptr", "_expired", "_free_weak_ref", "_swap_data_ptr_")
-AVAILABLE: bool = all(hasattr(_S, n) for n in _API_NAMES) and hasattr(torch._C, "_storage_Use_Count")
-UNAVAILABLE_REASON: Optional[str] = None if AVAILABLE else (
-    "this torch lacks UntypedStorage." + "/".join(n for n in _API_NAMES if not hasattr(_S, n))
-    + ("" if hasattr(torch._C, "_storage_Use_Count") else " and torch._C._storage_Use_Count")
-    + ": rescue reports only")
+AVAILABLE: bool = storage_handles.AVAILABLE
+UNAVAILABLE_REASON: Optional[str] = (None if AVAILABLE
+                                     else f"{storage_handles.UNAVAILABLE_REASON}: rescue reports only")
 
-_lock = threading.RLock()
-_handles: Dict[int, Tuple[Lease, int]] = {}  # lease id -> (lease, weak storage handle)
-_records: List[dict] = []
+_handles = storage_handles.WeakStorageTable(lambda: runtime.state.ledger.live_count)
+# Rescue records live only among runtime's events (runtime.record_event, bounded by its records cap):
+# no second list here that would keep every rescue forever.
 _installed = False
 
 
@@ -66,26 +61,10 @@ def _wanted() -> bool:
     return runtime.state.enabled and bool(runtime.state.options.get("rescue"))
 
 
-def _free(handle: int) -> None:
-    _S._free_weak_ref(handle)
-
-
-def _sweep() -> None:
-    """Free the handles of leases that died unrescued (amortised: runs when the table doubles)."""
-    dead = [lid for lid, (lease, _) in _handles.items() if not lease.alive or lease.rescued]
-    for lid in dead:
-        _free(_handles.pop(lid)[1])
-
-
 def _on_lend(lease: Lease, view: torch.Tensor) -> None:
     """Keep a weak handle on the lease's storage: the retire hook needs the storage, not a tensor."""
-    if not AVAILABLE or not runtime.state.options.get("rescue"):
-        return
-    handle = view.untyped_storage()._weak_ref()
-    with _lock:
-        _handles[lease.lease_id] = (lease, handle)
-        if len(_handles) > 64 + 2 * runtime.state.ledger.live_count:
-            _sweep()
+    if AVAILABLE and runtime.state.options.get("rescue"):
+        _handles.add(lease, view)
 
 
 def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
@@ -94,34 +73,24 @@ def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
     for lease in victims:
         if not lease.alive or lease.rescued:
             continue
-        with _lock:
-            entry = _handles.pop(lease.lease_id, None)
-        if entry is not None:
-            _rescue(lease, entry[1], event)
+        if _handles.has(lease):
+            storage = _handles.take(lease)
+            if storage is not None:
+                _rescue(lease, storage, event)
         elif not AVAILABLE:
             _remember({"kind": "rescue", "rescued": False, "reason": UNAVAILABLE_REASON,
                        "lease": lease.to_dict(), "event": event.to_dict()})
         # else: lent before rescue was switched on, so no handle: it goes stale and detection applies
 
 
-def _rescue(lease: Lease, handle: int, event: ReuseEvent) -> None:
-    try:
-        if _S._expired(handle):
-            return
-        storage = _S._new_with_weak_ptr(handle)
-    finally:
-        _free(handle)
-    holders = torch._C._storage_Use_Count(storage._cdata) - 1  # minus the reference we just made
+def _rescue(lease: Lease, storage: torch.UntypedStorage, event: ReuseEvent) -> None:
+    holders = storage_handles.holders(storage)
     if holders <= 0:
-        return
+        return  # nobody holds it: it dies now, nothing to keep correct
+    old, piece = storage_handles.repoint(storage)  # the lease's storage (and all its views) now own a copy
+    runtime.disown(lease)  # before `old` (now holding the staging alias) dies and releases the lease
+    del old
     nbytes = storage.nbytes()
-    buf = torch.empty(nbytes, dtype=torch.uint8, device=storage.device)
-    fresh, piece = alias_view(buf, host_array(buf), 0, nbytes, (nbytes,), torch.uint8)
-    owned = fresh.untyped_storage()
-    owned.copy_(storage)
-    storage._swap_data_ptr_(owned)  # the lease's storage (and all its views) now own the copy
-    runtime.disown(lease)  # before `owned` (now holding the staging alias) dies and releases the lease
-    del owned, fresh, buf
     from sanitizer.features.ownership import account_copy
 
     account_copy("rescue", nbytes, piece)
@@ -131,24 +100,18 @@ def _rescue(lease: Lease, handle: int, event: ReuseEvent) -> None:
 
 
 def _remember(record: dict) -> None:
-    with _lock:
-        _records.append(record)
     runtime.record_event("rescue", record)
 
 
 def rescues() -> List[dict]:
-    """Every rescue so far (JSON-ready): the lease (with its lend site), the reuse that triggered it, holders."""
-    with _lock:
-        return list(_records)
+    """The rescues recorded so far (JSON-ready): the lease (with its lend site), the reuse that triggered it,
+    holders. They are runtime events, so the records cap bounds them like every other record."""
+    return runtime.events("rescue")
 
 
 def clear() -> None:
     """Forget the rescue records and free every weak handle held."""
-    with _lock:
-        for _, handle in _handles.values():
-            _free(handle)
-        _handles.clear()
-        _records.clear()
+    _handles.clear()
     runtime.forget_events("rescue")
 
 

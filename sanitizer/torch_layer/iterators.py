@@ -8,7 +8,9 @@ bytes, which the sanitizer never allocated) and the consumer gets a lease over
 exactly the tensor's bytes, with the tensor's shape, dtype and strides. Each
 advance retires the leases whose lifetime ended *before* the loader runs again
 (the loader may overwrite or free the bytes in that call), so checksum
-verification, rescue and poison run while the bytes are still the loader's.
+verification and rescue run while the bytes are still the loader's. Poison
+never writes a window: its bytes are the loader's (a state_dict may live on),
+and only memory the sanitizer allocated is ever poisoned.
 
 :func:`emulate_borrowed` is for loaders that copy (safetensors, ``torch.load``,
 a dict): it copies each tensor into a :class:`~sanitizer.torch_layer.ring.StagingRing` and

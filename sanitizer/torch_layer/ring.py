@@ -21,7 +21,7 @@ from typing import Any, Deque, List, Optional, Sequence, Tuple
 import torch
 
 from sanitizer.torch_layer import runtime
-from sanitizer.torch_layer.sources import Source, layout
+from sanitizer.torch_layer.sources import Source, prepare
 from sanitizer.torch_layer.staging import StagingBuffer
 
 Span = Tuple[int, int, int]  # (segment index, start, end)
@@ -62,15 +62,20 @@ class StagingRing:
     def nbytes(self) -> int:
         return sum(seg.nbytes for seg in self.segments)
 
-    def _align(self, offset: int) -> int:
-        return -(-offset // self.alignment) * self.alignment
+    def _align(self, offset: int, to: int = 0) -> int:
+        to = max(self.alignment, to)
+        return -(-offset // to) * to
 
-    def place(self, nbytes: int) -> Tuple[int, int]:
-        """``(segment, offset)`` where a tensor of ``nbytes`` goes next (without writing it)."""
+    def _check_fits(self, nbytes: int) -> None:
         size = self.segments[0].nbytes
         if nbytes > size:
             raise ValueError(f"a tensor of {nbytes} bytes does not fit staging ring '{self.name}' of {size} bytes")
-        seg, offset = self.segment, self._align(self.head)
+
+    def place(self, nbytes: int, itemsize: int = 1) -> Tuple[int, int]:
+        """``(segment, offset)`` where a tensor of ``nbytes`` goes next (without writing it), aligned to the
+        ring's alignment and to ``itemsize`` (the element size of what goes there)."""
+        self._check_fits(nbytes)
+        seg, offset = self.segment, self._align(self.head, itemsize)
         for _ in range(2 * len(self.segments) + 2 * len(self._held) + 2):
             if offset + nbytes > self.segments[seg].nbytes:
                 seg, offset = (seg + 1) % len(self.segments), 0  # wrap (to the next segment, if grown)
@@ -78,8 +83,9 @@ class StagingRing:
             blocker = self._blocker(seg, offset, offset + nbytes)
             if blocker is None:
                 return seg, offset
-            offset = self._align(blocker)
-        self.segments.append(StagingBuffer(size, device=self._device, name=f"{self._name}+{len(self.segments)}"))
+            offset = self._align(blocker, itemsize)
+        self.segments.append(StagingBuffer(self.segments[0].nbytes, device=self._device,
+                                           name=f"{self._name}+{len(self.segments)}"))
         return len(self.segments) - 1, 0
 
     def _blocker(self, seg: int, start: int, end: int) -> Optional[int]:
@@ -89,8 +95,13 @@ class StagingRing:
 
     def put(self, name: str, source: Source, *, shape: Optional[Sequence[int]] = None,
             dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """Write ``source`` (tensor, bytes or readable file) into the ring and lend it as ``name``."""
-        _, _, nbytes = layout(source, shape, dtype)
+        """Write ``source`` (tensor, bytes or readable file) into the ring and lend it as ``name``.
+
+        The source is validated in full first (see :func:`~sanitizer.torch_layer.sources.prepare`), so a
+        put that fails leaves every lease, and the ring's position, as they were."""
+        src = prepare(source, shape, dtype)
+        nbytes = src.nbytes
+        self._check_fits(nbytes)
         if self.quarantine and self._last is not None:
             (seg, start, end), _ = self._last
             self.segments[seg].retire(start, end - start, by=name)
@@ -98,10 +109,10 @@ class StagingRing:
             while len(self._held) > self.quarantine:
                 self._held.popleft()
             self._last = None
-        seg, offset = self.place(nbytes)
+        seg, offset = self.place(nbytes, src.dtype.itemsize)
         if (seg, offset) < (self.segment, self.head) and self.head:
             self.wraps += 1
-        view = self.segments[seg].write(offset, source, name, shape=shape, dtype=dtype)
+        view = self.segments[seg].write_prepared(offset, src, name)
         self.segment, self.head = seg, offset + nbytes
         self._last = ((seg, offset, offset + nbytes), name)
         return view

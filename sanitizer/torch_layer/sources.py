@@ -4,12 +4,18 @@ Every path here writes through the buffer's own storage (numpy, ``readinto``,
 ``copy_``), none of which torch's ``_version`` counter sees. That is why the
 sanitizer's generations come from the buffer API, which callers go through
 before any of these writes.
+
+A write is validated in full before the buffer API declares anything
+(:func:`prepare`): a source that cannot be written (a sparse tensor, a lazily
+conjugated or negated view, a file too short or one whose ``read`` returns more
+than asked) is refused while every lease is still as it was.
 """
 from __future__ import annotations
 
+import io
 import math
 import operator
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -17,18 +23,62 @@ import torch
 Source = Any  # torch.Tensor | bytes | bytearray | memoryview | a binary file object with readinto/read
 
 
+class Prepared(NamedTuple):
+    """A validated write: what will be lent (``shape``, ``dtype``, ``nbytes``) and the bytes to copy
+    (``payload``: a contiguous tensor, a bytes-like object, or a file known to hold ``nbytes`` more)."""
+
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    payload: Any
+
+
+def check_dtype(dtype: Any) -> torch.dtype:
+    """``dtype`` itself when it is a ``torch.dtype``; a TypeError naming the value otherwise."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    hint = ""
+    try:
+        np_dtype = np.dtype(dtype) if dtype is not None else None
+    except (TypeError, ValueError):
+        np_dtype = None
+    if np_dtype is not None and not isinstance(dtype, str):
+        name = getattr(torch, np_dtype.name, None)
+        hint = f" (a numpy dtype: use torch.{np_dtype.name})" if isinstance(name, torch.dtype) else " (a numpy dtype)"
+    elif isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
+        hint = f" (a string: use torch.{dtype})"
+    raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}{hint}")
+
+
+def check_source_tensor(source: torch.Tensor, what: str = "write") -> None:
+    """Refuse tensors whose memory is not plain strided bytes equal to their values."""
+    if source.layout is not torch.strided:
+        raise ValueError(f"cannot {what} a {str(source.layout).replace('torch.', '')} tensor "
+                         f"(shape {list(source.shape)}): staging buffers hold dense bytes; pass source.to_dense()")
+    if source.is_conj():
+        raise ValueError(f"cannot {what} a conjugate view (is_conj() is True, {source.dtype}{list(source.shape)}): "
+                         f"its bytes are not its values; pass source.resolve_conj()")
+    if source.is_neg():
+        raise ValueError(f"cannot {what} a negative view (is_neg() is True, {source.dtype}{list(source.shape)}): "
+                         f"its bytes are not its values; pass source.resolve_neg()")
+    if source.is_quantized:
+        raise ValueError(f"cannot {what} a quantized tensor ({source.dtype}{list(source.shape)}): "
+                         f"pass source.int_repr() and its scale and zero point separately")
+    if source.device.type == "meta":
+        raise ValueError(f"cannot {what} a meta tensor ({source.dtype}{list(source.shape)}): it holds no bytes")
+
+
 def layout(source: Source, shape: Optional[Sequence[int]], dtype: Optional[torch.dtype]) -> Tuple[Tuple[int, ...], torch.dtype, int]:
     """``(shape, dtype, nbytes)`` of what will be written; bytes default to uint8[len]."""
     if isinstance(source, torch.Tensor):
-        if dtype is not None and dtype != source.dtype:
+        check_source_tensor(source)
+        if dtype is not None and check_dtype(dtype) != source.dtype:
             raise ValueError(f"source tensor has dtype {source.dtype}, but dtype={dtype} was given")
         shp = tuple(source.shape) if shape is None else check_shape(shape)
         if math.prod(shp) != source.numel():
             raise ValueError(f"shape {list(shp)} does not hold the source tensor's {source.numel()} elements")
         return shp, source.dtype, source.numel() * source.element_size()
-    dt = torch.uint8 if dtype is None else dtype
-    if not isinstance(dt, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype, got {dt!r}")
+    dt = torch.uint8 if dtype is None else check_dtype(dtype)
     if isinstance(source, (bytes, bytearray, memoryview)):
         nbytes = memoryview(source).nbytes
         if shape is None:
@@ -49,9 +99,91 @@ def layout(source: Source, shape: Optional[Sequence[int]], dtype: Optional[torch
     raise TypeError(f"cannot write a {type(source).__name__}: expected a tensor, bytes or a readable binary file")
 
 
-def check_shape(shape: Sequence[int]) -> Tuple[int, ...]:
+def prepare(source: Source, shape: Optional[Sequence[int]], dtype: Optional[torch.dtype]) -> Prepared:
+    """Validate a write completely, before any lease is touched.
+
+    A tensor becomes its contiguous bytes; a file is checked to hold enough bytes (seekable files:
+    by their size, without reading) or read now into memory (files that cannot tell their size,
+    and ``read``-only objects, whose every chunk is checked not to exceed what was asked).
+    """
+    shp, dt, nbytes = layout(source, shape, dtype)
+    if isinstance(source, torch.Tensor):
+        flat = source.detach().contiguous().reshape(-1)
+        if flat.dtype != torch.uint8 and nbytes:
+            flat = flat.view(torch.uint8)
+        return Prepared(shp, dt, nbytes, flat)
+    if isinstance(source, (bytes, bytearray, memoryview)) or nbytes == 0:
+        return Prepared(shp, dt, nbytes, source if nbytes else b"")
+    remaining = _remaining(source)
+    if remaining is not None:
+        if remaining < nbytes:
+            raise ValueError(f"file ended after {remaining} of {nbytes} bytes: {_file_name(source)} holds "
+                             f"{remaining} more bytes, {str(dt).replace('torch.', '')}{list(shp)} needs {nbytes} "
+                             f"(nothing was written)")
+        if hasattr(source, "readinto"):
+            return Prepared(shp, dt, nbytes, source)  # read straight into the buffer, as fast loaders do
+    data = np.empty(nbytes, dtype=np.uint8)
+    _read_exactly(source, memoryview(data).cast("B"), nbytes)
+    return Prepared(shp, dt, nbytes, data)
+
+
+def _file_name(source: Any) -> str:
+    name = getattr(source, "name", None)
+    return repr(name) if isinstance(name, (str, bytes, int)) else f"<{type(source).__name__}>"
+
+
+def _remaining(source: Any) -> Optional[int]:
+    """Bytes left from the file's position to its end, when it can tell without reading (else None)."""
     try:
-        shp = tuple(operator.index(s) for s in shape)
+        if not (callable(getattr(source, "seekable", None)) and source.seekable()):
+            return None
+        pos = source.tell()
+        end = source.seek(0, io.SEEK_END)
+        source.seek(pos, io.SEEK_SET)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+    if not isinstance(pos, int) or not isinstance(end, int):
+        return None
+    return max(0, end - pos)
+
+
+def _read_exactly(source: Any, view: memoryview, nbytes: int) -> None:
+    """Fill ``view[:nbytes]`` from ``source`` (``readinto`` or ``read``); refuse short and over-long reads."""
+    got = 0
+    readinto = getattr(source, "readinto", None)
+    while got < nbytes:
+        asked = nbytes - got
+        if readinto is not None:
+            n = readinto(view[got:nbytes])
+            if n is None:
+                raise ValueError(f"file {_file_name(source)}: readinto returned None (non-blocking, no data yet) "
+                                 f"after {got} of {nbytes} bytes")
+            if not isinstance(n, int) or n < 0 or n > asked:
+                raise ValueError(f"file {_file_name(source)}: readinto returned {n!r} for a buffer of {asked} bytes")
+        else:
+            chunk = source.read(asked)
+            if not isinstance(chunk, (bytes, bytearray, memoryview)):
+                raise TypeError(f"file {_file_name(source)}: read({asked}) returned a {type(chunk).__name__}, "
+                                f"expected bytes (open the file in binary mode)")
+            n = memoryview(chunk).nbytes
+            if n > asked:
+                raise ValueError(f"file {_file_name(source)}: read({asked}) returned {n} bytes, more than asked")
+            view[got:got + n] = memoryview(chunk).cast("B")
+        if not n:
+            raise ValueError(f"file {_file_name(source)} ended after {got} of {nbytes} bytes")
+        got += n
+
+
+def check_shape(shape: Sequence[int]) -> Tuple[int, ...]:
+    """A tuple of non-negative ints; bools, floats and non-sequences are refused with the value."""
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise TypeError(f"shape must be a sequence of ints, got {shape!r}")
+    items = tuple(shape)
+    for s in items:
+        if isinstance(s, bool):
+            raise TypeError(f"shape must be a sequence of ints, got {shape!r} ({s!r} is a bool, not a dimension)")
+    try:
+        shp = tuple(operator.index(s) for s in items)
     except TypeError:
         raise TypeError(f"shape must be a sequence of ints, got {shape!r}") from None
     if any(s < 0 for s in shp):
@@ -60,7 +192,12 @@ def check_shape(shape: Sequence[int]) -> Tuple[int, ...]:
 
 
 def copy_into(dst: torch.Tensor, host: Optional[np.ndarray], offset: int, source: Source, nbytes: int) -> None:
-    """Write ``nbytes`` of ``source`` into ``dst[offset:offset+nbytes]`` (dst: the buffer's uint8 bytes)."""
+    """Write ``nbytes`` of ``source`` into ``dst[offset:offset+nbytes]`` (dst: the buffer's uint8 bytes).
+
+    ``source`` is a :class:`Prepared` (validated) or, for callers that validated themselves, a tensor,
+    bytes or a file."""
+    if isinstance(source, Prepared):
+        source = source.payload
     if nbytes == 0:
         return
     if isinstance(source, torch.Tensor):
@@ -69,6 +206,8 @@ def copy_into(dst: torch.Tensor, host: Optional[np.ndarray], offset: int, source
             flat = flat.view(torch.uint8)
         dst[offset:offset + nbytes].copy_(flat)
         return
+    if isinstance(source, np.ndarray):
+        source = memoryview(source).cast("B")
     if isinstance(source, (bytes, bytearray, memoryview)):
         data = np.frombuffer(source, dtype=np.uint8, count=nbytes)
         if host is not None:
@@ -78,20 +217,9 @@ def copy_into(dst: torch.Tensor, host: Optional[np.ndarray], offset: int, source
         return
     # A file: read straight into the buffer's memory (CPU), as fast loaders do.
     target = host[offset:offset + nbytes] if host is not None else np.empty(nbytes, dtype=np.uint8)
-    view = memoryview(target).cast("B")
-    got = 0
-    while got < nbytes:
-        if hasattr(source, "readinto"):
-            n = source.readinto(view[got:])
-        else:
-            chunk = source.read(nbytes - got)
-            n = len(chunk)
-            view[got:got + n] = chunk
-        if not n:
-            raise ValueError(f"file ended after {got} of {nbytes} bytes")
-        got += n
+    _read_exactly(source, memoryview(target).cast("B"), nbytes)
     if host is None:
         dst[offset:offset + nbytes].copy_(torch.from_numpy(target))
 
 
-__all__ = ["Source", "layout", "check_shape", "copy_into"]
+__all__ = ["Source", "Prepared", "layout", "prepare", "check_shape", "check_dtype", "check_source_tensor", "copy_into"]

@@ -15,9 +15,10 @@ from typing import Any, List, Optional, Sequence
 import torch
 
 from sanitizer.torch_layer import runtime
+from sanitizer.torch_layer import script_calls  # noqa: F401  (TorchScript keeps a sanitizer error's text)
 from sanitizer.torch_layer.aliasing import alias_view, check_device, device_key, dtype_name, host_array
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
-from sanitizer.torch_layer.sources import Source, check_shape, copy_into, layout
+from sanitizer.torch_layer.sources import Prepared, Source, check_dtype, check_shape, copy_into, prepare
 
 BORROWED_MARKER = "_vllm_instanttensor_borrowed"
 
@@ -30,6 +31,14 @@ def buffer_bytes(region_id: int) -> Optional[torch.Tensor]:
     return None if buf is None else buf._data
 
 
+def poisonable_bytes(region_id: int) -> Optional[torch.Tensor]:
+    """The uint8 bytes of ``region_id`` that poison may overwrite: only an open buffer this sanitizer
+    allocated itself. An adopted buffer (a loader's memory, a ``borrowed_iterator`` window over a
+    state_dict that lives on) is never written: None."""
+    buf = _BUFFERS.get(region_id)
+    return None if buf is None or not buf.owns_memory else buf._data
+
+
 def _index(value: Any, what: str) -> int:
     """An int-like offset or size (bools and floats are refused, with the value)."""
     if isinstance(value, bool):
@@ -40,9 +49,11 @@ def _index(value: Any, what: str) -> int:
         raise TypeError(f"{what} must be an int, got {value!r}") from None
 
 
-def _close_region_at_gc(region: Region) -> None:
+def _forget_region_at_gc(region: Region) -> None:
+    """The buffer object was collected. Its views (if any) keep its memory alive and nobody can reuse
+    those bytes any more, so no lease goes stale: the region is forgotten with its last lease."""
     if not region.closed:
-        runtime.close_region(region)
+        runtime.state.ledger.orphan(region.region_id)
 
 
 class StagingBuffer:
@@ -55,13 +66,19 @@ class StagingBuffer:
         dev = torch.device(device)
         check_device(dev)
         data = torch.empty(nbytes, dtype=torch.uint8, device=dev, pin_memory=pin_memory and dev.type == "cpu")
-        self._setup(data, name)
+        self._setup(data, name, owns_memory=True)
 
     @classmethod
     def adopt(cls, tensor: torch.Tensor, name: Optional[str] = None) -> "StagingBuffer":
         """Track a loader's own buffer (any dtype, contiguous) without copying it."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"adopt expects a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.layout is not torch.strided:
+            raise ValueError(f"cannot adopt a {str(tensor.layout).replace('torch.', '')} tensor "
+                             f"(shape {list(tensor.shape)}): a staging buffer is dense memory")
+        if tensor.is_conj() or tensor.is_neg():
+            raise ValueError(f"cannot adopt a {'conjugate' if tensor.is_conj() else 'negative'} view "
+                             f"({tensor.dtype}{list(tensor.shape)}): adopt the tensor it is a view of")
         if not tensor.is_contiguous():
             raise ValueError(f"cannot adopt a non-contiguous tensor (shape {list(tensor.shape)}, "
                              f"stride {list(tensor.stride())})")
@@ -70,10 +87,11 @@ class StagingBuffer:
         if data.dtype != torch.uint8:
             data = data.view(torch.uint8)
         self = cls.__new__(cls)
-        self._setup(data, name)
+        self._setup(data, name, owns_memory=False)
         return self
 
-    def _setup(self, data: torch.Tensor, name: Optional[str]) -> None:
+    def _setup(self, data: torch.Tensor, name: Optional[str], owns_memory: bool) -> None:
+        self.owns_memory = owns_memory  # allocated here (poison may write it) or adopted (never written)
         self._data: Optional[torch.Tensor] = data
         self._host = host_array(data)
         self.nbytes = data.numel()
@@ -82,7 +100,7 @@ class StagingBuffer:
             name or f"staging@{data.data_ptr():#x}", device_key(data.device), data.data_ptr(), self.nbytes)
         self.name = self._region.name
         _BUFFERS[self._region.region_id] = self
-        self._finalizer = weakref.finalize(self, _close_region_at_gc, self._region)
+        self._finalizer = weakref.finalize(self, _forget_region_at_gc, self._region)
 
     # -- state -------------------------------------------------------------
     @property
@@ -117,53 +135,71 @@ class StagingBuffer:
         data = self._data
         if data is None:
             raise ValueError(f"staging buffer '{self.name}' is closed: cannot lend '{name}' from it")
-        if type(offset) is not int:
-            offset = _index(offset, "offset")
-        if type(shape) is not tuple or (shape and min(shape) < 0):
-            shape = check_shape(shape)
-        try:
-            itemsize = dtype.itemsize
-        except AttributeError:
-            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}") from None
-        nbytes = math.prod(shape) * itemsize
-        if type(nbytes) is not int:  # a float or other non-int size slipped into the tuple
-            shape = check_shape(shape)
-            nbytes = math.prod(shape) * itemsize
-        if offset < 0 or offset + nbytes > self.nbytes:
-            raise ValueError(f"lend of '{name}' {dtype_name(dtype)}{list(shape)} ({nbytes} bytes) at offset {offset} "
-                             f"is out of bounds of staging buffer '{self.name}' ({self.nbytes} bytes)")
-        if (self._region.base + offset) % itemsize:
-            raise ValueError(f"lend of '{name}' at offset {offset} is not aligned to {dtype_name(dtype)} "
-                             f"({itemsize}-byte elements)")
+        offset, shape, dtype, nbytes = self._check_lend(offset, shape, dtype, name, "lend")
         view, piece = alias_view(data, self._host, offset, nbytes, shape, dtype)
         view._vllm_instanttensor_borrowed = True  # BORROWED_MARKER, for consumers that follow that contract
         runtime.track_lease(self._region, offset, nbytes, view, piece, name, dtype, shape)
         return view
 
+    def _check_lend(self, offset: Any, shape: Any, dtype: Any, name: Optional[str], what: str):
+        """``(offset, shape, dtype, nbytes)`` of a valid lend; a clear error naming the value otherwise."""
+        if type(offset) is not int:
+            offset = _index(offset, "offset")
+        if type(shape) is not tuple or bool in map(type, shape) or (shape and min(shape) < 0):
+            shape = check_shape(shape)  # bools are not dimensions, negative sizes are refused
+        if type(dtype) is not torch.dtype:
+            dtype = check_dtype(dtype)
+        itemsize = dtype.itemsize
+        nbytes = math.prod(shape) * itemsize
+        if type(nbytes) is not int:  # a float or other non-int size slipped into the tuple
+            shape = check_shape(shape)
+            nbytes = math.prod(shape) * itemsize
+        if offset < 0 or offset + nbytes > self.nbytes:
+            layout = f" {dtype_name(dtype)}{list(shape)}" if what == "lend" else ""
+            raise ValueError(f"{what} of '{name}'{layout} ({nbytes} bytes) at offset {offset} "
+                             f"is out of bounds of staging buffer '{self.name}' ({self.nbytes} bytes)")
+        if (self._region.base + offset) % itemsize:
+            raise ValueError(f"{what} of '{name}' at offset {offset} is not aligned to {dtype_name(dtype)} "
+                             f"({itemsize}-byte elements)")
+        return offset, shape, dtype, nbytes
+
+    def _range(self, offset: Any, nbytes: Any, by: Optional[str], what: str):
+        start, n = _index(offset, "offset"), _index(nbytes, "nbytes")
+        if n < 0:
+            raise ValueError(f"{what} of {n} bytes at offset {start} for '{by}' in staging buffer '{self.name}': "
+                             f"nbytes must be >= 0, got {nbytes!r}")
+        return start, start + n
+
     def reuse(self, offset: int, nbytes: int, by: Optional[str] = None) -> ReuseEvent:
-        """Declare bytes ``[offset, offset+nbytes)`` about to be overwritten: overlapping leases go stale."""
+        """Declare bytes ``[offset, offset+nbytes)`` about to be overwritten: overlapping leases go stale.
+        A zero-byte reuse overlaps no lease."""
         self._live(f"reuse bytes for '{by}' in")
-        return runtime.retire(self._region, _index(offset, "offset"), _index(offset, "offset") + _index(nbytes, "nbytes"), by)
+        start, end = self._range(offset, nbytes, by, "reuse")
+        return runtime.retire(self._region, start, end, by)
 
     def retire(self, offset: int, nbytes: int, by: Optional[str] = None) -> ReuseEvent:
         """Declare that the leases over ``[offset, offset+nbytes)`` reached the end of their lifetime,
         though the bytes are not overwritten yet (a ring's quarantine keeps them poisoned a while)."""
         self._live(f"retire bytes for '{by}' in")
-        start = _index(offset, "offset")
-        return runtime.retire(self._region, start, start + _index(nbytes, "nbytes"), by, kind="retire")
+        start, end = self._range(offset, nbytes, by, "retire")
+        return runtime.retire(self._region, start, end, by, kind="retire")
 
     def write(self, offset: int, source: Source, name: Optional[str] = None, *,
               shape: Optional[Sequence[int]] = None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """Reuse, copy ``source`` in and lend it, in one call; returns the lent view."""
+        """Reuse, copy ``source`` in and lend it, in one call; returns the lent view.
+
+        Everything is checked before the reuse (the source, the layout, the bounds, the alignment; a
+        file's length), so a write that fails leaves every lease as it was."""
+        self._live(f"write '{name}' into")
+        return self.write_prepared(offset, prepare(source, shape, dtype), name)
+
+    def write_prepared(self, offset: int, src: Prepared, name: Optional[str] = None) -> torch.Tensor:
+        """:meth:`write` of a source already validated by :func:`~sanitizer.torch_layer.sources.prepare`."""
         data = self._live(f"write '{name}' into")
-        shp, dt, nbytes = layout(source, shape, dtype)
-        offset = _index(offset, "offset")
-        if offset < 0 or offset + nbytes > self.nbytes:
-            raise ValueError(f"write of '{name}' ({nbytes} bytes) at offset {offset} is out of bounds of "
-                             f"staging buffer '{self.name}' ({self.nbytes} bytes)")
+        offset, shape, dtype, nbytes = self._check_lend(offset, src.shape, src.dtype, name, "write")
         self.reuse(offset, nbytes, by=name)
-        copy_into(data, self._host, offset, source, nbytes)
-        return self.lend(offset, shp, dt, name)
+        copy_into(data, self._host, offset, src, nbytes)
+        return self.lend(offset, shape, dtype, name)
 
     def close(self) -> None:
         """Free the buffer. Every lease goes stale; using one then is a use-after-free report.
