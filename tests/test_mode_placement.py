@@ -8,6 +8,9 @@ a stale lease; disabled means no error anywhere.
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -223,3 +226,53 @@ def test_records_are_capped_in_total_and_the_rest_counted():
         rep = sanitizer.report()
     assert counts["errors_seen"] == 20 and counts["errors_kept"] + counts["events_kept"] <= 6
     assert rep["error_count"] == 20 and rep["records_dropped"] >= 14
+
+
+# -- threads started before enable() (Python 3.12+) ---------------------------------------
+_REACH = """
+import sys, threading, time
+sys.path.insert(0, sys.argv[1])
+from sanitizer.core import thread_reach
+reached, stop = [], threading.Event()
+def worker():
+    while not stop.is_set():
+        time.sleep(0.005)
+threads = [threading.Thread(target=worker) for _ in range(3)]
+for t in threads:
+    t.start()
+ok = thread_reach.run_in_running_threads(lambda: reached.append(threading.current_thread().name))
+time.sleep(0.2)
+stop.set()
+for t in threads:
+    t.join()
+print(ok, len(reached), len(set(reached)), sys.getprofile() is None, 'torch' in sys.modules)
+"""
+
+
+def _python(version: str):
+    """A working interpreter of ``version`` (pyenv's shims may name one that is not installed)."""
+    import glob
+    import shutil
+
+    candidates = sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{version}.*/bin/python")))
+    candidates += [c for c in [shutil.which(f"python{version}")] if c]
+    for exe in candidates:
+        if subprocess.run([exe, "-c", "pass"], capture_output=True, timeout=30).returncode == 0:
+            return exe
+    return None
+
+
+def test_running_threads_are_reached_on_python_312_and_refused_before():
+    from sanitizer.core import thread_reach
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = subprocess.run([sys.executable, "-c", _REACH, root], capture_output=True, text=True, timeout=60)
+    expected_here = ["True", "3", "3"] if thread_reach.AVAILABLE else ["False", "0", "0"]
+    assert here.stdout.split()[:3] == expected_here, here.stderr
+    py312 = _python("3.12")
+    if py312 is None:
+        pytest.skip("no Python 3.12 on this machine to check the 3.12 path")
+    proc = subprocess.run([py312, "-c", _REACH, root], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    # each running thread ran it once, the profile hook is gone, and no torch was needed
+    assert proc.stdout.split() == ["True", "3", "3", "True", "False"]

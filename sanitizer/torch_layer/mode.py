@@ -13,7 +13,9 @@ the mode when they start while the sanitizer is enabled, or when they lend (a
 mode cannot be pushed into another thread later), and keep it until they end,
 taking the cheap path while nothing is stale. Threads started before
 ``enable()`` that never lend are not checked: enable first
-(``OWNERSHIP_SANITIZE=1`` does); the guard's tombstones cover their reads.
+(``OWNERSHIP_SANITIZE=1`` does), or run Python 3.12+, where ``enable()`` reaches
+them through ``threading.setprofile_all_threads`` (see core/thread_reach.py);
+the guard's tombstones cover their reads either way.
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from sanitizer.core import thread_reach
 
 _aten = torch.ops.aten
 
@@ -210,6 +214,7 @@ class ModeController:
         self._modes: "weakref.WeakSet[BorrowCheckMode]" = weakref.WeakSet()
         self._installed = 0  # threads whose stack holds one of ours
         self._orig_bootstrap: Optional[Callable] = None
+        self.reached_running_threads = False  # did enable() reach threads started before it (3.12+)?
         self._orig_delete: Optional[Callable] = None
         self._atexit = False
         self._main_wants: Callable[[], bool] = lambda: False
@@ -304,6 +309,12 @@ class ModeController:
 
         self._orig_bootstrap = orig
         threading.Thread._bootstrap_inner = _bootstrap_inner  # type: ignore[attr-defined]
+
+        def _reached() -> None:  # in a thread started before enable (Python 3.12+)
+            if threading.current_thread() is not threading.main_thread() and should_install():
+                controller.install_here()
+
+        self.reached_running_threads = thread_reach.run_in_running_threads(_reached)
 
     def unhook_threads(self) -> None:
         if self._orig_bootstrap is not None:
