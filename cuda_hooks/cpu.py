@@ -35,6 +35,7 @@ import numpy as np
 from numba import prange
 
 from . import hashdef
+from .cachedir import kernel_cache
 
 __all__ = ["hash_bytes", "compile_seconds", "MIN_CHUNK_WORDS", "CHUNKS_PER_THREAD", "PARALLEL_MIN_BYTES"]
 
@@ -97,7 +98,8 @@ def _build(defn: str) -> tuple[Any, Any]:
     return hash_serial, hash_parallel
 
 
-_hash_serial, _hash_parallel = _build(hashdef.definition_digest())
+with kernel_cache():  # the on-disk cache goes to the user cache directory, not next to this file
+    _hash_serial, _hash_parallel = _build(hashdef.definition_digest())
 _compile_seconds: dict[str, float] = {}
 _forked = False
 

@@ -26,6 +26,7 @@ import numpy as np
 from numba import config, cuda, int32, int64, uint8, uint64
 
 from . import hashdef
+from .cachedir import kernel_cache
 
 __all__ = [
     "THREADS",
@@ -152,7 +153,8 @@ def _build(defn: str) -> tuple[Any, Any, Any]:
     return checksum_kernel, verify_kernel, poison_kernel
 
 
-_checksum_kernel, _verify_kernel, _poison_kernel = _build(hashdef.definition_digest())
+with kernel_cache():  # the on-disk cache goes to the user cache directory, not next to this file
+    _checksum_kernel, _verify_kernel, _poison_kernel = _build(hashdef.definition_digest())
 
 _U64 = uint64[::1]
 #: ``name -> (python function, argument types)``, for ahead-of-time PTX checks.

@@ -58,13 +58,51 @@ def test_set_without_torch_costs_only_the_finder(site_dir):
     assert out.stdout.split() == ["False", "False"], out.stderr
 
 
-def test_zero_sets_nothing_and_a_bad_value_says_so_once(site_dir):
+def test_zero_sets_nothing(site_dir):
     out = _python("import torch\nprint('sanitizer' in sys.modules)", site_dir, {"OWNERSHIP_SANITIZE": "0"})
     assert out.stdout.split() == ["False"] and out.stderr == ""
+
+
+def test_a_bad_switch_value_stops_a_torch_program_once_and_leaves_others_alone(site_dir):
     out = _python(f"site.addsitedir({site_dir!r})  # processed twice, as a venv's lib64 link does\nprint('ran')",
                   site_dir, {"OWNERSHIP_SANITIZE": "maybe"})
-    assert "ran" in out.stdout
-    assert out.stderr.count("OWNERSHIP_SANITIZE='maybe' is not understood") == 1
+    assert out.returncode == 0 and "ran" in out.stdout and out.stderr == ""  # pip, build scripts: untouched
+    out = _python(f"site.addsitedir({site_dir!r})\nimport torch\nprint('ran unsanitized')", site_dir,
+                  {"OWNERSHIP_SANITIZE": "maybe"})
+    assert out.returncode == 2 and "ran unsanitized" not in out.stdout
+    assert out.stderr.count("OWNERSHIP_SANITIZE='maybe' is not understood") == 1, out.stderr
+
+
+@pytest.mark.parametrize("options,named", [
+    ("stack_dept=4", "unknown option 'stack_dept' (did you mean 'stack_depth'?)"),
+    ("halt_on_eror=0:checksum=1", "unknown option 'halt_on_eror' (did you mean 'halt_on_error'?)"),
+    ("stack_depth=deep", "option 'stack_depth': bad value 'deep'"),
+])
+def test_a_bad_option_stops_the_program_naming_it(site_dir, options, named):
+    """As `import sanitizer` raises: a typo never runs the program unsanitized with exit status 0."""
+    out = _python("import torch\nprint('ran unsanitized')", site_dir,
+                  {"OWNERSHIP_SANITIZE": "1", "OWNERSHIP_SANITIZE_OPTIONS": options})
+    assert out.returncode == 2, (out.returncode, out.stdout, out.stderr)
+    assert "ran unsanitized" not in out.stdout
+    assert named in out.stderr and "stopping rather than running the program unsanitized" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_a_bad_option_stops_the_program_from_a_thread_too(site_dir):
+    code = ("import threading\n"
+            "t = threading.Thread(target=lambda: __import__('torch'))\n"
+            "t.start(); t.join()\n"
+            "print('ran unsanitized')\n")
+    out = _python(code, site_dir, {"OWNERSHIP_SANITIZE": "1", "OWNERSHIP_SANITIZE_OPTIONS": "stack_dept=4"})
+    assert out.returncode == 2 and "ran unsanitized" not in out.stdout
+    assert "did you mean 'stack_depth'?" in out.stderr
+
+
+def test_a_loader_package_import_with_a_bad_option_stops_too(site_dir):
+    out = _python("import safetensors\nprint('ran unsanitized')", site_dir,
+                  {"OWNERSHIP_SANITIZE": "1", "OWNERSHIP_SANITIZE_OPTIONS": "rescue=perhaps"})
+    assert out.returncode == 2 and "ran unsanitized" not in out.stdout
+    assert "option 'rescue': bad value 'perhaps'" in out.stderr
 
 
 def test_a_loader_package_import_activates_before_the_loader_runs(site_dir):
@@ -85,10 +123,14 @@ def test_loader_packages_cover_the_adapters_targets():
 
 def test_wheel_and_editable_wheel_put_the_pth_at_the_top(tmp_path):
     """setup.py's build steps: `pip install .` and `pip install -e .` both install the hook."""
+    import setuptools
+
+    if int(setuptools.__version__.split(".")[0]) < 77:
+        pytest.skip(f"setuptools {setuptools.__version__} predates 77 (license-files); the test extra installs it")
     code = (
         "import os, shutil, sys, tempfile\n"
         "src = tempfile.mkdtemp(dir=sys.argv[1])\n"
-        "for name in ('pyproject.toml', 'setup.py', 'README.md', 'ownership_sanitizer.pth'):\n"
+        "for name in ('pyproject.toml', 'setup.py', 'README.md', 'LICENSE', 'MANIFEST.in', 'ownership_sanitizer.pth'):\n"
         "    shutil.copy(os.path.join(sys.argv[2], name), src)\n"
         "for pkg in ('sanitizer', 'cuda_hooks'):\n"
         "    shutil.copytree(os.path.join(sys.argv[2], pkg), os.path.join(src, pkg),\n"
@@ -115,3 +157,30 @@ def test_wheel_and_editable_wheel_put_the_pth_at_the_top(tmp_path):
         entry_points = next(n for n in zf.namelist() if n.endswith("entry_points.txt"))
         text = zf.read(entry_points).decode()
     assert "ownsan = sanitizer.tools.cli:main" in text and "ownership_sanitizer = sanitizer.tools.pytest_plugin" in text
+
+
+def test_a_bad_option_when_torch_is_imported_during_start_up_exits_cleanly(tmp_path):
+    """Another .pth imported torch before ours ran: the refusal happens inside site, and must still be a plain
+    exit status 2 with our message, not a 'Fatal Python error' from the interpreter's start-up."""
+    import sysconfig
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True, timeout=120)
+    python = str(tmp_path / "venv" / "bin" / "python")
+    site_dir = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    with open(os.path.join(site_dir, "0_borrow.pth"), "w") as fh:  # torch, and this checkout's sanitizer
+        fh.write(sysconfig.get_paths()["purelib"] + "\n" + ROOT + "\n")
+    with open(os.path.join(site_dir, "a_imports_torch.pth"), "w") as fh:
+        fh.write("import torch\n")
+    startup.install_pth(site_dir)  # sorts after both
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OWNERSHIP_SANITIZE") and k != "PYTHONPATH"}
+    env.update(OWNERSHIP_SANITIZE="1", OWNERSHIP_SANITIZE_OPTIONS="stack_dept=4")
+    out = subprocess.run([python, "-c", "print('ran unsanitized')"], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=str(tmp_path))
+    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+    assert "did you mean 'stack_depth'?" in out.stderr and "Fatal Python error" not in out.stderr
+    assert "ran unsanitized" not in out.stdout
+    env["OWNERSHIP_SANITIZE_OPTIONS"] = "stack_depth=4"  # and a good setting enables it there and then
+    out = subprocess.run([python, "-c", "import sys; print(sys.modules['sanitizer'].enabled())"], env=env,
+                         capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+    assert out.returncode == 0 and out.stdout.split() == ["True"], out.stderr[-2000:]

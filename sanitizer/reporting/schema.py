@@ -6,7 +6,10 @@ avoid a dependency for one file: it supports ``type``, ``const``, ``enum``,
 ``required``, ``properties``, ``additionalProperties``, ``items``,
 ``minimum``, ``minItems``, ``maxItems``, ``anyOf``, ``not`` and local
 ``$ref`` (``#/$defs/NAME``). An unsupported keyword is an error, so the schema
-cannot silently say more than is checked.
+cannot silently say more than is checked. Types and equality are the
+specification's, not Python's: ``1.0`` is an ``integer``, ``true`` is neither an
+integer nor equal to ``1``. ``tests/test_report.py`` checks it against the
+``jsonschema`` package (the test extra) on generated schemas and instances.
 """
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ _TYPES = {
     "object": lambda v: isinstance(v, dict),
     "array": lambda v: isinstance(v, list),
     "string": lambda v: isinstance(v, str),
-    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    # JSON Schema counts a number with a zero fractional part as an integer (1.0 is an integer, true is not).
+    "integer": lambda v: (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer()),
     "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
     "boolean": lambda v: isinstance(v, bool),
     "null": lambda v: v is None,
@@ -60,9 +64,9 @@ def _check(v: Any, s: Dict[str, Any], root: Dict[str, Any], path: str, errors: L
         if not any(_TYPES[t](v) for t in types):
             errors.append(f"{path}: expected {' or '.join(types)}, got {type(v).__name__} {_short(v)}")
             return
-    if "const" in s and v != s["const"]:
+    if "const" in s and not _json_equal(v, s["const"]):
         errors.append(f"{path}: expected {s['const']!r}, got {_short(v)}")
-    if "enum" in s and v not in s["enum"]:
+    if "enum" in s and not any(_json_equal(v, option) for option in s["enum"]):
         errors.append(f"{path}: {_short(v)} is not one of {s['enum']}")
     if "minimum" in s and _TYPES["number"](v) and v < s["minimum"]:
         errors.append(f"{path}: {v} is below the minimum {s['minimum']}")
@@ -103,6 +107,20 @@ def _check(v: Any, s: Dict[str, Any], root: Dict[str, Any], path: str, errors: L
         _check(v, s["not"], root, path, sub)
         if not sub:
             errors.append(f"{path}: {_short(v)} matches a schema it must not match")
+
+
+def _json_equal(a: Any, b: Any) -> bool:
+    """Equality as JSON Schema defines it for ``const`` and ``enum``: 1 equals 1.0, but true is not 1 and
+    false is not 0 (Python's ``==`` says they are), recursively through arrays and objects."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_json_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_json_equal(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
 
 
 def _short(v: Any) -> str:

@@ -12,8 +12,11 @@ the known loaders. Right after torch has executed (or right before a loader
 package executes, so the loader's own import of torch is already ours), it
 imports ``sanitizer`` (which enables itself from the environment) and asks the
 adapters to wrap the loaders' iterators as they get imported. A program that
-never imports torch pays nothing but the finder. This file must stay
-standalone: no relative imports, standard library only.
+never imports torch pays nothing but the finder. A sanitizer that cannot start
+(``OWNERSHIP_SANITIZE_OPTIONS=stack_dept=4``) stops the program there with
+status 2 and a message naming the setting, as ``import sanitizer`` would raise:
+it never runs unsanitized by mistake. This file must stay standalone: no
+relative imports, standard library only.
 """
 from __future__ import annotations
 
@@ -33,11 +36,11 @@ MODULE_NAME = "_ownership_sanitizer_startup"
 # Top-level packages of the loaders that sanitizer.adapters wraps (tests check this against
 # adapters.TARGETS): we activate before they execute, so their import of torch is seen too.
 LOADER_PACKAGES = frozenset({"fastsafetensors", "runai_model_streamer", "instanttensor", "safetensors"})
-_TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 # Loads this file by path under MODULE_NAME and calls activate(); used by the .pth line and by
-# the sitecustomize that `ownsan run` puts on PYTHONPATH. It never raises into the interpreter.
+# the sitecustomize that `ownsan run` puts on PYTHONPATH. A failure of the hook itself is printed, never raised; a
+# sanitizer that was asked for and cannot start stops the program (see _refuse).
 BOOTSTRAP = (
     "import sys\n"
     "try:\n"
@@ -61,18 +64,16 @@ state = {"activated": False, "trigger": None, "error": None}  # for tests and `o
 
 
 def switch_on(environ: Any = None) -> bool:
-    """Read ``OWNERSHIP_SANITIZE`` as :mod:`sanitizer.core.options` does; a bad value is reported, not raised."""
+    """Whether to arm the hook: ``OWNERSHIP_SANITIZE`` is on, or set to a value that is not understood.
+
+    A value that is neither on nor off is armed too, so that a program that imports torch stops with the
+    sanitizer's own error (as ``import sanitizer`` does) instead of running unsanitized; a program that
+    never imports torch (pip, a build script) is not disturbed by it.
+    """
     raw = (os.environ if environ is None else environ).get(ENV_SWITCH)
     if raw is None:
         return False
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value not in _FALSE and not state.get("warned"):
-        state["warned"] = True  # a venv's lib64 symlink makes site run the .pth line twice
-        print(f"ownership-sanitizer: {ENV_SWITCH}={raw!r} is not understood; use 1/true/on/yes to enable or "
-              f"0/false/off/no/empty to disable (sanitizer not enabled)", file=sys.stderr)
-    return False
+    return raw.strip().lower() not in _FALSE
 
 
 def _enable_now(trigger: str) -> None:
@@ -92,9 +93,34 @@ def _enable_now(trigger: str) -> None:
 
             install_import_hooks()
         state["activated"] = True
-    except Exception as exc:  # never break the program's own import of torch
+    except Exception as exc:
         state["error"] = repr(exc)
-        print(f"ownership-sanitizer: zero-code activation failed ({trigger}): {exc}", file=sys.stderr)
+        _refuse(trigger, exc)
+
+
+def _refuse(trigger: str, exc: BaseException) -> None:
+    """The sanitizer was asked for and cannot start: stop the program, as ``import sanitizer`` would raise,
+    rather than let it run unsanitized and exit 0. Status 2 for a bad setting (an unknown option, a bad
+    value: the message names it and the closest valid one), 1 for any other failure."""
+    setting = type(exc).__name__ == "OptionError"
+    print(f"ownership-sanitizer: {ENV_SWITCH} is set but the sanitizer cannot start "
+          f"({'bad setting' if setting else 'activation failed at ' + trigger}): {exc}\n"
+          f"ownership-sanitizer: stopping rather than running the program unsanitized; fix the setting, "
+          f"or unset {ENV_SWITCH} to run without the sanitizer", file=sys.stderr)
+    code = 2 if setting else 1
+    import threading
+
+    site = sys.modules.get("site")  # still executing: we run from a .pth or a sitecustomize at start-up
+    at_start_up = bool(getattr(getattr(site, "__spec__", None), "_initializing", False))
+    if threading.current_thread() is threading.main_thread() and not at_start_up:
+        raise SystemExit(code)  # out through the program's own `import torch`
+    # A thread's SystemExit would end the thread alone; site's would be a "Fatal Python error".
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
 
 
 class _RunAfter:
