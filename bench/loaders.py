@@ -12,6 +12,13 @@ all modes alike:
 * ``full``: ``enable(checksum=1, poison=1)``: also a hash of every lease at lend,
   verification at retire and a poison fill of every retired lease that is held.
 
+``--breakdown`` adds ``tracking-noguard`` (``guard=0``: no tombstone for a retired
+lease that is still referenced, such as the consumer's loop variable) and
+``tracking-notriage`` (the retention hooks unregistered), so that the share of
+each feature in the tracking cost is printed next to it. Triage walks the heap
+only for a confirmed retention: a correct consumer costs it a counter and a
+deque append per lend.
+
 Targets: tracking <= 1.05x, full <= 1.3x. The checkpoint mimics an LLM's
 tensor sizes (a few KB norms, tens of MB projections); ``--hidden`` and
 ``--layers`` scale it.
@@ -38,6 +45,7 @@ import sanitizer  # noqa: E402
 from sanitizer.core import options as option_table  # noqa: E402
 
 MODES = ("off", "tracking", "full")
+BREAKDOWN = ("tracking-noguard", "tracking-notriage")
 
 
 def make_checkpoint(directory: str, layers: int, hidden: int) -> Tuple[List[str], Dict[str, torch.Tensor]]:
@@ -108,9 +116,24 @@ def available() -> Dict[str, Callable]:
     return {label: fn for label, (module, fn) in LOADERS.items() if importlib.util.find_spec(module) is not None}
 
 
+def _triage_hooks(on: bool) -> None:
+    from sanitizer.features import triage
+    from sanitizer.torch_layer import runtime
+
+    if on:
+        runtime.add_lend_hook(triage.on_lend)
+        runtime.add_retire_hook(triage.on_retire, triage.ORDER)
+    else:
+        runtime.state.lend_hooks[:] = [h for h in runtime.state.lend_hooks if h is not triage.on_lend]
+        runtime.state.retire_hooks[:] = [p for p in runtime.state.retire_hooks if p[1] is not triage.on_retire]
+
+
 def load_once(make: Callable, paths: List[str], params: Dict[str, torch.Tensor], mode: str) -> float:
-    if mode != "off":  # options persist across disable(): set both every time
-        sanitizer.enable(checksum=mode == "full", poison=mode == "full")
+    if mode != "off":  # options persist across disable(): set them every time
+        extra = {"guard": False} if mode == "tracking-noguard" and "guard" in option_table.OPTIONS else {}
+        if mode == "tracking-notriage":
+            _triage_hooks(False)
+        sanitizer.enable(checksum=mode == "full", poison=mode == "full", **extra)
     try:
         start = time.perf_counter()
         iterator, cleanup = make(paths)
@@ -123,6 +146,11 @@ def load_once(make: Callable, paths: List[str], params: Dict[str, torch.Tensor],
         elapsed = time.perf_counter() - start
     finally:
         sanitizer.disable()
+        if mode == "tracking-notriage":
+            _triage_hooks(True)
+        if mode == "tracking-noguard":
+            sanitizer.enable(guard=True)
+            sanitizer.disable()
     errors = sanitizer.errors()
     if errors:
         raise SystemExit(f"a correct consumer got {len(errors)} sanitizer error(s): {errors[0]['summary']}")
@@ -134,11 +162,15 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time tracking without the guard and without the retention hooks")
     args = parser.parse_args(argv)
     os.environ.setdefault("RUNAI_STREAMER_MEMORY_LIMIT", str(256 << 20))
     os.environ.setdefault("RUNAI_STREAMER_LOG_LEVEL", "WARNING")
     missing = [o for o in ("checksum", "poison") if o not in option_table.OPTIONS]
     modes = MODES if not missing else ("off", "tracking")
+    if args.breakdown:
+        modes = modes + BREAKDOWN
     if missing:
         print(f"note: options {missing} are not in the option table yet: the 'full' column is skipped")
     loaders = available()
@@ -151,8 +183,9 @@ def main(argv: List[str]) -> int:
         print(f"checkpoint: {len(ckpt)} tensors, {total / 2**20:.0f} MiB bf16 in 2 files; "
               f"{args.reps} interleaved runs per mode, median seconds; torch {torch.__version__}, {os.cpu_count()} CPUs")
         params = {k: torch.empty_like(v) for k, v in ckpt.items()}
-        print(f"{'loader':46s} " + " ".join(f"{m + ' (s)':>13s}" for m in modes) + "   "
-              + " ".join(f"{m + '/off':>13s}" for m in modes[1:]))
+        wd = max(13, max(len(m) for m in modes) + 4)
+        print(f"{'loader':46s} " + " ".join(f"{m + ' (s)':>{wd}s}" for m in modes) + "   "
+              + " ".join(f"{m + '/off':>{wd}s}" for m in modes[1:]))
         for label, make in loaders.items():
             for mode in modes:  # warm-up: page cache, numba compile, first-use imports
                 load_once(make, paths, params, mode)
@@ -164,8 +197,8 @@ def main(argv: List[str]) -> int:
             med = {m: statistics.median(v) for m, v in times.items()}
             # each run's ratio to the 'off' run right before it, then the median: robust to a busy machine
             ratio = {m: statistics.median(t / o for t, o in zip(times[m], times["off"])) for m in modes[1:]}
-            print(f"{label:46s} " + " ".join(f"{med[m]:13.3f}" for m in modes) + "   "
-                  + " ".join(f"{ratio[m]:12.2f}x" for m in modes[1:]))
+            print(f"{label:46s} " + " ".join(f"{med[m]:{wd}.3f}" for m in modes) + "   "
+                  + " ".join(f"{ratio[m]:{wd - 1}.2f}x" for m in modes[1:]))
     print("targets: tracking <= 1.05x, full <= 1.30x")
     print("note: safetensors is not a borrowing loader (its row shows the wrapper's per-tensor cost); its tensors\n"
           "are copy-on-write pages of a file mapping, so poison=1 copies every page it fills")

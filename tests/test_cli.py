@@ -96,7 +96,6 @@ def test_run_passes_the_program_exit_status_through(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["run", "-o", "bogus=1", "--", "python", "x.py"], "unknown option 'bogus'"),
     (["run", "-o", "stack_depth=-1", "--", "python", "x.py"], "option 'stack_depth'"),
-    (["run", "-o", "report=x.json", "--", "python", "x.py"], "use --report"),
     (["run"], "give the program to run after --"),
     (["triage"], "the following arguments are required: report"),
     (["nosuch"], "invalid choice: 'nosuch'"),
@@ -107,6 +106,14 @@ def test_argument_errors_print_usage_and_exit_2(argv, message, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "usage: ownsan" in err and message in err
+
+
+def test_option_report_is_taken_as_the_report_path(tmp_path):
+    """``-o report=PATH`` means ``--report PATH`` (it used to be refused)."""
+    out = _ownsan("run", "-q", "-o", "report=via-option.json", "--", sys.executable, "-c", "import torch",
+                  cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "via-option.json").exists() and not (tmp_path / "ownsan-report.json").exists()
 
 
 def test_triage_of_a_missing_or_foreign_file_is_a_clear_error(tmp_path, capsys):
@@ -181,3 +188,195 @@ def test_fuzz_flags_pass_straight_to_the_campaign(capsys):
     assert cli.main(["fuzz", "--examples", "2", "--seed", "5", "-j", "1"]) == 0
     out = capsys.readouterr().out
     assert "cases: 2 (seed 5, 1 job(s)" in out and "false alarms: 0" in out
+
+
+# -- first-run experience: version, start-up cost, missing extras, bad input --------------------------
+def test_version_is_the_single_sourced_one(tmp_path, capsys):
+    from sanitizer.core.version import __version__
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"ownsan (ownership-sanitizer) {__version__}"
+    out = _ownsan("--version", cwd=str(tmp_path))
+    assert out.returncode == 0 and out.stdout.split()[-1] == __version__
+    import sanitizer
+
+    assert sanitizer.__version__ == __version__
+
+
+_HEAVY = ("torch", "numba", "numpy", "sanitizer.torch_layer", "sanitizer.features")
+
+
+def _loaded_after(code: str, tmp_path) -> list:
+    out = subprocess.run([sys.executable, "-c", code + f"\nprint(sorted(m for m in {_HEAVY!r} if m in sys.modules))"],
+                         cwd=str(tmp_path), capture_output=True, text=True, timeout=120,
+                         env={**{k: v for k, v in os.environ.items() if not k.startswith("OWNERSHIP_SANITIZE")},
+                              "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1].replace("'", '"'))
+
+
+def test_help_and_version_import_no_torch(tmp_path):
+    for argv in (["--help"], ["--version"], ["run", "--help"], ["options"]):
+        code = ("import sys\nfrom sanitizer.tools.cli import main\n"
+                f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n")
+        assert _loaded_after(code, tmp_path) == [], argv
+
+
+def test_the_pytest_plugin_imports_no_torch_until_a_test_asks(tmp_path):
+    assert _loaded_after("import sys\nimport sanitizer.tools.pytest_plugin", tmp_path) == []
+    # A whole pytest session of an unrelated project, with the plugin loaded: still no torch.
+    (tmp_path / "test_unrelated.py").write_text(
+        "import sys\n"
+        "def test_plugin_loaded_but_nothing_heavy():\n"
+        "    assert 'sanitizer.tools.pytest_plugin' in sys.modules\n"
+        f"    assert [m for m in {_HEAVY!r} if m in sys.modules] == []\n")
+    from importlib.metadata import entry_points
+
+    ours = any(ep.value == "sanitizer.tools.pytest_plugin" for ep in entry_points(group="pytest11"))
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_unrelated.py"]
+                         + ([] if ours else ["-p", "sanitizer.tools.pytest_plugin"]), cwd=str(tmp_path),
+                         capture_output=True, text=True, timeout=120,
+                         env={**{k: v for k, v in os.environ.items() if not k.startswith("OWNERSHIP_SANITIZE")},
+                              "PYTHONPATH": ROOT})
+    assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout + out.stderr
+
+
+def _without_safetensors(argv: list, tmp_path) -> subprocess.CompletedProcess:
+    code = ("import sys\nsys.modules['safetensors'] = None  # as if the extra were not installed\n"
+            f"from sanitizer.tools.cli import main\nsys.exit(main({argv!r}))\n")
+    return subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), capture_output=True, text=True,
+                          timeout=300, env={**{k: v for k, v in os.environ.items()
+                                               if not k.startswith("OWNERSHIP_SANITIZE")}, "PYTHONPATH": ROOT})
+
+
+def test_fuzz_without_its_extra_says_what_to_install(tmp_path):
+    out = _without_safetensors(["fuzz", "--examples", "1"], tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "needs safetensors" in out.stderr and "pip install 'ownership-sanitizer[fuzz]'" in out.stderr
+
+
+def test_demo_without_its_extra_runs_the_core_scenario_or_says_what_to_install(tmp_path):
+    out = _without_safetensors(["demo"], tmp_path)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert "pip install 'ownership-sanitizer[demo]'" in out.stderr and "core scenario instead" in out.stderr
+    assert "sanitized: the same read raises at once" in out.stdout
+    out = _without_safetensors(["demo", "--order", "sorted"], tmp_path)  # the demo's own flags: no fallback
+    assert out.returncode == 2 and "needs safetensors" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_report_path_that_cannot_be_written_fails_before_the_run(tmp_path, capsys):
+    marker = tmp_path / "ran"
+    program = [sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"]
+    for bad, why in ((tmp_path / "no" / "such" / "dir" / "r.json", "no directory"), (tmp_path, "it is a directory")):
+        assert cli.main(["run", "--report", str(bad), "--", *program]) == 2
+        err = capsys.readouterr().err
+        assert f"--report {str(bad)!r}: cannot write the report there ({why}" in err and "nothing was run" in err
+    assert not marker.exists()  # the program never started
+    probe = tmp_path / "r.json"
+    assert cli._unwritable(str(probe)) is None and not probe.exists()  # the check leaves no file behind
+
+
+def test_a_report_that_cannot_be_written_at_the_end_goes_elsewhere(tmp_path, capsys):
+    gone = tmp_path / "gone" / "r.json"  # writable at the start, its directory removed during the run
+    where = cli._write_report({"format": "x", "n": 1}, str(gone))
+    try:
+        assert where != str(gone) and json.loads(open(where).read()) == {"format": "x", "n": 1}
+        assert f"the report is in {where}" in capsys.readouterr().err
+    finally:
+        os.remove(where)
+
+
+@pytest.mark.parametrize("replay, named", [
+    ("{bad", "not JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    ('{"layers": []}', "missing field(s)"),
+    ('{"layers": [[["w0", [4], "bf16"]]], "files": 1, "order": "sorted", "ring_fraction": 0.5, "lifetime": null, '
+     '"consumer": "hoard", "debug": "generations", "seed": 1}', "field 'consumer': expected one of"),
+    ('{"layers": [[["w0", [0], "bf16"]]], "files": 1, "order": "sorted", "ring_fraction": 0.5, "lifetime": null, '
+     '"consumer": "list", "debug": "generations", "seed": 1}', "shape [0] is not a non-empty list"),
+    ('{"layers": [[["w0", [4], "f64"]]], "files": 1, "order": "sorted", "ring_fraction": 2, "lifetime": null, '
+     '"consumer": "list", "debug": "generations", "seed": 1}', "dtype \"f64\" is not one of"),
+    ('{"layers": [[["w0", [4], "bf16"]]], "files": 1, "order": "sorted", "ring_fraction": 2, "lifetime": null, '
+     '"consumer": "list", "debug": "generations", "seed": 1, "extra": 1}', "unknown field(s) ['extra']"),
+])
+def test_a_bad_replay_case_is_a_usage_error_naming_the_problem(replay, named, capsys):
+    assert cli.main(["fuzz", "--replay", replay]) == 2
+    err = capsys.readouterr().err
+    assert "--replay: not a case:" in err and named in err, err
+    assert "Traceback" not in err
+
+
+def test_fuzz_shows_progress_on_stderr(capsys):
+    from sanitizer.testing import fuzz
+
+    assert fuzz.main(["--examples", "2", "--seed", "5"]) == 0
+    captured = capsys.readouterr()
+    assert "fuzz: 1/2 cases, 0 failures" in captured.err and "fuzz: 2/2 cases, 0 failures" in captured.err
+    assert "fuzz:" not in captured.out and "cases: 2 (seed 5" in captured.out
+    assert fuzz.main(["--examples", "1", "--seed", "5", "-q"]) == 0
+    assert capsys.readouterr().err == ""
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    line = fuzz._ProgressLine(Tty())
+    for done in (1, 2, 3):
+        line(done, 3, done - 1)
+    text = line.stream.getvalue()
+    assert text.count("\r") == 3 and text.endswith("fuzz: 3/3 cases, 2 failures, " + text.rsplit(", ", 1)[1])
+    assert text.endswith("\n")
+
+
+def _screen(raw: str) -> list:
+    """What a terminal shows after ``raw``: carriage return, line feed and erase-to-end-of-line honoured."""
+    lines, cur, col, i = [], [], 0, 0
+    while i < len(raw):
+        if raw.startswith("\x1b[K", i):
+            del cur[col:]
+            i += 3
+            continue
+        c = raw[i]
+        if c == "\r":
+            col = 0
+        elif c == "\n":
+            lines.append("".join(cur))
+            cur, col = [], 0
+        else:
+            cur[col:col + 1] = [c]
+            col += 1
+        i += 1
+    return lines + ["".join(cur)]
+
+
+@pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
+def test_the_progress_line_never_covers_the_programs_output(tmp_path):
+    """On a terminal: the program writes a line, goes quiet (the progress line shows), writes again, and
+    writes half a line, goes quiet (no progress line while its cursor is mid-line), then ends it."""
+    import select
+
+    child = ("import sys, time\nprint('line one', flush=True)\ntime.sleep(1.0)\nprint('line two', flush=True)\n"
+             "sys.stdout.write('half'); sys.stdout.flush(); time.sleep(0.8); print(' and the rest')\n")
+    master, slave = os.openpty()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OWNERSHIP_SANITIZE")}
+    env["PYTHONPATH"] = ROOT
+    proc = subprocess.Popen([sys.executable, "-m", "sanitizer", "run", "-q", "--report", "r.json", "--",
+                             sys.executable, "-c", child], stdin=subprocess.DEVNULL, stdout=slave, stderr=slave,
+                            cwd=str(tmp_path), env=env)
+    os.close(slave)
+    raw = b""
+    while select.select([master], [], [], 60)[0]:
+        try:
+            data = os.read(master, 4096)
+        except OSError:  # EIO: the other side closed
+            break
+        if not data:
+            break
+        raw += data
+    os.close(master)
+    assert proc.wait(timeout=60) == 0
+    text = raw.decode()
+    assert "ownsan: running " in text  # the line was shown while the program was quiet...
+    shown = [line for line in _screen(text) if line.strip()]
+    assert shown[:3] == ["line one", "line two", "half and the rest"], shown  # ...and never over its output
+    assert not any("ownsan: running" in line for line in shown)  # and erased at the end

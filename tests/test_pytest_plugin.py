@@ -78,7 +78,11 @@ def test_marker_alone_sanitizes_marked_tests_and_nothing_else(pytester):
         "    assert \"retention\" in ownership_report.line\n", ""))
     result = pytester.runpytest_subprocess("-p", "sanitizer.tools.pytest_plugin", "-p", "no:cacheprovider",
                                            "test_unmarked.py")
-    result.assert_outcomes(passed=3)  # off: the retaining consumer reads wrong bytes, silently
+    # off: the retaining consumer reads wrong bytes, silently; the report fixture refuses to pass vacuously
+    result.assert_outcomes(passed=1, errors=2)
+    result.stdout.fnmatch_lines(["*ERROR at setup of test_correct_consumer*",
+                                 "*the ownership_report fixture needs a sanitized test: mark it "
+                                 "@pytest.mark.ownership_sanitize or run pytest --ownership-sanitize*"])
 
 
 def test_bad_marker_option_is_a_usage_error(pytester):
@@ -98,3 +102,65 @@ def test_loading_the_plugin_enables_nothing_and_imports_no_numba():
     assert out.returncode == 0, out.stderr
     enabled, numba, _ = out.stdout.split()
     assert enabled == "False" and numba == "False"
+
+
+FAILING = '''
+import pytest
+import torch
+
+KEPT = []
+
+def load(ring, n):
+    for i in range(n):
+        yield f"layers.{i}.weight", ring.put(f"layers.{i}.weight", torch.full((64, 64), float(i)))
+
+@pytest.mark.ownership_sanitize
+def test_own_assertion_fails(staging_ring):
+    for name, w in load(staging_ring, 80):
+        KEPT.append(w)
+    total = sum(float(k.sum()) for k in KEPT)
+    assert total == -1.0, "the test's own assertion"
+
+@pytest.mark.ownership_sanitize
+def test_plain_failure_without_findings(staging_ring):
+    acc = torch.zeros(64, 64)
+    for name, w in load(staging_ring, 10):
+        acc += w
+    assert float(acc[0, 0]) == -1.0
+
+@pytest.mark.ownership_sanitize(triage=0)
+def test_halting_error_traceback(staging_ring):
+    kept = [w for _, w in load(staging_ring, 80)]
+    kept[0].sum()
+'''
+
+
+def test_every_failing_sanitized_test_gets_a_section_without_internal_frames(pytester):
+    pytester.makepyfile(test_failing=FAILING)
+    pytester._monkeypatch.setenv("PYTHONPATH", ROOT)
+    pytester._monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    for key in ("OWNERSHIP_SANITIZE", "OWNERSHIP_SANITIZE_OPTIONS"):
+        pytester._monkeypatch.delenv(key, raising=False)
+    result = pytester.runpytest_subprocess("-p", "sanitizer.tools.pytest_plugin", "-p", "no:cacheprovider",
+                                           "--ownership-report-dir", str(pytester.path / "reports"))
+    result.assert_outcomes(failed=3)
+    out = result.stdout.str()
+    lines = FAILING.strip("\n").splitlines()
+    read_line = 1 + next(i for i, line in enumerate(lines) if "total = sum(" in line)
+    use_line = 1 + next(i for i, line in enumerate(lines) if "kept[0].sum()" in line)
+    own = out[out.index("_ test_own_assertion_fails _"):out.index("_ test_plain_failure_without_findings _")]
+    assert "the test's own assertion" in own  # its own failure first
+    assert "- ownership-sanitizer -" in own  # then the sanitizer's section
+    assert "retentions by 1 consumer" in own and "held by: test_failing.KEPT[*]" in own
+    assert "read stale at " in own and f"test_failing.py:{read_line}" in own
+    assert "report: " in own and "test_failing.py_test_own_assertion_fails.json" in own
+    plain = out[out.index("_ test_plain_failure_without_findings _"):out.index("_ test_halting_error_traceback _")]
+    assert "- ownership-sanitizer -" in plain and "0 errors; no retentions" in plain
+    halting = out[out.index("_ test_halting_error_traceback _"):]
+    halting = halting[:halting.index("- ownership-sanitizer -")]
+    assert f"test_failing.py:{use_line}: StaleBorrowError" in halting  # the traceback ends at the user's line
+    traceback = [line for line in halting.splitlines() if not line.startswith("E ")]
+    for frame in ("sanitizer/torch_layer", "torch/_compile.py", "_dynamo", "pluggy", "_pytest"):
+        assert not any(frame in line for line in traceback), (frame, traceback)
+    used_at = halting[halting.rindex("used at (thread"):]  # the captured use site stops at the test, not in the harness
+    assert "test_halting_error_traceback" in used_at and "pluggy" not in used_at and "_pytest" not in used_at

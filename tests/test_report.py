@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import sanitizer
 from sanitizer.features import holders
@@ -161,3 +162,126 @@ main()
     assert rep["summary"]["retaining_consumers"][0]["consumer"] == "__main__.KEPT[*]"
     assert rep["summary"]["retentions"] == 3  # w3 was never retired
     assert os.path.basename(rep["argv"][0]) == "-c"
+
+
+# -- the schema validator against the jsonschema package -------------------------------------------
+@pytest.mark.parametrize("instance,schema,valid", [
+    (3.0, {"type": "integer"}, True),  # a whole-number float is an integer in JSON Schema
+    (3.5, {"type": "integer"}, False),
+    (True, {"type": "integer"}, False),
+    (True, {"type": "number"}, False),
+    (True, {"const": 1}, False),  # Python's True == 1 is not JSON equality
+    (0, {"enum": [False, "x"]}, False),
+    (1.0, {"const": 1}, True),
+    ([1.0, {"a": 2}], {"const": [1, {"a": 2.0}]}, True),
+    ([True], {"enum": [[1]]}, False),
+    ({"n": 2.0}, {"type": "object", "properties": {"n": {"type": "integer", "minimum": 2}}}, True),
+    (False, {"minimum": 5}, True),  # minimum constrains numbers only
+])
+def test_types_and_equality_are_json_schema_not_python(instance, schema, valid):
+    assert (validate(instance, schema) == []) is valid, validate(instance, schema)
+
+
+def _official(schema):
+    jsonschema = pytest.importorskip("jsonschema")  # the test extra (only these cross-checks need it)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def test_the_shipped_schema_and_reports_agree_with_jsonschema():
+    official = _official(R.schema())
+    rep = json.loads(json.dumps(_scenario(), default=str))  # as written to disk
+    assert R.validate(rep) == [] and official.is_valid(rep)
+    whole = copy.deepcopy(rep)
+    whole["pid"] = float(whole["pid"])  # 1234.0: valid in both
+    assert R.validate(whole) == [] and official.is_valid(whole)
+    for mutate in (lambda r: r.__setitem__("pid", True), lambda r: r.__setitem__("pid", "12"),
+                   lambda r: r["errors"][0]["lease"].pop("dtype"), lambda r: r.__setitem__("error_count", 1.5),
+                   lambda r: r.__setitem__("unexpected_key", 1) if R.schema().get("additionalProperties") is False
+                   else r.__setitem__("pid", None)):
+        bad = copy.deepcopy(rep)
+        mutate(bad)
+        assert R.validate(bad) != [] and not official.is_valid(bad)
+
+
+_KEYS = ("a", "b", "c")
+_scalar = (st.none() | st.booleans() | st.integers(-3, 3) | st.sampled_from([0.0, 1.0, -2.0, 2.5, 1e20])
+           | st.sampled_from(["", "x", "a"]))
+_json = st.recursive(_scalar, lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.sampled_from(_KEYS), inner, max_size=3), max_leaves=6)
+
+
+def _twins(v):
+    """``v`` and values Python calls equal to it that JSON may not (True/1/1.0), in arrays and objects too."""
+    if isinstance(v, bool):
+        return [v, int(v), float(v)]
+    if isinstance(v, int):
+        return [v, float(v)] + ([bool(v)] if v in (0, 1) else [])
+    if isinstance(v, float):
+        return [v, int(v)] if v.is_integer() else [v]
+    if isinstance(v, list):
+        return [v, [_twins(x)[-1] for x in v], [v]]
+    if isinstance(v, dict):
+        return [v, {k: _twins(x)[-1] for k, x in v.items()}]
+    return [v]
+
+
+def _values_in(schema):
+    """Every const and enum value (and minimum) anywhere in ``schema``."""
+    if isinstance(schema, dict):
+        for key, sub in schema.items():
+            if key == "const" or key == "minimum":
+                yield sub
+            elif key == "enum":
+                yield from sub
+            else:
+                yield from _values_in(sub)
+    elif isinstance(schema, list):
+        for sub in schema:
+            yield from _values_in(sub)
+
+
+def _schemas(depth: int = 2):
+    leaf = st.one_of(
+        st.builds(lambda t: {"type": t}, st.sampled_from(["object", "array", "string", "integer", "number",
+                                                          "boolean", "null"])),
+        st.builds(lambda ts: {"type": ts}, st.lists(st.sampled_from(["integer", "string", "null", "boolean"]),
+                                                    min_size=1, max_size=2, unique=True)),
+        st.builds(lambda v: {"const": v}, _json),
+        st.builds(lambda vs: {"enum": vs}, st.lists(_json, min_size=1, max_size=3)),
+        st.builds(lambda m: {"minimum": m}, st.sampled_from([0, 1, 1.5, -1])),
+        st.builds(lambda n: {"minItems": n}, st.integers(0, 2)),
+        st.builds(lambda n: {"maxItems": n}, st.integers(0, 2)),
+        st.builds(lambda r: {"required": r}, st.lists(st.sampled_from(_KEYS), max_size=2, unique=True)),
+    )
+    if depth == 0:
+        return leaf
+    sub = _schemas(depth - 1)
+    return st.one_of(
+        leaf,
+        st.builds(lambda p, extra: {"type": "object", "properties": p, "additionalProperties": extra},
+                  st.dictionaries(st.sampled_from(_KEYS), sub, max_size=2), st.one_of(st.booleans(), sub)),
+        st.builds(lambda i: {"items": i}, sub),
+        st.builds(lambda alts: {"anyOf": alts}, st.lists(sub, min_size=1, max_size=3)),
+        st.builds(lambda n: {"not": n}, sub),
+        st.builds(lambda a, b: {**a, **b}, leaf, leaf),
+    )
+
+
+def _root_schemas():
+    """A schema, or one whose root holds $defs that a subschema reaches by a local $ref."""
+    body = _schemas()
+    with_ref = st.builds(lambda d, other, how: {"$defs": {"d": d}, how: [{"$ref": "#/$defs/d"}, other]}
+                         if how == "anyOf" else {"$defs": {"d": d}, "items": {"$ref": "#/$defs/d"}, **other},
+                         body, _schemas(0), st.sampled_from(["anyOf", "items"]))
+    return st.one_of(body, with_ref)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_the_validator_agrees_with_jsonschema_on_generated_cases(data):
+    schema = data.draw(_root_schemas(), label="schema")
+    near = sorted({repr(t): t for v in _values_in(schema) for t in _twins(v)}.items())
+    instance = data.draw(st.one_of(_scalar, _json, *([st.sampled_from([t for _, t in near])] if near else [])),
+                         label="instance")
+    assert (validate(instance, schema) == []) is _official(schema).is_valid(instance), validate(instance, schema)

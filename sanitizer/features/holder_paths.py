@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import os
 import re
 import sys
 import types
@@ -31,6 +32,7 @@ _SNAPSHOT_LOCALS = sys.version_info < (3, 13)  # PEP 667: 3.13 gives a write-thr
 _STDLIB = frozenset(getattr(sys, "stdlib_module_names", ())) | {"builtins", "__builtin__"}
 _NUMBER = re.compile(r"\d+")
 _PLAIN_KEYS = (str, int, float, bool, type(None), bytes)  # repr() of a tensor key would read its bytes
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 @dataclass
@@ -44,12 +46,13 @@ class Holder:
     frame_id: Optional[int] = None  # id() of that frame, to re-check the local later
     local: Optional[str] = None
     pattern: Optional[tuple] = None  # (weakref to the root, steps below it): to look again, cheaply
+    detour: int = 0  # objects of the sanitizer's own classes the path runs through (a DeferralScope...)
 
     @property
     def rank(self) -> int:
         if self.transient:
             return 2
-        return 1 if self.kind in ("frame", "unknown") else 0
+        return 1 if self.kind in ("frame", "unknown") or self.detour else 0
 
     def to_dict(self) -> Dict[str, Any]:
         return {"kind": self.kind, "path": self.path, "site": self.site, "consumer": consumer_key(self.path)}
@@ -234,8 +237,31 @@ def _make(kind: str, obj: Any, head: str, segs: Tuple[Seg, ...], site: Optional[
           strong: bool = False) -> Holder:
     """A holder named ``head`` + steps; remembers how to follow the same steps again from ``obj``."""
     ref = (lambda o=obj: o) if strong else _ref(obj)
-    pattern = None if ref is None or any(seg[0] == "?" for seg in segs) else (ref, segs, kind, head, site)
-    return Holder(kind, head + render(segs), site, pattern=pattern)
+    steps, detour = without_detours(segs)
+    pattern = None if ref is None or any(seg[0] == "?" for seg in steps) else (ref, steps, kind, head, site)
+    return Holder(kind, head + render(steps), site, pattern=pattern, detour=detour)
+
+
+DETOUR: Seg = ("x",)
+"""Marks a step through an object of the sanitizer's own classes (renders as nothing, followed by nothing)."""
+
+
+def without_detours(segs: Tuple[Seg, ...]) -> Tuple[Tuple[Seg, ...], int]:
+    steps = tuple(seg for seg in segs if seg != DETOUR)
+    return steps, len(segs) - len(steps)
+
+
+_INTERNAL_CLASSES: Dict[type, bool] = {}
+
+
+def internal_class(tp: type) -> bool:
+    """Is ``tp`` defined by the sanitizer itself (a DeferralScope, a staging buffer)? Never a consumer."""
+    known = _INTERNAL_CLASSES.get(tp)
+    if known is None:
+        module = sys.modules.get(getattr(tp, "__module__", "") or "")
+        file = getattr(module, "__file__", None)
+        known = _INTERNAL_CLASSES[tp] = bool(file) and is_internal_file(os.path.abspath(file))
+    return known
 
 
 def root(r: Any, child: Any, below: Tuple[Seg, ...], modules: Dict[int, Tuple[str, Any]]) -> Optional[Holder]:
@@ -248,6 +274,8 @@ def root(r: Any, child: Any, below: Tuple[Seg, ...], modules: Dict[int, Tuple[st
                 return _make("global", r, name, (("g", k),) + below, _module_site(mod, k), strong=True)
         return None
     if tp is types.FrameType:
+        if internal(r.f_code) or r.f_code.co_filename.startswith(_TORCH_DIR):
+            return None  # our own frames, torch's dispatch frames: they hold a read's arguments, nobody's holder
         for k, v in locals_of(r).items():
             if v is child:
                 gen = bool(r.f_code.co_flags & GEN_FLAGS)
@@ -283,8 +311,8 @@ def root(r: Any, child: Any, below: Tuple[Seg, ...], modules: Dict[int, Tuple[st
             return _make("class", r, f"{r.__module__}.{r.__qualname__}", (("ca", name),) + below[1:],
                          _site_of_class(r))
         return None
-    if tp.__module__.split(".")[0] in _STDLIB or isinstance(r, torch.Tensor):
-        return None  # stdlib containers (BoundArguments, deque...) and tensor subclasses: walk through them
+    if tp.__module__.split(".")[0] in _STDLIB or isinstance(r, torch.Tensor) or internal_class(tp):
+        return None  # stdlib containers (BoundArguments, deque...), tensor subclasses, ours: walk through them
     seg = label(r, child)
     if seg is None:
         return None
@@ -292,13 +320,27 @@ def root(r: Any, child: Any, below: Tuple[Seg, ...], modules: Dict[int, Tuple[st
 
 
 def step(obj: Any, seg: Seg) -> Iterator[Tuple[Seg, Any]]:
-    """Follow one step down from ``obj`` (list indices are wildcards): ``(concrete step, child)`` pairs."""
+    """Follow one step down from ``obj``: ``(concrete step, child)`` pairs.
+
+    List indices and dict keys are wildcards (a consumer that kept ``pending['layers.3.weight']``
+    keeps ``pending['layers.4.weight']`` the same way), tried newest first: the exact key, then
+    the other keys and the list items from the end, where a consumer appends what it keeps.
+    Module globals (``g``) stay exact: the name is the holder."""
     tag = seg[0]
     try:
         if tag == "i":
             if type(obj) is list or type(obj) is tuple:
-                yield from ((("i", i), x) for i, x in enumerate(obj))
-        elif tag in ("k", "g"):
+                for i in range(len(obj) - 1, -1, -1):
+                    yield ("i", i), obj[i]
+        elif tag == "k":
+            if isinstance(obj, dict):
+                key = seg[1]
+                if key in obj:
+                    yield seg, obj[key]
+                for k in reversed(list(obj)):
+                    if k != key and type(k) in _PLAIN_KEYS:
+                        yield ("k", k), obj[k]
+        elif tag == "g":
             if isinstance(obj, dict) and seg[1] in obj:
                 yield seg, obj[seg[1]]
         elif tag == "a":
@@ -329,9 +371,40 @@ def step(obj: Any, seg: Seg) -> Iterator[Tuple[Seg, Any]]:
             loc = locals_of(frame) if frame is not None else {}
             if seg[1] in loc:
                 yield seg, loc[seg[1]]
-    except (AttributeError, IndexError, ValueError, TypeError):  # an empty cell, a changed object
+    except (AttributeError, IndexError, ValueError, TypeError, KeyError, RuntimeError):  # an empty cell, a changed object
         return
 
 
-__all__ = ["Holder", "Seg", "consumer_key", "label", "join", "root", "render", "step", "locals_of", "internal",
+class FrameLocal:
+    """The root of a holder path that starts at an executing frame's local: found again by the frame's
+    identity (id and code object; frames take no weak references, and we must not keep one alive).
+    Calling it returns the local's current value, or None once the frame is gone."""
+
+    __slots__ = ("frame_id", "code", "name")
+
+    def __init__(self, frame: types.FrameType, name: str):
+        self.frame_id, self.code, self.name = id(frame), frame.f_code, name
+
+    def __call__(self) -> Any:
+        tops = list(sys._current_frames().values())
+        frame = None
+        try:
+            for frame in tops:
+                while frame is not None:
+                    if id(frame) == self.frame_id and frame.f_code is self.code:
+                        return locals_of(frame).get(self.name)
+                    frame = frame.f_back
+            return None
+        finally:  # this very frame is among them: a reference to it from its own locals is a cycle that
+            del tops, frame  # would keep every caller's locals (the lent view) alive until the next gc
+
+    def __eq__(self, other: Any) -> bool:
+        return (isinstance(other, FrameLocal) and other.frame_id == self.frame_id and other.code is self.code
+                and other.name == self.name)
+
+    def __hash__(self) -> int:
+        return hash((self.frame_id, self.name))
+
+
+__all__ = ["Holder", "Seg", "FrameLocal", "DETOUR", "without_detours", "internal_class", "consumer_key", "label", "join", "root", "render", "step", "locals_of", "internal",
            "qualname", "site_of_frame", "GEN_FLAGS"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 from inspect import CO_OPTIMIZED
+import os
 import sys
 import threading
 import time
@@ -28,13 +29,14 @@ from typing import Any, Dict, Iterable, List, Set, Tuple
 
 import torch
 
-from sanitizer.features.holder_paths import (GEN_FLAGS, Holder, Seg, consumer_key, internal, join, label, locals_of, qualname, render,
-                           root, site_of_frame, step)
+from sanitizer.features.holder_paths import (DETOUR, GEN_FLAGS, FrameLocal, Holder, Seg, consumer_key, internal,
+                                             internal_class, join, label, locals_of, qualname, render, root,
+                                             site_of_frame, step, without_detours)
 
 _MAX_FRONTIER = 256
 _MAX_PATTERNS = 16  # holder paths remembered, most recent first
-_REPLAY_VISITS = 100_000  # objects a replay may visit before it gives up
-_patterns: List[tuple] = []  # (weakref-like to the root, steps, kind, head, site)
+_REPLAY_VISITS = 20_000  # objects one replay may visit before it gives up (it stops at the first match)
+_patterns: List[tuple] = []  # (root getter: weakref, strong lambda or FrameLocal; steps, kind, head, site)
 _patterns_lock = threading.Lock()
 
 
@@ -48,13 +50,18 @@ class WalkResult:
     replayed: int = 0  # storages named by following a remembered holder path (no heap walk)
 
 
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
 def _stacks() -> List[Tuple[types.FrameType, bool]]:
-    """Every executing frame of every thread (ours excluded), with 'is on the calling thread'."""
+    """Every executing frame of every thread, with 'is on the calling thread'. Ours and torch's own
+    are left out: the dispatch frames of a stale read hold its arguments, and are nobody's holder."""
     me = threading.get_ident()
     out: List[Tuple[types.FrameType, bool]] = []
     for tid, frame in sys._current_frames().items():
         while frame is not None:
-            if not internal(frame.f_code):
+            code = frame.f_code
+            if not internal(code) and not code.co_filename.startswith(_TORCH_DIR):
                 out.append((frame, tid == me))
             frame = frame.f_back
     return out
@@ -122,18 +129,19 @@ def _targets(keys: Set[int], walk: _Walk) -> List[Tuple[torch.Tensor, int]]:
 
 
 def find_holders(keys: Iterable[int], *, depth: int = 8, budget_ms: float = 200.0,
-                 max_holders: int = 8) -> WalkResult:
+                 max_holders: int = 8, replay: bool = True) -> WalkResult:
     """Name what holds the storages ``keys`` (storage ``_cdata`` addresses), best holder first.
 
-    First the holder paths found before are followed again from their roots (a
-    consumer that retained one weight usually retains the next the same way):
-    that costs the size of the containers, not a walk of the heap. Storages not
-    found so are walked.
+    The caller keeps those storages alive meanwhile (an address names a storage only while it
+    lives). With ``replay`` the holder paths found before are followed again from their roots
+    first (a consumer that retained one weight usually retains the next the same way): that
+    costs a few container steps, not a walk of the heap. Storages not found so are walked.
     """
     start = time.perf_counter()
     walk = _Walk(set(keys), depth, start + budget_ms / 1000.0, max_holders)
     try:
-        _replay(walk)
+        if replay:
+            _replay(walk, _REPLAY_VISITS)
         if not walk.done():
             walk.keys = {k for k, bucket in walk.found.items() if not bucket}
             _run(walk)
@@ -146,29 +154,62 @@ def find_holders(keys: Iterable[int], *, depth: int = 8, budget_ms: float = 200.
     return walk.result
 
 
+def replay(keys: Iterable[int], visits: int = _REPLAY_VISITS) -> WalkResult:
+    """Only follow the remembered holder paths (no heap walk): a storage of ``keys`` reached from a
+    known root gets that holder; the others get none. Stops at the first match of every key."""
+    start = time.perf_counter()
+    walk = _Walk(set(keys), 0, start, 8)
+    _replay(walk, visits)
+    for key, bucket in walk.found.items():
+        walk.result.holders[key] = bucket
+    walk.result.ms = (time.perf_counter() - start) * 1000.0
+    return walk.result
+
+
 def _remember(walk: _Walk) -> None:
+    for bucket in walk.found.values():
+        for h in bucket:
+            if not h.detour:  # a path through one of our own objects is kept only when it is the best one
+                remember(h)
+
+
+def remember(holder: Holder) -> None:
+    """Keep ``holder``'s path (its root and steps) to try first for the next retention."""
+    pattern = holder.pattern
+    if pattern is None or holder.transient or holder.kind == "unknown":
+        return
+    shape = _shape(pattern[1])
     with _patterns_lock:
-        for bucket in walk.found.values():
-            for h in bucket:
-                if h.pattern is None or h.rank:
-                    continue
-                shape = _shape(h.pattern[1])
-                _patterns[:] = [p for p in _patterns if not (p[0]() is h.pattern[0]() and _shape(p[1]) == shape)]
-                _patterns.insert(0, h.pattern)
+        _patterns[:] = [p for p in _patterns if not (_same_root(p[0], pattern[0]) and _shape(p[1]) == shape)]
+        _patterns.insert(0, pattern)
         del _patterns[_MAX_PATTERNS:]
 
 
+def _same_root(a: Any, b: Any) -> bool:
+    if isinstance(a, FrameLocal) or isinstance(b, FrameLocal):
+        return a == b
+    x = a()
+    return x is not None and x is b()
+
+
 def _shape(segs: Tuple[Seg, ...]) -> tuple:
-    return tuple(seg[:1] if seg[0] == "i" else seg for seg in segs)
+    """A path with its list indices and dict keys as wildcards: two paths of one consumer look alike."""
+    return tuple(seg[:1] if seg[0] in ("i", "k") else seg for seg in segs)
 
 
-def _replay(walk: _Walk) -> None:
-    """Follow remembered holder paths (list indices as wildcards) down to tensors of ``walk.keys``."""
+def _replay(walk: _Walk, visits: int) -> None:
+    """Follow remembered holder paths (indices and keys as wildcards, newest first) down to tensors of
+    ``walk.keys``; stop as soon as each has a holder or the visit budget is spent."""
     with _patterns_lock:
         patterns = list(_patterns)
+    if not patterns:
+        return
     kinds = _tensor_types()
-    budget = [_REPLAY_VISITS]
+    budget = [visits]
+    wanted = {k for k, bucket in walk.found.items() if not bucket}
     for ref, segs, kind, head, site in patterns:
+        if not wanted or budget[0] <= 0:
+            break
         obj = ref()
         if obj is None:
             continue
@@ -177,12 +218,14 @@ def _replay(walk: _Walk) -> None:
                 key = tensor.untyped_storage()._cdata
             except Exception:
                 continue
-            if key in walk.found and not walk.found[key]:
-                walk.add(key, Holder(kind, head + render(concrete), site, pattern=(ref, concrete, kind, head, site)))
+            if key in wanted:
+                wanted.discard(key)
+                walk.add(key, Holder(kind, head + render(concrete), site, frame_id=getattr(ref, "frame_id", None),
+                                     local=getattr(ref, "name", None), pattern=(ref, concrete, kind, head, site)))
                 walk.result.refs.setdefault(key, []).append(weakref.ref(tensor))
                 walk.result.replayed += 1
-        if budget[0] <= 0 or walk.done():
-            break
+                if not wanted:
+                    break
 
 
 def _follow(obj: Any, segs: Tuple[Seg, ...], i: int, done: Tuple[Seg, ...], kinds: Set[type],
@@ -246,11 +289,15 @@ def _bfs(walk: _Walk, targets: List[Tuple[torch.Tensor, int]],
         for obj in objs:
             for frame, name, mine in local_map.get(id(obj), ()):
                 gen = bool(frame.f_code.co_flags & GEN_FLAGS)
+                kind = "generator" if gen else "frame"
+                head = f"local '{name}' of {'generator ' if gen else ''}{qualname(frame.f_code)}()"
+                site = site_of_frame(frame)
                 for key, suffix in paths[id(obj)].items():
-                    walk.add(key, Holder(
-                        "generator" if gen else "frame",
-                        f"local '{name}' of {'generator ' if gen else ''}{qualname(frame.f_code)}(){render(suffix)}",
-                        site_of_frame(frame), transient=mine and not suffix, frame_id=id(frame), local=name))
+                    steps, detour = without_detours(suffix)
+                    pattern = (None if any(seg[0] == "?" for seg in steps)
+                               else (FrameLocal(frame, name), steps, kind, head, site))
+                    walk.add(key, Holder(kind, head + render(steps), site, transient=mine and not steps,
+                                         frame_id=id(frame), local=name, pattern=pattern, detour=detour))
         if level == walk.depth or (level and walk.out_of_time()):
             break  # the time bound is checked between heap passes: a pass, once paid for, is used
         level += 1
@@ -273,8 +320,10 @@ def _bfs(walk: _Walk, targets: List[Tuple[torch.Tensor, int]],
                             walk.add(key, found)
                         elif type(r) is not types.FrameType:
                             seg = label(r, child)
-                            next_paths.setdefault(rid, {}).setdefault(
-                                key, join(("?", f"<{type(r).__name__}>") if seg is None else seg, suffix))
+                            below = join(("?", f"<{type(r).__name__}>") if seg is None else seg, suffix)
+                            if internal_class(type(r)):
+                                below = (DETOUR,) + below  # through one of ours: a worse holder than a user's
+                            next_paths.setdefault(rid, {}).setdefault(key, below)
                 if rid in next_paths:
                     visited.add(rid)
                     next_objs.append(r)
@@ -297,7 +346,8 @@ def _bfs(walk: _Walk, targets: List[Tuple[torch.Tensor, int]],
                     walk.add(key, Holder("unknown", f"<{type(obj).__name__}>{render(suffix)}"))
     for key, bucket in walk.found.items():
         if not bucket and walk.result.tensors and not walk.result.truncated:
-            bucket.append(Holder("unknown", "<held from C++ only: a view's base, autograd or a native library>"))
+            bucket.append(Holder("unknown", "<held where Python cannot see: a list a comprehension is still building, "
+                                            "a view's base, autograd or a native library>"))
 
 
 def still_holding(holder: Holder, keys: Set[int]) -> bool:
@@ -333,4 +383,5 @@ def forget_patterns() -> None:
         _patterns.clear()
 
 
-__all__ = ["Holder", "WalkResult", "find_holders", "consumer_key", "still_holding", "forget_patterns"]
+__all__ = ["Holder", "WalkResult", "find_holders", "replay", "remember", "consumer_key", "still_holding",
+           "forget_patterns"]

@@ -1,18 +1,32 @@
 """Retentions: a reuse retired a lease that something still held; name that something.
 
-A retire hook (order 300, after checksums and rescue, before poison) sees every
-lease that a reuse or close retires while it is alive, and walks the heap from
-its tensors to the holder (see :mod:`sanitizer.features.holders`).
+**The rule.** A retire hook (order 300, after checksums and rescue, before
+poison) records every lease that a reuse or close retires while it is still
+reachable as *pending*. In ``for name, w in loader:`` the loop variable still
+holds the previous view while the loader fetches the next one, and drops it a
+moment later, so a pending lease is decided only once its consumer has had its
+turn: at the next lend but one, at the next retirement or report after a lend,
+at the end of a test or of the process, or at once when it is used stale.
+Still held then, or used stale meanwhile: a **retention**. Gone: forgotten.
 
-Not every alive victim is a retaining consumer: in ``for name, w in loader:``
-the loop variable still holds the previous view while the loader fetches the
-next one, and drops it a moment later. So a retention is recorded *pending* at
-the reuse and **confirmed** only if the lease is still held at the next
-check point after a new lend (a later reuse, the report, the end of a test or
-of the process), or was used stale meanwhile. Transients are dropped, and a
-reuse site whose victims keep turning out transient stops being walked at
-reuse time (they are walked only if one is confirmed), so a correct loader loop
-does not pay a heap walk per tensor.
+**The check is cheap and never by address.** "Still held" is the ledger's
+liveness of the lease (its storage's death is a weakref callback), or, for a
+rescued lease (whose storage now owns a copy, so the ledger no longer sees it
+die), a weak reference to the storage taken at lend. A storage address is used
+only while that storage is known to be alive (a strong reference is held while
+it is named), so a freed address can never name somebody else's tensor.
+
+**Naming, only for a confirmed retention.** First the holder paths named
+before are followed again from their roots (a consumer keeps its next weight
+where it kept the last: a few container steps, see
+:mod:`sanitizer.features.holders`); once 3 retentions of the same lend and
+reuse sites were named with the same holder, the rest are counted as that
+holder's without a walk; otherwise a bounded heap walk names it.
+
+**The timeline.** The lend hook also keeps the most recent lends
+(``timeline_events``) and the checks note when a retained lease was read stale
+or died: :func:`timeline` is the report's ``timeline`` section, which
+``ownsan triage --html`` draws and ``--trace`` exports.
 
 The walk runs whenever the sanitizer is enabled (debug mode). ``triage=1``
 additionally makes every error recorded, never raised, so the program runs to
@@ -21,20 +35,39 @@ the end and the report lists every retaining consumer.
 from __future__ import annotations
 
 import os
+import sys
 import threading
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set, Tuple
+import time
+from inspect import CO_OPTIMIZED
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Deque, Dict, List, Optional, Set, Tuple
 
-from sanitizer.torch_layer import runtime
-from sanitizer.features.holders import Holder, find_holders, still_holding
+import torch
+
+from sanitizer.core import errors as _errors
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.core.sites import to_records
+from sanitizer.features import holders as _holders
+from sanitizer.features.holder_paths import consumer_key
+from sanitizer.features.holders import Holder, find_holders
+from sanitizer.torch_layer import runtime
 
 ORDER = runtime.RetireOrder.TRIAGE
-TRANSIENT_STREAK = 2  # after this many transient victims in a row, a site is walked only on confirmation
+SAME_HOLDER = 3  # retentions named with one holder at one (lend site, reuse site); the rest are counted
+WATCH_PER_CHECK = 16  # retained leases looked at for their death per lend (round robin)
+_RETAINED_KEPT = 20000  # confirmed retentions whose lease the timeline keeps (the report's records are capped
+# by max_records)
+_RUNNING_DEPTH = 24  # frames of the retiring thread noted at a retire (a loop variable lives a few above it)
+_REGIONS_KEPT = 1024  # staging buffers the timeline remembers beyond those its lends name (a borrowed_iterator
+# makes one per tensor)
+
+_S = torch.UntypedStorage
+_WEAK_API = all(hasattr(_S, n) for n in ("_weak_ref", "_new_with_weak_ptr", "_expired", "_free_weak_ref"))
 
 _lock = threading.RLock()
 _lends = 0
+_T0 = time.perf_counter()
 
 
 @dataclass
@@ -44,143 +77,396 @@ class _Pending:
     lends: int  # the lend counter when it was retired
     site_key: Tuple[Any, ...]
     thread: str
-    holders: Optional[List[Holder]] = None  # None: not walked at reuse time
-    walk: Dict[str, Any] = field(default_factory=dict)
-    refs: List[Any] = field(default_factory=list)  # weakrefs to the tensors the walk found
-    site_transient: bool = False  # not walked: this site's victims kept turning out transient
+    weak: Optional[int] = None  # weak storage handle (rescue on), owned by this record
+    running: Tuple[frozenset, frozenset] = (frozenset(), frozenset())  # (frame ids, module dict ids) at the retire
+
+
+@dataclass
+class _Site:
+    """What retentions of one (lend site, reuse site) were held by, to count the rest."""
+
+    consumer: Optional[Tuple[str, Optional[str]]] = None  # (holder path with [*], holder site)
+    holder: Optional[Holder] = None
+    same: int = 0  # retentions in a row named with that holder
+
+
+@dataclass
+class _Watched:
+    """A confirmed retention whose memory is still reachable: watched until it dies (for the timeline)."""
+
+    lease: Lease
+    weak: Optional[int]
 
 
 _pending: Dict[int, _Pending] = {}  # lease id -> pending retention
-_streak: Dict[Tuple[Any, ...], int] = {}  # (lend site, reuse site) -> transient victims in a row
+_weak: Dict[int, Tuple[Lease, int]] = {}  # lease id -> (lease, weak storage handle), taken at lend while rescue=1
+_sites: Dict[Tuple[Any, ...], _Site] = {}
+_watch: Dict[int, _Watched] = {}  # lease id -> confirmed retention still reachable
+_confirmed: Dict[int, dict] = {}  # lease id -> its retention record
+_lent: Deque[Tuple[float, Lease]] = deque(maxlen=10000)  # the most recent lends: (time, lease)
+_lent_total = 0
+_retained: Dict[int, Tuple[float, Lease]] = {}  # lends of confirmed retentions (kept past the cap)
+_marks: Dict[int, Dict[str, dict]] = {}  # lease id -> {"stale_read": {...}, "death": {...}}
+_regions: Dict[int, Region] = {}  # region id -> region, for the timeline
+_event_t: Dict[int, float] = {}  # reuse event id -> when (those that retired a reachable lease)
+_errors_seen = 0  # errors of runtime.state.errors already looked at
+_used: Set[int] = set()  # lease ids named by an error (any kind)
+_stale_read: Set[int] = set()  # lease ids named by a stale_use error
+
+
+def _now() -> float:
+    return time.perf_counter() - _T0
 
 
 def _site_key(lease: Lease, event: ReuseEvent) -> Tuple[Any, ...]:
     return (lease.site[:1], event.site[:1])
 
 
+def _free(handle: Optional[int]) -> None:
+    if handle is not None:
+        _S._free_weak_ref(handle)
+
+
+# -- hooks ---------------------------------------------------------------------
 def on_lend(lease: Lease, view: Any) -> None:
-    global _lends
+    """Count the lend, keep it for the timeline, and decide what waited for the consumer's turn."""
+    global _lends, _lent_total
     _lends += 1
+    opts = runtime.state.options
+    cap = opts["timeline_events"]
+    if cap:
+        if cap != _lent.maxlen:
+            _resize(cap)
+        _lent.append((time.perf_counter() - _T0, lease))
+        _lent_total += 1
+        if lease.region_id not in _regions:
+            _remember_region(lease.region_id)
+    if opts["rescue"] and _WEAK_API:
+        _take_weak(lease, view)
+    if _pending or _watch:
+        # A lease retired before the previous lend was held across it by its consumer's loop variable
+        # at most: the consumer has had its turn since.
+        _checkpoint(_lends - 1)
+
+
+def _resize(cap: int) -> None:
+    global _lent
+    _lent = deque(_lent, maxlen=cap)
+
+
+def _remember_region(region_id: int) -> None:
+    try:
+        _regions[region_id] = runtime.state.ledger.region(region_id)
+    except Exception:  # a region forgotten already
+        return
+    if len(_regions) > _REGIONS_KEPT + 2 * (len(_lent) + len(_retained)):  # amortised: at most one per lend
+        keep = {lease.region_id for _, lease in _lent} | {lease.region_id for _, lease in _retained.values()}
+        for rid in [rid for rid in _regions if rid not in keep]:
+            del _regions[rid]
+
+
+def _take_weak(lease: Lease, view: Any) -> None:
+    """A weak reference to the lent storage: after a rescue it is the only way to see it die."""
+    try:
+        handle = view.untyped_storage()._weak_ref()
+    except Exception:
+        return
+    with _lock:
+        _weak[lease.lease_id] = (lease, handle)
+        if len(_weak) > 64 + 2 * runtime.state.ledger.live_count:
+            for lid in [lid for lid, (l, _) in _weak.items() if not l.alive]:
+                _free(_weak.pop(lid)[1])
 
 
 def on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
-    """Record a pending retention for every victim still alive; walk to its holder if worth it."""
+    """Record a pending retention for every victim still reachable (decided after its consumer's turn)."""
     state = runtime.state
     if not state.enabled:
         return
-    settle()
-    alive = [lease for lease in victims if lease.alive and lease.handle is not None]
-    if not alive:
-        return
-    opts = state.options
-    budget = opts.get("triage_budget_ms", 1000)
-    walk_now = [lease for lease in alive
-                if budget > 0 and _streak.get(_site_key(lease, event), 0) < TRANSIENT_STREAK]
-    result = None
-    if walk_now:
-        result = find_holders({lease.handle for lease in walk_now}, depth=opts.get("triage_depth", 8),
-                              budget_ms=budget)
+    _checkpoint(_lends)  # what was retired before the last lend has been decided by now
     thread = threading.current_thread().name
+    running = None
     with _lock:
-        for lease in alive:
-            p = _Pending(lease, event, _lends, _site_key(lease, event), thread)
-            p.site_transient = _streak.get(p.site_key, 0) >= TRANSIENT_STREAK
-            if result is not None and lease in walk_now:
-                p.holders = result.holders.get(lease.handle, [])
-                p.refs = result.refs.get(lease.handle, [])
-                p.walk = {"when": "reuse", "ms": round(result.ms, 3), "tensors": result.tensors,
-                          "truncated": result.truncated}
-            _pending[lease.lease_id] = p
+        if state.options["timeline_events"]:
+            _event_t[event.event_id] = _now()
+            if len(_event_t) > 2 * state.options["timeline_events"]:
+                for eid in list(_event_t)[: len(_event_t) // 2]:
+                    del _event_t[eid]
+        for lease in victims:
+            if lease.handle is None or not lease.alive:
+                continue
+            entry = _weak.pop(lease.lease_id, None)
+            weak = entry[1] if entry is not None else None
+            if lease.rescued and weak is None:
+                continue  # moved onto a copy, and nothing can tell whether anyone holds it: never invent
+            if running is None:
+                running = _running_code()
+            _pending[lease.lease_id] = _Pending(lease, event, _lends, _site_key(lease, event), thread, weak, running)
 
 
-def _leases_with_errors(kind: Optional[str] = None) -> Set[int]:
-    """Lease ids named by recorded errors (of ``kind``; any kind, counted ones included, if None)."""
-    with runtime.state.lock:
-        ids = {e["lease"].get("lease_id") for e in runtime.state.errors
-               if isinstance(e.get("lease"), dict) and (kind is None or e.get("kind") == kind)}
-        if kind is None:
-            ids.update(runtime.state.error_counts)
-    return ids
+def _running_code() -> Tuple[frozenset, frozenset]:
+    """The code running on this thread now (function frames, and module globals of module-level code):
+    a plain local or global of it that holds a victim may be a loop variable about to move on."""
+    frames, modules = set(), set()
+    frame = sys._getframe(2)
+    try:
+        for _ in range(_RUNNING_DEPTH):  # ours included: a holder is never one of our frames anyway
+            if frame is None:
+                break
+            if frame.f_code.co_flags & CO_OPTIMIZED:
+                frames.add(id(frame))
+            else:
+                modules.add(id(frame.f_globals))
+            frame = frame.f_back
+    finally:
+        del frame
+    return frozenset(frames), frozenset(modules)
 
 
-def _still_held(p: _Pending) -> bool:
-    """Is the lease's memory still reachable? A rescued lease stays 'alive' in the ledger, so ask its tensors."""
+def _was_running(h: Holder, p: _Pending) -> bool:
+    """Was ``h`` a plain local (or module global) of code running when ``p`` was retired?"""
+    pattern = h.pattern
+    if pattern is None:
+        return h.transient
+    if h.kind in ("frame", "generator") and h.frame_id is not None:
+        return h.frame_id in p.running[0] and not pattern[1]
+    if h.kind == "global" and len(pattern[1]) == 1:
+        root = pattern[0]()
+        return root is not None and id(root) in p.running[1]
+    return False
+
+
+# -- deciding --------------------------------------------------------------------
+def _scan_errors() -> None:
+    """Note the leases that errors named since the last look (and when a retained one was read stale)."""
+    global _errors_seen
+    state = runtime.state
+    errs = state.errors
+    if len(errs) < _errors_seen:  # clear_errors()
+        _errors_seen = 0
+    if len(errs) == _errors_seen:
+        return
+    with state.lock:
+        new = errs[_errors_seen:]
+        _errors_seen = len(errs)
+    for e in new:
+        lease = e.get("lease") if isinstance(e, dict) else None
+        lid = lease.get("lease_id") if isinstance(lease, dict) else None
+        if lid is None:
+            continue
+        _used.add(lid)
+        if e.get("kind") == "stale_use":
+            _stale_read.add(lid)
+            marks = _marks.setdefault(lid, {})
+            used_at = (e.get("used_at") or [None])[0]
+            if "stale_read" not in marks:
+                marks["stale_read"] = {"generation": _generation_now(lid), "t": _now(), "at": used_at}
+            elif marks["stale_read"].get("at") is None:
+                marks["stale_read"]["at"] = used_at
+
+
+def _generation_now(lease_id: int) -> Optional[int]:
+    """The generation of the lease's buffer now (for the timeline's x axis)."""
+    lease = _lease_object(lease_id)
+    region = _regions.get(lease.region_id) if lease is not None else None
+    if region is None and lease is not None:
+        try:
+            region = runtime.state.ledger.region(lease.region_id)
+        except Exception:
+            region = None
+    if region is not None:
+        return region.generation
+    return None
+
+
+def _lease_object(lease_id: int) -> Optional[Lease]:
+    p = _pending.get(lease_id)
+    if p is not None:
+        return p.lease
+    w = _watch.get(lease_id)
+    if w is not None:
+        return w.lease
+    entry = _retained.get(lease_id)
+    return entry[1] if entry is not None else None
+
+
+def _was_used(lease_id: int) -> bool:
+    return lease_id in _used or lease_id in runtime.state.error_counts
+
+
+def _held(p: _Pending) -> bool:
+    """Is the lease's memory still reachable? (no heap access)"""
+    if p.weak is not None:
+        return not _S._expired(p.weak)
     if p.lease.rescued:
-        return any(ref() is not None for ref in p.refs) if p.refs else True
+        return False
     return p.lease.alive
 
 
-def _all_transient(p: _Pending) -> bool:
-    if p.holders is None:
-        return p.site_transient  # not walked because its site's victims kept turning out transient
-    return bool(p.holders) and all(h.transient for h in p.holders)
+def _checkpoint(limit: int, final: bool = False) -> None:
+    """Decide the pending retentions recorded before lend number ``limit`` (all of them when ``final``)."""
+    with _lock:
+        _scan_errors()
+        if _pending:
+            due = [p for p in _pending.values() if final or p.lends < limit]
+            for p in due:
+                if _pending.pop(p.lease.lease_id, None) is None:
+                    continue  # decided meanwhile (a walk can run a finalizer that reports)
+                _decide(p, evidence=final and p.lends >= _lends)
+        if _watch:
+            _look_at_watched(everything=final)
+
+
+def _decide(p: _Pending, evidence: bool) -> None:
+    used = _was_used(p.lease.lease_id)
+    if not used and not _held(p):
+        _free(p.weak)  # dropped once its consumer had its turn: a loop variable, not a retention
+        return
+    _confirm(p, used_stale=p.lease.lease_id in _stale_read, evidence=evidence and not used)
 
 
 def settle(final: bool = False) -> None:
-    """Confirm or drop pending retentions.
+    """Confirm or drop pending retentions whose consumer has had its turn.
 
-    A pending one is decided once a lend happened after it (the consumer had
-    its turn), or at once when ``final`` (end of a test, of the process).
+    A pending one is decided once a lend happened after it, or at once when
+    ``final`` (end of a test, of the process): then, with no lend since, only
+    a holder other than a local of the running code confirms it (nothing else
+    tells a loop variable from a retention).
     """
-    with _lock:
-        if not _pending:
-            return
-        used = _leases_with_errors()
-        for lease_id, p in list(_pending.items()):
-            if not final and p.lends == _lends and lease_id not in used:
-                continue
-            del _pending[lease_id]
-            if lease_id not in used and p.lends == _lends and _all_transient(p):
-                # Decided without a lend since (end of test or process): nothing tells a loop variable
-                # from a retention, and the view was never used stale. Not reported.
-                continue
-            if lease_id in used or _still_held(p):
-                _confirm(p, lease_id in _leases_with_errors("stale_use"))
-            else:
-                _streak[p.site_key] = _streak.get(p.site_key, 0) + 1
+    _checkpoint(_lends, final)
 
 
-def _confirm(p: _Pending, used_stale: bool) -> None:
-    _streak[p.site_key] = 0
+def _confirm(p: _Pending, used_stale: bool, evidence: bool) -> Optional[dict]:
+    """Name the holder of a confirmed retention and record it (None: no evidence, dropped)."""
     lease = p.lease
     state = runtime.state
-    if p.holders is None and lease.alive and state.options["triage_budget_ms"] > 0:
-        result = find_holders({lease.handle}, depth=state.options["triage_depth"],
-                              budget_ms=state.options["triage_budget_ms"])
-        p.holders = result.holders.get(lease.handle, [])
-        p.walk = {"when": "confirm", "ms": round(result.ms, 3), "tensors": result.tensors,
-                  "truncated": result.truncated}
-    holders = list(p.holders or [])
-    # A plain local of the reusing thread's frame that still holds the view after a lend
-    # is a real holder (not a loop variable); one that no longer does was transient.
-    keys = {lease.handle}
-    kept = [h if not h.transient or not still_holding(h, keys) else _promote(h) for h in holders]
-    holders = [h for h in kept if not h.transient] or kept
-    holders.sort(key=lambda h: h.rank)
-    best = holders[0] if holders else None
+    opts = state.options
+    storage = None
+    if p.weak is not None and not _S._expired(p.weak):
+        storage = _S._new_with_weak_ptr(p.weak)  # strong while it is named: its address stays its own
+    key = storage._cdata if storage is not None else (lease.handle if lease.alive and not lease.rescued else None)
+    site = _sites.setdefault(p.site_key, _Site())
+    found: List[Holder] = []
+    walk: Dict[str, Any] = {"when": "skipped", "ms": 0.0, "tensors": 0, "truncated": False}
+    try:
+        if key is not None and opts["triage_budget_ms"] > 0:
+            found, walk = _name(key, site, evidence, opts)
+    finally:
+        del storage
+    if evidence:
+        found = [h for h in found if not h.transient and not _was_running(h, p)]
+        if not found:
+            _free(p.weak)  # nothing but the running code's own locals: cannot tell it from a loop variable
+            return None
+    else:
+        # The consumer has had its turn: a local that still holds the view is a real holder.
+        found = [_promote(h) if h.transient else h for h in found]
+    found.sort(key=lambda h: h.rank)
+    best = found[0] if found else None
+    if best is not None and walk["when"] != "counted":
+        _holders.remember(best)
+        ident = (consumer_key(best.path), _site_text(best.site))
+        if site.consumer == ident:
+            site.same += 1
+        else:
+            site.consumer, site.same = ident, 1
+            site.holder = Holder(best.kind, ident[0], best.site)
     where = best.path if best else "something the walk could not name (walk skipped or out of budget)"
+    summary = f"borrowed view {lease.describe()} was still held by {where} when {p.event.describe()}"
+    if walk["when"] == "counted":
+        summary += f" (counted: the {walk['like']} before it from the same lend and reuse sites were held there)"
     record = {
         "kind": "retention",
-        "summary": f"borrowed view {lease.describe()} was still held by {where} when {p.event.describe()}",
+        "summary": summary,
         "lease": lease.to_dict(),
         "event": p.event.to_dict(),
         "holder": best.to_dict() if best else None,
-        "holders": [h.to_dict() for h in holders],
+        "holders": [h.to_dict() for h in found],
         "lent_at": (to_records(lease.site[:1]) or [None])[0],
         "reused_at": (to_records(p.event.site[:1]) or [None])[0],
         "used_stale": used_stale,
         "rescued": lease.rescued,
-        "walk": p.walk or {"when": "skipped", "ms": 0.0, "tensors": 0, "truncated": False},
+        "walk": walk,
         "thread": p.thread,
         "pid": os.getpid(),
     }
-    runtime.record_event("retention", record)
+    record = runtime.record_event("retention", record)
+    if len(_confirmed) >= _RETAINED_KEPT:  # a long run's memory stays bounded: forget the oldest half
+        for lid in list(_confirmed)[: _RETAINED_KEPT // 2]:
+            for d in (_confirmed, _retained, _marks):
+                d.pop(lid, None)
+    _confirmed[lease.lease_id] = record
+    entry = next((e for e in reversed(_lent) if e[1] is lease), None)
+    _retained[lease.lease_id] = entry or (None, lease)
+    if lease.region_id not in _regions:
+        _remember_region(lease.region_id)
+    if p.weak is not None or (lease.alive and not lease.rescued):
+        _watch[lease.lease_id] = _Watched(lease, p.weak)
+    else:
+        _free(p.weak)
+        _note_death(lease)
+    return record
+
+
+def _name(key: int, site: _Site, evidence: bool, opts: Any) -> Tuple[List[Holder], Dict[str, Any]]:
+    """The holders of storage ``key``: a known path, else counted as its site's holder, else a heap walk."""
+    start = time.perf_counter()
+    if not evidence:  # (a known path may run through a loop variable: only a walk tells a transient apart)
+        found = _holders.replay({key}).holders.get(key) or []
+        if found:
+            return found, {"when": "known-path", "ms": _ms(start), "tensors": len(found), "truncated": False}
+    if not evidence and site.same >= SAME_HOLDER and site.holder is not None:
+        return [site.holder], {"when": "counted", "ms": _ms(start), "tensors": 0, "truncated": False,
+                               "like": site.same}
+    result = find_holders({key}, depth=opts["triage_depth"], budget_ms=opts["triage_budget_ms"], replay=False)
+    return result.holders.get(key, []), {"when": "walk", "ms": _ms(start), "tensors": result.tensors,
+                                         "truncated": result.truncated}
+
+
+def _ms(start: float) -> float:
+    return round((time.perf_counter() - start) * 1000.0, 3)
+
+
+def _site_text(site: Optional[dict]) -> Optional[str]:
+    if not site or not site.get("file"):
+        return None
+    return f"{site['file']}:{site.get('line')}"
 
 
 def _promote(h: Holder) -> Holder:
-    return Holder(h.kind, h.path, h.site, False, h.frame_id, h.local)
+    return Holder(h.kind, h.path, h.site, False, h.frame_id, h.local, h.pattern, h.detour)
 
 
+def _look_at_watched(everything: bool = False) -> None:
+    """Look at a few confirmed retentions (all when ``everything``): note those whose memory died."""
+    n = len(_watch) if everything else min(WATCH_PER_CHECK, len(_watch))
+    for _ in range(n):
+        lid = next(iter(_watch))
+        w = _watch.pop(lid)
+        dead = _S._expired(w.weak) if w.weak is not None else not w.lease.alive
+        if dead:
+            _free(w.weak)
+            _note_death(w.lease)
+        else:
+            _watch[lid] = w  # to the back of the queue
+
+
+def _mark_stale_read(lease: Lease) -> None:
+    """A use of a retired lease is being reported now: note the generation its buffer is at (the timeline's
+    end of the red box). Errors reach :func:`holder_of` as they are built, so this is exact."""
+    if lease.stale_by is None:
+        return
+    marks = _marks.setdefault(lease.lease_id, {})
+    if "stale_read" not in marks:
+        marks["stale_read"] = {"generation": _generation_now(lease.lease_id), "t": _now(), "at": None}
+
+
+def _note_death(lease: Lease) -> None:
+    _marks.setdefault(lease.lease_id, {}).setdefault(
+        "death", {"generation": _generation_now(lease.lease_id), "t": _now()})
+
+
+# -- queries ---------------------------------------------------------------------
 def retentions() -> List[dict]:
     """Confirmed retention records so far (pending ones whose consumer had its turn are decided first)."""
     settle()
@@ -188,11 +474,20 @@ def retentions() -> List[dict]:
 
 
 def holder_of(lease_id: int) -> Optional[dict]:
-    """The holder recorded for a lease (confirmed or pending), for annotating its stale uses."""
+    """The holder of a lease (for an error about it). A pending lease that is being used is confirmed
+    now: a use after its reuse is a retention whatever happens next. Set as the errors' holder lookup."""
     with _lock:
-        p = _pending.get(lease_id)
-        if p is not None and p.holders:
-            return p.holders[0].to_dict()
+        p = _pending.pop(lease_id, None)
+        if p is not None:
+            _mark_stale_read(p.lease)
+            record = _confirm(p, used_stale=p.lease.stale_by is not None, evidence=False)
+            return record["holder"] if record else None
+        record = _confirmed.get(lease_id)
+        if record is not None:
+            w = _watch.get(lease_id)
+            if w is not None:
+                _mark_stale_read(w.lease)
+            return record.get("holder")
     for e in runtime.events("retention"):
         if e["lease"].get("lease_id") == lease_id:
             return e.get("holder")
@@ -205,22 +500,119 @@ def pending_count() -> int:
         return len(_pending)
 
 
-def reset() -> None:
-    """Forget pending retentions and site statistics (tests, a new pytest test)."""
+def timeline() -> Dict[str, Any]:
+    """The report's ``timeline`` section: each staging buffer's recent lends, reuses and retained leases.
+
+    ``leases``: the most recent lends (``timeline_events``) and every confirmed retention, each with
+    its bytes, the generation it was lent at, the reuse that retired it, and for a retention its
+    holder and what ended it (a stale read, its death, or nothing yet). ``events``: the reuses of
+    those buffers the ledger still remembers. ``t`` is seconds since the sanitizer was imported
+    (reuses that retired nothing reachable have none: the trace places them between their neighbours)."""
     with _lock:
-        _pending.clear()
-        _streak.clear()
+        _scan_errors()
+        if _watch:
+            _look_at_watched(everything=True)
+        entries: Dict[int, Tuple[Optional[float], Lease]] = {}
+        for t, lease in (_lent if runtime.state.options["timeline_events"] else ()):
+            entries[lease.lease_id] = (t, lease)
+        for lid, (t, lease) in _retained.items():
+            entries.setdefault(lid, (t, lease))
+        regions = dict(_regions)
+        event_t = dict(_event_t)
+        marks = {lid: dict(m) for lid, m in _marks.items()}
+        confirmed = dict(_confirmed)
+        cap, dropped = _lent.maxlen or 0, max(0, _lent_total - len(_lent))
+    pid = os.getpid()
+    wanted = {lease.region_id for _, lease in entries.values()}
+    events: Dict[int, ReuseEvent] = {}
+    for ev in runtime.state.ledger.history():
+        if ev.region_id in wanted:
+            events[ev.event_id] = ev
+    leases = []
+    for lid in sorted(entries):
+        t, lease = entries[lid]
+        ev = lease.stale_by
+        if ev is not None:
+            events.setdefault(ev.event_id, ev)
+        rec = confirmed.get(lid)
+        retained = None
+        if rec is not None:
+            m = marks.get(lid, {})
+            end = m.get("stale_read") or m.get("death")
+            until = "stale_read" if "stale_read" in m else "death" if "death" in m else "alive"
+            holder = rec.get("holder") or {}
+            retained = {"holder": holder.get("path"), "consumer": holder.get("consumer"),
+                        "kind": holder.get("kind"), "until": until,
+                        "generation": end.get("generation") if end else None, "t": end.get("t") if end else None,
+                        "read_at": (m.get("stale_read") or {}).get("at"),
+                        "died_generation": (m.get("death") or {}).get("generation"),
+                        "counted": rec.get("walk", {}).get("when") == "counted"}
+        leases.append({
+            "lease_id": lid, "buffer": lease.region_id, "name": lease.name, "dtype": lease.dtype,
+            "shape": list(lease.shape), "byte_range": [lease.start, lease.end], "generation": lease.generation,
+            "pid": pid, "t": None if t is None else round(t, 6), "retired_by": None if ev is None else ev.event_id,
+            "alive": bool(lease.alive and not lease.rescued), "rescued": lease.rescued, "retained": retained,
+        })
+    out_events = []
+    for eid in sorted(events):
+        ev = events[eid]
+        t = event_t.get(eid)
+        out_events.append({"event_id": eid, "buffer": ev.region_id, "pid": pid, "kind": ev.kind,
+                           "byte_range": [ev.start, ev.end],
+                           "generation_before": ev.generation_before, "generation_after": ev.generation_after,
+                           "by": ev.by, "t": None if t is None else round(t, 6)})
+    buffers = []
+    for rid in sorted(wanted):
+        r = regions.get(rid)
+        if r is None:
+            continue
+        buffers.append({"id": rid, "pid": pid, "name": r.name, "device": r.device, "nbytes": r.nbytes,
+                        "generation": r.generation, "closed": r.closed})
+    return {"cap": cap, "dropped": dropped, "buffers": buffers, "leases": leases, "events": out_events}
+
+
+# -- lifecycle -------------------------------------------------------------------
+def reset() -> None:
+    """Forget pending retentions, site statistics and the timeline (tests, a new pytest test)."""
+    global _errors_seen, _lent_total
+    with _lock:
+        for p in _pending.values():
+            _free(p.weak)
+        for w in _watch.values():
+            _free(w.weak)
+        for _, handle in _weak.values():
+            _free(handle)
+        for d in (_pending, _watch, _weak, _sites, _confirmed, _retained, _marks, _regions, _event_t):
+            d.clear()
+        _lent.clear()
+        _lent_total = 0
+        _used.clear()
+        _stale_read.clear()
+        _errors_seen = len(runtime.state.errors)
 
 
 def clear() -> None:
-    """Forget pending retentions, site statistics and the retention records (tests)."""
+    """Forget pending retentions, site statistics, the timeline and the retention records (tests)."""
     reset()
     runtime.forget_events("retention")
 
 
+def _on_enable(options: Dict[str, Any]) -> None:
+    cap = options.get("timeline_events", 0)
+    with _lock:
+        if not cap:
+            _lent.clear()  # no timeline: the retained leases alone are kept (the report names them anyway)
+        elif cap != _lent.maxlen:
+            _resize(cap)
+
+
 def install() -> None:
+    """Register the hooks (idempotent) and name holders in the errors' text. Called by the composition root."""
     runtime.add_lend_hook(on_lend)
     runtime.add_retire_hook(on_retire, ORDER)
+    runtime.on_enable(_on_enable)
+    _errors.holder_lookup = holder_of
 
 
-__all__ = ["install", "settle", "retentions", "holder_of", "pending_count", "reset", "clear", "on_retire", "on_lend", "ORDER"]
+__all__ = ["install", "settle", "retentions", "holder_of", "pending_count", "timeline", "reset", "clear",
+           "on_retire", "on_lend", "ORDER", "SAME_HOLDER"]

@@ -32,7 +32,7 @@ def _rank_info() -> Dict[str, Any]:
     dist = sys.modules.get("torch.distributed")
     try:
         if dist is not None and dist.is_available() and dist.is_initialized():
-            return {"rank": dist.get_rank(), "world_size": dist.get_worldformat_bytes()}
+            return {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
     except Exception:  # a half-torn-down process group at exit must not lose the report
         pass
     rank = os.environ.get("RANK")
@@ -70,14 +70,15 @@ def report(final: bool = False, exclude: Optional[Set[int]] = None) -> Dict[str,
         raw_errors = [e for e in raw_errors if id(e) not in exclude]
         raw_events = [e for e in raw_events if id(e) not in exclude]
     errors = [_with_holder(e) for e in raw_errors]
-    stale = {e["lease"].get("lease_id") for e in errors
-             if e.get("kind") == "stale_use" and isinstance(e.get("lease"), dict)}
+    read_at = first_stale_reads(errors)
     events = []
     for e in raw_events:
         if "pid" not in e:
             e = dict(e, pid=pid)
-        if e.get("kind") == "retention" and not e.get("used_stale") and e["lease"].get("lease_id") in stale:
-            e = dict(e, used_stale=True)  # used stale after it was confirmed
+        if e.get("kind") == "retention":
+            lid = e["lease"].get("lease_id")
+            if lid in read_at and (not e.get("used_stale") or "read_stale_at" not in e):
+                e = dict(e, used_stale=True, read_stale_at=read_at[lid])  # used stale after it was confirmed
         events.append(e)
     retained = [lease.to_dict() | {"stale_by": lease.stale_by.to_dict()} for lease in state.ledger.stale_alive()
                 if lease.stale_by is not None]
@@ -89,7 +90,8 @@ def report(final: bool = False, exclude: Optional[Set[int]] = None) -> Dict[str,
         "argv": [str(a) for a in sys.argv],
         "enabled": state.enabled,
         "options": runtime.options(),
-        "error_count": len(errors) if exclude else max(sum(state.error_counts.values()), len(errors)),
+        "error_count": len(errors) if exclude else max(state.error_total, len(errors)),
+        "records_dropped": state.dropped_records,
         "errors": errors,
         "events": events,
         "retained_stale_leases": retained,
@@ -98,8 +100,20 @@ def report(final: bool = False, exclude: Optional[Set[int]] = None) -> Dict[str,
             for r in state.ledger.regions()
         ],
     }
+    rep["timeline"] = triage.timeline()
     rep["summary"] = summarize(rep, pending=triage.pending_count())
     return rep
+
+
+def first_stale_reads(errors: Iterable[dict]) -> Dict[int, Optional[dict]]:
+    """lease id -> the innermost frame of its first stale use (None when no stack was captured)."""
+    out: Dict[int, Optional[dict]] = {}
+    for e in errors:
+        lease = e.get("lease")
+        if e.get("kind") != "stale_use" or not isinstance(lease, dict) or lease.get("lease_id") in out:
+            continue
+        out[lease.get("lease_id")] = (e.get("used_at") or [None])[0]
+    return out
 
 
 def _site_text(site: Optional[dict]) -> Optional[str]:
@@ -107,6 +121,22 @@ def _site_text(site: Optional[dict]) -> Optional[str]:
         return None
     line = site.get("line")
     return f"{site['file']}:{line}" if line else site["file"]
+
+
+def _frame_text(frame: Optional[dict]) -> Optional[str]:
+    """``function file:line`` of a frame record."""
+    where = _site_text(frame)
+    return f"{frame.get('function')} {where}" if where and frame.get("function") else where
+
+
+def fix_hint(kind: Optional[str], consumer: str, site: Optional[str]) -> str:
+    """What to change for a retaining consumer: own the tensor where the holder keeps it."""
+    at = f" ({site})" if site else ""
+    if not kind or kind in ("unknown", "none"):
+        return ("own what you keep: store sanitizer.own(t) (a copy only when t is borrowed) or t.clone(), "
+                "not the borrowed view")
+    return (f"own the tensor where {consumer} keeps it: store sanitizer.own(t) (copies only a borrowed t) or "
+            f"t.clone() there, not the borrowed view{at}")
 
 
 def summarize(rep: Dict[str, Any], pending: int = 0) -> Dict[str, Any]:
@@ -128,12 +158,18 @@ def summarize(rep: Dict[str, Any], pending: int = 0) -> Dict[str, Any]:
         if g is None:
             g = groups[(consumer, site)] = {
                 "consumer": consumer, "holder": holder.get("path") or consumer, "kind": holder.get("kind", "none"),
-                "site": site, "count": 0, "bytes": 0, "leases": [], "used_stale": 0, "first": e}
+                "site": site, "count": 0, "bytes": 0, "leases": [], "used_stale": 0, "first": e,
+                "read_stale_at": [], "lent_at": _frame_text(e.get("lent_at")),
+                "reused_at": _frame_text(e.get("reused_at")),
+                "fix": fix_hint(holder.get("kind"), consumer, site)}
         g["count"] += 1
         g["bytes"] += int(e["lease"].get("nbytes") or 0)
         g["used_stale"] += bool(e.get("used_stale"))
         if len(g["leases"]) < 8:
             g["leases"].append(e["lease"].get("name"))
+        read = _site_text(e.get("read_stale_at"))
+        if read and read not in g["read_stale_at"] and len(g["read_stale_at"]) < 4:
+            g["read_stale_at"].append(read)
     consumers = sorted(groups.values(), key=lambda g: (-g["bytes"], -g["count"], g["consumer"]))
     n_ret = events_by_kind.get("retention", 0)
     retained_bytes = sum(g["bytes"] for g in consumers)
@@ -174,6 +210,12 @@ def merge(reports: Iterable[Dict[str, Any]]) -> Dict[str, Any]:
         out[key] = [item for r in reports for item in r.get(key, ())]
     out["processes"] = [{"pid": r["pid"], "rank": r.get("rank"), "world_size": r.get("world_size"),
                          "error_count": r.get("error_count", 0), "argv": r.get("argv", [])} for r in reports]
+    timelines = [r["timeline"] for r in reports if isinstance(r.get("timeline"), dict)]
+    if timelines:  # buffers, leases and reuses carry their pid: ids are per process
+        out["timeline"] = {"cap": max(t.get("cap", 0) for t in timelines),
+                           "dropped": sum(t.get("dropped", 0) for t in timelines),
+                           **{key: [item for t in timelines for item in t.get(key, ())]
+                              for key in ("buffers", "leases", "events")}}
     out["summary"] = summarize(out, pending=sum(r.get("summary", {}).get("pending_retentions", 0) for r in reports))
     return out
 
@@ -240,8 +282,13 @@ def _on_enable(options: Dict[str, Any]) -> None:
 
 def _write_report_at_exit() -> None:
     path = runtime.state.options.get("report")
-    if path:
+    if not path:
+        return
+    try:
         write_report(path, final=True)
+    except Exception as exc:  # one line, never a second traceback after the program's own
+        print(f"ownership-sanitizer: could not write the report to {path!r}: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
 
 
 def install() -> None:

@@ -15,6 +15,12 @@ quantizer, in five configurations:
 * ``rescue``: unsafe consumer, sanitizer with ``rescue=1``;
 * ``copy-everything``: the loader hands out owned copies (``INSTANTTENSOR_COPY=1``).
 
+Then the unsafe load runs once more with ``triage=1`` (record, never raise)
+and its report's timeline is written as one HTML page (``--html``): each
+staging buffer's leases over its generations, the deferred views retained past
+the reuse of their bytes in red, labelled with their holder (``ownsan triage
+--html`` draws the same page from any report).
+
 The table is the benchmark: corruption, errors, load time (best of
 ``--repeat``, each configuration after a warm-up) and extra memory (bytes of
 owned copies alive at peak, and copied in total) side by side.
@@ -179,6 +185,28 @@ def run_debug_subprocess(path: str, ring_bytes: int, timeout: float = 300) -> Re
     return finish_debug_subprocess(start_debug_subprocess(path, ring_bytes), timeout)
 
 
+def write_timeline(path: str, ring_bytes: int, html_path: str) -> Dict[str, object]:
+    """The unsafe load once more with ``triage=1`` (every finding recorded, none raised): its report, with the
+    timeline page written to ``html_path``. The sanitizer's records are cleared again afterwards."""
+    from sanitizer.features import triage
+    from sanitizer.reporting import report as report_mod
+    from sanitizer.reporting import timeline
+
+    triage.clear()
+    runtime.clear_errors()
+    try:
+        with runtime.sanitize(triage=1):
+            load(path, ring_bytes, ownership_on=False)
+            gc.collect()  # the loader and its half-built model are gone: their retained views die
+            rep = report_mod.report(final=True)
+        timeline.write_html(rep, html_path, title="layerwise reload through a staging ring: which view was kept "
+                                                  "past the reuse of its bytes, and by whom")
+    finally:
+        triage.clear()
+        runtime.clear_errors()
+    return rep
+
+
 def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
@@ -227,6 +255,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
     p.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temporary directory)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument("--html", default=None, help="where to write the timeline page of the unsafe load, with triage=1 "
+                   "(default: layerwise_reload_timeline.html in --dir, else here; '' for none)")
     p.add_argument("--child", choices=("debug",), help=argparse.SUPPRESS)
     p.add_argument("--checkpoint", help=argparse.SUPPRESS)
     return p
@@ -280,6 +310,9 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             debug = [finish_debug_subprocess(child)] if child is not None else []
         order = {c: i for i, c in enumerate(CONFIGS)}
         results = sorted(inproc + debug, key=lambda r: order[r.config])
+        html = args.html if args.html is not None else os.path.join(args.dir or os.getcwd(),
+                                                                    "layerwise_reload_timeline.html")
+        page = write_timeline(path, ring_bytes, html) if html else None
     print(format_table(results))
     print(f"\ncopy-everything would copy {_size(info['bytes'])} (the whole checkpoint); "
           "peak extra memory = owned copies alive at once; load time = best of "
@@ -292,6 +325,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump({"checkpoint": info, "ring_bytes": ring_bytes, "order": args.order,
                        "results": [asdict(r) for r in results]}, fh, indent=2)
+    if page is not None:
+        print(f"\ntimeline of the unsafe load (triage=1): {html}\n  {page['summary']['line']}")
     problems = verdict(results)
     for p in problems:
         print(f"\nFAILED: {p}", file=sys.stderr)

@@ -1,7 +1,7 @@
 """``ownsan``: run a program under the sanitizer, read its report, show the options.
 
     ownsan run [-o k=v ...] [--report PATH] -- python script.py args
-    ownsan triage report.json
+    ownsan triage report.json [--html timeline.html] [--trace trace.json]
     ownsan demo [demo args]
     ownsan options
     ownsan fuzz [fuzz args]
@@ -13,8 +13,10 @@ recorded) and puts a ``sitecustomize`` on ``PYTHONPATH`` that arms the same
 start-up hook as the installed .pth, so every Python process the command
 starts (ranks, workers) is sanitized and writes its own report; they are merged
 into one. Exit status: the program's own when it failed, else 1 when the
-sanitizer recorded an error (or a retention, with ``--fail-on-retention``),
-else 0. Argument errors print the usage and exit 2.
+sanitizer recorded an error or confirmed a retention (as LeakSanitizer fails a
+run that leaked; ``-o fail_on_retention=0`` keeps retentions from failing it),
+else 0. ``-o report=PATH`` is ``--report PATH``. Argument errors print the
+usage and exit 2.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from sanitizer.core import options as _opts
 from sanitizer.core.units import format_bytes
+from sanitizer.core.version import __version__
 from sanitizer.tools import startup
 
 _PKG_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -64,8 +67,6 @@ def _parse_options(items: Sequence[str], parser: argparse.ArgumentParser) -> Dic
             out.update(_opts.parse_options_string(item))
         except _opts.OptionError as exc:
             parser.error(str(exc))
-    if "report" in out:
-        parser.error("option 'report' is set by ownsan run; use --report PATH to choose where the report goes")
     for name, value in out.items():
         if ":" in value or "," in value:
             parser.error(f"option '{name}': value {value!r} may not contain ':' or ','")
@@ -82,9 +83,12 @@ class _Progress:
     def __init__(self, what: str, stream: Any = None):
         self.stream = stream or sys.stderr
         self.on = bool(getattr(self.stream, "isatty", lambda: False)())
+        what = " ".join("".join(c if c.isprintable() else " " for c in what).split())  # one line, always
         self.what = what if len(what) <= 50 else what[:47] + "..."
         self.start = time.monotonic()
         self.i = 0
+
+    shown = False  # the line is on the screen now
 
     def tick(self, reports: int) -> None:
         if not self.on:
@@ -92,14 +96,20 @@ class _Progress:
         self.i += 1
         extra = f", {reports} process report{'s' * (reports != 1)} written" if reports else ""
         spin = "|/-\\"[self.i % 4]
-        self.stream.write(f"\r{spin} ownsan: running {self.what} ({time.monotonic() - self.start:.1f} s"
-                          f"{extra})\x1b[K")
+        line = f"{spin} ownsan: running {self.what} ({time.monotonic() - self.start:.1f} s{extra})"
+        width = shutil.get_terminal_size((80, 24)).columns - 1  # a wrapped line could not be erased
+        self.stream.write(f"\r{line[:max(width, 10)]}\x1b[K")
         self.stream.flush()
+        self.shown = True
+
+    def clear(self) -> None:
+        self.stream.write("\r\x1b[K")
+        self.stream.flush()
+        self.shown = False
 
     def done(self) -> None:
-        if self.on:
-            self.stream.write("\r\x1b[K")
-            self.stream.flush()
+        if self.on and self.shown:
+            self.clear()
 
 
 def _wait(proc: Any, progress: _Progress, report_dir: str) -> int:
@@ -112,6 +122,121 @@ def _wait(proc: Any, progress: _Progress, report_dir: str) -> int:
             progress.tick(len(glob.glob(os.path.join(report_dir, "report-*.json"))))
 
 
+def _run_child(command: List[str], env: Dict[str, str], progress: _Progress, report_dir: str) -> int:
+    """Run the program; with a progress line, through a pseudo-terminal so the line never covers its output."""
+    import subprocess
+
+    relay = _TerminalRelay.open() if progress.on else None
+    if relay is None:
+        progress.on = False  # the child would write over the line (and the line over it): no line
+        return _wait(subprocess.Popen(command, env=env), progress, report_dir)
+    try:
+        proc = subprocess.Popen(command, env=env, stdout=relay.slave if sys.stdout.isatty() else None,
+                                stderr=relay.slave)
+        relay.started()
+        return relay.pump(proc, progress, report_dir)
+    finally:
+        relay.close()
+        progress.done()
+
+
+class _TerminalRelay:
+    """The child's terminal output goes through a pseudo-terminal of its own (so it still sees a terminal:
+    colours, line buffering, its width) and we copy it to ours. The progress line is erased before each
+    piece of output and drawn again only while the child's cursor is at the start of a line, so neither
+    ever writes over the other (a child's own ``\\r`` progress bar included)."""
+
+    def __init__(self, master: int, slave: int):
+        self.master, self.slave = master, slave
+        self.at_line_start = True
+        self._winch: Any = None
+
+    @classmethod
+    def open(cls) -> "Optional[_TerminalRelay]":
+        try:
+            import pty
+
+            master, slave = pty.openpty()
+        except (ImportError, OSError):
+            return None
+        relay = cls(master, slave)
+        relay._copy_size()
+        return relay
+
+    def _copy_size(self, *_: Any) -> None:
+        try:
+            import fcntl
+            import termios
+
+            size = fcntl.ioctl(sys.stderr.fileno(), termios.TIOCGWINSZ, b"\0" * 8)
+            fcntl.ioctl(self.slave, termios.TIOCSWINSZ, size)
+        except (ImportError, OSError, ValueError):
+            pass
+
+    def started(self) -> None:
+        os.close(self.slave)  # the child holds it now; EOF on the master once every writer is gone
+        self.slave = -1
+        try:
+            import signal
+
+            self._winch = signal.signal(signal.SIGWINCH, self._copy_size)  # window resized: tell the child
+        except (ImportError, AttributeError, ValueError):  # no SIGWINCH, or not the main thread
+            self._winch = None
+
+    def _copy_out(self, data: bytes, progress: _Progress) -> None:
+        if progress.shown:
+            progress.clear()
+        out = sys.stderr.fileno()
+        view = memoryview(data)
+        while view:
+            view = view[os.write(out, view):]
+        self.at_line_start = data.endswith(b"\n")
+
+    def pump(self, proc: Any, progress: _Progress, report_dir: str) -> int:
+        import select
+
+        code = None
+        while True:
+            try:
+                ready, _, _ = select.select([self.master], [], [], 0.2 if code is None else 0.05)
+            except KeyboardInterrupt:  # the child got the same SIGINT: let it finish writing its report
+                continue
+            except InterruptedError:
+                continue
+            if ready:
+                try:
+                    data = os.read(self.master, 65536)
+                except OSError:  # EIO: every writer has closed the terminal
+                    data = b""
+                if not data:
+                    break
+                self._copy_out(data, progress)
+                continue
+            if code is not None:
+                break  # exited, and a grandchild that still holds the terminal is quiet: stop here
+            code = proc.poll()
+            if code is None and self.at_line_start:
+                progress.tick(len(glob.glob(os.path.join(report_dir, "report-*.json"))))
+        while code is None:
+            try:
+                code = proc.wait()
+            except KeyboardInterrupt:
+                continue
+        return code
+
+    def close(self) -> None:
+        if self._winch is not None:
+            import signal
+
+            signal.signal(signal.SIGWINCH, self._winch)
+        for fd in (self.master, self.slave):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+
 def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import subprocess
 
@@ -121,6 +246,12 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not command:
         parser.error("give the program to run after --, e.g.: ownsan run -- python train.py")
     options = _parse_options(args.option, parser)
+    if "report" in options:  # -o report=PATH is --report PATH (each process's own report is ours to place)
+        args.report = options.pop("report") or args.report
+    args.fail_on_retention = args.fail_on_retention or bool(_opts.resolve(options)["fail_on_retention"])
+    why = _unwritable(args.report)
+    if why:  # say so now, not after a long run whose findings would then be lost
+        parser.error(f"--report {args.report!r}: cannot write the report there ({why}); nothing was run")
     options.setdefault("triage", "1")
     tmp = tempfile.mkdtemp(prefix="ownsan-")
     try:
@@ -135,16 +266,50 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         env["PYTHONPATH"] = os.pathsep.join([boot] + [p for p in [env.get("PYTHONPATH")] if p])
         progress = _Progress(" ".join(command))
         try:
-            proc = subprocess.Popen(command, env=env)
+            code = _run_child(command, env, progress, tmp)
         except OSError as exc:
             print(f"ownsan run: cannot start {command[0]!r}: {exc.strerror or exc}", file=sys.stderr)
             return 127
-        code = _wait(proc, progress, tmp)
-        progress.done()
         code = 128 - code if code < 0 else code  # killed by a signal: the shell's convention
         return _finish_run(args, sorted(glob.glob(os.path.join(tmp, "report-*.json"))), code)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _unwritable(path: str) -> Optional[str]:
+    """Why a report could not be written to ``path``, or None; tried for real (a read-only file system,
+    or a file root may not write, is caught too), leaving no file behind."""
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        return "it is a directory"
+    if not os.path.isdir(os.path.dirname(full)):
+        return f"no directory {os.path.dirname(full)}"
+    existed = os.path.exists(full)
+    try:
+        with open(full, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if not existed:
+        os.remove(full)
+    return None
+
+
+def _write_report(merged: Dict[str, Any], path: str) -> str:
+    """Write the merged report to ``path``; if that fails now (it was writable at the start), to a temporary
+    file instead, so the findings are never lost. Returns where it went."""
+    text = json.dumps(merged, indent=2) + "\n"
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        return path
+    except OSError as exc:
+        fd, fallback = tempfile.mkstemp(prefix="ownsan-report-", suffix=".json")
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        print(f"ownsan run: cannot write {path!r} ({exc.strerror or exc}); the report is in {fallback}",
+              file=sys.stderr)
+        return fallback
 
 
 def _finish_run(args: argparse.Namespace, files: List[str], code: int) -> int:
@@ -154,9 +319,7 @@ def _finish_run(args: argparse.Namespace, files: List[str], code: int) -> int:
               "os._exit): nothing was sanitized", file=sys.stderr)
         return code
     merged = rep_mod.merge([rep_mod.load(f) for f in files])
-    with open(args.report, "w", encoding="utf-8") as fh:
-        json.dump(merged, fh, indent=2)
-        fh.write("\n")
+    args.report = _write_report(merged, args.report)
     if args.quiet:
         print(merged["summary"]["line"], file=sys.stderr)
     else:
@@ -170,58 +333,7 @@ def _finish_run(args: argparse.Namespace, files: List[str], code: int) -> int:
 
 # -- triage ------------------------------------------------------------------
 _size = format_bytes  # the one byte-size formatter, shared with the report
-
-
-def _frame(rec: Optional[dict]) -> str:
-    if not rec:
-        return "?"
-    return f"{rec.get('function')} {rec.get('file')}:{rec.get('line')}"
-
-
-def format_triage(rep: Dict[str, Any], path: Optional[str] = None, top: int = 20) -> str:
-    """The human summary: one line, the retaining consumers by bytes with holder and sites, then the errors."""
-    summary = rep["summary"]
-    who = f"pid {rep['pid']}" if "processes" not in rep else f"{len(rep['processes'])} processes"
-    if rep.get("rank") is not None:
-        who += f", rank {rep['rank']} of {rep.get('world_size')}"
-    lines = [summary["line"], f"report: {path or '(in process)'} ({who})"]
-    consumers = summary["retaining_consumers"]
-    if consumers:
-        lines += ["", "retaining consumers, most bytes first:"]
-        rows = [("#", "bytes", "count", "stale", "kind", "holder")]
-        rows += [(str(i), _size(g["bytes"]), str(g["count"]), str(g["used_stale"]), g["kind"], g["consumer"])
-                 for i, g in enumerate(consumers[:top], 1)]
-        widths = [max(len(r[c]) for r in rows) for c in range(5)]
-        for i, row in enumerate(rows):
-            lines.append("  " + "  ".join(v.ljust(w) for v, w in zip(row[:5], widths)) + "  " + row[5])
-            if i == 0:
-                continue
-            g = consumers[i - 1]
-            pad = "  " + " " * (sum(widths) + 2 * 5)
-            first = g["first"]
-            names = ", ".join(repr(n) for n in g["leases"][:4]) + (", ..." if g["count"] > 4 else "")
-            lines.append(f"{pad}holder lives at {g['site'] or '?'}")
-            lines.append(f"{pad}e.g. {first['holder']['path'] if first.get('holder') else '?'}")
-            lines.append(f"{pad}leases: {names}")
-            lines.append(f"{pad}lent at {_frame(first.get('lent_at'))}; reused at {_frame(first.get('reused_at'))}")
-        if len(consumers) > top:
-            lines.append(f"  ... {len(consumers) - top} more (ownsan triage --top N)")
-    errors = rep.get("errors", [])
-    if errors:
-        lines += ["", "errors (first of each kind):"]
-        seen = set()
-        for e in errors:
-            if e.get("kind") in seen:
-                continue
-            seen.add(e.get("kind"))
-            lines.append(f"  {e.get('kind')}: {e.get('summary')}")
-            if e.get("holder"):
-                lines.append(f"    held by {e['holder']['path']}")
-    pending = summary.get("pending_retentions")
-    if pending:
-        lines.append(f"\n({pending} retention(s) still pending: their consumer had not had its turn when the "
-                     f"report was taken)")
-    return "\n".join(lines)
+from sanitizer.reporting.text import format_triage  # noqa: E402  (torch-free; also the pytest plugin's text)
 
 
 def cmd_triage(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -238,6 +350,18 @@ def cmd_triage(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             print(f"  {p}", file=sys.stderr)
         return 2
     print(format_triage(rep, args.report, top=args.top))
+    for flag, module, what in (("html", "sanitizer.reporting.timeline", "write_html"),
+                               ("trace", "sanitizer.reporting.trace", "write_trace")):
+        target = getattr(args, flag, None)
+        if target:
+            try:
+                getattr(importlib.import_module(module), what)(rep, target)
+            except (OSError, ValueError) as exc:  # ValueError: a path with a NUL in it
+                print(f"ownsan triage: cannot write {target!r} ({getattr(exc, 'strerror', None) or exc})",
+                      file=sys.stderr)
+                return 2
+            print(f"wrote {target}" + (" (one page, no network: open it in a browser)" if flag == "html"
+                                       else " (Chrome trace events: open it in Perfetto or chrome://tracing)"))
     return 0
 
 
@@ -249,8 +373,27 @@ def _dispatch(module: str, argv: Sequence[str], missing: str) -> int:
     return int(importlib.import_module(module).main(list(argv)) or 0)
 
 
+def _missing(command: str, modules: Sequence[str], extra: str, args: Sequence[str] = ()) -> bool:
+    """Say which optional packages ``command`` lacks (and the extra that installs them); False when none.
+    ``--help`` never needs them."""
+    if "-h" in args or "--help" in args:
+        return False
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"ownsan {command}: needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not "
+              f"installed; install it with: pip install 'ownership-sanitizer[{extra}]'", file=sys.stderr)
+    return bool(missing)
+
+
 def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if importlib.util.find_spec("sanitizer.testing.demo") is not None:
+        if _missing("demo", ["safetensors"], "demo", args.args):
+            if args.args:
+                return 2
+            print("ownsan demo: running the core scenario instead (torch only)\n", file=sys.stderr)
+            from sanitizer.testing.quickstart import main as quickstart
+
+            return int(quickstart() or 0)
         return int(importlib.import_module("sanitizer.testing.demo").main(list(args.args)) or 0)
     if args.args:
         parser.error("the core scenario takes no arguments (the end-to-end demo is not installed)")
@@ -260,6 +403,8 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def cmd_fuzz(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if _missing("fuzz", ["safetensors"], "fuzz", args.args):
+        return 2
     return _dispatch("sanitizer.testing.fuzz", args.args,
                      "ownsan fuzz: the fuzz campaign is not part of this installation (no sanitizer/fuzz.py)")
 
@@ -289,6 +434,7 @@ def cmd_uninstall_hook(args: argparse.Namespace, parser: argparse.ArgumentParser
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ownsan", description="ownership-sanitizer: catch consumers that keep "
                                 "borrowed tensor views past their lifetime, and name them.")
+    p.add_argument("--version", action="version", version=f"ownsan (ownership-sanitizer) {__version__}")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND", required=True)
     run = sub.add_parser("run", help="run a program with the sanitizer on and print who retained what",
                          description="Run COMMAND with the sanitizer on (triage=1: record, do not raise), "
@@ -298,13 +444,19 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--report", default="ownsan-report.json", metavar="PATH",
                      help="where to write the merged JSON report (default: %(default)s)")
     run.add_argument("--fail-on-retention", action="store_true",
-                     help="exit 1 when a retention was recorded, even without an error")
+                     help="exit 1 when a retention was confirmed, even without an error (the default, as "
+                     "LeakSanitizer does; -o fail_on_retention=0 turns it off)")
     run.add_argument("--top", type=int, default=20, help="consumers shown (default: %(default)s)")
     run.add_argument("-q", "--quiet", action="store_true", help="print only the one-line summary")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- then the program and its arguments")
     tri = sub.add_parser("triage", help="show a report: retaining consumers by bytes, with holders and sites")
     tri.add_argument("report", help="a report written by ownsan run or report=path")
     tri.add_argument("--top", type=int, default=20, help="consumers shown (default: %(default)s)")
+    tri.add_argument("--html", metavar="PATH", default=None,
+                     help="also write one self-contained page with a timeline of each staging buffer (SVG)")
+    tri.add_argument("--trace", metavar="PATH", default=None,
+                     help="also write the timeline as Chrome trace events (open in Perfetto, as torch.profiler "
+                     "traces)")
     demo = sub.add_parser("demo", help="the end-to-end demonstration (the layerwise-reload bug, caught and fixed)")
     demo.add_argument("args", nargs=argparse.REMAINDER, help="passed to the demo (ownsan demo -- --help)")
     opt = sub.add_parser("options", help="the option table: names, types, defaults, help")

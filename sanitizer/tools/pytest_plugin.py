@@ -4,9 +4,13 @@
   (``--ownership-sanitize-options "checksum=1:stack_depth=4"`` adds options);
 * ``@pytest.mark.ownership_sanitize(**options)`` turns it on for one test;
 * fixtures: ``staging_ring`` (a 1 MiB :class:`~sanitizer.StagingRing`, closed
-  after the test) and ``ownership_report`` (this test's errors and events);
-* a test in which the sanitizer recorded an error fails, with the one-line
-  summary and the path of the test's JSON report (``ownsan triage PATH``).
+  after the test) and ``ownership_report`` (this test's errors and events; it
+  refuses to run in an unsanitized test, where it would pass vacuously);
+* a test in which the sanitizer recorded an error fails, and every failing
+  sanitized test (its own assertion included) gets an ``ownership-sanitizer``
+  report section: the one-line summary, each retaining holder with where it
+  was read stale, the first error, and the path of the test's JSON report
+  (``ownsan triage PATH``); sanitizer and pytest frames are cut from its traceback.
 
 Tests run with ``triage=1``: a stale use is recorded, not raised, so the test
 runs on and every retaining consumer is named; the failure comes at the end of
@@ -40,6 +44,11 @@ def pytest_addoption(parser: Any) -> None:
 
 
 def pytest_configure(config: Any) -> None:
+    from sanitizer.core.sites import add_internal_prefix  # torch-free
+
+    for harness in ("_pytest", "pytest", "pluggy"):  # the harness below a test is nobody's holder, and no use site
+        module = __import__(harness)
+        add_internal_prefix(os.path.dirname(os.path.abspath(module.__file__)))
     config.addinivalue_line(
         "markers", f"{MARKER}(**options): run this test with the ownership sanitizer on (options as in "
         "`ownsan options`); a test that records an error fails")
@@ -107,28 +116,91 @@ def _report_dir(config: Any) -> str:
     return tempfile.mkdtemp(prefix="ownership-sanitizer-")
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_runtest_call(item: Any) -> None:
-    """After the test body (it passed, or we would not be here): fail it if the sanitizer recorded an error."""
+def _hidden_frame(path: str, sanitizer_error: bool) -> bool:
+    """Frames a failing test's traceback does not need: ours, pytest's and pluggy's, and for a sanitizer
+    error torch's dispatch plumbing between the user's line and the check."""
+    from sanitizer.core.sites import is_internal_file
+
+    if is_internal_file(path) or f"{os.sep}_pytest{os.sep}" in path or f"{os.sep}pluggy{os.sep}" in path:
+        return True
+    return sanitizer_error and path.startswith(_torch_dir())
+
+
+def _torch_dir() -> str:
+    import torch
+
+    return os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def _prune_traceback(item: Any, excinfo: Any) -> None:
+    """Cut our frames (and pytest's, pluggy's, and for a sanitizer error torch's dispatch frames) from the
+    traceback pytest shows for this failure. pytest rebuilds the traceback from the test function's frame
+    when it formats it, so the cut is made after its own filter."""
+    try:
+        from sanitizer.core.errors import OwnershipError
+
+        ours = isinstance(excinfo.value, OwnershipError)
+    except Exception:  # a cosmetic step must never hide the failure itself
+        return
+
+    def keep(entry: Any) -> bool:
+        return not _hidden_frame(str(entry.path), ours)
+
+    original = getattr(item, "_traceback_filter", None)  # pytest >= 7.4
+    if callable(original):
+        def pruned(info: Any) -> Any:
+            shown = original(info)
+            cut = shown.filter(keep)
+            return cut if len(cut) else shown
+
+        item._traceback_filter = pruned
+        return
+    original = getattr(item, "_prunetraceback", None)  # older pytest: prunes excinfo.traceback in place
+    if callable(original):
+        def prune_then_cut(info: Any) -> None:
+            original(info)
+            cut = info.traceback.filter(keep)
+            if len(cut):
+                info.traceback = cut
+
+        item._prunetraceback = prune_then_cut
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: Any, call: Any):
+    """After the test body: its report gets an ``ownership-sanitizer`` section when it fails (for any
+    reason), and a test that passed but in which the sanitizer recorded an error fails with it."""
     st = item.__dict__.get(_STATE_KEY)
-    if st is None:
+    if st is not None and call.when == "call" and call.excinfo is not None:
+        _prune_traceback(item, call.excinfo)
+    outcome = yield
+    if st is None or call.when != "call":
         return
     import importlib
 
+    test_report = outcome.get_result()
     report_mod = importlib.import_module("sanitizer.reporting.report")
     rep = report_mod.report(final=True, exclude=st["exclude"])  # the test's frame is gone: decide now
     st["report"] = rep
-    failing = rep["error_count"] or (item.config.getoption("--ownership-fail-on-retention")
-                                     and rep["summary"]["retentions"])
-    if not failing:
+    failing = bool(rep["error_count"] or (item.config.getoption("--ownership-fail-on-retention")
+                                          and rep["summary"]["retentions"]))
+    if not failing and not test_report.failed:
         return
     path = os.path.join(_report_dir(item.config), _safe(item.nodeid) + ".json")
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(rep, fh, indent=2, default=str)
-        fh.write("\n")
-    first = (rep["errors"] or [{}])[0].get("summary") or ""
-    pytest.fail(f"{rep['summary']['line']}\n  first: {first}\n  report: {path} (ownsan triage {path})",
-                pytrace=False)
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(rep, fh, indent=2, default=str)
+            fh.write("\n")
+    except OSError:
+        path = None
+    from sanitizer.reporting.text import section_for_test
+
+    section = section_for_test(rep, path)
+    test_report.sections.append(("ownership-sanitizer", section))
+    if failing and not test_report.failed:  # the failure is the sanitizer's: its summary, no traceback of ours
+        test_report.outcome = "failed"
+        test_report.longrepr = (f"{rep['summary']['line']}\n(the ownership-sanitizer section below names the "
+                                f"holders, where they were read stale, and the test's report)")
 
 
 @pytest.hookimpl(trylast=True)
@@ -177,9 +249,15 @@ class OwnershipReport:
 
 @pytest.fixture
 def ownership_report(request: Any) -> OwnershipReport:
-    """The errors and events the sanitizer recorded during this test (retentions, rescues, clones)."""
+    """The errors and events the sanitizer recorded during this test (retentions, rescues, clones).
+
+    Only in a sanitized test: unsanitized, it would see nothing and every assertion on it would pass."""
     st = request.node.__dict__.get(_STATE_KEY)
-    return OwnershipReport(st["exclude"] if st else _record_ids())
+    if st is None:
+        pytest.fail(f"the ownership_report fixture needs a sanitized test: mark it @pytest.mark.{MARKER} or run "
+                    "pytest --ownership-sanitize (unsanitized, it would record nothing and pass vacuously)",
+                    pytrace=False)
+    return OwnershipReport(st["exclude"])
 
 
 @pytest.fixture

@@ -1,0 +1,147 @@
+"""The triage text: what ``ownsan run`` and ``ownsan triage`` print, and the pytest plugin's section.
+
+Torch-free: it only reads a report dict. Per retaining consumer (most bytes
+first): the holder path, where the holder lives, an example, the leases, where
+they were read stale, where they were lent and reused (once, when every
+consumer shares those sites, and on one line when lend and reuse are the same
+place), and the fix. Then each distinct error once: the same stale read
+recorded again (a later occurrence, a finalizer at exit) is not repeated.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+from sanitizer.core.units import format_bytes
+
+
+def frame_text(rec: Optional[dict]) -> str:
+    if not rec:
+        return "?"
+    return f"{rec.get('function')} {rec.get('file')}:{rec.get('line')}"
+
+
+def site_text(rec: Optional[dict]) -> Optional[str]:
+    if not rec or not rec.get("file"):
+        return None
+    return f"{rec['file']}:{rec.get('line')}"
+
+
+def lent_reused(first: dict) -> str:
+    """``lent at X; reused at Y``, or one place when both are the same line."""
+    lent, reused = frame_text(first.get("lent_at")), frame_text(first.get("reused_at"))
+    if lent == reused:
+        return f"lent at, and reused at, {lent}"
+    return f"lent at {lent}; reused at {reused}"
+
+
+def distinct_errors(errors: List[dict]) -> List[Tuple[dict, int]]:
+    """Each distinct error once, with how many records repeat it (same kind, lease, pid and first frame)."""
+    seen: Dict[tuple, int] = {}
+    order: List[dict] = []
+    for e in errors:
+        lease = e.get("lease") if isinstance(e.get("lease"), dict) else {}
+        where = (e.get("used_at") or e.get("verified_at") or [None])[0]
+        key = (e.get("kind"), lease.get("lease_id"), e.get("pid"), site_text(where) if isinstance(where, dict) else None)
+        if key in seen:
+            seen[key] += 1
+            continue
+        seen[key] = 1
+        order.append(e)
+    out = []
+    for e in order:
+        lease = e.get("lease") if isinstance(e.get("lease"), dict) else {}
+        where = (e.get("used_at") or e.get("verified_at") or [None])[0]
+        out.append((e, seen[(e.get("kind"), lease.get("lease_id"), e.get("pid"),
+                             site_text(where) if isinstance(where, dict) else None)]))
+    return out
+
+
+def format_triage(rep: Dict[str, Any], path: Optional[str] = None, top: int = 20) -> str:
+    """The human summary: one line, the retaining consumers by bytes with holder and sites, then the errors."""
+    summary = rep["summary"]
+    who = f"pid {rep['pid']}" if "processes" not in rep else f"{len(rep['processes'])} processes"
+    if rep.get("rank") is not None:
+        who += f", rank {rep['rank']} of {rep.get('world_size')}"
+    lines = [summary["line"], f"report: {path or '(in process)'} ({who})"]
+    consumers = summary["retaining_consumers"]
+    if consumers:
+        shown = consumers[:top]
+        sites = {lent_reused(g["first"]) for g in shown}
+        shared = sites.pop() if len(sites) == 1 and len(shown) > 1 else None
+        lines += ["", "retaining consumers, most bytes first:"]
+        if shared:
+            lines.append(f"  (all {shared})")
+        rows = [("#", "bytes", "count", "stale", "kind", "holder")]
+        rows += [(str(i), format_bytes(g["bytes"]), str(g["count"]), str(g["used_stale"]), g["kind"], g["consumer"])
+                 for i, g in enumerate(shown, 1)]
+        widths = [max(len(r[c]) for r in rows) for c in range(5)]
+        for i, row in enumerate(rows):
+            lines.append("  " + "  ".join(v.ljust(w) for v, w in zip(row[:5], widths)) + "  " + row[5])
+            if i == 0:
+                continue
+            g = consumers[i - 1]
+            pad = "  " + " " * (sum(widths) + 2 * 5)
+            first = g["first"]
+            names = ", ".join(repr(n) for n in g["leases"][:4]) + (", ..." if g["count"] > 4 else "")
+            lines.append(f"{pad}holder lives at {g['site'] or '?'}")
+            lines.append(f"{pad}e.g. {first['holder']['path'] if first.get('holder') else '?'}")
+            lines.append(f"{pad}leases: {names}")
+            reads = g.get("read_stale_at") or []
+            if reads:
+                lines.append(f"{pad}read stale at {', '.join(reads)} ({g['used_stale']} of {g['count']})")
+            if not shared:
+                lines.append(f"{pad}{lent_reused(first)}")
+            if g.get("fix"):
+                lines.append(f"{pad}fix: {g['fix']}")
+        if len(consumers) > top:
+            lines.append(f"  ... {len(consumers) - top} more (ownsan triage --top N)")
+    errors = rep.get("errors", [])
+    if errors:
+        lines += ["", "errors (first of each kind):"]
+        seen = set()
+        for e, repeats in distinct_errors(errors):
+            if e.get("kind") in seen:
+                continue
+            seen.add(e.get("kind"))
+            lines.append(f"  {e.get('kind')}: {e.get('summary')}")
+            where = (e.get("used_at") or [None])[0]
+            if isinstance(where, dict) and where.get("file"):
+                lines.append(f"    read stale at {site_text(where)}")
+            if e.get("holder"):
+                lines.append(f"    held by {e['holder']['path']}")
+    pending = summary.get("pending_retentions")
+    if pending:
+        lines.append(f"\n({pending} retention(s) still pending: their consumer had not had its turn when the "
+                     f"report was taken)")
+    return "\n".join(lines)
+
+
+def section_for_test(rep: Dict[str, Any], path: Optional[str]) -> str:
+    """The pytest plugin's report section for one failing test: summary, holders, stale reads, report path."""
+    summary = rep["summary"]
+    lines = [summary["line"]]
+    for g in summary["retaining_consumers"][:5]:
+        lines.append(f"held by: {g['consumer']} ({g['count']} lease{'s' * (g['count'] != 1)}, "
+                     f"{format_bytes(g['bytes'])})" + (f"; holder lives at {g['site']}" if g.get("site") else ""))
+        if g.get("read_stale_at"):
+            lines.append(f"  read stale at {', '.join(g['read_stale_at'])}")
+        if g.get("fix"):
+            lines.append(f"  fix: {g['fix']}")
+    seen = set()
+    for e, repeats in distinct_errors(rep.get("errors", [])):
+        key = e.get("kind")
+        if key in seen:
+            continue
+        seen.add(key)
+        lines.append(f"first {key}: {e.get('summary')}")
+        where = (e.get("used_at") or [None])[0]
+        if isinstance(where, dict) and where.get("file"):
+            lines.append(f"  read stale at {site_text(where)}")
+        if e.get("holder"):
+            lines.append(f"  held by {e['holder'].get('path')}")
+    if path:
+        lines.append(f"report: {path} (ownsan triage {path}; --html timeline.html draws each staging buffer)")
+    return "\n".join(lines)
+
+
+__all__ = ["format_triage", "section_for_test", "frame_text", "lent_reused", "distinct_errors"]
