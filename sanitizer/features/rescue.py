@@ -88,7 +88,8 @@ def _rescue(lease: Lease, storage: torch.UntypedStorage, event: ReuseEvent) -> N
     if holders <= 0:
         return  # nobody holds it: it dies now, nothing to keep correct
     old, piece = storage_handles.repoint(storage)  # the lease's storage (and all its views) now own a copy
-    runtime.disown(lease)  # before `old` (now holding the staging alias) dies and releases the lease
+    runtime.disown(lease)  # before `old` (now holding the staging alias) dies
+    runtime.rebind_lease(lease, piece)  # its death is now the copy's: release hooks see the true end
     del old
     nbytes = storage.nbytes()
     from sanitizer.features.ownership import account_copy

@@ -31,6 +31,10 @@ RetireHook = Callable[[Region, ReuseEvent, List[Lease]], None]
 """Called when a reuse or close retires alive leases, before the producer writes:
 ``(region, event, victims)``. A hook may rescue a victim (see :func:`disown`);
 victims still borrowed afterwards become stale. Orders: see :class:`RetireOrder`."""
+ReleaseHook = Callable[[Lease], None]
+"""Called when a lease's storage dies (every view of it gone), rescued leases included: ``(lease)``."""
+ReuseHook = Callable[[Region, ReuseEvent], None]
+"""Called at every reuse, retire and close, whether or not it retired a live lease: ``(region, event)``."""
 EnableHook = Callable[[Dict[str, Any]], None]
 """Called by :func:`enable` with the resolved options (a feature arms itself when asked)."""
 
@@ -62,6 +66,8 @@ class _State:
         self.lend_hooks: List[LendHook] = []
         self.retire_hooks: List[Tuple[int, RetireHook]] = []  # (order, hook), run in ascending order
         self.enable_hooks: List[EnableHook] = []  # run by enable() with the resolved options
+        self.release_hooks: List[ReleaseHook] = []
+        self.reuse_hooks: List[ReuseHook] = []
         self.events: List[dict] = []  # non-error records: rescues, retentions, clones by policy
         self.modes = ModeController(self.stale, _on_stale_use)
 
@@ -192,6 +198,9 @@ def _lease_died(ref: Any) -> None:
     lease = entry[1]
     _unfile(lease)
     state.ledger.release(lease.lease_id)
+    lease.alive = False  # a rescued lease too (disowned, it is no longer in the ledger's live set)
+    for hook in state.release_hooks:
+        hook(lease)
 
 
 def rebind_lease(lease: Lease, piece: Any) -> None:
@@ -223,6 +232,8 @@ def retire(region: Region, start: int, end: int, by: Optional[str], kind: str = 
     site: Site = capture(depth) if depth else ()
     event, victims = state.ledger.reuse(region.region_id, start, end, by, site, threading.current_thread().name, kind)
     state.modes.retry_leave()
+    for hook in state.reuse_hooks:
+        hook(region, event)
     _run_retire_hooks(region, event, victims)
     return event
 
@@ -233,6 +244,8 @@ def close_region(region: Region, run_hooks: bool = True) -> ReuseEvent:
     depth = state.options["stack_depth"]
     site: Site = capture(depth) if depth else ()
     event, victims = state.ledger.close(region.region_id, site, threading.current_thread().name)
+    for hook in state.reuse_hooks:
+        hook(region, event)
     if run_hooks:
         _run_retire_hooks(region, event, victims)
     else:
@@ -265,6 +278,19 @@ def _mark_stale(victims: List[Lease]) -> None:
 def add_lend_hook(hook: LendHook) -> None:
     if hook not in state.lend_hooks:
         state.lend_hooks.append(hook)
+
+
+def add_release_hook(hook: ReleaseHook) -> None:
+    """Register ``hook(lease)`` to run when a lease's storage dies (idempotent). It runs in whatever
+    thread dropped the last reference, possibly inside the GC: keep it cheap and lock-free."""
+    if hook not in state.release_hooks:
+        state.release_hooks.append(hook)
+
+
+def add_reuse_hook(hook: ReuseHook) -> None:
+    """Register ``hook(region, event)`` to run at every reuse, retire and close (idempotent)."""
+    if hook not in state.reuse_hooks:
+        state.reuse_hooks.append(hook)
 
 
 def add_retire_hook(hook: RetireHook, order: RetireOrder) -> None:
