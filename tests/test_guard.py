@@ -103,3 +103,27 @@ def test_rescue_takes_precedence_and_unheld_views_cost_nothing():
 
 def test_guard_is_listed_with_its_default_on():
     assert sanitizer.options()["guard"] is True
+
+
+@pytest.mark.skipif(not __import__("sanitizer.torch_layer.storage_handles", fromlist=["x"]).PoisonFile.AVAILABLE,
+                    reason="memfd tombstones need Linux")
+def test_cpu_tombstones_share_one_poison_file_copy_on_write():
+    from sanitizer.torch_layer import storage_handles
+
+    mib = 1 << 20
+    ring = sanitizer.StagingRing(4 * mib, name="ring")
+    kept = []
+    with sanitizer.sanitize():
+        for i in range(40):  # every put reuses bytes some kept view still holds
+            kept.append(ring.put(f"w{i}", torch.full((mib // 4,), float(i))))
+        shared = storage_handles.POISON.nbytes
+        assert guard.stats()["alive"] >= 36 and shared <= 2 * mib  # 36+ MiB of tombstones, <= 2 MiB real
+    for t in kept[:-4]:
+        assert torch.isnan(t).all()
+    kept[0].fill_(1.0)  # a write lands in that tombstone's private copy only
+    assert torch.isnan(kept[1]).all() and torch.equal(kept[0], torch.ones(mib // 4))
+    with sanitizer.sanitize(poison_byte=0):  # another fill byte: another file
+        buf = StagingBuffer(64)
+        w = buf.write(0, torch.ones(4), name="w")
+        buf.write(0, torch.full((4,), 7.0), name="next")
+        assert _ctypes_floats(w) == [0.0] * 4

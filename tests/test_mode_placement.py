@@ -276,3 +276,22 @@ def test_running_threads_are_reached_on_python_312_and_refused_before():
     assert proc.returncode == 0, proc.stderr
     # each running thread ran it once, the profile hook is gone, and no torch was needed
     assert proc.stdout.split() == ["True", "3", "3", "True", "False"]
+
+
+def test_a_loop_variable_consumer_does_not_toggle_interception_per_tensor(monkeypatch):
+    """Each reuse makes the previous lease (still held by the loop variable) stale for a moment."""
+    calls = []
+    real = runtime.readers.set_hooks
+    monkeypatch.setattr(runtime.readers, "set_hooks", lambda on, check=None: (calls.append(on), real(on, check)))
+    ring = sanitizer.StagingRing(64, name="ring")
+    with sanitizer.sanitize():
+        w = None
+        for i in range(20):
+            w = ring.put(f"w{i}", torch.full((8,), float(i)))  # the ring wraps every 2 tensors
+            assert float(w.sum()) == 8.0 * i
+        assert torch._C._len_torch_dispatch_stack() == 1  # installed once, kept while leases live
+        del w
+        gc.collect()
+        assert torch._C._len_torch_dispatch_stack() == 0  # no lease alive: gone
+    assert calls.count(False) <= 2 and calls.count(True) <= 20  # never off per tensor
+    assert sanitizer.errors() == []

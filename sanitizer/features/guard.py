@@ -11,7 +11,10 @@ back to the producer untouched; the stale view, and every view derived from it,
 now reads NaN. The lease stays stale, so the mode still reports any aten read.
 
 A tombstone lives exactly as long as the lease's storage (it is that storage's
-memory now) and is counted in :func:`stats`.
+memory now) and is counted in :func:`stats`. On CPU (Linux) every tombstone is a
+copy-on-write mapping of one shared poison file, so tombstones cost one ``mmap``
+each and, together, the memory of the largest; on CUDA each is a poison-filled
+allocation of its size.
 """
 from __future__ import annotations
 
@@ -82,9 +85,10 @@ def _buried(nbytes: int) -> None:
 
 
 def stats() -> Dict[str, int]:
-    """Tombstones made in all and alive now, with their bytes."""
+    """Tombstones made in all and alive now, with their bytes (as views see them), and the memory
+    they really share on CPU (one poison file, the size of the largest)."""
     with _lock:
-        return dict(_counts)
+        return dict(_counts, shared_poison_bytes=storage_handles.POISON.nbytes)
 
 
 def clear() -> None:

@@ -61,7 +61,7 @@ class _State:
         self.dropped_records = 0  # errors and events not kept: the max_records cap was reached
         self.error_counts: Dict[int, int] = {}  # lease id -> stale uses seen
         self.lock = threading.RLock()
-        self.ledger = Ledger()
+        self.ledger = Ledger(on_live_change=_on_live_change)
         self.intercepting = False  # tolist hook set and the main thread asked to carry the mode
         self.lend_hooks: List[LendHook] = []
         self.retire_hooks: List[Tuple[int, RetireHook]] = []  # (order, hook), run in ascending order
@@ -73,13 +73,23 @@ class _State:
 
 
 def _wants_interception() -> bool:
-    return state.enabled and bool(state.stale)
+    """Main-thread interception runs from the first stale lease until none is stale *and* no
+    lease is alive. The hysteresis matters for a consumer that holds each tensor until the next
+    one arrives (a loop variable): every reuse makes the previous lease stale and its death a
+    moment later clears it; toggling the mode and the reader hooks per tensor would cost more
+    than keeping them for the rest of the load. A correct program never pays at all."""
+    return state.enabled and (bool(state.stale) or (state.intercepting and state.ledger.live_count > 0))
+
+
+def _on_live_change(alive: int) -> None:
+    if alive == 0 and state.intercepting:
+        _sync_interception()
 
 
 def _sync_interception() -> None:
-    """Per-op interception in the main thread (and the ``tolist`` hook) exists only while
-    a stale lease is reachable and the sanitizer is enabled; called after every change
-    of either. Cheap when nothing flips: it runs at each lease's death."""
+    """Per-op interception in the main thread (and the reader hooks) exists only while
+    :func:`_wants_interception`; called after every change of what it reads. Cheap when
+    nothing flips: it runs when the stale set empties and when the last lease dies."""
     if _wants_interception() == state.intercepting:
         return
     with state.lock:

@@ -12,9 +12,12 @@ Needs private storage APIs (weak handles, ``_swap_data_ptr_``,
 """
 from __future__ import annotations
 
+import mmap
+import os
 import threading
 from typing import Any, Callable, Dict, Optional, Tuple
 
+import numpy as np
 import torch
 
 from sanitizer.core.ledger import Lease
@@ -78,25 +81,74 @@ def holders(storage: torch.UntypedStorage) -> int:
     return torch._C._storage_Use_Count(storage._cdata) - 1
 
 
+class PoisonFile:
+    """One in-memory file (Linux ``memfd``) of poison bytes that every CPU tombstone maps.
+
+    Each tombstone is a private (copy-on-write) mapping of the file's first
+    ``nbytes``: it costs one ``mmap`` call and no memory of its own until someone
+    writes to it, so a thousand retained stale views cost the memory of the
+    largest one. The file grows (and is filled) only when a larger tombstone is
+    asked for; a different fill byte starts a new file (old mappings stay valid).
+    """
+
+    AVAILABLE: bool = hasattr(os, "memfd_create") and hasattr(mmap, "MAP_PRIVATE")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fd: Optional[int] = None
+        self._fill: Optional[int] = None
+        self.nbytes = 0  # the shared poison memory: the largest tombstone so far, page-rounded
+
+    def map(self, nbytes: int, fill: int) -> np.ndarray:
+        """A writable uint8 array of ``nbytes`` poison bytes; unmapped when the array dies."""
+        with self._lock:
+            if self._fd is None or fill != self._fill:
+                if self._fd is not None:
+                    os.close(self._fd)
+                self._fd, self._fill, self.nbytes = os.memfd_create("ownsan-poison", os.MFD_CLOEXEC), fill, 0
+            if nbytes > self.nbytes:
+                self._grow(max(nbytes, 2 * self.nbytes))
+            fd = self._fd
+        mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        return np.frombuffer(mapped, dtype=np.uint8)
+
+    def _grow(self, size: int) -> None:
+        size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+        assert self._fd is not None and self._fill is not None
+        os.ftruncate(self._fd, size)
+        chunk = bytes([self._fill]) * min(1 << 20, size)
+        at = self.nbytes
+        while at < size:
+            at += os.pwrite(self._fd, chunk[: size - at], at)
+        self.nbytes = size
+
+
+POISON = PoisonFile()
+
+
 def repoint(storage: torch.UntypedStorage, fill: Optional[int] = None) -> Tuple[torch.UntypedStorage, Any]:
     """Give ``storage`` fresh memory of its size: a copy of its bytes, or ``fill`` in every byte.
 
     Returns ``(old, piece)``: ``old`` now holds the previous memory (drop it once
     the lease's bookkeeping is done: dropping it releases the staging alias), and
     ``piece`` is the object the new memory's deleter keeps (weak-referenceable:
-    it dies with ``storage``).
+    it dies with ``storage``). A CPU fill maps the shared :data:`POISON` file.
     """
     nbytes = storage.nbytes()
-    if fill is None:
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=storage.device)
+    if fill is not None and nbytes and storage.device.type == "cpu" and PoisonFile.AVAILABLE:
+        piece = POISON.map(nbytes, fill)
+        old = torch.from_numpy(piece).untyped_storage()
     else:
-        buf = torch.full((nbytes,), fill, dtype=torch.uint8, device=storage.device)
-    fresh, piece = alias_view(buf, host_array(buf), 0, nbytes, (nbytes,), torch.uint8)
-    old = fresh.untyped_storage()
-    if fill is None:
-        old.copy_(storage)
+        if fill is None:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=storage.device)
+        else:
+            buf = torch.full((nbytes,), fill, dtype=torch.uint8, device=storage.device)
+        fresh, piece = alias_view(buf, host_array(buf), 0, nbytes, (nbytes,), torch.uint8)
+        old = fresh.untyped_storage()
+        if fill is None:
+            old.copy_(storage)
     storage._swap_data_ptr_(old)
     return old, piece
 
 
-__all__ = ["AVAILABLE", "UNAVAILABLE_REASON", "WeakStorageTable", "holders", "repoint"]
+__all__ = ["AVAILABLE", "UNAVAILABLE_REASON", "WeakStorageTable", "PoisonFile", "POISON", "holders", "repoint"]
