@@ -98,22 +98,31 @@ def format_triage(rep: Dict[str, Any], path: Optional[str] = None, top: int = 20
     errors = rep.get("errors", [])
     if errors:
         lines += ["", "errors (first of each kind):"]
-        seen = set()
-        for e, repeats in distinct_errors(errors):
-            if e.get("kind") in seen:
-                continue
-            seen.add(e.get("kind"))
-            lines.append(f"  {e.get('kind')}: {e.get('summary')}")
-            where = (e.get("used_at") or [None])[0]
-            if isinstance(where, dict) and where.get("file"):
-                lines.append(f"    read stale at {site_text(where)}")
-            if e.get("holder"):
-                lines.append(f"    held by {e['holder']['path']}")
+        lines += _first_of_each_kind(errors, "  {kind}: {summary}", "    ")
     pending = summary.get("pending_retentions")
     if pending:
         lines.append(f"\n({pending} retention(s) still pending: their consumer had not had its turn when the "
                      f"report was taken)")
     return "\n".join(lines)
+
+
+def _first_of_each_kind(errors: List[Dict[str, Any]], head: str, indent: str) -> List[str]:
+    """The first error of each kind: ``head`` (with its kind and summary), where it was read stale,
+    and who holds it."""
+    lines: List[str] = []
+    seen = set()
+    for e, _ in distinct_errors(errors):
+        kind = e.get("kind")
+        if kind in seen:
+            continue
+        seen.add(kind)
+        lines.append(head.format(kind=kind, summary=e.get("summary")))
+        where = (e.get("used_at") or [None])[0]
+        if isinstance(where, dict) and where.get("file"):
+            lines.append(f"{indent}read stale at {site_text(where)}")
+        if e.get("holder"):
+            lines.append(f"{indent}held by {e['holder'].get('path')}")
+    return lines
 
 
 def section_for_test(rep: Dict[str, Any], path: Optional[str]) -> str:
@@ -127,18 +136,7 @@ def section_for_test(rep: Dict[str, Any], path: Optional[str]) -> str:
             lines.append(f"  read stale at {', '.join(g['read_stale_at'])}")
         if g.get("fix"):
             lines.append(f"  fix: {g['fix']}")
-    seen = set()
-    for e, repeats in distinct_errors(rep.get("errors", [])):
-        key = e.get("kind")
-        if key in seen:
-            continue
-        seen.add(key)
-        lines.append(f"first {key}: {e.get('summary')}")
-        where = (e.get("used_at") or [None])[0]
-        if isinstance(where, dict) and where.get("file"):
-            lines.append(f"  read stale at {site_text(where)}")
-        if e.get("holder"):
-            lines.append(f"  held by {e['holder'].get('path')}")
+    lines += _first_of_each_kind(rep.get("errors", []), "first {kind}: {summary}", "  ")
     if path:
         lines.append(f"report: {path} (ownsan triage {path}; --html timeline.html draws each staging buffer)")
     return "\n".join(lines)
