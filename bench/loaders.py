@@ -126,14 +126,16 @@ def _triage_hooks(on: bool) -> None:
     else:
         runtime.state.lend_hooks[:] = [h for h in runtime.state.lend_hooks if h is not triage.on_lend]
         runtime.state.retire_hooks[:] = [p for p in runtime.state.retire_hooks if p[1] is not triage.on_retire]
+        runtime.state.release_hooks[:] = [h for h in runtime.state.release_hooks if h is not triage.on_release]
+        runtime.state.reuse_hooks[:] = [h for h in runtime.state.reuse_hooks if h is not triage.on_reuse]
 
 
 def load_once(make: Callable, paths: List[str], params: Dict[str, torch.Tensor], mode: str) -> float:
     if mode != "off":  # options persist across disable(): set them every time
         extra = {"guard": False} if mode == "tracking-noguard" and "guard" in option_table.OPTIONS else {}
-        if mode == "tracking-notriage":
-            _triage_hooks(False)
         sanitizer.enable(checksum=mode == "full", poison=mode == "full", **extra)
+        if mode == "tracking-notriage":  # after enable(): it re-arms the features
+            _triage_hooks(False)
     try:
         start = time.perf_counter()
         iterator, cleanup = make(paths)

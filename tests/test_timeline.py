@@ -68,7 +68,12 @@ def test_the_report_keeps_each_buffers_lends_reuses_and_retained_leases():
     assert retained["layers.10.weight"]["until"] == "death"
     assert retained["layers.0.weight"]["until"] == "alive"
     # the stale read happened after the 24th put and before the 25th: generation 25 of 'weights'
-    assert read["generation"] == 25 and retained["layers.10.weight"]["generation"] >= 25
+    assert read["generation"] == 25
+    # dropped right after that read, before the 25th put: its death mark is exact (the release hook)
+    dropped = retained["layers.10.weight"]
+    assert dropped["generation"] == dropped["died_generation"] == 25 and dropped["t"] >= read["t"]
+    # every reuse of the buffers has its time, whether or not it retired a live lease
+    assert tl["events"] and all(e["t"] is not None for e in tl["events"])
     # each retained lease was retired by a reuse the section lists, labelled with the tensor that took its bytes
     events = {e["event_id"]: e for e in tl["events"]}
     by = events[leases["layers.5.weight"]["retired_by"]]["by"]
@@ -84,8 +89,61 @@ def test_the_timeline_is_capped_to_the_most_recent_lends_plus_every_retention():
         f"layers.{i}.weight" for i in range(24, 30)]
     assert {l["name"] for l in tl["leases"] if l["retained"]} >= {"layers.0.weight", "layers.5.weight"}
     assert R.validate(rep) == []
+    # the reuses are capped alike: the 6 most recent, plus those that retired a retained lease (with their time)
+    retiring = {l["retired_by"] for l in tl["leases"] if l["retained"]}
+    recent = [e for e in tl["events"] if e["event_id"] not in retiring]
+    assert 0 < len(recent) <= 6 and all(e["t"] is not None for e in tl["events"])
     rep = _scenario(timeline_events=0)
     assert rep["timeline"]["leases"] and all(l["retained"] for l in rep["timeline"]["leases"])
+    assert {e["event_id"] for e in rep["timeline"]["events"]} == {l["retired_by"] for l in rep["timeline"]["leases"]}
+
+
+def test_a_death_mark_lands_at_the_generation_and_time_of_the_death():
+    """The release hook notes a retained lease's death as it happens, not at a later lend or report: with
+    40 retentions watched, a look at 16 of them per lend noted it lends late, and pure reuses never."""
+    buf = sanitizer.StagingBuffer(40 * 1024, name="slots")
+    with sanitizer.sanitize(triage=1):
+        for i in range(40):
+            _KEPT[f"w{i}"] = buf.write(i * 1024, torch.full((256,), float(i)), name=f"w{i}")
+        buf.reuse(0, 40 * 1024, by="everything")  # retires all 40 while the dict holds them
+        buf.write(0, torch.zeros(256), name="x")  # a lend: the consumer has had its turn
+        triage.settle()
+        assert len(sanitizer.retentions()) == 40
+        at = buf.generation
+        del _KEPT["w17"]  # dies now, at generation `at`
+        for k in range(3):  # reuses that retire nothing alive, and no lend
+            buf.reuse(2048 + 1024 * k, 1024, by=f"r{k}")
+        rep = sanitizer.report(final=True)
+    tl = rep["timeline"]
+    (w17,) = [l for l in tl["leases"] if l["name"] == "w17"]
+    r = w17["retained"]
+    assert r["until"] == "death" and r["generation"] == r["died_generation"] == at, (r, at)
+    assert all(l["retained"]["until"] == "alive" for l in tl["leases"] if l["retained"] and l["name"] != "w17")
+    by_gen = {e["generation_before"]: e for e in tl["events"]}
+    assert by_gen[at - 1]["t"] <= r["t"] <= by_gen[at]["t"]  # between the reuse before it and the one after
+
+
+def test_a_reuse_that_retired_nothing_is_in_the_timeline_with_its_time():
+    buf = sanitizer.StagingBuffer(4096, name="quiet")
+    with sanitizer.sanitize(triage=1):
+        w = buf.write(0, torch.ones(256), name="a")
+        del w  # dies before its bytes are reused: the reuse below retires nothing
+        quiet = buf.reuse(0, 1024, by="nothing-live")
+        keep = buf.write(1024, torch.ones(256), name="b")
+        del keep
+        buf.close()  # a close that retires nothing either
+        rep = sanitizer.report(final=True)
+    tl = rep["timeline"]
+    events = {e["event_id"]: e for e in tl["events"]}
+    leases = {l["name"]: l for l in tl["leases"]}
+    e = events[quiet.event_id]
+    assert e["by"] == "nothing-live" and e["kind"] == "reuse" and e["t"] is not None
+    (closed,) = [ev for ev in tl["events"] if ev["kind"] == "close"]
+    assert leases["a"]["t"] < e["t"] < leases["b"]["t"] < closed["t"]
+    assert all(ev["t"] is not None for ev in tl["events"])
+    doc = trace.chrome_trace(rep)  # the trace places it at its own time, not after its predecessor
+    (tick,) = [x for x in doc["traceEvents"] if x.get("cat") == "reuse" and x["name"] == "reuse for nothing-live"]
+    assert tick["ts"] == round(e["t"] * 1e6, 3)
 
 
 def _page(tmp_path) -> tuple:

@@ -334,6 +334,8 @@ def test_rescue_invents_no_retention_for_a_consumer_that_owns_each_tensor(consum
     assert rep["summary"]["retentions"] == 0, [e["summary"] for e in rep["events"] if e["kind"] == "retention"]
     assert rep["error_count"] == 0
     rescue.clear()
+    global _OWNED
+    _OWNED = None  # float() of a float32 lease is the lease itself: do not keep it past the test
 
 
 def test_a_rescued_lease_counts_as_held_only_while_something_holds_it():
@@ -352,6 +354,64 @@ def test_a_rescued_lease_counts_as_held_only_while_something_holds_it():
     assert rec["holder"]["path"] == f"{__name__}._KEPT[0]"
     assert float(_KEPT[0].sum()) == 256.0  # rescued: its own bytes
     rescue.clear()
+
+
+def test_a_rescued_retention_is_watched_by_its_liveness_and_its_death_mark_is_exact():
+    """A rescue rebinds the lease's death to its owned copy: ``alive`` tells whether anyone still holds it,
+    and the release hook notes its death at the generation it happened (no weak storage reference)."""
+    from sanitizer.features import rescue
+
+    rescue.clear()
+    ring = _ring_of_four()
+    with sanitizer.sanitize(triage=1, rescue=1, triage_budget_ms=10000):
+        _KEPT.append(ring.put("kept", torch.ones(256)))
+        for i in range(6):
+            w = ring.put(f"w{i}", torch.full((256,), float(i)))
+        del w
+        (rec,) = sanitizer.retentions()
+        assert rec["rescued"] is True and rec["holder"]["path"] == f"{__name__}._KEPT[0]"
+        at = ring.buffer.generation
+        _KEPT.clear()  # the copy's last view goes: the lease dies now
+        for i in range(6, 9):
+            ring.put(f"w{i}", torch.full((256,), float(i)))
+        rep = sanitizer.report(final=True)
+    (kept,) = [l for l in rep["timeline"]["leases"] if l["name"] == "kept"]
+    assert kept["rescued"] is True and kept["retained"]["until"] == "death"
+    assert kept["retained"]["generation"] == kept["retained"]["died_generation"] == at
+    assert kept["retired_by"] == rec["event"]["event_id"]  # (the rescue cleared stale_by; the retention kept it)
+    assert rep["summary"]["retentions"] == 1
+    rescue.clear()
+
+
+_HOOKS_SCRIPT = '''
+import torch, sanitizer
+from sanitizer.torch_layer import runtime
+buf = sanitizer.StagingBuffer(4096, name="b")
+w = buf.write(0, torch.ones(16), name="w")
+buf.reuse(0, 64, by="x")
+del w
+from sanitizer.features import triage
+assert triage.on_release not in runtime.state.release_hooks and triage.on_reuse not in runtime.state.reuse_hooks
+sanitizer.enable(timeline_events=0)
+assert triage.on_release in runtime.state.release_hooks and triage.on_reuse not in runtime.state.reuse_hooks
+sanitizer.enable(timeline_events=100)
+assert triage.on_reuse in runtime.state.reuse_hooks
+print("ok")
+'''
+
+
+def test_the_release_and_reuse_hooks_are_installed_by_enable_and_not_before(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OWNERSHIP_SANITIZE")}
+    env["PYTHONPATH"] = ROOT
+    out = subprocess.run([sys.executable, "-c", _HOOKS_SCRIPT], cwd=str(tmp_path), env=env, capture_output=True,
+                         text=True, timeout=180)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
 @dataclass

@@ -9,12 +9,11 @@ turn: at the next lend but one, at the next retirement or report after a lend,
 at the end of a test or of the process, or at once when it is used stale.
 Still held then, or used stale meanwhile: a **retention**. Gone: forgotten.
 
-**The check is cheap and never by address.** "Still held" is the ledger's
-liveness of the lease (its storage's death is a weakref callback), or, for a
-rescued lease (whose storage now owns a copy, so the ledger no longer sees it
-die), a weak reference to the storage taken at lend. A storage address is used
-only while that storage is known to be alive (a strong reference is held while
-it is named), so a freed address can never name somebody else's tensor.
+**The check is cheap and never by address.** "Still held" is the lease's
+liveness (``lease.alive``: its storage's death is a weakref callback), rescued
+leases included: a rescue rebinds the lease's death to its owned copy, so
+``alive`` turns False when the last view of the copy goes. A storage address
+is handed to the holder walk only while its lease is alive.
 
 **Naming, only for a confirmed retention.** First the holder paths named
 before are followed again from their roots (a consumer keeps its next weight
@@ -24,9 +23,17 @@ reuse sites were named with the same holder, the rest are counted as that
 holder's without a walk; otherwise a bounded heap walk names it.
 
 **The timeline.** The lend hook also keeps the most recent lends
-(``timeline_events``) and the checks note when a retained lease was read stale
-or died: :func:`timeline` is the report's ``timeline`` section, which
-``ownsan triage --html`` draws and ``--trace`` exports.
+(``timeline_events``); a reuse hook keeps as many of the most recent reuses,
+each with its time, whether or not it retired a live lease; a release hook
+notes, when it happens, the death of a pending or confirmed retention (its
+buffer's generation and the time), and an error about a retained lease notes
+its stale read as it is built. :func:`timeline` is the report's ``timeline``
+section, which ``ownsan triage --html`` draws and ``--trace`` exports. The
+release and reuse hooks are installed by the first :func:`enable` (with the
+sanitizer never enabled, nothing runs at a lease's death or at a reuse); the
+release hook runs wherever the last reference went, possibly inside the GC, so
+it only looks up two dicts and appends to a deque (no lock): the deaths are
+filed under the lock at the next check point.
 
 The walk runs whenever the sanitizer is enabled (debug mode). ``triage=1``
 additionally makes every error recorded, never raised, so the program runs to
@@ -43,8 +50,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, Optional, Set, Tuple
 
-import torch
-
 from sanitizer.core import errors as _errors
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.core.sites import to_records
@@ -55,15 +60,11 @@ from sanitizer.torch_layer import runtime
 
 ORDER = runtime.RetireOrder.TRIAGE
 SAME_HOLDER = 3  # retentions named with one holder at one (lend site, reuse site); the rest are counted
-WATCH_PER_CHECK = 16  # retained leases looked at for their death per lend (round robin)
 _RETAINED_KEPT = 20000  # confirmed retentions whose lease the timeline keeps (the report's records are capped
 # by max_records)
 _RUNNING_DEPTH = 24  # frames of the retiring thread noted at a retire (a loop variable lives a few above it)
 _REGIONS_KEPT = 1024  # staging buffers the timeline remembers beyond those its lends name (a borrowed_iterator
 # makes one per tensor)
-
-_S = torch.UntypedStorage
-_WEAK_API = all(hasattr(_S, n) for n in ("_weak_ref", "_new_with_weak_ptr", "_expired", "_free_weak_ref"))
 
 _lock = threading.RLock()
 _lends = 0
@@ -74,11 +75,13 @@ _T0 = time.perf_counter()
 class _Pending:
     lease: Lease
     event: ReuseEvent
+    region: Region  # the lease's buffer: its generation at the lease's death is the death mark's
+    t: float  # when it was retired (the reuse's time)
     lends: int  # the lend counter when it was retired
     site_key: Tuple[Any, ...]
     thread: str
-    weak: Optional[int] = None  # weak storage handle (rescue on), owned by this record
     running: Tuple[frozenset, frozenset] = (frozenset(), frozenset())  # (frame ids, module dict ids) at the retire
+    death: Optional[Tuple[int, float]] = None  # (generation, t) when its storage died, filed from the release hook
 
 
 @dataclass
@@ -92,23 +95,26 @@ class _Site:
 
 @dataclass
 class _Watched:
-    """A confirmed retention whose memory is still reachable: watched until it dies (for the timeline)."""
+    """A confirmed retention whose memory is still reachable: its death is noted by the release hook."""
 
     lease: Lease
-    weak: Optional[int]
+    region: Region
 
 
 _pending: Dict[int, _Pending] = {}  # lease id -> pending retention
-_weak: Dict[int, Tuple[Lease, int]] = {}  # lease id -> (lease, weak storage handle), taken at lend while rescue=1
 _sites: Dict[Tuple[Any, ...], _Site] = {}
 _watch: Dict[int, _Watched] = {}  # lease id -> confirmed retention still reachable
+_deaths: Deque[Tuple[int, int, float]] = deque()  # (lease id, generation, t): appended by the release hook
+# (lock-free, possibly inside the GC), filed under _lock by _file_deaths; at most one per pending or watched lease
 _confirmed: Dict[int, dict] = {}  # lease id -> its retention record
 _lent: Deque[Tuple[float, Lease]] = deque(maxlen=10000)  # the most recent lends: (time, lease)
 _lent_total = 0
-_retained: Dict[int, Tuple[float, Lease]] = {}  # lends of confirmed retentions (kept past the cap)
+_reuses: Deque[Tuple[float, ReuseEvent]] = deque(maxlen=10000)  # the most recent reuses, retires, closes: (time, event)
+_last_reuse: Tuple[int, float] = (-1, 0.0)  # (event id, time) of the latest reuse: its retire hooks run next
+_retained: Dict[int, Tuple[Optional[float], Lease, ReuseEvent, float]] = {}  # confirmed retentions (kept past the
+# cap): (lend time, lease, the reuse that retired it, that reuse's time)
 _marks: Dict[int, Dict[str, dict]] = {}  # lease id -> {"stale_read": {...}, "death": {...}}
 _regions: Dict[int, Region] = {}  # region id -> region, for the timeline
-_event_t: Dict[int, float] = {}  # reuse event id -> when (those that retired a reachable lease)
 _errors_seen = 0  # errors of runtime.state.errors already looked at
 _used: Set[int] = set()  # lease ids named by an error (any kind)
 _stale_read: Set[int] = set()  # lease ids named by a stale_use error
@@ -120,11 +126,6 @@ def _now() -> float:
 
 def _site_key(lease: Lease, event: ReuseEvent) -> Tuple[Any, ...]:
     return (lease.site[:1], event.site[:1])
-
-
-def _free(handle: Optional[int]) -> None:
-    if handle is not None:
-        _S._free_weak_ref(handle)
 
 
 # -- hooks ---------------------------------------------------------------------
@@ -141,17 +142,19 @@ def on_lend(lease: Lease, view: Any) -> None:
         _lent_total += 1
         if lease.region_id not in _regions:
             _remember_region(lease.region_id)
-    if opts["rescue"] and _WEAK_API:
-        _take_weak(lease, view)
-    if _pending or _watch:
+    if _pending or _deaths:
         # A lease retired before the previous lend was held across it by its consumer's loop variable
         # at most: the consumer has had its turn since.
         _checkpoint(_lends - 1)
 
 
 def _resize(cap: int) -> None:
-    global _lent
-    _lent = deque(_lent, maxlen=cap)
+    """(Under _lock, or from the lend hook.) Keep the ``cap`` most recent lends and reuses (0: no reuse)."""
+    global _lent, _reuses
+    if cap and cap != _lent.maxlen:
+        _lent = deque(_lent, maxlen=cap)
+    if cap != _reuses.maxlen:
+        _reuses = deque(_reuses, maxlen=cap)
 
 
 def _remember_region(region_id: int) -> None:
@@ -160,22 +163,50 @@ def _remember_region(region_id: int) -> None:
     except Exception:  # a region forgotten already
         return
     if len(_regions) > _REGIONS_KEPT + 2 * (len(_lent) + len(_retained)):  # amortised: at most one per lend
-        keep = {lease.region_id for _, lease in _lent} | {lease.region_id for _, lease in _retained.values()}
+        keep = {lease.region_id for _, lease in _lent} | {entry[1].region_id for entry in _retained.values()}
         for rid in [rid for rid in _regions if rid not in keep]:
             del _regions[rid]
 
 
-def _take_weak(lease: Lease, view: Any) -> None:
-    """A weak reference to the lent storage: after a rescue it is the only way to see it die."""
-    try:
-        handle = view.untyped_storage()._weak_ref()
-    except Exception:
+def on_reuse(region: Region, event: ReuseEvent) -> None:
+    """Every reuse, retire and close (live victims or not): keep it, with its time, for the timeline."""
+    global _last_reuse
+    if not runtime.state.enabled:
         return
-    with _lock:
-        _weak[lease.lease_id] = (lease, handle)
-        if len(_weak) > 64 + 2 * runtime.state.ledger.live_count:
-            for lid in [lid for lid, (l, _) in _weak.items() if not l.alive]:
-                _free(_weak.pop(lid)[1])
+    t = time.perf_counter() - _T0
+    _last_reuse = (event.event_id, t)
+    _reuses.append((t, event))  # bounded by timeline_events (maxlen 0: kept nowhere)
+
+
+def on_release(lease: Lease) -> None:
+    """A lease's storage died (rescued leases too): note it if it is a pending or confirmed retention.
+
+    Runs in whatever thread dropped the last reference, possibly inside the GC: two dict lookups and a
+    deque append, no lock and nothing that iterates; :func:`_file_deaths` files it under the lock."""
+    lid = lease.lease_id
+    w = _watch.get(lid)
+    if w is None:
+        w = _pending.get(lid)
+        if w is None:
+            return
+    _deaths.append((lid, w.region.generation, time.perf_counter() - _T0))
+
+
+def _file_deaths() -> None:
+    """(Under _lock.) File the deaths the release hook saw: a confirmed retention's becomes its death mark
+    (and it is watched no more), a pending one's waits on its record for the decision."""
+    while _deaths:
+        try:
+            lid, generation, t = _deaths.popleft()
+        except IndexError:  # (another thread filed it)
+            break
+        _watch.pop(lid, None)
+        if lid in _confirmed:
+            _marks.setdefault(lid, {}).setdefault("death", {"generation": generation, "t": t})
+            continue
+        p = _pending.get(lid)
+        if p is not None and p.death is None:
+            p.death = (generation, t)
 
 
 def on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
@@ -184,24 +215,20 @@ def on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
     if not state.enabled:
         return
     _checkpoint(_lends)  # what was retired before the last lend has been decided by now
+    eid, t = _last_reuse
+    if eid != event.event_id:  # no reuse hook (timeline_events=0 at the first enable) or another thread's
+        t = _now()
     thread = threading.current_thread().name
     running = None
     with _lock:
-        if state.options["timeline_events"]:
-            _event_t[event.event_id] = _now()
-            if len(_event_t) > 2 * state.options["timeline_events"]:
-                for eid in list(_event_t)[: len(_event_t) // 2]:
-                    del _event_t[eid]
         for lease in victims:
+            # alive: still reachable, a rescued lease included (its death is its copy's)
             if lease.handle is None or not lease.alive:
                 continue
-            entry = _weak.pop(lease.lease_id, None)
-            weak = entry[1] if entry is not None else None
-            if lease.rescued and weak is None:
-                continue  # moved onto a copy, and nothing can tell whether anyone holds it: never invent
             if running is None:
                 running = _running_code()
-            _pending[lease.lease_id] = _Pending(lease, event, _lends, _site_key(lease, event), thread, weak, running)
+            _pending[lease.lease_id] = _Pending(lease, event, region, t, _lends, _site_key(lease, event), thread,
+                                                running)
 
 
 def _running_code() -> Tuple[frozenset, frozenset]:
@@ -295,11 +322,7 @@ def _was_used(lease_id: int) -> bool:
 
 
 def _held(p: _Pending) -> bool:
-    """Is the lease's memory still reachable? (no heap access)"""
-    if p.weak is not None:
-        return not _S._expired(p.weak)
-    if p.lease.rescued:
-        return False
+    """Is the lease's memory still reachable? (no heap access; a rescued lease's death is its copy's)"""
     return p.lease.alive
 
 
@@ -307,21 +330,19 @@ def _checkpoint(limit: int, final: bool = False) -> None:
     """Decide the pending retentions recorded before lend number ``limit`` (all of them when ``final``)."""
     with _lock:
         _scan_errors()
+        _file_deaths()
         if _pending:
             due = [p for p in _pending.values() if final or p.lends < limit]
             for p in due:
                 if _pending.pop(p.lease.lease_id, None) is None:
                     continue  # decided meanwhile (a walk can run a finalizer that reports)
                 _decide(p, evidence=final and p.lends >= _lends)
-        if _watch:
-            _look_at_watched(everything=final)
 
 
 def _decide(p: _Pending, evidence: bool) -> None:
     used = _was_used(p.lease.lease_id)
     if not used and not _held(p):
-        _free(p.weak)  # dropped once its consumer had its turn: a loop variable, not a retention
-        return
+        return  # dropped once its consumer had its turn: a loop variable, not a retention
     _confirm(p, used_stale=p.lease.lease_id in _stale_read, evidence=evidence and not used)
 
 
@@ -341,23 +362,16 @@ def _confirm(p: _Pending, used_stale: bool, evidence: bool) -> Optional[dict]:
     lease = p.lease
     state = runtime.state
     opts = state.options
-    storage = None
-    if p.weak is not None and not _S._expired(p.weak):
-        storage = _S._new_with_weak_ptr(p.weak)  # strong while it is named: its address stays its own
-    key = storage._cdata if storage is not None else (lease.handle if lease.alive and not lease.rescued else None)
+    key = lease.handle if lease.alive else None  # (a rescued lease's storage is the same, now owning a copy)
     site = _sites.setdefault(p.site_key, _Site())
     found: List[Holder] = []
     walk: Dict[str, Any] = {"when": "skipped", "ms": 0.0, "tensors": 0, "truncated": False}
-    try:
-        if key is not None and opts["triage_budget_ms"] > 0:
-            found, walk = _name(key, site, evidence, opts)
-    finally:
-        del storage
+    if key is not None and opts["triage_budget_ms"] > 0:
+        found, walk = _name(key, site, evidence, opts)
     if evidence:
         found = [h for h in found if not h.transient and not _was_running(h, p)]
         if not found:
-            _free(p.weak)  # nothing but the running code's own locals: cannot tell it from a loop variable
-            return None
+            return None  # nothing but the running code's own locals: cannot tell it from a loop variable
     else:
         # The consumer has had its turn: a local that still holds the view is a real holder.
         found = [_promote(h) if h.transient else h for h in found]
@@ -393,18 +407,27 @@ def _confirm(p: _Pending, used_stale: bool, evidence: bool) -> Optional[dict]:
     record = runtime.record_event("retention", record)
     if len(_confirmed) >= _RETAINED_KEPT:  # a long run's memory stays bounded: forget the oldest half
         for lid in list(_confirmed)[: _RETAINED_KEPT // 2]:
-            for d in (_confirmed, _retained, _marks):
+            for d in (_confirmed, _retained, _marks, _watch):
                 d.pop(lid, None)
-    _confirmed[lease.lease_id] = record
-    entry = next((e for e in reversed(_lent) if e[1] is lease), None)
-    _retained[lease.lease_id] = entry or (None, lease)
+    lid = lease.lease_id
+    _confirmed[lid] = record
+    lent_t = next((t for t, l in reversed(_lent) if l is lease), None)
+    _retained[lid] = (lent_t, lease, p.event, p.t)
     if lease.region_id not in _regions:
         _remember_region(lease.region_id)
-    if p.weak is not None or (lease.alive and not lease.rescued):
-        _watch[lease.lease_id] = _Watched(lease, p.weak)
+    _file_deaths()  # a death the hook saw while it was pending (or while it was being named) is exact
+    if "death" in _marks.get(lid, ()):
+        pass
+    elif p.death is not None:
+        _marks.setdefault(lid, {})["death"] = {"generation": p.death[0], "t": p.death[1]}
+    elif lease.alive:
+        _watch[lid] = _Watched(lease, p.region)  # from now on the release hook notes its death
+        if not lease.alive:  # died just now: the hook may have looked before the line above
+            _file_deaths()
+            if _watch.pop(lid, None) is not None:
+                _note_death(lease)
     else:
-        _free(p.weak)
-        _note_death(lease)
+        _note_death(lease)  # died between its pop from the pending ones and now: the hook looked nowhere
     return record
 
 
@@ -437,20 +460,6 @@ def _promote(h: Holder) -> Holder:
     return Holder(h.kind, h.path, h.site, False, h.frame_id, h.local, h.pattern, h.detour)
 
 
-def _look_at_watched(everything: bool = False) -> None:
-    """Look at a few confirmed retentions (all when ``everything``): note those whose memory died."""
-    n = len(_watch) if everything else min(WATCH_PER_CHECK, len(_watch))
-    for _ in range(n):
-        lid = next(iter(_watch))
-        w = _watch.pop(lid)
-        dead = _S._expired(w.weak) if w.weak is not None else not w.lease.alive
-        if dead:
-            _free(w.weak)
-            _note_death(w.lease)
-        else:
-            _watch[lid] = w  # to the back of the queue
-
-
 def _mark_stale_read(lease: Lease) -> None:
     """A use of a retired lease is being reported now: note the generation its buffer is at (the timeline's
     end of the red box). Errors reach :func:`holder_of` as they are built, so this is exact."""
@@ -462,6 +471,7 @@ def _mark_stale_read(lease: Lease) -> None:
 
 
 def _note_death(lease: Lease) -> None:
+    """(Under _lock.) A death the release hook could not see (the lease was in no table then): noted now."""
     _marks.setdefault(lease.lease_id, {}).setdefault(
         "death", {"generation": _generation_now(lease.lease_id), "t": _now()})
 
@@ -477,6 +487,7 @@ def holder_of(lease_id: int) -> Optional[dict]:
     """The holder of a lease (for an error about it). A pending lease that is being used is confirmed
     now: a use after its reuse is a retention whatever happens next. Set as the errors' holder lookup."""
     with _lock:
+        _file_deaths()
         p = _pending.pop(lease_id, None)
         if p is not None:
             _mark_stale_read(p.lease)
@@ -505,33 +516,41 @@ def timeline() -> Dict[str, Any]:
 
     ``leases``: the most recent lends (``timeline_events``) and every confirmed retention, each with
     its bytes, the generation it was lent at, the reuse that retired it, and for a retention its
-    holder and what ended it (a stale read, its death, or nothing yet). ``events``: the reuses of
-    those buffers the ledger still remembers. ``t`` is seconds since the sanitizer was imported
-    (reuses that retired nothing reachable have none: the trace places them between their neighbours)."""
+    holder and what ended it (a stale read, its death, or nothing yet), each at the generation and
+    time it happened. ``events``: the most recent reuses, retires and closes of those buffers
+    (``timeline_events`` of them, whether or not they retired a live lease) and the reuses that
+    retired the retained leases. ``t`` is seconds since the sanitizer was imported (None only for
+    a reuse that retired a lease and has itself left the most recent ones: the trace places it
+    between its neighbours)."""
     with _lock:
         _scan_errors()
-        if _watch:
-            _look_at_watched(everything=True)
+        _file_deaths()
+        on = bool(runtime.state.options["timeline_events"])
         entries: Dict[int, Tuple[Optional[float], Lease]] = {}
-        for t, lease in (_lent if runtime.state.options["timeline_events"] else ()):
+        for t, lease in (_lent if on else ()):
             entries[lease.lease_id] = (t, lease)
-        for lid, (t, lease) in _retained.items():
+        retired: Dict[int, ReuseEvent] = {}  # lease id -> the reuse that retired a retained one
+        event_t: Dict[int, float] = {}
+        for lid, (t, lease, ev, ev_t) in _retained.items():
             entries.setdefault(lid, (t, lease))
+            retired[lid] = ev
+            event_t[ev.event_id] = ev_t
+        reuses = list(_reuses) if on else []
         regions = dict(_regions)
-        event_t = dict(_event_t)
         marks = {lid: dict(m) for lid, m in _marks.items()}
         confirmed = dict(_confirmed)
         cap, dropped = _lent.maxlen or 0, max(0, _lent_total - len(_lent))
     pid = os.getpid()
     wanted = {lease.region_id for _, lease in entries.values()}
     events: Dict[int, ReuseEvent] = {}
-    for ev in runtime.state.ledger.history():
+    for t, ev in reuses:
         if ev.region_id in wanted:
             events[ev.event_id] = ev
+            event_t[ev.event_id] = t
     leases = []
     for lid in sorted(entries):
         t, lease = entries[lid]
-        ev = lease.stale_by
+        ev = retired.get(lid) or lease.stale_by  # (a rescue clears stale_by: the retention keeps its reuse)
         if ev is not None:
             events.setdefault(ev.event_id, ev)
         rec = confirmed.get(lid)
@@ -574,18 +593,15 @@ def timeline() -> Dict[str, Any]:
 # -- lifecycle -------------------------------------------------------------------
 def reset() -> None:
     """Forget pending retentions, site statistics and the timeline (tests, a new pytest test)."""
-    global _errors_seen, _lent_total
+    global _errors_seen, _lent_total, _last_reuse
     with _lock:
-        for p in _pending.values():
-            _free(p.weak)
-        for w in _watch.values():
-            _free(w.weak)
-        for _, handle in _weak.values():
-            _free(handle)
-        for d in (_pending, _watch, _weak, _sites, _confirmed, _retained, _marks, _regions, _event_t):
+        for d in (_pending, _watch, _sites, _confirmed, _retained, _marks, _regions):
             d.clear()
+        _deaths.clear()
         _lent.clear()
+        _reuses.clear()
         _lent_total = 0
+        _last_reuse = (-1, 0.0)
         _used.clear()
         _stale_read.clear()
         _errors_seen = len(runtime.state.errors)
@@ -598,16 +614,22 @@ def clear() -> None:
 
 
 def _on_enable(options: Dict[str, Any]) -> None:
+    """Arm triage: the release hook (death marks of retentions) at every enable, the reuse hook while the
+    timeline is on. Never installed while the sanitizer was never enabled: a lease's death and a reuse
+    then cost nothing."""
     cap = options.get("timeline_events", 0)
     with _lock:
         if not cap:
             _lent.clear()  # no timeline: the retained leases alone are kept (the report names them anyway)
-        elif cap != _lent.maxlen:
-            _resize(cap)
+        _resize(cap)
+    runtime.add_release_hook(on_release)
+    if cap:
+        runtime.add_reuse_hook(on_reuse)
 
 
 def install() -> None:
-    """Register the hooks (idempotent) and name holders in the errors' text. Called by the composition root."""
+    """Register the hooks (idempotent) and name holders in the errors' text. Called by the composition root;
+    the release and reuse hooks are registered by :func:`enable` (see :func:`_on_enable`)."""
     runtime.add_lend_hook(on_lend)
     runtime.add_retire_hook(on_retire, ORDER)
     runtime.on_enable(_on_enable)
@@ -615,4 +637,4 @@ def install() -> None:
 
 
 __all__ = ["install", "settle", "retentions", "holder_of", "pending_count", "timeline", "reset", "clear",
-           "on_retire", "on_lend", "ORDER", "SAME_HOLDER"]
+           "on_retire", "on_lend", "on_reuse", "on_release", "ORDER", "SAME_HOLDER"]

@@ -6,9 +6,11 @@ one complete event (``"ph": "X"``) per lease from its lend to the reuse that
 retired it, a ``retained by ...`` slice from that reuse to the stale read or
 the death of a retained lease, and instant events for reuses and stale reads.
 Leases are spread over lanes ("threads") so that slices in a lane never
-overlap. Times are the sanitizer's own clock (microseconds since it started);
-a reuse the sanitizer saw no live lease in has no time of its own and is
-placed right after what happened before it.
+overlap. Times are the sanitizer's own clock (microseconds since it started).
+Every reuse, retire and close is timed when it happens (whether or not it
+retired a live lease); one without a time (a report from before that, or a
+reuse that retired a lease but has left the most recent ``timeline_events``)
+is placed right after what happened before it.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ def _site(frame: Optional[dict]) -> Optional[str]:
 
 
 def _times(buf: Any) -> Tuple[Dict[int, float], Dict[int, float]]:
-    """Seconds for every lease and reuse of a buffer: known ones kept, the others placed after their
+    """Seconds for every lease and reuse of a buffer: known ones kept, the others (rare) placed after their
     predecessor (lease and event ids come from one counter, so their order is the order things happened)."""
     items = [(l["lease_id"], "l", l.get("t")) for l in buf.leases] + [(e["event_id"], "e", e.get("t"))
                                                                         for e in buf.events]
