@@ -135,6 +135,26 @@ class OwnershipError(RuntimeError):
             self._look_up_holder()
         return super().__str__()
 
+    def render(self) -> str:
+        """The report text (the same as ``str(err)``)."""
+        return str(self)
+
+    def _render(self) -> str:
+        raise NotImplementedError
+
+    def _begin(self) -> None:
+        """What every error notes first: the thread, and whether triage may name a holder."""
+        self.thread = threading.current_thread().name
+        self.holder: Optional[Dict[str, Any]] = None
+        self._holder_pending = holder_lookup is not None
+
+    def _finish(self) -> None:
+        """Once the fields are set: the text as ``args``, the holder if triage knows it, the mark."""
+        super().__init__(self._render())
+        if self._holder_pending:
+            self._look_up_holder()
+        _note(self)
+
     def _look_up_holder(self) -> None:
         """Ask :data:`holder_lookup` who holds this error's lease; put the answer in text and record."""
         lookup, lease = holder_lookup, self.__dict__.get("lease")
@@ -194,23 +214,14 @@ class StaleBorrowError(OwnershipError):
         self.op = op
         self.used_at = used_at
         self.used_as = used_as
-        self.thread = threading.current_thread().name
-        self.holder: Optional[Dict[str, Any]] = None
-        self._holder_pending = holder_lookup is not None
+        self._begin()
         self.summary = stale_summary(lease, event, op)
         self.record = _record(
             "stale_use", self.summary, op=op, lease=lease.to_dict(), event=event.to_dict(),
             used_as=used_as, used_at=to_records(used_at),
         )
         self._used_lines = format_site(used_at)
-        super().__init__(self._render())
-        if self._holder_pending:
-            self._look_up_holder()
-        _note(self)
-
-    def render(self) -> str:
-        """The report text (the same as ``str(err)``)."""
-        return str(self)
+        self._finish()
 
     def _render(self) -> str:
         lease, event = self.lease, self.event
@@ -242,9 +253,7 @@ class BorrowCorruptedError(OwnershipError):
                  verified_at: Site, event: Optional[ReuseEvent] = None):
         self.lease, self.expected, self.found, self.where = lease, expected, found, where
         self.event, self.verified_at = event, verified_at
-        self.thread = threading.current_thread().name
-        self.holder: Optional[Dict[str, Any]] = None
-        self._holder_pending = holder_lookup is not None
+        self._begin()
         found_text = f"{found:#018x}" if found is not None else "a different value (device flag)"
         expected_text = f"{expected:#018x}" if expected is not None else "?"
         self.summary = (
@@ -261,14 +270,7 @@ class BorrowCorruptedError(OwnershipError):
         if event is not None:
             self._lines += _event_lines(event)
         self._lines += [f"  verified at (thread {self.thread}):", format_site(verified_at)]
-        super().__init__(self._render())
-        if self._holder_pending:
-            self._look_up_holder()
-        _note(self)
-
-    def render(self) -> str:
-        """The report text (the same as ``str(err)``)."""
-        return str(self)
+        self._finish()
 
     def _render(self) -> str:
         return "\n".join([self.summary, *([_holder_line(self.holder)] if self.holder else []), *self._lines])

@@ -45,9 +45,9 @@ class Option:
     def parse(self, raw: Any) -> Any:
         """Turn ``raw`` (a string from the environment, or a Python value) into this option's type."""
         if isinstance(raw, str) and not raw.strip() and self.type is not str:
-            raise OptionError(f"option '{self.name}': empty value {raw!r}; give {'an' if self.type is int else 'a'} {self.type.__name__} "
-                              f"(e.g. {self.name}={int(self.default) if self.type is bool else self.default!r}) "
-                              f"or leave the option out for its default")
+            example = int(self.default) if self.type is bool else self.default
+            raise OptionError(f"option '{self.name}': empty value {raw!r}; give a {self.type.__name__} "
+                              f"(e.g. {self.name}={example!r}) or leave the option out for its default")
         try:
             if isinstance(raw, str):
                 value = {bool: parse_bool, int: _parse_int, float: float, str: str}[self.type](raw)

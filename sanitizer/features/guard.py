@@ -57,7 +57,7 @@ def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
         return
     fill = runtime.state.options["poison_byte"]
     for lease in victims:
-        if not lease.alive or lease.rescued or not _table.has(lease):
+        if not lease.alive or lease.rescued:
             continue
         storage = _table.take(lease)
         if storage is None or storage_handles.holders(storage) <= 0:

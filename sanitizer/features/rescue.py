@@ -73,14 +73,13 @@ def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
     for lease in victims:
         if not lease.alive or lease.rescued:
             continue
-        if _handles.has(lease):
-            storage = _handles.take(lease)
-            if storage is not None:
-                _rescue(lease, storage, event)
-        elif not AVAILABLE:
+        if not AVAILABLE:
             _remember({"kind": "rescue", "rescued": False, "reason": UNAVAILABLE_REASON,
                        "lease": lease.to_dict(), "event": event.to_dict()})
-        # else: lent before rescue was switched on, so no handle: it goes stale and detection applies
+            continue
+        storage = _handles.take(lease)  # None: already dead, or lent before rescue was on (detection applies)
+        if storage is not None:
+            _rescue(lease, storage, event)
 
 
 def _rescue(lease: Lease, storage: torch.UntypedStorage, event: ReuseEvent) -> None:

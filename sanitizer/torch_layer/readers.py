@@ -44,7 +44,7 @@ _saved: Dict[Tuple[int, str], Tuple[Any, Any, bool]] = {}  # (id(owner), name) -
 _wrappers: Dict[Tuple[int, str], Any] = {}
 
 
-def _wrap(original: Any, where: str, check: Check, is_method: bool) -> Any:
+def _wrap(original: Any, where: str, check: Check) -> Any:
     @functools.wraps(original)
     def checked(*args, **kwargs):
         if args and isinstance(args[0], torch.Tensor):
@@ -58,28 +58,28 @@ def _wrap(original: Any, where: str, check: Check, is_method: bool) -> Any:
 
 def set_hooks(on: bool, check: Optional[Check] = None) -> None:
     """Wrap (``on``, with ``check(tensor, where)``) or restore the unseen readers. Idempotent."""
-    targets = [(torch.Tensor, name, f"Tensor.{name}") for name in _METHODS if hasattr(torch.Tensor, name)]
-    targets += [(owner, name, f"{owner.__name__}.{name}") for owner, name in _FUNCTIONS + _loaded_writers()]
-    for owner, name, where in targets:
-        key = (id(owner), name)
-        if on:
-            if key in _saved:
-                continue
-            assert check is not None
-            own = name in vars(owner)
-            original = vars(owner)[name] if own else getattr(owner, name)
-            _saved[key] = (owner, original, own)
-            wrapper = _wrap(original, where, check, owner is torch.Tensor)
-            _wrappers[key] = wrapper
-            setattr(owner, name, wrapper)
-        elif key in _saved:
-            owner, original, own = _saved.pop(key)
-
+    if not on:
+        for key, (owner, original, own) in list(_saved.items()):
+            del _saved[key]
+            name = key[1]
             if vars(owner).get(name) is _wrappers.pop(key):  # someone else's patch on top: leave it
                 if own:
                     setattr(owner, name, original)
                 else:
                     delattr(owner, name)
+        return
+    assert check is not None
+    targets = [(torch.Tensor, name, f"Tensor.{name}") for name in _METHODS if hasattr(torch.Tensor, name)]
+    targets += [(owner, name, f"{owner.__name__}.{name}") for owner, name in _FUNCTIONS + _loaded_writers()]
+    for owner, name, where in targets:
+        key = (id(owner), name)
+        if key in _saved:
+            continue
+        own = name in vars(owner)
+        original = vars(owner)[name] if own else getattr(owner, name)
+        _saved[key] = (owner, original, own)
+        _wrappers[key] = wrapper = _wrap(original, where, check)
+        setattr(owner, name, wrapper)
 
 
 def hooked() -> bool:

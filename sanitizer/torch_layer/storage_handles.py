@@ -49,9 +49,6 @@ class WeakStorageTable:
             if len(self._handles) > 64 + 2 * self._live_count():
                 self._sweep()
 
-    def has(self, lease: Lease) -> bool:
-        return lease.lease_id in self._handles
-
     def take(self, lease: Lease) -> Optional[torch.UntypedStorage]:
         """The lease's storage if it still exists (a strong reference), dropping the handle; else None."""
         with self._lock:
