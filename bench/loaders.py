@@ -118,16 +118,11 @@ def available() -> Dict[str, Callable]:
 
 def _triage_hooks(on: bool) -> None:
     from sanitizer.features import triage
-    from sanitizer.torch_layer import runtime
 
     if on:
-        runtime.add_lend_hook(triage.on_lend)
-        runtime.add_retire_hook(triage.on_retire, triage.ORDER)
+        triage.install()
     else:
-        runtime.state.lend_hooks[:] = [h for h in runtime.state.lend_hooks if h is not triage.on_lend]
-        runtime.state.retire_hooks[:] = [p for p in runtime.state.retire_hooks if p[1] is not triage.on_retire]
-        runtime.state.release_hooks[:] = [h for h in runtime.state.release_hooks if h is not triage.on_release]
-        runtime.state.reuse_hooks[:] = [h for h in runtime.state.reuse_hooks if h is not triage.on_reuse]
+        triage.uninstall()
 
 
 def load_once(make: Callable, paths: List[str], params: Dict[str, torch.Tensor], mode: str) -> float:

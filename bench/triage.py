@@ -81,7 +81,7 @@ def run(shape: str, sanitized: bool) -> Dict[str, float]:
     from sanitizer.features import holders, triage
 
     KEPT.clear()
-    triage.clear()
+    triage.reset(records_too=True)
     if hasattr(holders, "forget_patterns"):
         holders.forget_patterns()
     walks = [0]
@@ -108,7 +108,7 @@ def run(shape: str, sanitized: bool) -> Dict[str, float]:
         KEPT.clear()
     found = rep["summary"]["retentions"] if rep else 0
     sanitizer.clear_errors()
-    triage.clear()
+    triage.reset(records_too=True)
     return {"seconds": seconds, "retentions": found, "walks": walks[0]}
 
 

@@ -16,14 +16,13 @@ if ROOT not in sys.path:
 def _forget_everything() -> None:
     """Sanitizer off, and no error, event or pending retention left over from another test."""
     import sanitizer
-    from sanitizer.torch_layer import runtime
+    from sanitizer.torch_layer import records
     from sanitizer.features import triage
 
     sanitizer.disable()
     sanitizer.clear_errors()
     triage.reset()
-    with runtime.state.lock:
-        runtime.state.events.clear()
+    records.forget_events()
 
 
 @pytest.fixture(autouse=True)

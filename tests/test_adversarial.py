@@ -25,11 +25,12 @@ import torch
 
 import sanitizer
 from sanitizer import StagingBuffer, StagingRing, StaleBorrowError
-from sanitizer.core import errors as errors_mod
+from sanitizer.features import holders as holders_mod
+from sanitizer.torch_layer import hooks
 from sanitizer.core.ledger import Ledger
 from sanitizer.core.options import OptionError, parse_options_string, resolve
 from sanitizer.features import rescue, triage
-from sanitizer.torch_layer import runtime, script_calls
+from sanitizer.torch_layer import records, runtime, script_calls
 from sanitizer.torch_layer.iterators import borrowed_iterator
 
 
@@ -198,11 +199,16 @@ class TestErrorsTravel:
         finally:
             gc.enable()
 
-    def test_names_the_holder_when_triage_knows(self, monkeypatch):
+    def test_names_the_holder_a_stale_use_hook_returns(self, monkeypatch):
         holder = {"kind": "global", "path": "consumer.cache['w']", "site": {"file": "c.py", "line": 3,
                                                                            "function": "<module>"}}
-        answers = {}
-        monkeypatch.setattr(errors_mod, "holder_lookup", lambda lease_id: answers.get(lease_id))
+        seen = []
+
+        def hook(lease, use):
+            seen.append((lease.name, use.op))
+            return holder
+
+        monkeypatch.setattr(hooks.HOOKS, "stale_use", [hook])  # the slot, with only this hook in it
         buf = StagingBuffer(1024, name="held")
         w = buf.lend(0, (4,), torch.float32, name="w")
         buf.reuse(0, 16, by="next")
@@ -210,16 +216,37 @@ class TestErrorsTravel:
             with pytest.raises(StaleBorrowError) as info:
                 w.sum()
         err = info.value
-        assert "held by" not in str(err) and err.holder is None  # not known yet
-        answers[sanitizer.lease_of(w).lease_id] = holder  # the walk finished later: filled when read
+        assert seen == [("w", "aten.sum.default")]  # asked once, before the error was built
         text = str(err)
         assert text.splitlines()[1] == "  held by global consumer.cache['w'] (<module> c.py:3)"
         assert err.record["holder"] == holder and err.args == (text,)
         assert pickle.loads(pickle.dumps(err)).holder == holder
 
-    def test_names_the_real_holder_through_triage(self, monkeypatch):
-        if errors_mod.holder_lookup is None:  # until triage.install() sets it
-            monkeypatch.setattr(errors_mod, "holder_lookup", triage.holder_of)
+    def test_building_printing_and_pickling_an_error_walks_nothing(self, monkeypatch):
+        """Errors are inert values: once built, nothing they do reaches the holder walk or triage."""
+        cache = {}
+        buf = StagingBuffer(1024, name="inert")
+        with sanitizer.sanitize():
+            cache["w"] = buf.lend(0, (4,), torch.float32, name="w")
+            buf.reuse(0, 16, by="next")
+            buf.lend(64, (4,), torch.float32, name="after")
+            with pytest.raises(StaleBorrowError) as info:
+                cache["w"].sum()
+        err = info.value
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("an error walked the heap")
+
+        for target in (holders_mod, triage):
+            monkeypatch.setattr(target, "find_holders", refuse)
+        monkeypatch.setattr(holders_mod, "replay", refuse)
+        monkeypatch.setattr(hooks.HOOKS, "stale_use", [refuse])
+        text = str(err)
+        again = StaleBorrowError(err.lease, err.event, err.op, err.used_at, err.used_as, holder=err.holder)
+        assert str(again) == text and "held by" in text
+        assert str(pickle.loads(pickle.dumps(err))) == text and str(copy.deepcopy(err)) == text
+
+    def test_names_the_real_holder_through_triage(self):
         cache = {}
         buf = StagingBuffer(1024, name="triaged")
         with sanitizer.sanitize():
@@ -476,8 +503,8 @@ class TestRescueRecordsAreBounded:
             for i in range(10):
                 kept.append(buf.write(0, torch.full((4,), float(i)), name=f"w{i}"))
             assert len(sanitizer.rescues()) == 9
-            assert sanitizer.rescues() == runtime.events("rescue")
-            runtime.forget_events("rescue")
+            assert sanitizer.rescues() == records.events("rescue")
+            records.forget_events("rescue")
             assert sanitizer.rescues() == []  # nothing kept elsewhere
         assert [float(t[0]) for t in kept] == [float(i) for i in range(10)]
         assert not hasattr(rescue, "_records")

@@ -154,7 +154,7 @@ def test_leases_that_die_fresh_drop_their_checksum_with_them():
     with sanitizer.sanitize(checksum=1):
         w = buf.write(0, torch.ones(4), name="w")
         lease = sanitizer.lease_of(w)
-        assert isinstance(lease.guard, int)
+        assert isinstance(lease.checksum, int)
         del w
         gc.collect()
         assert not lease.alive

@@ -126,9 +126,9 @@ def test_run_case_freezes_the_heap_only_for_its_own_duration():
 
 def test_cases_stay_independent_of_the_records_cap_and_leave_no_records():
     import sanitizer
-    from sanitizer.torch_layer import runtime
+    from sanitizer.torch_layer import records
 
-    before = len(runtime.events())
+    before = len(records.events())
     options = {"max_records": 2} if "max_records" in sanitizer.options() else {}
     case = _case("dict")
     with sanitizer.sanitize(**options):
@@ -136,4 +136,4 @@ def test_cases_stay_independent_of_the_records_cap_and_leave_no_records():
         outs = [fuzz.run_case(case) for _ in range(3)]
     assert all(o.errors > 2 for o in outs)  # every error counted, not only the records kept
     assert len({o.errors for o in outs}) == 1  # the same case, the same count: nothing carried over
-    assert len(runtime.events()) - before <= 1  # at most the one aggregated clone record
+    assert len(records.events()) - before <= 1  # at most the one aggregated clone record

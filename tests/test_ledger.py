@@ -250,10 +250,16 @@ def test_importing_the_package_loads_no_torch_until_a_torch_name_is_used():
     assert proc.stdout.split() == ["False", "False", "False", "True", "False", "True", "False"]
 
 
-def test_the_features_are_installed_when_the_torch_layer_is_imported_directly():
-    code = ("import sanitizer.torch_layer.runtime as r, sanitizer.features.checksums as c, sys\n"
-            "print(sys.modules['sanitizer']._loaded, any(h is c.on_retire for _, h in r.state.retire_hooks))\n")
-    proc = subprocess.run([sys.executable, "-c", code], env=_clean_env(), capture_output=True, text=True,
-                          timeout=120)
+def test_importing_installs_no_feature_and_enable_composes_them_once():
+    """Composition happens in one explicit place (sanitizer.activation.compose), called by enable: importing
+    any module, the torch layer and the features included, installs no hook."""
+    code = ("import sanitizer.torch_layer.runtime, sanitizer.features.checksums as c, sanitizer.features.triage\n"
+            "import sanitizer.torch_layer.hooks as h, sanitizer.activation as a\n"
+            "count = lambda: len(h.HOOKS.lend) + len(h.HOOKS.retire) + len(h.HOOKS.enable) + len(h.HOOKS.stale_use)\n"
+            "print(a.composed(), count(), any(f is c.on_retire for _, f in h.HOOKS.retire))\n"
+            "a.enable(); n = count(); a.disable(); a.enable()\n"
+            "print(a.composed(), n > 0, count() == n, any(f is c.on_retire for _, f in h.HOOKS.retire))\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=_clean_env(),
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["True", "True"]
+    assert proc.stdout.split() == ["False", "0", "False", "True", "True", "True", "True"]

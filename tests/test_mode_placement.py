@@ -20,7 +20,7 @@ import torch
 import sanitizer
 from sanitizer import StagingBuffer, StaleBorrowError
 from sanitizer.testing import stress
-from sanitizer.torch_layer import runtime
+from sanitizer.torch_layer import interception, records, runtime
 from tests.conftest import run_python
 
 
@@ -32,7 +32,7 @@ def _stale_view(buf: StagingBuffer, offset: int = 0, name: str = "w") -> torch.T
 
 def _ours_alive() -> int:
     gc.collect()
-    return len(runtime.state.modes._modes)
+    return len(interception.MODES._modes)
 
 
 # -- nothing of ours when a thread ends or the interpreter shuts down ---------------------
@@ -42,7 +42,7 @@ def test_pool_threads_take_their_mode_with_them():
     with ThreadPoolExecutor(8) as pool:
         assert sum(pool.map(lambda i: float((torch.ones(4) * i).sum()), range(64))) == 4 * sum(range(64))
     assert _ours_alive() == before  # each worker removed its mode before ending
-    assert runtime.state.modes._installed == before
+    assert interception.MODES._installed == before
 
 
 def test_a_thread_started_before_enable_that_lends_removes_its_mode_at_its_end():
@@ -53,7 +53,7 @@ def test_a_thread_started_before_enable_that_lends_removes_its_mode_at_its_end()
     def loader():
         go.wait(10)
         kept.append(buf.write(0, torch.ones(4), name="w"))
-        assert runtime.state.modes.installed_here()  # a lending thread carries a mode
+        assert interception.MODES.installed_here()  # a lending thread carries a mode
         lent.set()
 
     t = threading.Thread(target=loader)
@@ -203,7 +203,7 @@ def test_records_are_capped_in_total_and_the_rest_counted():
             buf.reuse(0, 16)
             v.sum()
             kept.append(v)
-        counts = runtime.record_counts()
+        counts = records.record_counts()
         rep = sanitizer.report()
     assert counts["errors_seen"] == 20 and counts["errors_kept"] + counts["events_kept"] <= 6
     assert rep["error_count"] == 20 and rep["records_dropped"] >= 14
@@ -262,8 +262,8 @@ def test_running_threads_are_reached_on_python_312_and_refused_before():
 def test_a_loop_variable_consumer_does_not_toggle_interception_per_tensor(monkeypatch):
     """Each reuse makes the previous lease (still held by the loop variable) stale for a moment."""
     calls = []
-    real = runtime.readers.set_hooks
-    monkeypatch.setattr(runtime.readers, "set_hooks", lambda on, check=None: (calls.append(on), real(on, check)))
+    real = interception.readers.set_hooks
+    monkeypatch.setattr(interception.readers, "set_hooks", lambda on, check=None: (calls.append(on), real(on, check)))
     ring = sanitizer.StagingRing(64, name="ring")
     with sanitizer.sanitize():
         w = None

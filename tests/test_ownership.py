@@ -10,7 +10,7 @@ import torch
 
 import sanitizer
 from sanitizer.features import ownership
-from sanitizer.torch_layer import runtime
+from sanitizer.torch_layer import records
 
 
 @pytest.fixture(autouse=True)
@@ -174,10 +174,10 @@ def test_stats_and_clone_events_aggregate_by_policy():
     st = sanitizer.stats()
     assert st["copies_by_policy"] == {"registered": 3, "all": 1}
     assert st["bytes_by_policy"] == {"registered": 3 * 64, "all": 16}
-    clones = [e for e in runtime.state.events if e.get("kind") == "clone"]
+    clones = records.events("clone")
     assert sorted((e["policy"], e["count"], e["bytes"]) for e in clones) == [("all", 1, 16), ("registered", 3, 192)]
     sanitizer.reset_stats()
-    assert not [e for e in runtime.state.events if e.get("kind") == "clone"]
+    assert not records.events("clone")
     assert sanitizer.stats()["owned_bytes"] == 3 * 64 + 16 == sanitizer.stats()["peak_owned_bytes"]
     del kept
 

@@ -98,10 +98,11 @@ def test_loading_the_plugin_enables_nothing_and_imports_no_numba():
     from conftest import run_python
 
     out = run_python("import sys, sanitizer.tools.pytest_plugin, sanitizer\n"
-                     "print(sanitizer.enabled(), 'numba' in sys.modules, len(sanitizer.torch_layer.runtime.state.retire_hooks))")
+                     "import sanitizer.torch_layer.hooks as h\n"
+                     "print(sanitizer.enabled(), 'numba' in sys.modules, len(h.HOOKS.retire) + len(h.HOOKS.lend))")
     assert out.returncode == 0, out.stderr
-    enabled, numba, _ = out.stdout.split()
-    assert enabled == "False" and numba == "False"
+    enabled, numba, hooks = out.stdout.split()
+    assert enabled == "False" and numba == "False" and hooks == "0"  # nothing composed before an enable
 
 
 FAILING = '''

@@ -11,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import sanitizer
+import sanitizer.torch_layer.records
 from sanitizer.features import holders
 from sanitizer.features import triage
 from sanitizer.core.errors import BorrowCorruptedError
@@ -24,12 +25,12 @@ _OTHER: dict = {}
 
 @pytest.fixture(autouse=True)
 def _fresh():
-    triage.clear()
+    triage.reset(records_too=True)
     holders.forget_patterns()
     _KEPT.clear()
     _OTHER.clear()
     yield
-    triage.clear()
+    triage.reset(records_too=True)
     _KEPT.clear()
     _OTHER.clear()
 
@@ -45,7 +46,7 @@ def _scenario() -> dict:
         _KEPT[0].sum()  # a stale use, recorded
         lease = sanitizer.lease_of(_KEPT[1])
         mismatch = BorrowCorruptedError(lease, 1, 2, "verify", ())
-        sanitizer.torch_layer.runtime.raise_or_record(mismatch, lease)  # triage=1: recorded, not raised
+        sanitizer.torch_layer.records.raise_or_record(mismatch, lease)  # triage=1: recorded, not raised
         return sanitizer.report(final=True)
 
 

@@ -8,7 +8,7 @@ import torch
 
 import sanitizer
 from sanitizer.features import rescue
-from sanitizer.torch_layer import runtime
+from sanitizer.torch_layer import records, runtime
 from conftest import run_python
 
 
@@ -43,7 +43,7 @@ def test_retained_derived_view_keeps_its_data_after_reuse():
     assert rec["lease"]["lent_at"] and rec["lease"]["lent_at"][0]["file"].endswith("test_rescue.py")
     assert rec["event"]["by"] == "the next tensor"
     assert rec["holders"] >= 1 and rec["nbytes"] == 256
-    assert rec in runtime.state.events
+    assert rec in records.events()
     st = sanitizer.stats()
     assert st["copies_by_policy"] == {"rescue": 1} and st["owned_bytes"] == 256
     del kept, expected
@@ -105,13 +105,15 @@ def test_weak_handles_of_dead_leases_are_freed():
 
 
 def test_off_means_no_rescue_hook():
-    code = ("import sanitizer, sanitizer.torch_layer.runtime as r, sanitizer.features.rescue as s\n"
-            "print(any(h is s._on_retire for _, h in r.state.retire_hooks))\n"
+    code = ("import sanitizer, sanitizer.torch_layer.hooks as h, sanitizer.features.rescue as s\n"
+            "print(any(f is s._on_retire for _, f in h.HOOKS.retire))\n"
+            "sanitizer.enable()\n"
+            "print(any(f is s._on_retire for _, f in h.HOOKS.retire))\n"
             "sanitizer.enable(rescue=1)\n"
-            "print(any(h is s._on_retire for _, h in r.state.retire_hooks))\n")
+            "print(any(f is s._on_retire for _, f in h.HOOKS.retire))\n")
     proc = run_python(code)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["False", "True"]
+    assert proc.stdout.split() == ["False", "False", "True"]
 
 
 def test_rescue_from_the_environment():

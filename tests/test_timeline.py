@@ -24,11 +24,11 @@ _KEPT: dict = {}
 
 @pytest.fixture(autouse=True)
 def _fresh():
-    triage.clear()
+    triage.reset(records_too=True)
     holders.forget_patterns()
     _KEPT.clear()
     yield
-    triage.clear()
+    triage.reset(records_too=True)
     _KEPT.clear()
 
 

@@ -21,13 +21,13 @@ _PENDING: list = []
 
 @pytest.fixture(autouse=True)
 def _fresh_triage():
-    triage.clear()
+    triage.reset(records_too=True)
     holders.forget_patterns()
     for container in (_KEPT, _PENDING):
         container.clear()
     _REGISTRY.clear()
     yield
-    triage.clear()
+    triage.reset(records_too=True)
     for container in (_KEPT, _PENDING):
         container.clear()
     _REGISTRY.clear()
@@ -391,11 +391,12 @@ w = buf.write(0, torch.ones(16), name="w")
 buf.reuse(0, 64, by="x")
 del w
 from sanitizer.features import triage
-assert triage.on_release not in runtime.state.release_hooks and triage.on_reuse not in runtime.state.reuse_hooks
+assert not any(triage.installed_hooks().values())
 sanitizer.enable(timeline_events=0)
-assert triage.on_release in runtime.state.release_hooks and triage.on_reuse not in runtime.state.reuse_hooks
+hooks = triage.installed_hooks()
+assert hooks["release"] and hooks["lend"] and hooks["stale_use"] and not hooks["reuse"]
 sanitizer.enable(timeline_events=100)
-assert triage.on_reuse in runtime.state.reuse_hooks
+assert triage.installed_hooks()["reuse"]
 print("ok")
 '''
 

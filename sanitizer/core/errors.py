@@ -10,6 +10,11 @@ and the JSON-ready record; the live ledger objects (``lease``, ``event``, whose
 stacks hold code objects) stay behind and arrive as read-only snapshots built
 from the record (``err.lease.name``, ``err.event.by``... still work). An error
 holds no tensor and no frame: only what its report needs.
+
+Errors are inert values. Building, printing, copying or pickling one calls
+nothing outside this module's formatting: who holds the lease is decided
+before the error is built (the runtime's stale-use hooks; triage names the
+holder) and passed in as a plain dict.
 """
 from __future__ import annotations
 
@@ -17,19 +22,11 @@ import copy
 import os
 import threading
 import types
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from sanitizer.core.ledger import Lease, ReuseEvent
-from sanitizer.core.sites import Site, format_site, to_records
-
-HolderLookup = Callable[[int], Optional[Dict[str, Any]]]
-holder_lookup: Optional[HolderLookup] = None
-"""``holder_lookup(lease_id)`` -> the holder dict (``{"kind", "path", "site", ...}``) of a lease, or None.
-
-Set by the triage feature (``sanitizer.features.triage.holder_of``); this module stays free of torch and
-of the features. When set, an error about a lease names who holds it, in its text (``held by ...``) and
-its record (``"holder"``). The lookup runs when the error is built and again, while still unknown, when
-its text is read (a holder walk may finish after the error was raised)."""
+from sanitizer.core.describe import describe_event, describe_lease
+from sanitizer.core.sites import Site, format_site, frame_text, to_records
 
 
 def _record(kind: str, summary: str, **fields: Any) -> Dict[str, Any]:
@@ -46,38 +43,11 @@ def _event_lines(event: ReuseEvent) -> List[str]:
 
 
 def _holder_line(holder: Dict[str, Any]) -> str:
-    site = holder.get("site") or {}
-    where = f" ({site.get('function', '?')} {site.get('file', '?')}:{site.get('line', '?')})" if site else ""
-    return f"  held by {holder.get('kind', 'unknown')} {holder.get('path', '?')}{where}"
+    where = frame_text(holder.get("site"))
+    return f"  held by {holder.get('kind', 'unknown')} {holder.get('path', '?')}" + (f" ({where})" if where else "")
 
 
-# -- the last error built in each thread (for boundaries that drop an exception's text) -------------------
-_last = threading.local()
-
-
-def error_mark() -> int:
-    """A mark for :func:`raised_since`: how many sanitizer errors this thread has built so far."""
-    return getattr(_last, "seq", 0)
-
-
-def raised_since(mark: int) -> Optional["OwnershipError"]:
-    """A copy of the last sanitizer error this thread built after ``mark`` (None if none).
-
-    For boundaries that turn a Python exception into text and lose it on the way (TorchScript's
-    interpreter reports an exception raised by a dispatch mode as an empty ``RuntimeError:``): the
-    caller re-raises this copy. Only the error's own facts are kept here (no tensor, no frame)."""
-    if getattr(_last, "seq", 0) <= mark:
-        return None
-    cls, text, state = _last.error
-    return _rebuild(cls, text, dict(state))
-
-
-def _note(err: "OwnershipError") -> None:
-    _last.seq = getattr(_last, "seq", 0) + 1
-    _last.error = (type(err), None, err.__dict__)  # text read lazily (see raised_since): render once
-
-
-def _rebuild(cls: type, text: Optional[str], state: Dict[str, Any]) -> "OwnershipError":
+def rebuild(cls: type, text: Optional[str], state: Dict[str, Any]) -> "OwnershipError":
     """Unpickle / copy: an instance of ``cls`` with ``args == (text,)`` and ``state``, without ``__init__``."""
     err = cls.__new__(cls)
     err.__dict__.update(state)
@@ -106,18 +76,9 @@ class _Snapshot(types.SimpleNamespace):
         return {k: v for k, v in vars(self).items() if k not in ("region_name", "start", "end", "site")}
 
     def describe(self) -> str:
-        """What the ledger object's ``describe()`` said, rebuilt from the record."""
+        """What the ledger object's ``describe()`` said, rebuilt from the record (the same wording)."""
         v = vars(self)
-        if "dtype" in v:  # a lease
-            shape = ", ".join(str(s) for s in v.get("shape", ()))
-            name = v.get("name") or f"<lease {v.get('lease_id', '?')}>"
-            return f"'{name}' {v['dtype']}[{shape}]"
-        kind, by, start, end = v.get("kind"), v.get("by"), self.start or 0, self.end or 0
-        if kind == "close":
-            return f"staging buffer '{self.region_name}' was closed (generation {v.get('generation_before')} -> closed)"
-        verb, what = ("retired", f" when '{by}' was put") if kind == "retire" else ("reused", f" for '{by}'")
-        return (f"staging buffer '{self.region_name}' {verb} bytes [{start:#x}, {end:#x}){what if by else ''} "
-                f"(generation {v.get('generation_before')} -> {v.get('generation_after')})")
+        return describe_lease(v) if "dtype" in v else describe_event(v)
 
 
 class OwnershipError(RuntimeError):
@@ -130,11 +91,6 @@ class OwnershipError(RuntimeError):
     _LIVE = ("lease", "event")  # ledger objects: replaced by snapshots of their records when pickled
     _DROP = ("used_at", "verified_at")  # stacks of code objects: their records are in ``record``
 
-    def __str__(self) -> str:
-        if self.__dict__.get("_holder_pending"):
-            self._look_up_holder()
-        return super().__str__()
-
     def render(self) -> str:
         """The report text (the same as ``str(err)``)."""
         return str(self)
@@ -142,39 +98,19 @@ class OwnershipError(RuntimeError):
     def _render(self) -> str:
         raise NotImplementedError
 
-    def _begin(self) -> None:
-        """What every error notes first: the thread, and whether triage may name a holder."""
+    def _begin(self, holder: Optional[Dict[str, Any]]) -> None:
+        """What every error notes first: the thread, and who holds the lease (a plain value, when known)."""
         self.thread = threading.current_thread().name
-        self.holder: Optional[Dict[str, Any]] = None
-        self._holder_pending = holder_lookup is not None
+        self.holder: Optional[Dict[str, Any]] = dict(holder) if holder else None
 
     def _finish(self) -> None:
-        """Once the fields are set: the text as ``args``, the holder if triage knows it, the mark."""
+        """Once the fields are set: the text as ``args``, the holder in the record."""
+        if self.holder is not None:
+            self.record["holder"] = self.holder
         super().__init__(self._render())
-        if self._holder_pending:
-            self._look_up_holder()
-        _note(self)
-
-    def _look_up_holder(self) -> None:
-        """Ask :data:`holder_lookup` who holds this error's lease; put the answer in text and record."""
-        lookup, lease = holder_lookup, self.__dict__.get("lease")
-        if lookup is None or not isinstance(lease, Lease):
-            return
-        try:
-            holder = lookup(lease.lease_id)
-        except Exception:  # a diagnostic must never replace the error it annotates
-            return
-        if holder:
-            self.holder = dict(holder)
-            self._holder_pending = False
-            if isinstance(self.__dict__.get("record"), dict):
-                self.record["holder"] = self.holder
-            if "summary" in self.__dict__:
-                self.args = (self._render(),)
 
     def _portable_state(self) -> Dict[str, Any]:
         state = {k: v for k, v in self.__dict__.items() if k not in self._LIVE and k not in self._DROP}
-        state["_holder_pending"] = False
         record = self.__dict__.get("record") if isinstance(self.__dict__.get("record"), dict) else {}
         for name in self._LIVE:
             if name in self.__dict__:
@@ -187,16 +123,16 @@ class OwnershipError(RuntimeError):
         return state
 
     def __reduce__(self):
-        return (_rebuild, (type(self), str(self), self._portable_state()))
+        return (rebuild, (type(self), str(self), self._portable_state()))
 
     def __copy__(self) -> "OwnershipError":
-        return _rebuild(type(self), str(self), dict(self.__dict__))
+        return rebuild(type(self), str(self), dict(self.__dict__))
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "OwnershipError":
         # The ledger objects are identities (the lease, the reuse that staled it): shared, not cloned.
         state = {k: (v if k in self._LIVE or k in self._DROP else copy.deepcopy(v, memo))
                  for k, v in self.__dict__.items()}
-        return _rebuild(type(self), str(self), state)
+        return rebuild(type(self), str(self), state)
 
 
 class StaleBorrowError(OwnershipError):
@@ -208,13 +144,14 @@ class StaleBorrowError(OwnershipError):
     holds the view, when triage knows; else None) and ``record`` (the JSON-ready report entry).
     """
 
-    def __init__(self, lease: Lease, event: ReuseEvent, op: str, used_at: Site, used_as: Optional[dict] = None):
+    def __init__(self, lease: Lease, event: ReuseEvent, op: str, used_at: Site, used_as: Optional[dict] = None,
+                 holder: Optional[Dict[str, Any]] = None):
         self.lease = lease
         self.event = event
         self.op = op
         self.used_at = used_at
         self.used_as = used_as
-        self._begin()
+        self._begin(holder)
         self.summary = stale_summary(lease, event, op)
         self.record = _record(
             "stale_use", self.summary, op=op, lease=lease.to_dict(), event=event.to_dict(),
@@ -250,10 +187,10 @@ class BorrowCorruptedError(OwnershipError):
     """
 
     def __init__(self, lease: Lease, expected: Optional[int], found: Optional[int], where: str,
-                 verified_at: Site, event: Optional[ReuseEvent] = None):
+                 verified_at: Site, event: Optional[ReuseEvent] = None, holder: Optional[Dict[str, Any]] = None):
         self.lease, self.expected, self.found, self.where = lease, expected, found, where
         self.event, self.verified_at = event, verified_at
-        self._begin()
+        self._begin(holder)
         found_text = f"{found:#018x}" if found is not None else "a different value (device flag)"
         expected_text = f"{expected:#018x}" if expected is not None else "?"
         self.summary = (
@@ -281,5 +218,4 @@ def stale_summary(lease: Lease, event: ReuseEvent, op: str) -> str:
     return f"borrowed view {lease.describe()} used after {event.describe()} in {op}"
 
 
-__all__ = ["OwnershipError", "StaleBorrowError", "BorrowCorruptedError", "stale_summary", "holder_lookup",
-           "error_mark", "raised_since"]
+__all__ = ["OwnershipError", "StaleBorrowError", "BorrowCorruptedError", "stale_summary", "rebuild"]

@@ -26,11 +26,11 @@ from __future__ import annotations
 import bisect
 import itertools
 import threading
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from sanitizer.core.sites import Site
+from sanitizer.core.describe import describe_event, describe_lease
+from sanitizer.core.sites import Site, to_records
 
 FIRST_GENERATION = 1
 
@@ -56,21 +56,11 @@ class ReuseEvent:
     thread: str = ""
 
     def describe(self) -> str:
-        if self.kind == "close":
-            return f"staging buffer '{self.region_name}' was closed (generation {self.generation_before} -> closed)"
-        if self.kind == "retire":
-            what = f" when '{self.by}' was put" if self.by else ""
-            return (f"staging buffer '{self.region_name}' retired bytes [{self.start:#x}, {self.end:#x}){what} "
-                    f"(generation {self.generation_before} -> {self.generation_after})")
-        what = f" for '{self.by}'" if self.by else ""
-        return (
-            f"staging buffer '{self.region_name}' reused bytes [{self.start:#x}, {self.end:#x}){what} "
-            f"(generation {self.generation_before} -> {self.generation_after})"
-        )
+        """``staging buffer 'ring0' reused bytes [0x0, 0x1000) for 'w2' (generation 1 -> 2)``."""
+        return describe_event(self._facts())
 
-    def to_dict(self) -> dict:
-        from sanitizer.core.sites import to_records
-
+    def _facts(self) -> dict:
+        """The record's fields without the stack (what a description needs; cheap)."""
         return {
             "event_id": self.event_id,
             "kind": self.kind,
@@ -80,8 +70,10 @@ class ReuseEvent:
             "generation_after": self.generation_after,
             "by": self.by,
             "thread": self.thread,
-            "stack": to_records(self.site),
         }
+
+    def to_dict(self) -> dict:
+        return {**self._facts(), "stack": to_records(self.site)}
 
 
 @dataclass(eq=False, slots=True)
@@ -102,7 +94,7 @@ class Lease:
     stale_by: Optional[ReuseEvent] = None
     handle: Any = None  # opaque key the torch layer files the lease under (its storage address)
     rescued: bool = False  # moved onto owned memory before its bytes were reused: no longer borrowed
-    guard: Any = None  # the checksum record the kernels layer attaches (a host hash or a device slot)
+    checksum: Any = None  # the checksum feature's record of the lent bytes (a host hash or a device slot)
 
     @property
     def stale(self) -> bool:
@@ -114,12 +106,9 @@ class Lease:
 
     def describe(self) -> str:
         """``'name' bfloat16[256, 128]``: what a person recognises the view by."""
-        shape = ", ".join(str(s) for s in self.shape)
-        return f"'{self.name or f'<lease {self.lease_id}>'}' {self.dtype}[{shape}]"
+        return describe_lease({"name": self.name, "lease_id": self.lease_id, "dtype": self.dtype, "shape": self.shape})
 
     def to_dict(self) -> dict:
-        from sanitizer.core.sites import to_records
-
         return {
             "lease_id": self.lease_id,
             "name": self.name,
@@ -170,13 +159,12 @@ class Ledger:
     reachable.
     """
 
-    def __init__(self, history: int = 1024, on_live_change: Optional[Callable[[int], None]] = None):
+    def __init__(self, on_live_change: Optional[Callable[[int], None]] = None):
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._regions: Dict[int, Region] = {}
         self._by_device: Dict[str, List[Tuple[int, int]]] = {}  # device -> sorted (base, region_id)
         self._live: Dict[int, Lease] = {}
-        self._history: Deque[ReuseEvent] = deque(maxlen=max(1, history))
         self.on_live_change = on_live_change
 
     # -- regions -----------------------------------------------------------
@@ -225,7 +213,10 @@ class Ledger:
         dtype: str,
         shape: Tuple[int, ...],
         site: Site = (),
+        handle: Any = None,
     ) -> Lease:
+        """A new fresh lease of ``[start, end)``. ``handle`` (the key the caller files it under) is set
+        under the ledger's lock, so a concurrent reuse never sees the lease without it."""
         with self._lock:
             region = self._regions.get(region_id) or self.region(region_id)
             if region.closed:
@@ -236,7 +227,7 @@ class Ledger:
                     f"'{region.name}' of {region.nbytes} bytes"
                 )
             lease = Lease(next(self._ids), region_id, region.name, start, end, region.generation, name, dtype,
-                          shape if type(shape) is tuple else tuple(shape), site)
+                          shape if type(shape) is tuple else tuple(shape), site, handle=handle)
             region.fresh[lease.lease_id] = lease
             region.alive += 1
             self._live[lease.lease_id] = lease
@@ -377,7 +368,6 @@ class Ledger:
             region.generation += 1
             event = ReuseEvent(next(self._ids), region_id, region.name, start, end,
                                before, region.generation, by, site, kind, thread)
-            self._history.append(event)
             victims = [l for l in region.fresh.values() if _overlaps(l, start, end)]
             for lease in victims:
                 lease.stale_by = event
@@ -393,7 +383,6 @@ class Ledger:
             region.closed = True
             event = ReuseEvent(next(self._ids), region_id, region.name, 0, region.nbytes,
                                region.generation, None, None, site, "close", thread)
-            self._history.append(event)
             victims = list(region.fresh.values())
             for lease in victims:
                 lease.stale_by = event
@@ -402,10 +391,5 @@ class Ledger:
             if region.alive <= 0:
                 del self._regions[region_id]  # nothing reaches it any more: forget it
             return event, victims
-
-    def history(self) -> List[ReuseEvent]:
-        with self._lock:
-            return list(self._history)
-
 
 __all__ = ["Ledger", "LedgerError", "Lease", "Region", "ReuseEvent", "FIRST_GENERATION"]

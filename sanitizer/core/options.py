@@ -134,7 +134,7 @@ OPTIONS: Dict[str, Option] = {
                _non_negative),
         Option("timeline_events", int, 10000,
                "Lends kept (the most recent) for the report's timeline of each staging buffer (ownsan triage --html, "
-               "--trace); reuses come from the ledger's history. 0: no timeline.", _non_negative),
+               "--trace), and as many of the most recent reuses. 0: no timeline.", _non_negative),
         Option("fail_on_retention", bool, True,
                "ownsan run exits 1 when a retention was confirmed, even without an error (as LeakSanitizer fails "
                "a run that leaked). 0: only errors fail the run."),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from types import CodeType
-from typing import Optional, Sequence, Tuple
+from typing import Any, Mapping, Optional, Sequence, Tuple
 
 Site = Tuple[Tuple[CodeType, int], ...]
 """A captured stack, innermost frame first, as (code object, instruction offset) pairs."""
@@ -119,6 +119,44 @@ def to_records(site: Optional[Site]) -> list:
     ]
 
 
+def site_text(frame: Optional[Mapping[str, Any]], basename: bool = False) -> Optional[str]:
+    """``file:line`` of a frame record (``{"file", "line", "function"}``), ``file`` when the line is
+    unknown, None without a file. The one way every report, page and trace writes a place in code."""
+    if not frame or not frame.get("file"):
+        return None
+    path = os.path.basename(frame["file"]) if basename else frame["file"]
+    line = frame.get("line")
+    return f"{path}:{line}" if line else path
+
+
+def frame_text(frame: Optional[Mapping[str, Any]], basename: bool = False) -> Optional[str]:
+    """``function file:line`` of a frame record (just ``file:line`` without a function); None without a file."""
+    where = site_text(frame, basename)
+    if where is None:
+        return None
+    function = frame.get("function") if frame else None
+    return f"{function} {where}" if function else where
+
+
+_TORCH_DIR: Optional[str] = None
+
+
+def torch_dir() -> str:
+    """torch's package directory (with a trailing separator), found without importing torch: its frames
+    are dispatch plumbing, never a use site or a holder. Empty when torch is not installed."""
+    global _TORCH_DIR
+    if _TORCH_DIR is None:
+        module = sys.modules.get("torch")
+        origin = getattr(module, "__file__", None)
+        if origin is None:
+            import importlib.util
+
+            spec = importlib.util.find_spec("torch")
+            origin = spec.origin if spec is not None else None
+        _TORCH_DIR = os.path.dirname(os.path.abspath(origin)) + os.sep if origin else ""
+    return _TORCH_DIR
+
+
 def format_site(site: Optional[Site], indent: str = "    ") -> str:
     """Human-readable stack, one frame a line, in the style of ASan's reports."""
     if not site:
@@ -129,4 +167,5 @@ def format_site(site: Optional[Site], indent: str = "    ") -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Site", "is_internal_file", "capture", "capture_excluding", "to_records", "format_site", "add_internal_prefix"]
+__all__ = ["Site", "is_internal_file", "capture", "capture_excluding", "to_records", "format_site", "add_internal_prefix",
+           "site_text", "frame_text", "torch_dir"]

@@ -27,7 +27,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from sanitizer.torch_layer import runtime
+from sanitizer.torch_layer import records, runtime
+from sanitizer.torch_layer.hooks import RetireOrder, add_lend_hook, add_retire_hook
+from sanitizer.torch_layer.stale_use import check_not_stale
+from sanitizer.torch_layer.state import state
 from sanitizer.core.errors import BorrowCorruptedError
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.core.sites import capture
@@ -73,7 +76,7 @@ class _DeviceSlots:
     def _reclaim(self) -> None:
         """Slots of leases that died or were retired are free again (no sync: flags stay queued)."""
         for slot, lease in list(self.leases.items()):
-            if not lease.alive or lease.guard is None:
+            if not lease.alive or lease.checksum is None:
                 del self.leases[slot]
                 self.free.append(slot)
 
@@ -93,40 +96,40 @@ def _slots_for(device: torch.device) -> _DeviceSlots:
 # -- hooks -------------------------------------------------------------------
 def on_lend(lease: Lease, view: torch.Tensor) -> None:
     """Take the lease's hash (lend hook): the producer has written its bytes by now."""
-    if not runtime.state.options["checksum"]:
+    if not state.options["checksum"]:
         return
     raw = _lease_bytes(lease)
     if raw is None:
         return
     hooks = _kernels()
     if raw.device.type == "cpu":
-        lease.guard = hooks.checksum(raw)
+        lease.checksum = hooks.checksum(raw)
     else:
         with _lock:
             slots = _slots_for(raw.device)
             slot = slots.take(lease)
         hooks.checksum_into(raw, slots.expected, slot)
-        lease.guard = (raw.device, slot)
+        lease.checksum = (raw.device, slot)
 
 
 def _check(lease: Lease, where: str, event: Optional[ReuseEvent]) -> None:
     """Re-hash the lease's bytes; report a mismatch (CPU now, CUDA at the next synchronisation)."""
-    guard = lease.guard
-    if guard is None:
+    expected = lease.checksum
+    if expected is None:
         return
     raw = _lease_bytes(lease)
     if raw is None:
         return
     hooks = _kernels()
-    if isinstance(guard, int):
+    if isinstance(expected, int):
         found = hooks.checksum(raw)
-        if found != guard:
-            err = BorrowCorruptedError(lease, guard, found, where, capture(runtime.state.options["stack_depth"]), event)
-            runtime.raise_or_record(err, lease)
+        if found != expected:
+            err = BorrowCorruptedError(lease, expected, found, where, capture(state.options["stack_depth"]), event)
+            records.raise_or_record(err, lease)
     else:
-        device, slot = guard
+        device, slot = expected
         hooks.verify_into(raw, _slots[device].expected, slot, _slots[device].flags)
-        _pending_events[(device, slot)] = (where, event, capture(runtime.state.options["stack_depth"]))
+        _pending_events[(device, slot)] = (where, event, capture(state.options["stack_depth"]))
 
 
 _pending_events: Dict[Tuple[torch.device, int], Tuple[str, Optional[ReuseEvent], Any]] = {}
@@ -134,13 +137,13 @@ _pending_events: Dict[Tuple[torch.device, int], Tuple[str, Optional[ReuseEvent],
 
 def on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
     """Verify every alive lease a reuse retires (retire hook, order 100)."""
-    if not runtime.state.options["checksum"]:
+    if not state.options["checksum"]:
         return
     for lease in victims:
-        if lease.guard is not None:
+        if lease.checksum is not None:
             _check(lease, "reuse", event)
-            if isinstance(lease.guard, int):
-                lease.guard = None  # retired: its bytes may now legally change
+            if isinstance(lease.checksum, int):
+                lease.checksum = None  # retired: its bytes may now legally change
 
 
 def on_poison(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
@@ -158,7 +161,7 @@ def on_poison(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
     can still read through non-aten paths (the parts of its bytes outside the
     reused range; everything, after a retire or a close) is poison.
     """
-    opts = runtime.state.options
+    opts = state.options
     if not opts["poison"]:
         return
     data = poisonable_bytes(region.region_id)  # only memory the sanitizer allocated: never a loader's tensors
@@ -168,7 +171,7 @@ def on_poison(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
     if not spans:
         return
     lo, hi = spans[0][0], spans[-1][1]
-    keep = [(l.start, l.end) for l in runtime.state.ledger.overlapping(region.region_id, lo, hi)]
+    keep = [(l.start, l.end) for l in state.ledger.overlapping(region.region_id, lo, hi)]
     if event.kind == "reuse":
         keep.append((event.start, event.end))
     keep = merge(keep)
@@ -189,7 +192,7 @@ def verify(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"verify expects tensors, got {type(t).__name__}")
-        if runtime.check_not_stale(t, "sanitizer.verify"):
+        if check_not_stale(t, "sanitizer.verify"):
             continue
         lease = runtime.lease_of(t)
         if lease is None or lease.stale_by is not None:
@@ -197,8 +200,10 @@ def verify(*tensors: torch.Tensor) -> None:
         _check(lease, "verify", None)
 
 
-def synchronize() -> None:
-    """Read the device mismatch flags (a host synchronisation) and report what they say."""
+def synchronize(halt: Optional[bool] = None) -> None:
+    """Read the device mismatch flags (a host synchronisation) and report what they say.
+
+    ``halt`` as in :func:`~sanitizer.torch_layer.records.raise_or_record` (None: as the options say)."""
     with _lock:
         flagged = []
         for device, slots in _slots.items():
@@ -210,28 +215,23 @@ def synchronize() -> None:
         where, event, site = _pending_events.pop((device, slot), ("synchronize", None, ()))
         if lease is not None:
             expected = _kernels().to_unsigned(int(_slots[device].expected[slot]))
-            runtime.raise_or_record(BorrowCorruptedError(lease, expected, None, where, site, event), lease)
+            records.raise_or_record(BorrowCorruptedError(lease, expected, None, where, site, event), lease, halt)
 
 
 def _synchronize_at_exit() -> None:
     if not _slots:
         return
     try:
-        saved = runtime.state.options
-        runtime.state.options = saved.replace(halt_on_error=False)  # at exit, record: no caller to raise to
-        try:
-            synchronize()
-        finally:
-            runtime.state.options = saved
+        synchronize(halt=False)  # at exit, record: no caller to raise to
     except Exception as exc:  # a torn-down CUDA context must not turn exit into a traceback
         print(f"ownership-sanitizer: device checksum flags unreadable at exit: {exc}", file=sys.stderr)
 
 
 def install() -> None:
     """Plug the checks into lending and retirement (idempotent; cheap while the options are off)."""
-    runtime.add_lend_hook(on_lend)
-    runtime.add_retire_hook(on_retire, runtime.RetireOrder.VERIFY)
-    runtime.add_retire_hook(on_poison, runtime.RetireOrder.POISON)
+    add_lend_hook(on_lend)
+    add_retire_hook(on_retire, RetireOrder.VERIFY)
+    add_retire_hook(on_poison, RetireOrder.POISON)
 
 
 __all__ = ["verify", "synchronize", "install", "on_lend", "on_retire", "on_poison"]

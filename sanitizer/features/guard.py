@@ -24,11 +24,13 @@ from typing import Any, Dict, List
 
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.torch_layer import runtime, storage_handles
+from sanitizer.torch_layer.hooks import RetireOrder, add_enable_hook, add_lend_hook, add_retire_hook
+from sanitizer.torch_layer.state import state
 
-ORDER = runtime.RetireOrder.GUARD  # after rescue (which may take the lease) and triage (which names holders)
+ORDER = RetireOrder.GUARD  # after rescue (which may take the lease) and triage (which names holders)
 
 _lock = threading.Lock()
-_table = storage_handles.WeakStorageTable(lambda: runtime.state.ledger.live_count)
+_table = storage_handles.WeakStorageTable(lambda: state.ledger.live_count)
 _counts = {"tombstones": 0, "tombstone_bytes": 0, "alive": 0, "alive_bytes": 0}
 _installed = False
 
@@ -36,26 +38,26 @@ _installed = False
 def install() -> None:
     """Arm the guard (idempotent): each ``enable(guard=1)`` then installs its hooks. Called by the
     package's composition root; with the sanitizer off no hook is ever installed."""
-    runtime.on_enable(_on_enable)
+    add_enable_hook(_on_enable)
 
 
 def _on_enable(options: Dict[str, Any]) -> None:
     global _installed
     if options.get("guard") and storage_handles.AVAILABLE and not _installed:
-        runtime.add_lend_hook(_on_lend)
-        runtime.add_retire_hook(_on_retire, ORDER)
+        add_lend_hook(_on_lend)
+        add_retire_hook(_on_retire, ORDER)
         _installed = True
 
 
 def _on_lend(lease: Lease, view: Any) -> None:
-    if runtime.state.options.get("guard"):
+    if state.options.get("guard"):
         _table.add(lease, view)
 
 
 def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
-    if not (runtime.state.enabled and runtime.state.options.get("guard")):
+    if not (state.enabled and state.options.get("guard")):
         return
-    fill = runtime.state.options["poison_byte"]
+    fill = state.options["poison_byte"]
     for lease in victims:
         if not lease.alive or lease.rescued:
             continue
@@ -66,16 +68,16 @@ def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
 
 
 def _entomb(lease: Lease, storage: Any, fill: int) -> None:
-    old, piece = storage_handles.repoint(storage, fill)
-    runtime.rebind_lease(lease, piece)  # before `old` (the staging alias) is dropped
-    del old
+    previous, keeper = storage_handles.repoint(storage, fill)
+    runtime.rebind_lease(lease, keeper)  # before `previous` (the staging alias) is dropped
+    del previous
     nbytes = storage.nbytes()
     with _lock:
         _counts["tombstones"] += 1
         _counts["tombstone_bytes"] += nbytes
         _counts["alive"] += 1
         _counts["alive_bytes"] += nbytes
-    weakref.finalize(piece, _buried, nbytes)
+    weakref.finalize(keeper, _buried, nbytes)
 
 
 def _buried(nbytes: int) -> None:

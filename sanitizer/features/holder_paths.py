@@ -18,50 +18,19 @@ import re
 import sys
 import types
 import weakref
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
-from sanitizer.core.sites import is_internal_file
+from sanitizer.core.sites import is_internal_file, torch_dir
+from sanitizer.features.holder import Holder
 
 _CO_OPTIMIZED = inspect.CO_OPTIMIZED
 GEN_FLAGS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 _SNAPSHOT_LOCALS = sys.version_info < (3, 13)  # PEP 667: 3.13 gives a write-through proxy instead
 _STDLIB = frozenset(getattr(sys, "stdlib_module_names", ())) | {"builtins", "__builtin__"}
-_NUMBER = re.compile(r"\d+")
 _PLAIN_KEYS = (str, int, float, bool, type(None), bytes)  # repr() of a tensor key would read its bytes
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-
-
-@dataclass
-class Holder:
-    """One root that holds a lease's memory, with the path from it down to the tensor."""
-
-    kind: str  # global | class | object | frame | generator | closure | partial | unknown
-    path: str
-    site: Optional[Dict[str, Any]] = None  # {"file", "line", "function"} where the holder lives
-    transient: bool = False  # a plain local of a frame on the reusing thread's stack (a loop variable?)
-    frame_id: Optional[int] = None  # id() of that frame, to re-check the local later
-    local: Optional[str] = None
-    pattern: Optional[tuple] = None  # (weakref to the root, steps below it): to look again, cheaply
-    detour: int = 0  # objects of the sanitizer's own classes the path runs through (a DeferralScope...)
-
-    @property
-    def rank(self) -> int:
-        if self.transient:
-            return 2
-        return 1 if self.kind in ("frame", "unknown") or self.detour else 0
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {"kind": self.kind, "path": self.path, "site": self.site, "consumer": consumer_key(self.path)}
-
-
-def consumer_key(path: str) -> str:
-    """The grouping key: numbers wildcarded, so one consumer holding its 3rd and 4th weight (or
-    ``['layers.3.weight']`` and ``['layers.4.weight']``) is one group, while ``['loaded_weight']`` stays."""
-    return _NUMBER.sub("*", path)
 
 
 def internal(code: types.CodeType) -> bool:
@@ -274,7 +243,7 @@ def root(r: Any, child: Any, below: Tuple[Seg, ...], modules: Dict[int, Tuple[st
                 return _make("global", r, name, (("g", k),) + below, _module_site(mod, k), strong=True)
         return None
     if tp is types.FrameType:
-        if internal(r.f_code) or r.f_code.co_filename.startswith(_TORCH_DIR):
+        if internal(r.f_code) or r.f_code.co_filename.startswith(torch_dir()):
             return None  # our own frames, torch's dispatch frames: they hold a read's arguments, nobody's holder
         for k, v in locals_of(r).items():
             if v is child:
@@ -406,5 +375,5 @@ class FrameLocal:
         return hash((self.frame_id, self.name))
 
 
-__all__ = ["Holder", "Seg", "FrameLocal", "DETOUR", "without_detours", "internal_class", "consumer_key", "label", "join", "root", "render", "step", "locals_of", "internal",
+__all__ = ["Seg", "FrameLocal", "DETOUR", "without_detours", "internal_class", "label", "join", "root", "render", "step", "locals_of", "internal",
            "qualname", "site_of_frame", "GEN_FLAGS"]

@@ -18,18 +18,18 @@ from __future__ import annotations
 
 import gc
 from inspect import CO_OPTIMIZED
-import os
 import sys
 import threading
 import time
 import types
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Set, Tuple
 
 import torch
 
-from sanitizer.features.holder_paths import (DETOUR, GEN_FLAGS, FrameLocal, Holder, Seg, consumer_key, internal,
+from sanitizer.core.sites import torch_dir
+from sanitizer.features.holder import Holder, consumer_key
+from sanitizer.features.holder_paths import (DETOUR, GEN_FLAGS, FrameLocal, Seg, internal,
                                              internal_class, join, label, locals_of, qualname, render, root,
                                              site_of_frame, step, without_detours)
 
@@ -46,11 +46,7 @@ class WalkResult:
     tensors: int = 0
     ms: float = 0.0
     truncated: bool = False  # the depth or time bound cut the walk short
-    refs: Dict[int, List[Any]] = field(default_factory=dict)  # storage key -> weakrefs to its tensors
     replayed: int = 0  # storages named by following a remembered holder path (no heap walk)
-
-
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 def _stacks() -> List[Tuple[types.FrameType, bool]]:
@@ -61,7 +57,7 @@ def _stacks() -> List[Tuple[types.FrameType, bool]]:
     for tid, frame in sys._current_frames().items():
         while frame is not None:
             code = frame.f_code
-            if not internal(code) and not code.co_filename.startswith(_TORCH_DIR):
+            if not internal(code) and not code.co_filename.startswith(torch_dir()):
                 out.append((frame, tid == me))
             frame = frame.f_back
     return out
@@ -222,7 +218,6 @@ def _replay(walk: _Walk, visits: int) -> None:
                 wanted.discard(key)
                 walk.add(key, Holder(kind, head + render(concrete), site, frame_id=getattr(ref, "frame_id", None),
                                      local=getattr(ref, "name", None), pattern=(ref, concrete, kind, head, site)))
-                walk.result.refs.setdefault(key, []).append(weakref.ref(tensor))
                 walk.result.replayed += 1
                 if not wanted:
                     break
@@ -257,8 +252,6 @@ def _run(walk: _Walk) -> None:
                 bucket.append(item)
         targets = _targets(walk.keys, walk)
         walk.result.tensors = len(targets)
-        for t, key in targets:
-            walk.result.refs.setdefault(key, []).append(weakref.ref(t))
         _bfs(walk, targets, local_map, ignore)
     finally:
         local_map.clear()
@@ -350,38 +343,11 @@ def _bfs(walk: _Walk, targets: List[Tuple[torch.Tensor, int]],
                                             "a view's base, autograd or a native library>"))
 
 
-def still_holding(holder: Holder, keys: Set[int]) -> bool:
-    """Does ``holder`` still hold a tensor of ``keys``? (a stack re-scan, or its path followed again)"""
-    if holder.frame_id is not None and holder.local is not None:
-        for frame, _ in _stacks():
-            if id(frame) == holder.frame_id:
-                value = locals_of(frame).get(holder.local)
-                if isinstance(value, torch.Tensor):
-                    try:
-                        return value.untyped_storage()._cdata in keys
-                    except Exception:
-                        return False
-                return value is not None and not isinstance(value, (int, float, str, bytes))
-        return False
-    if holder.pattern is not None:
-        obj = holder.pattern[0]()
-        if obj is None:
-            return False
-        for _, tensor in _follow(obj, holder.pattern[1], 0, (), _tensor_types(), [_REPLAY_VISITS]):
-            try:
-                if tensor.untyped_storage()._cdata in keys:
-                    return True
-            except Exception:
-                continue
-        return False
-    return True
-
-
 def forget_patterns() -> None:
     """Drop the remembered holder paths (tests; a new process starts with none)."""
     with _patterns_lock:
         _patterns.clear()
 
 
-__all__ = ["Holder", "WalkResult", "find_holders", "replay", "remember", "consumer_key", "still_holding",
+__all__ = ["Holder", "WalkResult", "find_holders", "replay", "remember", "consumer_key",
            "forget_patterns"]

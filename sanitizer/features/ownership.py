@@ -32,7 +32,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from sanitizer.torch_layer import runtime
+from sanitizer.torch_layer import records, runtime
 from sanitizer.torch_layer.aliasing import alias_view, host_array
 from sanitizer.torch_layer.staging import BORROWED_MARKER
 
@@ -130,11 +130,11 @@ _CLONE_EVENTS: Dict[str, dict] = {}
 
 
 def _clone_event(policy: str, entry: List[int]) -> None:
-    """One aggregated ``{"kind": "clone"}`` record per policy among ``runtime.events()`` (not one per copy)."""
+    """One aggregated ``{"kind": "clone"}`` record per policy among the record store's events (not one per copy)."""
     record = _CLONE_EVENTS.get(policy)
     if record is None:
         record = _CLONE_EVENTS[policy] = {"kind": "clone", "policy": policy, "count": 0, "bytes": 0}
-        runtime.record_event("clone", record)
+        records.record_event("clone", record)
     record["count"], record["bytes"] = entry[0], entry[1]
 
 
@@ -181,7 +181,7 @@ def reset_stats() -> None:
     with _acct.lock:
         _acct.reset()
         for record in _CLONE_EVENTS.values():
-            runtime.forget_events(record=record)
+            records.forget_events(record=record)
         _CLONE_EVENTS.clear()
 
 

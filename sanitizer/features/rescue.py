@@ -23,16 +23,18 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
-from sanitizer.torch_layer import runtime, storage_handles
+from sanitizer.torch_layer import records, runtime, storage_handles
+from sanitizer.torch_layer.hooks import RetireOrder, add_enable_hook, add_lend_hook, add_retire_hook
+from sanitizer.torch_layer.state import state
 
-ORDER = runtime.RetireOrder.RESCUE  # after checksum verification, before triage and poison
+ORDER = RetireOrder.RESCUE  # after checksum verification, before triage and poison
 
 AVAILABLE: bool = storage_handles.AVAILABLE
 UNAVAILABLE_REASON: Optional[str] = (None if AVAILABLE
                                      else f"{storage_handles.UNAVAILABLE_REASON}: rescue reports only")
 
-_handles = storage_handles.WeakStorageTable(lambda: runtime.state.ledger.live_count)
-# Rescue records live only among runtime's events (runtime.record_event, bounded by its records cap):
+_handles = storage_handles.WeakStorageTable(lambda: state.ledger.live_count)
+# Rescue records live only among the record store's events (records.record_event, bounded by its cap):
 # no second list here that would keep every rescue forever.
 _installed = False
 
@@ -40,7 +42,7 @@ _installed = False
 def install() -> None:
     """Arm rescue (idempotent): ``enable(rescue=1)`` then installs the lend and retire hooks.
     Called by the package's composition root; with rescue off no hook is ever installed."""
-    runtime.on_enable(_on_enable)
+    add_enable_hook(_on_enable)
 
 
 def _on_enable(options: Dict[str, Any]) -> None:
@@ -52,18 +54,18 @@ def install_hooks() -> None:
     """Register the lend and retire hooks (idempotent)."""
     global _installed
     if not _installed:
-        runtime.add_lend_hook(_on_lend)
-        runtime.add_retire_hook(_on_retire, ORDER)
+        add_lend_hook(_on_lend)
+        add_retire_hook(_on_retire, ORDER)
         _installed = True
 
 
 def _wanted() -> bool:
-    return runtime.state.enabled and bool(runtime.state.options.get("rescue"))
+    return state.enabled and bool(state.options.get("rescue"))
 
 
 def _on_lend(lease: Lease, view: torch.Tensor) -> None:
     """Keep a weak handle on the lease's storage: the retire hook needs the storage, not a tensor."""
-    if AVAILABLE and runtime.state.options.get("rescue"):
+    if AVAILABLE and state.options.get("rescue"):
         _handles.add(lease, view)
 
 
@@ -86,33 +88,33 @@ def _rescue(lease: Lease, storage: torch.UntypedStorage, event: ReuseEvent) -> N
     holders = storage_handles.holders(storage)
     if holders <= 0:
         return  # nobody holds it: it dies now, nothing to keep correct
-    old, piece = storage_handles.repoint(storage)  # the lease's storage (and all its views) now own a copy
-    runtime.disown(lease)  # before `old` (now holding the staging alias) dies
-    runtime.rebind_lease(lease, piece)  # its death is now the copy's: release hooks see the true end
-    del old
+    previous, keeper = storage_handles.repoint(storage)  # the lease's storage (and its views) now own a copy
+    runtime.disown(lease)  # before `previous` (now holding the staging alias) dies
+    runtime.rebind_lease(lease, keeper)  # its death is now the copy's: release hooks see the true end
+    del previous
     nbytes = storage.nbytes()
     from sanitizer.features.ownership import account_copy
 
-    account_copy("rescue", nbytes, piece)
+    account_copy("rescue", nbytes, keeper)
     _remember({"kind": "rescue", "rescued": True, "nbytes": nbytes, "holders": holders,
                "lease": lease.to_dict(), "event": event.to_dict(),
                "thread": threading.current_thread().name, "pid": os.getpid()})
 
 
 def _remember(record: dict) -> None:
-    runtime.record_event("rescue", record)
+    records.record_event("rescue", record)
 
 
 def rescues() -> List[dict]:
     """The rescues recorded so far (JSON-ready): the lease (with its lend site), the reuse that triggered it,
     holders. They are runtime events, so the records cap bounds them like every other record."""
-    return runtime.events("rescue")
+    return records.events("rescue")
 
 
 def clear() -> None:
     """Forget the rescue records and free every weak handle held."""
     _handles.clear()
-    runtime.forget_events("rescue")
+    records.forget_events("rescue")
 
 
 __all__ = ["install", "install_hooks", "rescues", "clear", "AVAILABLE", "ORDER"]

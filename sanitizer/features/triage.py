@@ -22,22 +22,16 @@ where it kept the last: a few container steps, see
 reuse sites were named with the same holder, the rest are counted as that
 holder's without a walk; otherwise a bounded heap walk names it.
 
-**The timeline.** The lend hook also keeps the most recent lends
-(``timeline_events``); a reuse hook keeps as many of the most recent reuses,
-each with its time, whether or not it retired a live lease; a release hook
-notes, when it happens, the death of a pending or confirmed retention (its
-buffer's generation and the time), and an error about a retained lease notes
-its stale read as it is built. :func:`timeline` is the report's ``timeline``
-section, which ``ownsan triage --html`` draws and ``--trace`` exports. The
-release and reuse hooks are installed by the first :func:`enable` (with the
-sanitizer never enabled, nothing runs at a lease's death or at a reuse); the
-release hook runs wherever the last reference went, possibly inside the GC, so
-it only looks up two dicts and appends to a deque (no lock): the deaths are
-filed under the lock at the next check point.
+**A stale use** reaches triage through the runtime's stale-use hook, before the
+error is built: a pending lease is confirmed then and there, the stale read is
+noted (in the retention record and the timeline), and the holder goes into the
+error as a plain value. The timeline's flight log is a separate object
+(:mod:`sanitizer.features.timeline_log`) that triage tells what it decided.
 
 The walk runs whenever the sanitizer is enabled (debug mode). ``triage=1``
 additionally makes every error recorded, never raised, so the program runs to
-the end and the report lists every retaining consumer.
+the end and the report lists every retaining consumer. Triage and its log each
+guard their state with their own lock; :func:`reset` replaces both.
 """
 from __future__ import annotations
 
@@ -45,43 +39,37 @@ import os
 import sys
 import threading
 import time
-from inspect import CO_OPTIMIZED
-from collections import deque
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Optional, Set, Tuple
+from inspect import CO_OPTIMIZED
+from typing import Any, Dict, List, Optional, Set, Tuple
 
-from sanitizer.core import errors as _errors
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
-from sanitizer.core.sites import to_records
+from sanitizer.core.sites import site_text, to_records
 from sanitizer.features import holders as _holders
-from sanitizer.features.holder_paths import consumer_key
-from sanitizer.features.holders import Holder, find_holders
-from sanitizer.torch_layer import runtime
+from sanitizer.features.holder import Holder, consumer_key
+from sanitizer.features.holders import find_holders
+from sanitizer.features.timeline_log import TimelineLog
+from sanitizer.torch_layer import records
+from sanitizer.torch_layer.hooks import (HOOKS, RetireOrder, StaleUse, add_enable_hook, add_lend_hook,
+                                         add_release_hook, add_retire_hook, add_reuse_hook, add_stale_use_hook)
+from sanitizer.torch_layer.state import state
 
-ORDER = runtime.RetireOrder.TRIAGE
+ORDER = RetireOrder.TRIAGE
 SAME_HOLDER = 3  # retentions named with one holder at one (lend site, reuse site); the rest are counted
-_RETAINED_KEPT = 20000  # confirmed retentions whose lease the timeline keeps (the report's records are capped
-# by max_records)
 _RUNNING_DEPTH = 24  # frames of the retiring thread noted at a retire (a loop variable lives a few above it)
-_REGIONS_KEPT = 1024  # staging buffers the timeline remembers beyond those its lends name (a borrowed_iterator
-# makes one per tensor)
-
-_lock = threading.RLock()
-_lends = 0
-_T0 = time.perf_counter()
+_CONFIRMED_KEPT = 20000  # retention records triage remembers by lease (the store's records are capped anyway)
 
 
 @dataclass
 class _Pending:
     lease: Lease
     event: ReuseEvent
-    region: Region  # the lease's buffer: its generation at the lease's death is the death mark's
+    region: Region  # the lease's buffer (the timeline's death mark reads its generation)
     t: float  # when it was retired (the reuse's time)
     lends: int  # the lend counter when it was retired
     site_key: Tuple[Any, ...]
     thread: str
     running: Tuple[frozenset, frozenset] = (frozenset(), frozenset())  # (frame ids, module dict ids) at the retire
-    death: Optional[Tuple[int, float]] = None  # (generation, t) when its storage died, filed from the release hook
 
 
 @dataclass
@@ -93,142 +81,8 @@ class _Site:
     same: int = 0  # retentions in a row named with that holder
 
 
-@dataclass
-class _Watched:
-    """A confirmed retention whose memory is still reachable: its death is noted by the release hook."""
-
-    lease: Lease
-    region: Region
-
-
-_pending: Dict[int, _Pending] = {}  # lease id -> pending retention
-_sites: Dict[Tuple[Any, ...], _Site] = {}
-_watch: Dict[int, _Watched] = {}  # lease id -> confirmed retention still reachable
-_deaths: Deque[Tuple[int, int, float]] = deque()  # (lease id, generation, t): appended by the release hook
-# (lock-free, possibly inside the GC), filed under _lock by _file_deaths; at most one per pending or watched lease
-_confirmed: Dict[int, dict] = {}  # lease id -> its retention record
-_lent: Deque[Tuple[float, Lease]] = deque(maxlen=10000)  # the most recent lends: (time, lease)
-_lent_total = 0
-_reuses: Deque[Tuple[float, ReuseEvent]] = deque(maxlen=10000)  # the most recent reuses, retires, closes: (time, event)
-_last_reuse: Tuple[int, float] = (-1, 0.0)  # (event id, time) of the latest reuse: its retire hooks run next
-_retained: Dict[int, Tuple[Optional[float], Lease, ReuseEvent, float]] = {}  # confirmed retentions (kept past the
-# cap): (lend time, lease, the reuse that retired it, that reuse's time)
-_marks: Dict[int, Dict[str, dict]] = {}  # lease id -> {"stale_read": {...}, "death": {...}}
-_regions: Dict[int, Region] = {}  # region id -> region, for the timeline
-_errors_seen = 0  # errors of runtime.state.errors already looked at
-_used: Set[int] = set()  # lease ids named by an error (any kind)
-_stale_read: Set[int] = set()  # lease ids named by a stale_use error
-
-
-def _now() -> float:
-    return time.perf_counter() - _T0
-
-
 def _site_key(lease: Lease, event: ReuseEvent) -> Tuple[Any, ...]:
     return (lease.site[:1], event.site[:1])
-
-
-# -- hooks ---------------------------------------------------------------------
-def on_lend(lease: Lease, view: Any) -> None:
-    """Count the lend, keep it for the timeline, and decide what waited for the consumer's turn."""
-    global _lends, _lent_total
-    _lends += 1
-    opts = runtime.state.options
-    cap = opts["timeline_events"]
-    if cap:
-        if cap != _lent.maxlen:
-            _resize(cap)
-        _lent.append((time.perf_counter() - _T0, lease))
-        _lent_total += 1
-        if lease.region_id not in _regions:
-            _remember_region(lease.region_id)
-    if _pending or _deaths:
-        # A lease retired before the previous lend was held across it by its consumer's loop variable
-        # at most: the consumer has had its turn since.
-        _checkpoint(_lends - 1)
-
-
-def _resize(cap: int) -> None:
-    """(Under _lock, or from the lend hook.) Keep the ``cap`` most recent lends and reuses (0: no reuse)."""
-    global _lent, _reuses
-    if cap and cap != _lent.maxlen:
-        _lent = deque(_lent, maxlen=cap)
-    if cap != _reuses.maxlen:
-        _reuses = deque(_reuses, maxlen=cap)
-
-
-def _remember_region(region_id: int) -> None:
-    try:
-        _regions[region_id] = runtime.state.ledger.region(region_id)
-    except Exception:  # a region forgotten already
-        return
-    if len(_regions) > _REGIONS_KEPT + 2 * (len(_lent) + len(_retained)):  # amortised: at most one per lend
-        keep = {lease.region_id for _, lease in _lent} | {entry[1].region_id for entry in _retained.values()}
-        for rid in [rid for rid in _regions if rid not in keep]:
-            del _regions[rid]
-
-
-def on_reuse(region: Region, event: ReuseEvent) -> None:
-    """Every reuse, retire and close (live victims or not): keep it, with its time, for the timeline."""
-    global _last_reuse
-    if not runtime.state.enabled:
-        return
-    t = time.perf_counter() - _T0
-    _last_reuse = (event.event_id, t)
-    _reuses.append((t, event))  # bounded by timeline_events (maxlen 0: kept nowhere)
-
-
-def on_release(lease: Lease) -> None:
-    """A lease's storage died (rescued leases too): note it if it is a pending or confirmed retention.
-
-    Runs in whatever thread dropped the last reference, possibly inside the GC: two dict lookups and a
-    deque append, no lock and nothing that iterates; :func:`_file_deaths` files it under the lock."""
-    lid = lease.lease_id
-    w = _watch.get(lid)
-    if w is None:
-        w = _pending.get(lid)
-        if w is None:
-            return
-    _deaths.append((lid, w.region.generation, time.perf_counter() - _T0))
-
-
-def _file_deaths() -> None:
-    """(Under _lock.) File the deaths the release hook saw: a confirmed retention's becomes its death mark
-    (and it is watched no more), a pending one's waits on its record for the decision."""
-    while _deaths:
-        try:
-            lid, generation, t = _deaths.popleft()
-        except IndexError:  # (another thread filed it)
-            break
-        _watch.pop(lid, None)
-        if lid in _confirmed:
-            _marks.setdefault(lid, {}).setdefault("death", {"generation": generation, "t": t})
-            continue
-        p = _pending.get(lid)
-        if p is not None and p.death is None:
-            p.death = (generation, t)
-
-
-def on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
-    """Record a pending retention for every victim still reachable (decided after its consumer's turn)."""
-    state = runtime.state
-    if not state.enabled:
-        return
-    _checkpoint(_lends)  # what was retired before the last lend has been decided by now
-    eid, t = _last_reuse
-    if eid != event.event_id:  # no reuse hook (timeline_events=0 at the first enable) or another thread's
-        t = _now()
-    thread = threading.current_thread().name
-    running = None
-    with _lock:
-        for lease in victims:
-            # alive: still reachable, a rescued lease included (its death is its copy's)
-            if lease.handle is None or not lease.alive:
-                continue
-            if running is None:
-                running = _running_code()
-            _pending[lease.lease_id] = _Pending(lease, event, region, t, _lends, _site_key(lease, event), thread,
-                                                running)
 
 
 def _running_code() -> Tuple[frozenset, frozenset]:
@@ -263,354 +117,219 @@ def _was_running(h: Holder, p: _Pending) -> bool:
     return False
 
 
-# -- deciding --------------------------------------------------------------------
-def _scan_errors() -> None:
-    """Note the leases that errors named since the last look (and when a retained one was read stale)."""
-    global _errors_seen
-    state = runtime.state
-    errs = state.errors
-    if len(errs) < _errors_seen:  # clear_errors()
-        _errors_seen = 0
-    if len(errs) == _errors_seen:
-        return
-    with state.lock:
-        new = errs[_errors_seen:]
-        _errors_seen = len(errs)
-    for e in new:
-        lease = e.get("lease") if isinstance(e, dict) else None
-        lid = lease.get("lease_id") if isinstance(lease, dict) else None
-        if lid is None:
-            continue
-        _used.add(lid)
-        if e.get("kind") == "stale_use":
-            _stale_read.add(lid)
-            marks = _marks.setdefault(lid, {})
-            used_at = (e.get("used_at") or [None])[0]
-            if "stale_read" not in marks:
-                marks["stale_read"] = {"generation": _generation_now(lid), "t": _now(), "at": used_at}
-            elif marks["stale_read"].get("at") is None:
-                marks["stale_read"]["at"] = used_at
-
-
-def _generation_now(lease_id: int) -> Optional[int]:
-    """The generation of the lease's buffer now (for the timeline's x axis)."""
-    lease = _lease_object(lease_id)
-    region = _regions.get(lease.region_id) if lease is not None else None
-    if region is None and lease is not None:
-        try:
-            region = runtime.state.ledger.region(lease.region_id)
-        except Exception:
-            region = None
-    if region is not None:
-        return region.generation
-    return None
-
-
-def _lease_object(lease_id: int) -> Optional[Lease]:
-    p = _pending.get(lease_id)
-    if p is not None:
-        return p.lease
-    w = _watch.get(lease_id)
-    if w is not None:
-        return w.lease
-    entry = _retained.get(lease_id)
-    return entry[1] if entry is not None else None
-
-
-def _was_used(lease_id: int) -> bool:
-    return lease_id in _used or lease_id in runtime.state.error_counts
-
-
-def _held(p: _Pending) -> bool:
-    """Is the lease's memory still reachable? (no heap access; a rescued lease's death is its copy's)"""
-    return p.lease.alive
-
-
-def _checkpoint(limit: int, final: bool = False) -> None:
-    """Decide the pending retentions recorded before lend number ``limit`` (all of them when ``final``)."""
-    with _lock:
-        _scan_errors()
-        _file_deaths()
-        if _pending:
-            due = [p for p in _pending.values() if final or p.lends < limit]
-            for p in due:
-                if _pending.pop(p.lease.lease_id, None) is None:
-                    continue  # decided meanwhile (a walk can run a finalizer that reports)
-                _decide(p, evidence=final and p.lends >= _lends)
-
-
-def _decide(p: _Pending, evidence: bool) -> None:
-    used = _was_used(p.lease.lease_id)
-    if not used and not _held(p):
-        return  # dropped once its consumer had its turn: a loop variable, not a retention
-    _confirm(p, used_stale=p.lease.lease_id in _stale_read, evidence=evidence and not used)
-
-
-def settle(final: bool = False) -> None:
-    """Confirm or drop pending retentions whose consumer has had its turn.
-
-    A pending one is decided once a lend happened after it, or at once when
-    ``final`` (end of a test, of the process): then, with no lend since, only
-    a holder other than a local of the running code confirms it (nothing else
-    tells a loop variable from a retention).
-    """
-    _checkpoint(_lends, final)
-
-
-def _confirm(p: _Pending, used_stale: bool, evidence: bool) -> Optional[dict]:
-    """Name the holder of a confirmed retention and record it (None: no evidence, dropped)."""
-    lease = p.lease
-    state = runtime.state
-    opts = state.options
-    key = lease.handle if lease.alive else None  # (a rescued lease's storage is the same, now owning a copy)
-    site = _sites.setdefault(p.site_key, _Site())
-    found: List[Holder] = []
-    walk: Dict[str, Any] = {"when": "skipped", "ms": 0.0, "tensors": 0, "truncated": False}
-    if key is not None and opts["triage_budget_ms"] > 0:
-        found, walk = _name(key, site, evidence, opts)
-    if evidence:
-        found = [h for h in found if not h.transient and not _was_running(h, p)]
-        if not found:
-            return None  # nothing but the running code's own locals: cannot tell it from a loop variable
-    else:
-        # The consumer has had its turn: a local that still holds the view is a real holder.
-        found = [_promote(h) if h.transient else h for h in found]
-    found.sort(key=lambda h: h.rank)
-    best = found[0] if found else None
-    if best is not None and walk["when"] != "counted":
-        _holders.remember(best)
-        ident = (consumer_key(best.path), _site_text(best.site))
-        if site.consumer == ident:
-            site.same += 1
-        else:
-            site.consumer, site.same = ident, 1
-            site.holder = Holder(best.kind, ident[0], best.site)
-    where = best.path if best else "something the walk could not name (walk skipped or out of budget)"
-    summary = f"borrowed view {lease.describe()} was still held by {where} when {p.event.describe()}"
-    if walk["when"] == "counted":
-        summary += f" (counted: the {walk['like']} before it from the same lend and reuse sites were held there)"
-    record = {
-        "kind": "retention",
-        "summary": summary,
-        "lease": lease.to_dict(),
-        "event": p.event.to_dict(),
-        "holder": best.to_dict() if best else None,
-        "holders": [h.to_dict() for h in found],
-        "lent_at": (to_records(lease.site[:1]) or [None])[0],
-        "reused_at": (to_records(p.event.site[:1]) or [None])[0],
-        "used_stale": used_stale,
-        "rescued": lease.rescued,
-        "walk": walk,
-        "thread": p.thread,
-        "pid": os.getpid(),
-    }
-    record = runtime.record_event("retention", record)
-    if len(_confirmed) >= _RETAINED_KEPT:  # a long run's memory stays bounded: forget the oldest half
-        for lid in list(_confirmed)[: _RETAINED_KEPT // 2]:
-            for d in (_confirmed, _retained, _marks, _watch):
-                d.pop(lid, None)
-    lid = lease.lease_id
-    _confirmed[lid] = record
-    lent_t = next((t for t, l in reversed(_lent) if l is lease), None)
-    _retained[lid] = (lent_t, lease, p.event, p.t)
-    if lease.region_id not in _regions:
-        _remember_region(lease.region_id)
-    _file_deaths()  # a death the hook saw while it was pending (or while it was being named) is exact
-    if "death" in _marks.get(lid, ()):
-        pass
-    elif p.death is not None:
-        _marks.setdefault(lid, {})["death"] = {"generation": p.death[0], "t": p.death[1]}
-    elif lease.alive:
-        _watch[lid] = _Watched(lease, p.region)  # from now on the release hook notes its death
-        if not lease.alive:  # died just now: the hook may have looked before the line above
-            _file_deaths()
-            if _watch.pop(lid, None) is not None:
-                _note_death(lease)
-    else:
-        _note_death(lease)  # died between its pop from the pending ones and now: the hook looked nowhere
-    return record
-
-
-def _name(key: int, site: _Site, evidence: bool, opts: Any) -> Tuple[List[Holder], Dict[str, Any]]:
-    """The holders of storage ``key``: a known path, else counted as its site's holder, else a heap walk."""
-    start = time.perf_counter()
-    if not evidence:  # (a known path may run through a loop variable: only a walk tells a transient apart)
-        found = _holders.replay({key}).holders.get(key) or []
-        if found:
-            return found, {"when": "known-path", "ms": _ms(start), "tensors": len(found), "truncated": False}
-    if not evidence and site.same >= SAME_HOLDER and site.holder is not None:
-        return [site.holder], {"when": "counted", "ms": _ms(start), "tensors": 0, "truncated": False,
-                               "like": site.same}
-    result = find_holders({key}, depth=opts["triage_depth"], budget_ms=opts["triage_budget_ms"], replay=False)
-    return result.holders.get(key, []), {"when": "walk", "ms": _ms(start), "tensors": result.tensors,
-                                         "truncated": result.truncated}
+def _promote(h: Holder) -> Holder:
+    """A local that still holds the view after its consumer had its turn is a real holder."""
+    return Holder(h.kind, h.path, h.site, False, h.frame_id, h.local, h.pattern, h.detour)
 
 
 def _ms(start: float) -> float:
     return round((time.perf_counter() - start) * 1000.0, 3)
 
 
-def _site_text(site: Optional[dict]) -> Optional[str]:
-    if not site or not site.get("file"):
-        return None
-    return f"{site['file']}:{site.get('line')}"
+class Triage:
+    """Decides retentions and names their holders (one per process; :func:`reset` replaces it)."""
 
+    def __init__(self, log: TimelineLog) -> None:
+        self._lock = threading.RLock()
+        self.log = log
+        self.lends = 0
+        self._pending: Dict[int, _Pending] = {}  # lease id -> pending retention
+        self._sites: Dict[Tuple[Any, ...], _Site] = {}
+        self._confirmed: Dict[int, dict] = {}  # lease id -> its retention record
+        self._used_stale: Set[int] = set()  # lease ids used stale (reported through the stale-use hook)
 
-def _promote(h: Holder) -> Holder:
-    return Holder(h.kind, h.path, h.site, False, h.frame_id, h.local, h.pattern, h.detour)
+    # -- hooks ---------------------------------------------------------------------
+    def on_lend(self) -> None:
+        """Count the lend; decide what was retired before the previous one (its consumer had its turn)."""
+        with self._lock:
+            self.lends += 1
+            if self._pending:
+                self._checkpoint(self.lends - 1)
 
+    def on_retire(self, region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
+        """Record a pending retention for every victim still reachable (decided after its consumer's turn)."""
+        thread = threading.current_thread().name
+        t = self.log.reuse_time(event)
+        with self._lock:
+            self._checkpoint(self.lends)  # what was retired before the last lend has been decided by now
+            running = None
+            for lease in victims:
+                # alive: still reachable, a rescued lease included (its death is its copy's)
+                if lease.handle is None or not lease.alive:
+                    continue
+                if running is None:
+                    running = _running_code()
+                self._pending[lease.lease_id] = _Pending(lease, event, region, t, self.lends,
+                                                         _site_key(lease, event), thread, running)
+                self.log.watch(lease, region)
 
-def _mark_stale_read(lease: Lease) -> None:
-    """A use of a retired lease is being reported now: note the generation its buffer is at (the timeline's
-    end of the red box). Errors reach :func:`holder_of` as they are built, so this is exact."""
-    if lease.stale_by is None:
-        return
-    marks = _marks.setdefault(lease.lease_id, {})
-    if "stale_read" not in marks:
-        marks["stale_read"] = {"generation": _generation_now(lease.lease_id), "t": _now(), "at": None}
-
-
-def _note_death(lease: Lease) -> None:
-    """(Under _lock.) A death the release hook could not see (the lease was in no table then): noted now."""
-    _marks.setdefault(lease.lease_id, {}).setdefault(
-        "death", {"generation": _generation_now(lease.lease_id), "t": _now()})
-
-
-# -- queries ---------------------------------------------------------------------
-def retentions() -> List[dict]:
-    """Confirmed retention records so far (pending ones whose consumer had its turn are decided first)."""
-    settle()
-    return runtime.events("retention")
-
-
-def holder_of(lease_id: int) -> Optional[dict]:
-    """The holder of a lease (for an error about it). A pending lease that is being used is confirmed
-    now: a use after its reuse is a retention whatever happens next. Set as the errors' holder lookup."""
-    with _lock:
-        _file_deaths()
-        p = _pending.pop(lease_id, None)
-        if p is not None:
-            _mark_stale_read(p.lease)
-            record = _confirm(p, used_stale=p.lease.stale_by is not None, evidence=False)
-            return record["holder"] if record else None
-        record = _confirmed.get(lease_id)
-        if record is not None:
-            w = _watch.get(lease_id)
-            if w is not None:
-                _mark_stale_read(w.lease)
+    def on_stale_use(self, lease: Lease, use: StaleUse) -> Optional[Dict[str, Any]]:
+        """A retired lease is being used: a retention whatever happens next. Confirm it now (if pending),
+        note the stale read, and return its holder for the error (None when triage never saw it retired)."""
+        at = (to_records(use.used_at[:1]) or [None])[0]
+        with self._lock:
+            lid = lease.lease_id
+            self._used_stale.add(lid)
+            p = self._pending.pop(lid, None)
+            if p is not None:
+                self.log.stale_read(lease, at)
+                record = self._confirm(p, used_stale=True, evidence=False, read_at=at)
+                return record["holder"] if record else None
+            record = self._confirmed.get(lid)
+            if record is None:
+                return None
+            self.log.stale_read(lease, at)
+            if not record.get("used_stale") or record.get("read_stale_at") is None:
+                records.update_event(record, used_stale=True, read_stale_at=at)
             return record.get("holder")
-    for e in runtime.events("retention"):
-        if e["lease"].get("lease_id") == lease_id:
-            return e.get("holder")
-    return None
+
+    # -- deciding --------------------------------------------------------------------
+    def settle(self, final: bool = False) -> None:
+        """Confirm or drop pending retentions whose consumer has had its turn.
+
+        A pending one is decided once a lend happened after it, or at once when ``final`` (end of a
+        test, of the process): then, with no lend since, only a holder other than a local of the
+        running code confirms it (nothing else tells a loop variable from a retention)."""
+        with self._lock:
+            self._checkpoint(self.lends, final)
+
+    def _checkpoint(self, limit: int, final: bool = False) -> None:
+        """(Under the lock.) Decide the pending retentions recorded before lend number ``limit``."""
+        if not self._pending:
+            return
+        for p in [p for p in self._pending.values() if final or p.lends < limit]:
+            if self._pending.pop(p.lease.lease_id, None) is None:
+                continue  # decided meanwhile (a walk can run a finalizer that reports)
+            self._decide(p, evidence=final and p.lends >= self.lends)
+
+    def _decide(self, p: _Pending, evidence: bool) -> None:
+        used = p.lease.lease_id in self._used_stale
+        if not used and not p.lease.alive:  # dropped once its consumer had its turn: a loop variable
+            self.log.unwatch(p.lease.lease_id)
+            return
+        if self._confirm(p, used_stale=used, evidence=evidence and not used) is None:
+            self.log.unwatch(p.lease.lease_id)
+
+    def _confirm(self, p: _Pending, used_stale: bool, evidence: bool,
+                 read_at: Optional[dict] = None) -> Optional[dict]:
+        """(Under the lock.) Name the holder of a confirmed retention and record it (None: no evidence)."""
+        lease = p.lease
+        site = self._sites.setdefault(p.site_key, _Site())
+        found, walk = self._name(lease, site, evidence)
+        if evidence:
+            found = [h for h in found if not h.transient and not _was_running(h, p)]
+            if not found:
+                return None  # nothing but the running code's own locals: cannot tell it from a loop variable
+        else:
+            found = [_promote(h) if h.transient else h for h in found]
+        found.sort(key=lambda h: h.rank)
+        best = found[0] if found else None
+        if best is not None and walk["when"] != "counted":
+            self._learn(site, best)
+        record = records.record_event("retention", self._record(p, found, walk, used_stale, read_at))
+        lid = lease.lease_id
+        if len(self._confirmed) >= _CONFIRMED_KEPT:  # bounded: forget the oldest half
+            for old in list(self._confirmed)[: _CONFIRMED_KEPT // 2]:
+                del self._confirmed[old]
+        self._confirmed[lid] = record
+        self.log.retained(lease, p.event, p.t, p.region, record)
+        return record
+
+    def _name(self, lease: Lease, site: _Site, evidence: bool) -> Tuple[List[Holder], Dict[str, Any]]:
+        """The holders of a lease: a known path, else counted as its site's holder, else a heap walk."""
+        walk: Dict[str, Any] = {"when": "skipped", "ms": 0.0, "tensors": 0, "truncated": False}
+        budget = state.options["triage_budget_ms"]
+        if not lease.alive or budget <= 0:
+            return [], walk
+        key = lease.handle  # (a rescued lease's storage is the same one, now owning a copy)
+        start = time.perf_counter()
+        if not evidence:  # (a known path may run through a loop variable: only a walk tells a transient apart)
+            found = _holders.replay({key}).holders.get(key) or []
+            if found:
+                return found, {"when": "known-path", "ms": _ms(start), "tensors": len(found), "truncated": False}
+            if site.same >= SAME_HOLDER and site.holder is not None:
+                return [site.holder], {"when": "counted", "ms": _ms(start), "tensors": 0, "truncated": False,
+                                       "like": site.same}
+        result = find_holders({key}, depth=state.options["triage_depth"], budget_ms=budget, replay=False)
+        return result.holders.get(key, []), {"when": "walk", "ms": _ms(start), "tensors": result.tensors,
+                                             "truncated": result.truncated}
+
+    @staticmethod
+    def _learn(site: _Site, best: Holder) -> None:
+        """Remember ``best``'s path (to try first next time) and count it for its (lend, reuse) sites."""
+        _holders.remember(best)
+        ident = (consumer_key(best.path), site_text(best.site))
+        if site.consumer == ident:
+            site.same += 1
+        else:
+            site.consumer, site.same = ident, 1
+            site.holder = Holder(best.kind, ident[0], best.site)
+
+    @staticmethod
+    def _record(p: _Pending, found: List[Holder], walk: Dict[str, Any], used_stale: bool,
+                read_at: Optional[dict]) -> dict:
+        lease = p.lease
+        best = found[0] if found else None
+        where = best.path if best else "something the walk could not name (walk skipped or out of budget)"
+        summary = f"borrowed view {lease.describe()} was still held by {where} when {p.event.describe()}"
+        if walk["when"] == "counted":
+            summary += f" (counted: the {walk['like']} before it from the same lend and reuse sites were held there)"
+        record = {
+            "summary": summary,
+            "lease": lease.to_dict(),
+            "event": p.event.to_dict(),
+            "holder": best.to_dict() if best else None,
+            "holders": [h.to_dict() for h in found],
+            "lent_at": (to_records(lease.site[:1]) or [None])[0],
+            "reused_at": (to_records(p.event.site[:1]) or [None])[0],
+            "used_stale": used_stale,
+            "rescued": lease.rescued,
+            "walk": walk,
+            "thread": p.thread,
+            "pid": os.getpid(),
+        }
+        if read_at is not None:
+            record["read_stale_at"] = read_at
+        return record
+
+    # -- queries ---------------------------------------------------------------------
+    def holder_of(self, lease_id: int) -> Optional[dict]:
+        """The holder recorded for a confirmed retention (None: not one, or not named)."""
+        with self._lock:
+            record = self._confirmed.get(lease_id)
+        return record.get("holder") if record else None
+
+    def pending_count(self) -> int:
+        with self._lock:
+            return len(self._pending)
 
 
-def pending_count() -> int:
-    """Retentions recorded at a reuse whose consumer has not had its turn yet (decided later)."""
-    with _lock:
-        return len(_pending)
+# -- the process's instances, and the hooks that reach them ------------------------------
+_TRIAGE = Triage(TimelineLog(state.options["timeline_events"]))
 
 
-def timeline() -> Dict[str, Any]:
-    """The report's ``timeline`` section: each staging buffer's recent lends, reuses and retained leases.
-
-    ``leases``: the most recent lends (``timeline_events``) and every confirmed retention, each with
-    its bytes, the generation it was lent at, the reuse that retired it, and for a retention its
-    holder and what ended it (a stale read, its death, or nothing yet), each at the generation and
-    time it happened. ``events``: the most recent reuses, retires and closes of those buffers
-    (``timeline_events`` of them, whether or not they retired a live lease) and the reuses that
-    retired the retained leases. ``t`` is seconds since the sanitizer was imported (None only for
-    a reuse that retired a lease and has itself left the most recent ones: the trace places it
-    between its neighbours)."""
-    with _lock:
-        _scan_errors()
-        _file_deaths()
-        on = bool(runtime.state.options["timeline_events"])
-        entries: Dict[int, Tuple[Optional[float], Lease]] = {}
-        for t, lease in (_lent if on else ()):
-            entries[lease.lease_id] = (t, lease)
-        retired: Dict[int, ReuseEvent] = {}  # lease id -> the reuse that retired a retained one
-        event_t: Dict[int, float] = {}
-        for lid, (t, lease, ev, ev_t) in _retained.items():
-            entries.setdefault(lid, (t, lease))
-            retired[lid] = ev
-            event_t[ev.event_id] = ev_t
-        reuses = list(_reuses) if on else []
-        regions = dict(_regions)
-        marks = {lid: dict(m) for lid, m in _marks.items()}
-        confirmed = dict(_confirmed)
-        cap, dropped = _lent.maxlen or 0, max(0, _lent_total - len(_lent))
-    pid = os.getpid()
-    wanted = {lease.region_id for _, lease in entries.values()}
-    events: Dict[int, ReuseEvent] = {}
-    for t, ev in reuses:
-        if ev.region_id in wanted:
-            events[ev.event_id] = ev
-            event_t[ev.event_id] = t
-    leases = []
-    for lid in sorted(entries):
-        t, lease = entries[lid]
-        ev = retired.get(lid) or lease.stale_by  # (a rescue clears stale_by: the retention keeps its reuse)
-        if ev is not None:
-            events.setdefault(ev.event_id, ev)
-        rec = confirmed.get(lid)
-        retained = None
-        if rec is not None:
-            m = marks.get(lid, {})
-            end = m.get("stale_read") or m.get("death")
-            until = "stale_read" if "stale_read" in m else "death" if "death" in m else "alive"
-            holder = rec.get("holder") or {}
-            retained = {"holder": holder.get("path"), "consumer": holder.get("consumer"),
-                        "kind": holder.get("kind"), "until": until,
-                        "generation": end.get("generation") if end else None, "t": end.get("t") if end else None,
-                        "read_at": (m.get("stale_read") or {}).get("at"),
-                        "died_generation": (m.get("death") or {}).get("generation"),
-                        "counted": rec.get("walk", {}).get("when") == "counted"}
-        leases.append({
-            "lease_id": lid, "buffer": lease.region_id, "name": lease.name, "dtype": lease.dtype,
-            "shape": list(lease.shape), "byte_range": [lease.start, lease.end], "generation": lease.generation,
-            "pid": pid, "t": None if t is None else round(t, 6), "retired_by": None if ev is None else ev.event_id,
-            "alive": bool(lease.alive and not lease.rescued), "rescued": lease.rescued, "retained": retained,
-        })
-    out_events = []
-    for eid in sorted(events):
-        ev = events[eid]
-        t = event_t.get(eid)
-        out_events.append({"event_id": eid, "buffer": ev.region_id, "pid": pid, "kind": ev.kind,
-                           "byte_range": [ev.start, ev.end],
-                           "generation_before": ev.generation_before, "generation_after": ev.generation_after,
-                           "by": ev.by, "t": None if t is None else round(t, 6)})
-    buffers = []
-    for rid in sorted(wanted):
-        r = regions.get(rid)
-        if r is None:
-            continue
-        buffers.append({"id": rid, "pid": pid, "name": r.name, "device": r.device, "nbytes": r.nbytes,
-                        "generation": r.generation, "closed": r.closed})
-    return {"cap": cap, "dropped": dropped, "buffers": buffers, "leases": leases, "events": out_events}
+def _on_lend(lease: Lease, view: Any) -> None:
+    t = _TRIAGE
+    t.log.on_lend(lease)
+    t.on_lend()
 
 
-# -- lifecycle -------------------------------------------------------------------
-def reset() -> None:
-    """Forget pending retentions, site statistics and the timeline (tests, a new pytest test)."""
-    global _errors_seen, _lent_total, _last_reuse
-    with _lock:
-        for d in (_pending, _watch, _sites, _confirmed, _retained, _marks, _regions):
-            d.clear()
-        _deaths.clear()
-        _lent.clear()
-        _reuses.clear()
-        _lent_total = 0
-        _last_reuse = (-1, 0.0)
-        _used.clear()
-        _stale_read.clear()
-        _errors_seen = len(runtime.state.errors)
+def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
+    if state.enabled:
+        _TRIAGE.on_retire(region, event, victims)
 
 
-def clear() -> None:
-    """Forget pending retentions, site statistics, the timeline and the retention records (tests)."""
-    reset()
-    runtime.forget_events("retention")
+def _on_reuse(region: Region, event: ReuseEvent) -> None:
+    if state.enabled:
+        _TRIAGE.log.on_reuse(region, event)
+
+
+def _on_release(lease: Lease) -> None:
+    _TRIAGE.log.on_release(lease)
+
+
+def _on_stale_use(lease: Lease, use: StaleUse) -> Optional[Dict[str, Any]]:
+    return _TRIAGE.on_stale_use(lease, use)
 
 
 def _on_enable(options: Dict[str, Any]) -> None:
@@ -618,23 +337,68 @@ def _on_enable(options: Dict[str, Any]) -> None:
     timeline is on. Never installed while the sanitizer was never enabled: a lease's death and a reuse
     then cost nothing."""
     cap = options.get("timeline_events", 0)
-    with _lock:
-        if not cap:
-            _lent.clear()  # no timeline: the retained leases alone are kept (the report names them anyway)
-        _resize(cap)
-    runtime.add_release_hook(on_release)
+    _TRIAGE.log.set_cap(cap)
+    add_release_hook(_on_release)
     if cap:
-        runtime.add_reuse_hook(on_reuse)
+        add_reuse_hook(_on_reuse)
 
 
 def install() -> None:
-    """Register the hooks (idempotent) and name holders in the errors' text. Called by the composition root;
-    the release and reuse hooks are registered by :func:`enable` (see :func:`_on_enable`)."""
-    runtime.add_lend_hook(on_lend)
-    runtime.add_retire_hook(on_retire, ORDER)
-    runtime.on_enable(_on_enable)
-    _errors.holder_lookup = holder_of
+    """Register the hooks (idempotent). Called by :func:`sanitizer.activation.compose`; the release and
+    reuse hooks are registered by enable (see :func:`_on_enable`)."""
+    add_lend_hook(_on_lend)
+    add_retire_hook(_on_retire, ORDER)
+    add_stale_use_hook(_on_stale_use)
+    add_enable_hook(_on_enable)
 
 
-__all__ = ["install", "settle", "retentions", "holder_of", "pending_count", "timeline", "reset", "clear",
-           "on_retire", "on_lend", "on_reuse", "on_release", "ORDER", "SAME_HOLDER"]
+def uninstall() -> None:
+    """Take every triage hook off the runtime (a benchmark measuring tracking without triage);
+    :func:`install` and the next enable put them back."""
+    for hook in (_on_lend, _on_retire, _on_stale_use, _on_enable, _on_release, _on_reuse):
+        HOOKS.discard(hook)
+
+
+def installed_hooks() -> Dict[str, bool]:
+    """Which of triage's hooks the runtime holds now (tests: nothing before the first enable)."""
+    return {"lend": _on_lend in HOOKS.lend, "retire": any(h is _on_retire for _, h in HOOKS.retire),
+            "stale_use": _on_stale_use in HOOKS.stale_use, "release": _on_release in HOOKS.release,
+            "reuse": _on_reuse in HOOKS.reuse}
+
+
+# -- the module's face -------------------------------------------------------------
+def reset(records_too: bool = False) -> None:
+    """Start afresh (a new test, a new fuzz case): a new triage and a new flight log, so nothing pending,
+    no site statistics, no timeline. ``records_too`` also drops the retention records already filed."""
+    global _TRIAGE
+    _TRIAGE = Triage(TimelineLog(state.options["timeline_events"]))
+    if records_too:
+        records.forget_events("retention")
+
+
+def settle(final: bool = False) -> None:
+    _TRIAGE.settle(final)
+
+
+def retentions() -> List[dict]:
+    """Confirmed retention records so far (pending ones whose consumer had its turn are decided first)."""
+    settle()
+    return records.events("retention")
+
+
+def holder_of(lease_id: int) -> Optional[dict]:
+    return _TRIAGE.holder_of(lease_id)
+
+
+def pending_count() -> int:
+    """Retentions recorded at a reuse whose consumer has not had its turn yet (decided later)."""
+    return _TRIAGE.pending_count()
+
+
+def timeline() -> Dict[str, Any]:
+    """The report's ``timeline`` section (see :meth:`TimelineLog.section`)."""
+    return _TRIAGE.log.section()
+
+
+__all__ = ["Triage", "install", "uninstall", "installed_hooks", "reset", "settle", "retentions", "holder_of", "pending_count",
+           "timeline", "ORDER", "SAME_HOLDER", "find_holders"]

@@ -19,13 +19,14 @@ import os
 import sys
 from typing import Any, Dict, Iterable, List, Optional, Set
 
+from sanitizer.core.sites import frame_text, site_text
 from sanitizer.core.units import format_bytes
-from sanitizer.torch_layer import runtime
+from sanitizer.torch_layer import records, runtime
+from sanitizer.torch_layer.hooks import add_enable_hook
 
 FORMAT = "ownership-sanitizer-report"
 VERSION = 2
 SCHEMA_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "report_schema.json")
-ERROR_KINDS = ("stale_use", "checksum_mismatch")
 
 
 def _rank_info() -> Dict[str, Any]:
@@ -41,17 +42,6 @@ def _rank_info() -> Dict[str, Any]:
             "world_size": int(world) if world and world.isdigit() else None}
 
 
-def _with_holder(record: dict) -> dict:
-    """A copy of an error record that names the holder recorded for its lease, if any."""
-    from sanitizer.features.triage import holder_of
-
-    lease = record.get("lease")
-    if "holder" in record or not isinstance(lease, dict) or lease.get("lease_id") is None:
-        return record
-    holder = holder_of(lease["lease_id"])
-    return dict(record, holder=holder) if holder is not None else record
-
-
 def report(final: bool = False, exclude: Optional[Set[int]] = None) -> Dict[str, Any]:
     """The whole report as a JSON-ready dict.
 
@@ -63,23 +53,14 @@ def report(final: bool = False, exclude: Optional[Set[int]] = None) -> Dict[str,
 
     triage.settle(final)
     state = runtime.state
+    counts = records.record_counts()
     pid = os.getpid()
-    raw_errors = runtime.errors()
-    raw_events = runtime.events()
+    errors = records.errors()
+    events = records.events()
     if exclude:
-        raw_errors = [e for e in raw_errors if id(e) not in exclude]
-        raw_events = [e for e in raw_events if id(e) not in exclude]
-    errors = [_with_holder(e) for e in raw_errors]
-    read_at = first_stale_reads(errors)
-    events = []
-    for e in raw_events:
-        if "pid" not in e:
-            e = dict(e, pid=pid)
-        if e.get("kind") == "retention":
-            lid = e["lease"].get("lease_id")
-            if lid in read_at and (not e.get("used_stale") or "read_stale_at" not in e):
-                e = dict(e, used_stale=True, read_stale_at=read_at[lid])  # used stale after it was confirmed
-        events.append(e)
+        errors = [e for e in errors if id(e) not in exclude]
+        events = [e for e in events if id(e) not in exclude]
+    events = [e if "pid" in e else dict(e, pid=pid) for e in events]
     retained = [lease.to_dict() | {"stale_by": lease.stale_by.to_dict()} for lease in state.ledger.stale_alive()
                 if lease.stale_by is not None]
     rep = {
@@ -90,8 +71,8 @@ def report(final: bool = False, exclude: Optional[Set[int]] = None) -> Dict[str,
         "argv": [str(a) for a in sys.argv],
         "enabled": state.enabled,
         "options": runtime.options(),
-        "error_count": len(errors) if exclude else max(state.error_total, len(errors)),
-        "records_dropped": state.dropped_records,
+        "error_count": len(errors) if exclude else max(counts["errors_seen"], len(errors)),
+        "records_dropped": counts["dropped"],
         "errors": errors,
         "events": events,
         "retained_stale_leases": retained,
@@ -103,30 +84,6 @@ def report(final: bool = False, exclude: Optional[Set[int]] = None) -> Dict[str,
     rep["timeline"] = triage.timeline()
     rep["summary"] = summarize(rep, pending=triage.pending_count())
     return rep
-
-
-def first_stale_reads(errors: Iterable[dict]) -> Dict[int, Optional[dict]]:
-    """lease id -> the innermost frame of its first stale use (None when no stack was captured)."""
-    out: Dict[int, Optional[dict]] = {}
-    for e in errors:
-        lease = e.get("lease")
-        if e.get("kind") != "stale_use" or not isinstance(lease, dict) or lease.get("lease_id") in out:
-            continue
-        out[lease.get("lease_id")] = (e.get("used_at") or [None])[0]
-    return out
-
-
-def _site_text(site: Optional[dict]) -> Optional[str]:
-    if not site or not site.get("file"):
-        return None
-    line = site.get("line")
-    return f"{site['file']}:{line}" if line else site["file"]
-
-
-def _frame_text(frame: Optional[dict]) -> Optional[str]:
-    """``function file:line`` of a frame record."""
-    where = _site_text(frame)
-    return f"{frame.get('function')} {where}" if where and frame.get("function") else where
 
 
 def fix_hint(kind: Optional[str], consumer: str, site: Optional[str]) -> str:
@@ -152,22 +109,22 @@ def summarize(rep: Dict[str, Any], pending: int = 0) -> Dict[str, Any]:
         if kind != "retention":
             continue
         holder = e.get("holder") or {}
-        site = _site_text(holder.get("site"))
+        site = site_text(holder.get("site"))
         consumer = holder.get("consumer") or "<unnamed holder>"
         g = groups.get((consumer, site))
         if g is None:
             g = groups[(consumer, site)] = {
                 "consumer": consumer, "holder": holder.get("path") or consumer, "kind": holder.get("kind", "none"),
                 "site": site, "count": 0, "bytes": 0, "leases": [], "used_stale": 0, "first": e,
-                "read_stale_at": [], "lent_at": _frame_text(e.get("lent_at")),
-                "reused_at": _frame_text(e.get("reused_at")),
+                "read_stale_at": [], "lent_at": frame_text(e.get("lent_at")),
+                "reused_at": frame_text(e.get("reused_at")),
                 "fix": fix_hint(holder.get("kind"), consumer, site)}
         g["count"] += 1
         g["bytes"] += int(e["lease"].get("nbytes") or 0)
         g["used_stale"] += bool(e.get("used_stale"))
         if len(g["leases"]) < 8:
             g["leases"].append(e["lease"].get("name"))
-        read = _site_text(e.get("read_stale_at"))
+        read = site_text(e.get("read_stale_at"))
         if read and read not in g["read_stale_at"] and len(g["read_stale_at"]) < 4:
             g["read_stale_at"].append(read)
     consumers = sorted(groups.values(), key=lambda g: (-g["bytes"], -g["count"], g["consumer"]))
@@ -293,8 +250,8 @@ def _write_report_at_exit() -> None:
 
 def install() -> None:
     """Make ``enable(report=path)`` write the report at exit (idempotent); called by the composition root."""
-    runtime.on_enable(_on_enable)
+    add_enable_hook(_on_enable)
 
 
 __all__ = ["install", "report", "write_report", "summarize", "merge", "load", "validate", "schema", "expand_path",
-           "FORMAT", "VERSION", "SCHEMA_PATH", "ERROR_KINDS"]
+           "FORMAT", "VERSION", "SCHEMA_PATH"]

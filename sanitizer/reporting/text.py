@@ -11,24 +11,13 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
+from sanitizer.core.sites import frame_text, site_text
 from sanitizer.core.units import format_bytes
-
-
-def frame_text(rec: Optional[dict]) -> str:
-    if not rec:
-        return "?"
-    return f"{rec.get('function')} {rec.get('file')}:{rec.get('line')}"
-
-
-def site_text(rec: Optional[dict]) -> Optional[str]:
-    if not rec or not rec.get("file"):
-        return None
-    return f"{rec['file']}:{rec.get('line')}"
 
 
 def lent_reused(first: dict) -> str:
     """``lent at X; reused at Y``, or one place when both are the same line."""
-    lent, reused = frame_text(first.get("lent_at")), frame_text(first.get("reused_at"))
+    lent, reused = frame_text(first.get("lent_at")) or "?", frame_text(first.get("reused_at")) or "?"
     if lent == reused:
         return f"lent at, and reused at, {lent}"
     return f"lent at {lent}; reused at {reused}"
@@ -142,4 +131,4 @@ def section_for_test(rep: Dict[str, Any], path: Optional[str]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["format_triage", "section_for_test", "frame_text", "lent_reused", "distinct_errors"]
+__all__ = ["format_triage", "section_for_test", "lent_reused", "distinct_errors"]

@@ -15,6 +15,7 @@ import html
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
+from sanitizer.core.sites import site_text
 from sanitizer.core.units import format_bytes
 
 WIDTH = 1320  # px: fits a 1400 px window
@@ -53,12 +54,6 @@ code { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 12px; }
 
 def _esc(text: Any) -> str:
     return html.escape("" if text is None else str(text), quote=True)
-
-
-def _site(frame: Optional[dict]) -> Optional[str]:
-    if not frame or not frame.get("file"):
-        return None
-    return f"{os.path.basename(frame['file'])}:{frame.get('line')}"
 
 
 class _Labels:
@@ -247,7 +242,7 @@ def _panel(buf: _Buffer, index: int) -> str:
         y0, h = y(lo), max(3.0, y(hi) - y(lo))
         until = r.get("until")
         ended = {"stale_read": f"read stale at generation {r.get('generation')}"
-                               + (f", at {_site(r.get('read_at'))}" if r.get("read_at") else ""),
+                               + (f", at {site_text(r.get('read_at'), basename=True)}" if r.get("read_at") else ""),
                  "death": f"dropped at generation {r.get('generation')}",
                  }.get(until, "still held at the end of the report")
         title = (f"RETAINED {lease.get('name')}\nheld by {r.get('holder') or 'an unnamed holder'}\n"

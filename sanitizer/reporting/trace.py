@@ -16,15 +16,10 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
+from sanitizer.core.sites import site_text
 from sanitizer.reporting.timeline import buffers_of
-
-
-def _site(frame: Optional[dict]) -> Optional[str]:
-    if not frame or not frame.get("file"):
-        return None
-    return f"{frame['file']}:{frame.get('line')}"
 
 
 def _times(buf: Any) -> Tuple[Dict[int, float], Dict[int, float]]:
@@ -88,11 +83,11 @@ def chrome_trace(rep: Dict[str, Any]) -> Dict[str, Any]:
                             "pid": pid, "tid": lane + 1, "ts": round(end * 1e6, 3),
                             "dur": round((red_end - end) * 1e6, 3),
                             "args": {"lease": lease.get("name"), "holder": r.get("holder"), "until": r.get("until"),
-                                     "read_stale_at": _site(r.get("read_at")), "counted": r.get("counted", False)}})
+                                     "read_stale_at": site_text(r.get("read_at")), "counted": r.get("counted", False)}})
                 if r.get("until") == "stale_read":
                     out.append({"ph": "i", "s": "t", "cat": "stale_read", "cname": "terrible",
                                 "name": f"stale read of {lease.get('name')}", "pid": pid, "tid": lane + 1,
-                                "ts": round(red_end * 1e6, 3), "args": {"at": _site(r.get("read_at"))}})
+                                "ts": round(red_end * 1e6, 3), "args": {"at": site_text(r.get("read_at"))}})
         for lane in range(len(lanes)):
             out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": lane + 1,
                         "args": {"name": f"lane {lane + 1}"}})

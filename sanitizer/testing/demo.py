@@ -42,7 +42,8 @@ import torch
 
 from sanitizer.features import ownership
 from sanitizer.features import rescue
-from sanitizer.torch_layer import runtime
+from sanitizer import activation
+from sanitizer.torch_layer import records, runtime
 from sanitizer.testing.reference.checkpoint import (ORDERS, config_of, corrupted_tensors, deferral_windows, read_header, reference_state,
                          stream_through_ring, write_checkpoint)
 from sanitizer.testing.reference.deferred_loader import LayerwiseLoader
@@ -97,7 +98,7 @@ def _measure(config: str, path: str, ring_bytes: int) -> TinyForCausalLM:
     if config == "rescue":
         # Rescue alone: the heap walk that names holders (triage, a debug-mode diagnostic) is off.
         quiet = {"triage_budget_ms": 0} if "triage_budget_ms" in OPTIONS else {}
-        with runtime.sanitize(rescue=1, **quiet):
+        with activation.sanitize(rescue=1, **quiet):
             return load(path, ring_bytes, ownership_on=False)
     return load(path, ring_bytes, ownership_on=config == "clone-on-defer", copy=config == "copy-everything")
 
@@ -146,7 +147,7 @@ def _child_debug(path: str, ring_bytes: int) -> Result:
         raise SystemExit("the debug configuration must run with OWNERSHIP_SANITIZE=1 in the environment")
     total = len(read_header(path)[0])
     load(path, ring_bytes, ownership_on=True)  # warm-up (owned: no error)
-    runtime.clear_errors()
+    records.clear_errors()
     start = time.perf_counter()
     try:
         model = load(path, ring_bytes, ownership_on=False)
@@ -192,18 +193,18 @@ def write_timeline(path: str, ring_bytes: int, html_path: str) -> Dict[str, obje
     from sanitizer.reporting import report as report_mod
     from sanitizer.reporting import timeline
 
-    triage.clear()
-    runtime.clear_errors()
+    triage.reset(records_too=True)
+    records.clear_errors()
     try:
-        with runtime.sanitize(triage=1):
+        with activation.sanitize(triage=1):
             load(path, ring_bytes, ownership_on=False)
             gc.collect()  # the loader and its half-built model are gone: their retained views die
             rep = report_mod.report(final=True)
         timeline.write_html(rep, html_path, title="layerwise reload through a staging ring: which view was kept "
                                                   "past the reuse of its bytes, and by whom")
     finally:
-        triage.clear()
-        runtime.clear_errors()
+        triage.reset(records_too=True)
+        records.clear_errors()
     return rep
 
 

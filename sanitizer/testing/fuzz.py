@@ -40,7 +40,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from sanitizer.torch_layer import runtime
+from sanitizer import activation
+from sanitizer.torch_layer import records, runtime
 from sanitizer.torch_layer.iterators import borrowed_iterator, emulate_borrowed
 from sanitizer.core.options import OPTIONS
 
@@ -324,7 +325,7 @@ def run_case(case: Case) -> Outcome:
     freeze = gc.get_freeze_count() == 0  # a caller that froze itself keeps its own freeze
     if freeze:
         gc.freeze()
-    before = {id(e) for e in runtime.events()}
+    before = {id(e) for e in records.events()}
     try:
         return _run_case(case)
     finally:
@@ -341,15 +342,14 @@ def _forget_events_since(before: set) -> None:
     from sanitizer.features import triage
 
     triage.reset()
-    for e in runtime.events():
+    for e in records.events():
         if id(e) not in before and e.get("kind") != "clone":  # clone: one aggregated record per policy
-            runtime.forget_events(record=e)
+            records.forget_events(record=e)
 
 
 def _errors_seen() -> int:
     """Errors the sanitized run saw (all of them: records kept or not)."""
-    counts = getattr(runtime, "record_counts", None)
-    return counts()["errors_seen"] if counts is not None else len(runtime.errors())
+    return records.record_counts()["errors_seen"]
 
 
 def _run_case(case: Case) -> Outcome:
@@ -359,23 +359,23 @@ def _run_case(case: Case) -> Outcome:
     with tempfile.TemporaryDirectory(prefix="ownsan-fuzz-") as tmp:
         plan, oracle = write_checkpoint(case, tmp)
         ring = ring_bytes(case, oracle)
-        was_enabled = runtime.state.enabled
-        runtime.disable()
+        was_enabled = runtime.enabled()
+        activation.disable()
         try:
             corrupted = not _exact(_load(case, plan, ring), oracle)
-            runtime.clear_errors()
-            with runtime.sanitize(halt_on_error=0, **quiet, **debug):
+            records.clear_errors()
+            with activation.sanitize(halt_on_error=0, **quiet, **debug):
                 sanitized = _load(case, plan, ring)
                 errors = _errors_seen()
-            runtime.clear_errors()
+            records.clear_errors()
             rescue_exact = None
             if case.consumer in RETAINING:
-                with runtime.sanitize(halt_on_error=0, rescue=1, **quiet, **debug):
+                with activation.sanitize(halt_on_error=0, rescue=1, **quiet, **debug):
                     rescue_exact = _exact(_load(case, plan, ring), oracle)
-                runtime.clear_errors()
+                records.clear_errors()
         finally:
             if was_enabled:
-                runtime.enable()
+                activation.enable()
     return Outcome(corrupted, errors, _exact(sanitized, oracle), rescue_exact)
 
 

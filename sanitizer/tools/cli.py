@@ -33,7 +33,6 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from sanitizer.core import options as _opts
-from sanitizer.core.units import format_bytes
 from sanitizer.core.version import __version__
 from sanitizer.tools import startup
 
@@ -332,7 +331,6 @@ def _finish_run(args: argparse.Namespace, files: List[str], code: int) -> int:
 
 
 # -- triage ------------------------------------------------------------------
-_size = format_bytes  # the one byte-size formatter, shared with the report
 from sanitizer.reporting.text import format_triage  # noqa: E402  (torch-free; also the pytest plugin's text)
 
 

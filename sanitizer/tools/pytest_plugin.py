@@ -77,10 +77,9 @@ def _wanted(item: Any) -> Optional[Dict[str, Any]]:
 
 
 def _record_ids() -> Set[int]:
-    from sanitizer.torch_layer import runtime
+    from sanitizer.torch_layer import records
 
-    with runtime.state.lock:
-        return {id(e) for e in runtime.state.errors} | {id(e) for e in runtime.state.events}
+    return records.STORE.record_ids()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -92,7 +91,7 @@ def pytest_runtest_setup(item: Any) -> None:
     from sanitizer.torch_layer import runtime
     from sanitizer.features import triage
 
-    before = (runtime.state.enabled, runtime.state.options)
+    before = (runtime.enabled(), runtime.state.options)
     triage.reset()
     try:
         sanitizer.enable(**options)
@@ -119,17 +118,11 @@ def _report_dir(config: Any) -> str:
 def _hidden_frame(path: str, sanitizer_error: bool) -> bool:
     """Frames a failing test's traceback does not need: ours, pytest's and pluggy's, and for a sanitizer
     error torch's dispatch plumbing between the user's line and the check."""
-    from sanitizer.core.sites import is_internal_file
+    from sanitizer.core.sites import is_internal_file, torch_dir
 
     if is_internal_file(path) or f"{os.sep}_pytest{os.sep}" in path or f"{os.sep}pluggy{os.sep}" in path:
         return True
-    return sanitizer_error and path.startswith(_torch_dir())
-
-
-def _torch_dir() -> str:
-    import torch
-
-    return os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+    return sanitizer_error and path.startswith(torch_dir())
 
 
 def _prune_traceback(item: Any, excinfo: Any) -> None:
@@ -213,10 +206,9 @@ def pytest_runtest_teardown(item: Any) -> None:
 
     triage.settle(final=True)
     was_enabled, options = st["before"]
-    with runtime.state.lock:
-        runtime.state.options = options
+    runtime.set_options(options)
     if not was_enabled:
-        runtime.disable()
+        runtime.disarm()
 
 
 class OwnershipReport:

@@ -14,8 +14,8 @@ The same loss hits any error an op raises while the sanitizer's mode is installe
 the op from Python): the mode passes such exceptions to :func:`note`, and the wrapper re-raises the
 op's own exception when TorchScript's report of it came out empty.
 
-Installed at :func:`~sanitizer.torch_layer.runtime.enable` (an enable hook); the wrapper removes
-itself at the first scripted call after :func:`~sanitizer.torch_layer.runtime.disable`.
+:func:`install` (called by :func:`sanitizer.activation.compose`) registers an enable hook that wraps
+the entry points; the wrapper removes itself at the first scripted call after the sanitizer is disabled.
 """
 from __future__ import annotations
 
@@ -26,7 +26,9 @@ import torch
 
 from sanitizer.core import errors
 from sanitizer.torch_layer import mode as _mode
-from sanitizer.torch_layer import runtime
+from sanitizer.torch_layer import records
+from sanitizer.torch_layer.hooks import add_enable_hook
+from sanitizer.torch_layer.state import state
 
 _CLASSES = tuple(c for c in (getattr(torch._C, "ScriptFunction", None), getattr(torch._C, "ScriptMethod", None))
                  if c is not None)
@@ -51,10 +53,10 @@ def _lost_text(exc: RuntimeError) -> bool:
 
 def _wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not runtime.state.enabled:
+        if not state.enabled:
             hook(False)
             return orig(self, *args, **kwargs)
-        mark = errors.error_mark()
+        mark = records.error_mark()
         depth, noted = getattr(_tls, "depth", 0), getattr(_tls, "noted", None)
         _tls.depth, _tls.noted = depth + 1, None
         try:
@@ -62,7 +64,7 @@ def _wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
         except errors.OwnershipError:
             raise
         except RuntimeError as exc:
-            err = errors.raised_since(mark) if runtime.state.options.halts else None
+            err = records.raised_since(mark) if state.options.halts else None
             if err is None and _lost_text(exc):  # an op's own error whose text TorchScript dropped
                 err = _tls.noted
             if err is None or err is exc:  # not ours (with halt_on_error=0 the sanitizer never raises)
@@ -100,9 +102,12 @@ def _on_enable(options: Dict[str, Any]) -> None:
     hook(True)
 
 
-runtime.on_enable(_on_enable)
-_mode.op_error_hook = note  # the dispatch mode calls it with an op's own exception (when it has the slot)
-if runtime.state.enabled:  # imported after enable(): arm now
-    hook(True)
+def install() -> None:
+    """Wrap scripted calls at every enable, and have the dispatch mode tell us of an op's own exception."""
+    add_enable_hook(_on_enable)
+    _mode.op_error_hook = note  # the mode's documented slot for it
+    if state.enabled:  # composed after enable(): arm now
+        hook(True)
 
-__all__ = ["hook", "hooked", "note"]
+
+__all__ = ["install", "hook", "hooked", "note"]

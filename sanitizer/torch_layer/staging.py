@@ -15,7 +15,6 @@ from typing import Any, List, Optional, Sequence
 import torch
 
 from sanitizer.torch_layer import runtime
-from sanitizer.torch_layer import script_calls  # noqa: F401  (TorchScript keeps a sanitizer error's text)
 from sanitizer.torch_layer.aliasing import alias_view, check_device, device_key, dtype_name, host_array
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.torch_layer.sources import Prepared, Source, check_dtype, check_shape, copy_into, prepare
@@ -180,14 +179,14 @@ class StagingBuffer:
         A zero-byte reuse overlaps no lease."""
         self._live(f"reuse bytes for '{by}' in")
         start, end = self._range(offset, nbytes, by, "reuse")
-        return runtime.retire(self._region, start, end, by)
+        return runtime.reuse(self._region, start, end, by)
 
     def retire(self, offset: int, nbytes: int, by: Optional[str] = None) -> ReuseEvent:
         """Declare that the leases over ``[offset, offset+nbytes)`` reached the end of their lifetime,
         though the bytes are not overwritten yet (a ring's quarantine keeps them poisoned a while)."""
         self._live(f"retire bytes for '{by}' in")
         start, end = self._range(offset, nbytes, by, "retire")
-        return runtime.retire(self._region, start, end, by, kind="retire")
+        return runtime.retire(self._region, start, end, by)
 
     def write(self, offset: int, source: Source, name: Optional[str] = None, *,
               shape: Optional[Sequence[int]] = None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:

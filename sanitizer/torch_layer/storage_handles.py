@@ -126,26 +126,27 @@ POISON = PoisonFile()
 def repoint(storage: torch.UntypedStorage, fill: Optional[int] = None) -> Tuple[torch.UntypedStorage, Any]:
     """Give ``storage`` fresh memory of its size: a copy of its bytes, or ``fill`` in every byte.
 
-    Returns ``(old, piece)``: ``old`` now holds the previous memory (drop it once
-    the lease's bookkeeping is done: dropping it releases the staging alias), and
-    ``piece`` is the object the new memory's deleter keeps (weak-referenceable:
-    it dies with ``storage``). A CPU fill maps the shared :data:`POISON` file.
+    Returns ``(previous, keeper)``: ``previous`` is a storage that now holds the memory ``storage``
+    had (drop it once the lease's bookkeeping is done: dropping it releases the staging alias), and
+    ``keeper`` is the object the new memory's deleter keeps (weak-referenceable: it dies with
+    ``storage``). A CPU fill maps the shared :data:`POISON` file.
     """
     nbytes = storage.nbytes()
     if fill is not None and nbytes and storage.device.type == "cpu" and PoisonFile.AVAILABLE:
-        piece = POISON.map(nbytes, fill)
-        old = torch.from_numpy(piece).untyped_storage()
+        keeper = POISON.map(nbytes, fill)
+        fresh = torch.from_numpy(keeper).untyped_storage()
     else:
         if fill is None:
             buf = torch.empty(nbytes, dtype=torch.uint8, device=storage.device)
         else:
             buf = torch.full((nbytes,), fill, dtype=torch.uint8, device=storage.device)
-        fresh, piece = alias_view(buf, host_array(buf), 0, nbytes, (nbytes,), torch.uint8)
-        old = fresh.untyped_storage()
+        view, keeper = alias_view(buf, host_array(buf), 0, nbytes, (nbytes,), torch.uint8)
+        fresh = view.untyped_storage()
         if fill is None:
-            old.copy_(storage)
-    storage._swap_data_ptr_(old)
-    return old, piece
+            fresh.copy_(storage)
+    storage._swap_data_ptr_(fresh)  # the two swap memories: ``fresh`` now holds what ``storage`` had
+    previous = fresh
+    return previous, keeper
 
 
 __all__ = ["AVAILABLE", "UNAVAILABLE_REASON", "WeakStorageTable", "PoisonFile", "POISON", "holders", "repoint"]

@@ -1,0 +1,109 @@
+"""Turning the sanitizer on: the one place where the features are composed onto the runtime.
+
+:func:`compose` registers every feature's hooks on the runtime's slots
+(checksums and poison, triage and its timeline, rescue, the guard, the exit
+report, TorchScript's error text), once. :func:`enable` composes, then arms
+the runtime; the environment activation (``OWNERSHIP_SANITIZE=1`` at import,
+the zero-code hook) goes through :func:`enable` too. Nothing is composed by
+importing a module: a program that never enables the sanitizer never has a
+feature hook installed.
+
+This module is part of the package face (above every feature), so it may
+import them all; the runtime below knows none of them.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Any, Dict, Iterator, Mapping, Optional
+
+from sanitizer.core import options as _opts
+
+_lock = threading.Lock()
+_composed = False
+
+
+def compose() -> None:
+    """Install every feature on the runtime's hook slots (idempotent, thread-safe)."""
+    global _composed
+    if _composed:
+        return
+    with _lock:
+        if _composed:
+            return
+        from sanitizer.features import checksums, guard, rescue, triage
+        from sanitizer.reporting import report
+        from sanitizer.torch_layer import script_calls
+
+        checksums.install()  # verify at retire (checksum=1), poison what is left stale (poison=1)
+        triage.install()  # retentions named, the timeline's flight log, holders in the errors
+        rescue.install()  # enable(rescue=1) installs its hooks
+        guard.install()  # enable(guard=1), the default, installs its hooks
+        report.install()  # enable(report=path) writes the report at exit
+        script_calls.install()  # TorchScript keeps a sanitizer error's text
+        _composed = True
+
+
+def composed() -> bool:
+    return _composed
+
+
+def enable(**options: Any) -> None:
+    """Turn debug mode on (options as in the table; unknown ones raise OptionError)."""
+    _opts.resolve(options)  # refuse bad options before anything is installed
+    compose()
+    from sanitizer.torch_layer import runtime
+
+    runtime.arm(**options)
+
+
+def disable() -> None:
+    """Turn debug mode off: no error anywhere from now on, no mode in the main thread, no thread hook.
+    Other threads' modes pass everything through until those threads end."""
+    from sanitizer.torch_layer import runtime
+
+    runtime.disarm()
+
+
+def enabled() -> bool:
+    from sanitizer.torch_layer import runtime
+
+    return runtime.enabled()
+
+
+@contextlib.contextmanager
+def sanitize(**options: Any) -> Iterator[None]:
+    """``with sanitizer.sanitize(halt_on_error=0): ...``: debug mode for a block, then the previous state."""
+    from sanitizer.torch_layer import runtime
+
+    before_enabled, before_options = runtime.state.enabled, runtime.state.options
+    enable(**options)
+    try:
+        yield
+    finally:
+        runtime.set_options(before_options)
+        if before_enabled:  # even when the block called disable()
+            enable()
+        else:
+            disable()
+
+
+def activate_from_environment(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Read ``OWNERSHIP_SANITIZE`` and ``OWNERSHIP_SANITIZE_OPTIONS``; enable when asked. Returns enabled().
+
+    Options without the switch are put in force without enabling (a later :func:`enable` uses them)."""
+    env = os.environ if environ is None else environ
+    raw = env.get(_opts.ENV_OPTIONS, "")
+    parsed: Dict[str, str] = _opts.parse_options_string(raw) if raw else {}
+    switch = _opts.switch_from_env(env)
+    from sanitizer.torch_layer import runtime
+
+    if parsed:
+        runtime.set_options(_opts.resolve(parsed, base=runtime.state.options))
+    if switch:
+        enable()
+    return runtime.enabled()
+
+
+__all__ = ["compose", "composed", "enable", "disable", "enabled", "sanitize", "activate_from_environment"]

@@ -1,0 +1,46 @@
+"""What holds a retained view: one root a person recognises, and the path from it down to the tensor.
+
+The holder walk (:mod:`sanitizer.features.holders`) finds these, the naming
+rules (:mod:`sanitizer.features.holder_paths`) build them, triage ranks them and
+files them in its records as plain dicts (:meth:`Holder.to_dict`).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+_NUMBER = re.compile(r"\d+")
+
+
+@dataclass
+class Holder:
+    """One root that holds a lease's memory, with the path from it down to the tensor."""
+
+    kind: str  # global | class | object | frame | generator | closure | partial | unknown
+    path: str
+    site: Optional[Dict[str, Any]] = None  # {"file", "line", "function"} where the holder lives
+    transient: bool = False  # a plain local of a frame on the reusing thread's stack (a loop variable?)
+    frame_id: Optional[int] = None  # id() of that frame, to re-check the local later
+    local: Optional[str] = None
+    pattern: Optional[tuple] = None  # (weakref to the root, steps below it): to look again, cheaply
+    detour: int = 0  # objects of the sanitizer's own classes the path runs through (a DeferralScope...)
+
+    @property
+    def rank(self) -> int:
+        """0: a root a person recognises; 1: a frame, an unknown or a path through our objects; 2: transient."""
+        if self.transient:
+            return 2
+        return 1 if self.kind in ("frame", "unknown") or self.detour else 0
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"kind": self.kind, "path": self.path, "site": self.site, "consumer": consumer_key(self.path)}
+
+
+def consumer_key(path: str) -> str:
+    """The grouping key: numbers wildcarded, so one consumer holding its 3rd and 4th weight (or
+    ``['layers.3.weight']`` and ``['layers.4.weight']``) is one group, while ``['loaded_weight']`` stays."""
+    return _NUMBER.sub("*", path)
+
+
+__all__ = ["Holder", "consumer_key"]

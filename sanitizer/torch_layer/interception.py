@@ -1,0 +1,95 @@
+"""Where checking happens: the dispatch mode in each thread and the reader hooks, and when they are on.
+
+Main-thread interception runs from the first stale lease until none is stale
+*and* no lease is alive. The hysteresis matters for a consumer that holds each
+tensor until the next one arrives (a loop variable): every reuse makes the
+previous lease stale and its death a moment later clears it; toggling the mode
+and the reader hooks per tensor would cost more than keeping them for the rest
+of the load. A correct program never pays at all.
+
+Other threads get the mode when they start while the sanitizer is enabled, or
+when they lend (see :class:`~sanitizer.torch_layer.mode.ModeController`).
+"""
+from __future__ import annotations
+
+import threading
+
+from sanitizer.torch_layer import readers
+from sanitizer.torch_layer.mode import ModeController
+from sanitizer.torch_layer.stale_use import check_not_stale, report_stale_use
+from sanitizer.torch_layer.state import state
+
+MODES = ModeController(state.stale, report_stale_use)
+
+
+class _Interception:
+    """Whether the main thread and the reader hooks are intercepting now (written under ``_lock``)."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.lock = threading.RLock()
+
+
+_now = _Interception()
+
+
+def intercepting() -> bool:
+    return _now.on
+
+
+def _wanted() -> bool:
+    return state.enabled and (bool(state.stale) or (_now.on and state.ledger.live_count > 0))
+
+
+def sync() -> None:
+    """Install or remove main-thread interception (and the reader hooks) as :func:`_wanted` says.
+
+    Called after every change of what it reads; cheap when nothing flips."""
+    if _wanted() == _now.on:
+        return
+    with _now.lock:
+        want = _wanted()
+        if want == _now.on:
+            return
+        _now.on = want
+        readers.set_hooks(want, check_not_stale)
+    MODES.sync_main(_wanted)
+
+
+def stale_marked() -> None:
+    """New leases went stale: intercept, and wrap the writers imported since the last stale lease."""
+    sync()
+    if _now.on:
+        readers.set_hooks(True, check_not_stale)
+
+
+def lease_died_or_disowned() -> None:
+    """A lease stopped being borrowed: the hysteresis may end (no stale lease and none alive)."""
+    if _now.on and state.ledger.live_count == 0:
+        sync()
+
+
+def on_lend() -> None:
+    """A lend while enabled: a lending thread other than main keeps a mode until it ends (its consumers
+    may read there after the reuse); the main thread follows the stale set instead."""
+    MODES.retry_leave()
+    if not MODES.installed_here() and threading.current_thread() is not threading.main_thread():
+        MODES.install_here()
+
+
+def arm(on: bool) -> None:
+    """Enable or disable checking in every thread (modes of other threads go inert when off)."""
+    MODES.arm(on)
+    if on:
+        MODES.hook_threads(lambda: state.enabled)
+    else:
+        MODES.unhook_threads()
+    sync()
+    if not on:
+        MODES.sync_main(_wanted)
+
+
+retry_leave = MODES.retry_leave
+
+__all__ = ["MODES", "intercepting", "sync", "stale_marked", "lease_died_or_disowned", "on_lend", "arm",
+           "retry_leave"]

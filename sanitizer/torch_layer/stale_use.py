@@ -1,0 +1,69 @@
+"""One path for a stale use: what happens when a stale lease is about to be read or written.
+
+The dispatch mode (per aten op) and the reader hooks (``tolist``, ``numpy``,
+``verify``...) call :func:`report_stale_use`. It captures the user's stack once,
+asks the stale-use hooks (triage confirms the retention, notes the stale read
+and names who holds the view), builds the error with that holder as a plain
+value, and hands it to :func:`~sanitizer.torch_layer.records.raise_or_record`.
+The fact "lease L was read stale at X, held by H" is computed here, once.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, Optional
+
+import torch
+
+from sanitizer.core.errors import StaleBorrowError
+from sanitizer.core.ledger import Lease
+from sanitizer.core.sites import capture_excluding, torch_dir
+from sanitizer.torch_layer.aliasing import storage_key
+from sanitizer.torch_layer.hooks import HOOKS, StaleUse
+from sanitizer.torch_layer.records import raise_or_record
+from sanitizer.torch_layer.state import state
+
+
+def report_stale_use(lease: Lease, func: Any, tensor: torch.Tensor) -> None:
+    """``tensor`` (a view of the stale ``lease``) is about to be used by ``func``: report it."""
+    event = lease.stale_by
+    assert event is not None
+    use = StaleUse(op=str(func), used_at=capture_excluding(state.options["stack_depth"], (torch_dir(),)),
+                   used_as={"dtype": str(tensor.dtype).replace("torch.", ""), "shape": list(tensor.shape)},
+                   thread=threading.current_thread().name)
+    holder = _holder(lease, use)
+    raise_or_record(StaleBorrowError(lease, event, use.op, use.used_at, use.used_as, holder=holder), lease)
+
+
+def _holder(lease: Lease, use: StaleUse) -> Optional[Dict[str, Any]]:
+    """The first holder a stale-use hook names (every hook runs: each may record the use)."""
+    holder = None
+    for hook in HOOKS.stale_use:
+        try:
+            found = hook(lease, use)
+        except Exception:  # a diagnostic must never replace the error it annotates
+            continue
+        if holder is None and found:
+            holder = found
+    return holder
+
+
+def check_not_stale(tensor: torch.Tensor, where: str) -> bool:
+    """The one stale check for reads the dispatch mode cannot see (``tolist``, ``numpy``, ``verify``...).
+
+    Reports through :func:`report_stale_use` when ``tensor``'s lease is stale and returns True
+    (when the error was recorded, not raised); False when it is not stale. The mode's per-op path
+    does the same lookup inline, for speed.
+    """
+    if not state.stale or not state.enabled:
+        return False
+    try:
+        lease = state.stale.get(storage_key(tensor))
+    except (RuntimeError, NotImplementedError):  # sparse, nested, storage-less subclasses
+        return False
+    if lease is None:
+        return False
+    report_stale_use(lease, where, tensor)
+    return True
+
+
+__all__ = ["report_stale_use", "check_not_stale"]

@@ -1,0 +1,37 @@
+"""The process-wide facts every part of the runtime reads: options, the switch, the ledger, the lookups.
+
+One object, :data:`state`, so that the modules of the torch layer (leases in
+``runtime``, records in ``records``, the stale-use path in ``stale_use``, the
+per-op interception in ``interception``) share facts without importing each
+other. It holds data, not behaviour: who may change what is said field by field.
+
+The two dicts keyed by storage address are the only state the per-op path
+reads, without a lock (a dict lookup is atomic).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Dict, Tuple
+
+from sanitizer.core import options as _opts
+from sanitizer.core.ledger import Lease, Ledger
+
+
+class RuntimeState:
+    """What the sanitizer knows right now (one instance per process)."""
+
+    def __init__(self) -> None:
+        # Replaced (never mutated: Options is frozen) only by runtime.arm/override and activation.
+        self.options: _opts.Options = _opts.resolve({})
+        self.enabled = False  # set only by runtime.arm / runtime.disarm
+        self.ledger = Ledger()
+        # Written only by runtime (a lend, a death, a reuse, a rescue); read lock-free by the per-op path.
+        self.by_storage: Dict[int, Lease] = {}  # storage address -> alive lease
+        self.stale: Dict[int, Lease] = {}  # storage address -> alive *stale* lease
+        self.tokens: Dict[int, Tuple[object, Lease]] = {}  # lease id -> (weakref whose callback ends it, lease)
+        self.lock = threading.RLock()  # guards the writes above that are not single dict operations
+
+
+state = RuntimeState()
+
+__all__ = ["RuntimeState", "state"]
