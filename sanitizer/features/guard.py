@@ -24,13 +24,12 @@ from typing import Any, Dict, List
 
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.torch_layer import runtime, storage_handles
-from sanitizer.torch_layer.hooks import RetireOrder, add_enable_hook, add_lend_hook, add_retire_hook
+from sanitizer.torch_layer.hooks import RetireOrder, add_enable_hook, add_retire_hook
 from sanitizer.torch_layer.state import state
 
 ORDER = RetireOrder.GUARD  # after rescue (which may take the lease) and triage (which names holders)
 
 _lock = threading.Lock()
-_table = storage_handles.WeakStorageTable(lambda: state.ledger.live_count)
 _counts = {"tombstones": 0, "tombstone_bytes": 0, "alive": 0, "alive_bytes": 0}
 _installed = False
 
@@ -44,14 +43,8 @@ def install() -> None:
 def _on_enable(options: Dict[str, Any]) -> None:
     global _installed
     if options.get("guard") and storage_handles.AVAILABLE and not _installed:
-        add_lend_hook(_on_lend)
         add_retire_hook(_on_retire, ORDER)
         _installed = True
-
-
-def _on_lend(lease: Lease, view: Any) -> None:
-    if state.options.get("guard"):
-        _table.add(lease, view)
 
 
 def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
@@ -61,7 +54,7 @@ def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
     for lease in victims:
         if not lease.alive or lease.rescued:
             continue
-        storage = _table.take(lease)
+        storage = runtime.storage_of(lease)  # (whenever it was lent: the runtime keeps a weak handle)
         if storage is None or storage_handles.holders(storage) <= 0:
             continue  # nobody holds it: it dies now and nobody can read it
         _entomb(lease, storage, fill)
@@ -93,9 +86,4 @@ def stats() -> Dict[str, int]:
         return dict(_counts, shared_poison_bytes=storage_handles.POISON.nbytes)
 
 
-def clear() -> None:
-    """Drop every weak handle (the counts of tombstones still alive stay true)."""
-    _table.clear()
-
-
-__all__ = ["install", "stats", "clear", "ORDER"]
+__all__ = ["install", "stats", "ORDER"]

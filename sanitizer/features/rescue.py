@@ -24,7 +24,7 @@ import torch
 
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.torch_layer import records, runtime, storage_handles
-from sanitizer.torch_layer.hooks import RetireOrder, add_enable_hook, add_lend_hook, add_retire_hook
+from sanitizer.torch_layer.hooks import RetireOrder, add_enable_hook, add_retire_hook
 from sanitizer.torch_layer.state import state
 
 ORDER = RetireOrder.RESCUE  # after checksum verification, before triage and poison
@@ -33,14 +33,13 @@ AVAILABLE: bool = storage_handles.AVAILABLE
 UNAVAILABLE_REASON: Optional[str] = (None if AVAILABLE
                                      else f"{storage_handles.UNAVAILABLE_REASON}: rescue reports only")
 
-_handles = storage_handles.WeakStorageTable(lambda: state.ledger.live_count)
 # Rescue records live only among the record store's events (records.record_event, bounded by its cap):
 # no second list here that would keep every rescue forever.
 _installed = False
 
 
 def install() -> None:
-    """Arm rescue (idempotent): ``enable(rescue=1)`` then installs the lend and retire hooks.
+    """Arm rescue (idempotent): ``enable(rescue=1)`` then installs the retire hook.
     Called by the package's composition root; with rescue off no hook is ever installed."""
     add_enable_hook(_on_enable)
 
@@ -51,22 +50,15 @@ def _on_enable(options: Dict[str, Any]) -> None:
 
 
 def install_hooks() -> None:
-    """Register the lend and retire hooks (idempotent)."""
+    """Register the retire hook (idempotent)."""
     global _installed
     if not _installed:
-        add_lend_hook(_on_lend)
         add_retire_hook(_on_retire, ORDER)
         _installed = True
 
 
 def _wanted() -> bool:
     return state.enabled and bool(state.options.get("rescue"))
-
-
-def _on_lend(lease: Lease, view: torch.Tensor) -> None:
-    """Keep a weak handle on the lease's storage: the retire hook needs the storage, not a tensor."""
-    if AVAILABLE and state.options.get("rescue"):
-        _handles.add(lease, view)
 
 
 def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
@@ -79,7 +71,7 @@ def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
             _remember({"kind": "rescue", "rescued": False, "reason": UNAVAILABLE_REASON,
                        "lease": lease.to_dict(), "event": event.to_dict()})
             continue
-        storage = _handles.take(lease)  # None: already dead, or lent before rescue was on (detection applies)
+        storage = runtime.storage_of(lease)  # None: already dead (or no weak handles in this torch)
         if storage is not None:
             _rescue(lease, storage, event)
 
@@ -112,8 +104,7 @@ def rescues() -> List[dict]:
 
 
 def clear() -> None:
-    """Forget the rescue records and free every weak handle held."""
-    _handles.clear()
+    """Forget the rescue records."""
     records.forget_events("rescue")
 
 

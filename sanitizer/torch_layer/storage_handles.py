@@ -2,10 +2,10 @@
 
 Rescue (copy out) and guard (tombstone) both act on the storage of a lease that
 something still holds when its bytes are retired. The lease record knows only
-the storage's address, so each feature keeps a *weak* storage handle per lease
-(taken at lend, so holding it never keeps a view alive) and, at retire, swaps
-the storage's data pointer (``_swap_data_ptr_``): the lent tensor and every view
-derived from it then read the new memory.
+the storage's address, so the runtime keeps a *weak* storage handle per lease
+(taken at lend, so holding it never keeps a view alive; see ``runtime.storage_of``)
+and, at retire, a feature swaps the storage's data pointer (``_swap_data_ptr_``):
+the lent tensor and every view derived from it then read the new memory.
 
 Needs private storage APIs (weak handles, ``_swap_data_ptr_``,
 ``_storage_Use_Count``); :data:`AVAILABLE` says whether this torch has them.
@@ -15,12 +15,11 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import numpy as np
 import torch
 
-from sanitizer.core.ledger import Lease
 from sanitizer.torch_layer.aliasing import alias_view, host_array
 
 _S = torch.UntypedStorage
@@ -31,46 +30,14 @@ UNAVAILABLE_REASON: Optional[str] = None if AVAILABLE else (
     + ("" if hasattr(torch._C, "_storage_Use_Count") else " and torch._C._storage_Use_Count"))
 
 
-class WeakStorageTable:
-    """Lease id -> weak handle on its storage; bounded by sweeping the dead ones as it grows."""
+def upgrade(handle: int) -> Optional[torch.UntypedStorage]:
+    """A strong reference to the storage behind weak ``handle`` (taken with ``_weak_ref()``), or None
+    when it died. The handle stays valid (free it once with :func:`free_weak_handle`)."""
+    return None if _S._expired(handle) else _S._new_with_weak_ptr(handle)
 
-    def __init__(self, live_count: Callable[[], int]):
-        self._lock = threading.RLock()
-        self._handles: Dict[int, Tuple[Lease, int]] = {}
-        self._live_count = live_count
 
-    def __len__(self) -> int:
-        return len(self._handles)
-
-    def add(self, lease: Lease, view: torch.Tensor) -> None:
-        handle = view.untyped_storage()._weak_ref()
-        with self._lock:
-            self._handles[lease.lease_id] = (lease, handle)
-            if len(self._handles) > 64 + 2 * self._live_count():
-                self._sweep()
-
-    def take(self, lease: Lease) -> Optional[torch.UntypedStorage]:
-        """The lease's storage if it still exists (a strong reference), dropping the handle; else None."""
-        with self._lock:
-            entry = self._handles.pop(lease.lease_id, None)
-        if entry is None:
-            return None
-        handle = entry[1]
-        try:
-            return None if _S._expired(handle) else _S._new_with_weak_ptr(handle)
-        finally:
-            _S._free_weak_ref(handle)
-
-    def clear(self) -> None:
-        with self._lock:
-            for _, handle in self._handles.values():
-                _S._free_weak_ref(handle)
-            self._handles.clear()
-
-    def _sweep(self) -> None:
-        dead = [lid for lid, (lease, _) in self._handles.items() if not lease.alive or lease.rescued]
-        for lid in dead:
-            _S._free_weak_ref(self._handles.pop(lid)[1])
+def free_weak_handle(handle: int) -> None:
+    _S._free_weak_ref(handle)
 
 
 def holders(storage: torch.UntypedStorage) -> int:
@@ -149,4 +116,5 @@ def repoint(storage: torch.UntypedStorage, fill: Optional[int] = None) -> Tuple[
     return previous, keeper
 
 
-__all__ = ["AVAILABLE", "UNAVAILABLE_REASON", "WeakStorageTable", "PoisonFile", "POISON", "holders", "repoint"]
+__all__ = ["AVAILABLE", "UNAVAILABLE_REASON", "upgrade", "free_weak_handle", "PoisonFile", "POISON", "holders",
+           "repoint"]
