@@ -263,7 +263,8 @@ def test_a_loop_variable_consumer_does_not_toggle_interception_per_tensor(monkey
     """Each reuse makes the previous lease (still held by the loop variable) stale for a moment."""
     calls = []
     real = interception.readers.set_hooks
-    monkeypatch.setattr(interception.readers, "set_hooks", lambda on, check=None: (calls.append(on), real(on, check)))
+    monkeypatch.setattr(interception.readers, "set_hooks",
+                        lambda on, *checks: (calls.append(on), real(on, *checks)))
     ring = sanitizer.StagingRing(64, name="ring")
     with sanitizer.sanitize():
         w = None

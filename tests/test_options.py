@@ -5,6 +5,7 @@ import pytest
 
 import sanitizer
 from sanitizer.core import options as opts
+from sanitizer.core.options import OptionError
 from tests.conftest import run_python
 
 
@@ -102,3 +103,23 @@ def test_resolved_options_are_frozen_typed_and_hold_the_cross_option_rule():
     assert dict(o) == dict(opts.resolve(dict(o)))
     import pickle
     assert dict(pickle.loads(pickle.dumps(o))) == dict(o)
+
+
+@pytest.mark.parametrize("text, report", [
+    ("report='/runs/12:30,x/r.json':stack_depth=4", "/runs/12:30,x/r.json"),
+    ('report="/runs/12:30/r.json",stack_depth=4', "/runs/12:30/r.json"),
+    (r"report=/runs/12\:30\,x/r.json:stack_depth=4", "/runs/12:30,x/r.json"),
+])
+def test_a_report_path_with_separators_can_be_given_quoted_or_escaped(text, report):
+    assert opts.parse_options_string(text) == {"report": report, "stack_depth": "4"}
+
+
+def test_an_options_string_built_from_values_reads_back_the_same():
+    values = {"report": "/a:b,c'd\"e\\f/r-{pid}.json", "halt_on_error": False, "stack_depth": 3}
+    assert opts.parse_options_string(opts.format_options_string(values)) == {
+        "report": values["report"], "halt_on_error": "0", "stack_depth": "3"}
+
+
+def test_an_unterminated_quote_is_named():
+    with pytest.raises(OptionError, match="unterminated ' quote"):
+        opts.parse_options_string("report='/runs/x")

@@ -55,6 +55,19 @@ READS = {
     "apply_": lambda w: w.apply_(lambda x: x),
     "map_": lambda w: w.map_(torch.ones(8), lambda a, b: a),
     "map_ with it as the other": lambda w: torch.ones(8).map2_(w, torch.ones(8), lambda a, b, c: a),
+    # printing turns every dispatch mode off, then reads (.item() of a 0-dim view): the next tensor's value
+    "repr of a 0-dim view": lambda w: repr(w[3]),
+    "str of the view": lambda w: str(w),
+    "f-string of a 0-dim view": lambda w: f"{w[3]:.3f}",
+    # the storage API of a lease reads its bytes without an aten op
+    "storage slice": lambda w: w.untyped_storage()[0:16],
+    "storage tolist": lambda w: w.untyped_storage().tolist(),
+    "storage clone": lambda w: w.untyped_storage().clone(),
+    "pickle.dumps(storage)": lambda w: pickle.dumps(w.untyped_storage()),
+    "torch.save(storage)": lambda w: torch.save(w.untyped_storage(), io.BytesIO()),
+    "copy a storage from it": lambda w: torch.UntypedStorage(32).copy_(w.untyped_storage()),
+    "write into its storage": lambda w: w.untyped_storage().fill_(0),
+    "assign into its storage": lambda w: w.untyped_storage().__setitem__(0, 1),
 }
 
 

@@ -206,3 +206,46 @@ def test_lend_is_tracked_while_the_sanitizer_is_off_so_a_later_check_sees_it():
     assert first_line.startswith(
         "borrowed view 'layers.0.mlp.gate_proj.weight' bfloat16[256, 128] used after staging buffer 'ring0' "
         "reused bytes [0x0, 0x1000) for 'layers.0.mlp.up_proj.weight' (generation 1 -> 2) in aten.sum.default")
+
+
+def test_writing_a_fresh_lease_back_in_place_is_no_false_alarm():
+    """Re-lending in place (the source is the very bytes written): correct unsanitized, silent sanitized."""
+    buf = StagingBuffer(1024, name="inplace")
+    w = buf.write(0, torch.arange(8, dtype=torch.float32), name="w")
+    with sanitizer.sanitize():
+        again = buf.write(0, w, name="w again")
+        assert again.tolist() == list(range(8))
+        shifted = buf.write(16, again, name="shifted")  # overlaps its own source: read before the reuse
+        assert shifted.tolist() == list(range(8))
+    assert sanitizer.errors() == []
+
+
+@pytest.mark.parametrize("halt", [1, 0])
+def test_a_write_of_a_stale_source_changes_nothing_before_it_reports(halt):
+    ring = sanitizer.StagingRing(256, name="atomic")
+    a = ring.put("a", torch.ones(16))
+    b = ring.put("b", torch.ones(40))
+    ring.put("c", torch.ones(16))  # wraps: a is stale now
+    state = (ring.wraps, ring.head, ring.segment, ring.buffer.generation)
+    with sanitizer.sanitize(halt_on_error=halt):
+        if halt:
+            with pytest.raises(sanitizer.StaleBorrowError, match="StagingBuffer.write"):
+                ring.put("d", a)
+            assert (ring.wraps, ring.head, ring.segment, ring.buffer.generation) == state  # nothing moved
+            assert not sanitizer.lease_of(b).stale  # the destination's valid lease is untouched
+        else:
+            ring.put("d", a)  # recorded (the program goes on, as with any op under halt_on_error=0)
+            assert sanitizer.errors()[0]["op"] == "StagingBuffer.write"  # (then the copy's own read of it)
+
+
+def test_a_buffer_still_takes_puts_in_the_users_own_atexit_handlers(tmp_path):
+    from conftest import run_python
+
+    code = ("import atexit, torch, sanitizer\n"
+            "def late(): print('late put', ring.put('x', torch.ones(4)).sum().item())\n"
+            "atexit.register(late)  # registered before the buffer exists: runs after its finalizer's hook\n"
+            "ring = sanitizer.StagingRing(1024, name='r')\n"
+            "ring.put('w', torch.ones(4))\n")
+    for env in ({}, {"OWNERSHIP_SANITIZE": "1"}):
+        out = run_python(code, env)
+        assert out.returncode == 0 and "late put 4.0" in out.stdout, out.stderr

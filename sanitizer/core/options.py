@@ -8,7 +8,7 @@ README's option list all read this table, so they cannot drift apart.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
 
 ENV_SWITCH = "OWNERSHIP_SANITIZE"
 ENV_OPTIONS = "OWNERSHIP_SANITIZE_OPTIONS"
@@ -87,7 +87,8 @@ OPTIONS: Dict[str, Option] = {
                "Frames kept for the lent-at, reused-at and used-at stacks. 0 captures none (cheapest).",
                _non_negative),
         Option("report", str, "",
-               "Write the JSON report to this path at process exit ({pid} and {rank} expand). Empty: no file."),
+               "Write the JSON report to this path at process exit ({pid} and {rank} expand). Empty: no file. "
+               "A path with ':' or ',' is quoted in the options string (report='/runs/12:30/r.json')."),
         Option("checksum", bool, False,
                "Hash each lease's bytes at lend (numba kernels, CUDA or CPU) and verify them when a reuse retires "
                "the lease while it is alive and at sanitizer.verify(): catches writes that bypass the buffer API."),
@@ -210,20 +211,75 @@ def resolve(values: Mapping[str, Any], base: Optional[Mapping[str, Any]] = None)
 
 
 def parse_options_string(text: str) -> Dict[str, str]:
-    """``"a=1:b=2"`` (or comma-separated, as ASan accepts) -> ``{"a": "1", "b": "2"}``, unvalidated."""
+    """``"a=1:b=2"`` (or comma-separated, as ASan accepts) -> ``{"a": "1", "b": "2"}``, unvalidated.
+
+    A value holding ``:`` or ``,`` (a report path in a timestamped run directory) is quoted,
+    ``report='/runs/12:30/r.json'`` (single or double quotes), or has them escaped with a backslash,
+    ``report=/runs/12\\:30/r.json``."""
     out: Dict[str, str] = {}
-    for item in text.replace(",", ":").split(":"):
-        item = item.strip()
-        if not item:
+    for item in _split_items(text):
+        if not item.strip():
             continue
         name, sep, value = item.partition("=")
         name = name.strip()
         if not sep:
-            raise OptionError(f"{ENV_OPTIONS}: '{item}' is not of the form name=value")
+            raise OptionError(f"{ENV_OPTIONS}: '{item.strip()}' is not of the form name=value")
         if name not in OPTIONS:
             raise _unknown(name)
-        out[name] = value
+        out[name] = _unquote(value.strip(), name)
     return out
+
+
+def format_options_string(values: Mapping[str, Any]) -> str:
+    """The options string of ``values`` that :func:`parse_options_string` reads back (values holding a
+    separator, a quote or a backslash are escaped)."""
+    def escape(v: Any) -> str:
+        text = str(int(v)) if isinstance(v, bool) else str(v)
+        return "".join("\\" + c if c in ":,'\"\\" else c for c in text)
+
+    return ":".join(f"{k}={escape(v)}" for k, v in values.items())
+
+
+def _split_items(text: str) -> List[str]:
+    """Split at ``:`` and ``,`` outside quotes and not after a backslash (kept in the items, for _unquote)."""
+    items, current, quote, i = [], [], None, 0
+    while i < len(text):
+        ch = text[i]
+        if ch == "\\" and i + 1 < len(text):
+            current.append(text[i:i + 2])
+            i += 2
+            continue
+        if quote:
+            if ch == quote:
+                quote = None
+        elif ch in "'\"":
+            quote = ch
+        elif ch in ":,":
+            items.append("".join(current))
+            current = []
+            i += 1
+            continue
+        current.append(ch)
+        i += 1
+    if quote:
+        raise OptionError(f"{ENV_OPTIONS}: unterminated {quote} quote in {text!r}")
+    items.append("".join(current))
+    return items
+
+
+def _unquote(value: str, name: str) -> str:
+    """Drop one pair of surrounding quotes and the backslashes that escape a character."""
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        value = value[1:-1]
+    out, i = [], 0
+    while i < len(value):
+        if value[i] == "\\" and i + 1 < len(value) and value[i + 1] in ":,'\"\\":
+            out.append(value[i + 1])
+            i += 2
+            continue
+        out.append(value[i])
+        i += 1
+    return "".join(out)
 
 
 def switch_from_env(environ: Mapping[str, str]) -> bool:
@@ -287,7 +343,7 @@ def sync_readme(path: str) -> bool:
     return updated != text
 
 
-__all__ = ["Option", "OPTIONS", "OptionError", "defaults", "resolve", "parse_options_string",
+__all__ = ["Option", "OPTIONS", "OptionError", "defaults", "resolve", "parse_options_string", "format_options_string",
            "switch_from_env", "format_table", "table_rows", "ENV_SWITCH", "ENV_OPTIONS", "parse_bool",
            "markdown_table", "sync_readme"]
 

@@ -260,8 +260,8 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             fh.write(_SITECUSTOMIZE.format(parent=_PKG_PARENT, bootstrap=startup.BOOTSTRAP))
         env = dict(os.environ)
         env[startup.ENV_SWITCH] = "1"
-        env[_opts.ENV_OPTIONS] = ":".join([f"{k}={v}" for k, v in options.items()]
-                                           + [f"report={os.path.join(tmp, 'report-{pid}.json')}"])
+        env[_opts.ENV_OPTIONS] = _opts.format_options_string(
+            {**options, "report": os.path.join(tmp, "report-{pid}.json")})
         env["PYTHONPATH"] = os.pathsep.join([boot] + [p for p in [env.get("PYTHONPATH")] if p])
         progress = _Progress(" ".join(command))
         try:

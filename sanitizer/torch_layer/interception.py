@@ -16,7 +16,7 @@ import threading
 
 from sanitizer.torch_layer import readers
 from sanitizer.torch_layer.mode import ModeController
-from sanitizer.torch_layer.stale_use import check_not_stale, report_stale_use
+from sanitizer.torch_layer.stale_use import check_not_stale, check_storage_not_stale, report_stale_use
 from sanitizer.torch_layer.state import state
 
 MODES = ModeController(state.stale, report_stale_use)
@@ -52,7 +52,7 @@ def sync() -> None:
         if want == _now.on:
             return
         _now.on = want
-        readers.set_hooks(want, check_not_stale)
+        readers.set_hooks(want, check_not_stale, check_storage_not_stale)
     MODES.sync_main(_wanted)
 
 
@@ -60,7 +60,7 @@ def stale_marked() -> None:
     """New leases went stale: intercept, and wrap the writers imported since the last stale lease."""
     sync()
     if _now.on:
-        readers.set_hooks(True, check_not_stale)
+        readers.set_hooks(True, check_not_stale, check_storage_not_stale)
 
 
 def lease_died_or_disowned() -> None:

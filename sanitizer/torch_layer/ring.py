@@ -22,7 +22,7 @@ import torch
 
 from sanitizer.torch_layer import runtime
 from sanitizer.torch_layer.sources import Source, prepare
-from sanitizer.torch_layer.staging import StagingBuffer
+from sanitizer.torch_layer.staging import StagingBuffer, refuse_stale_source
 
 Span = Tuple[int, int, int]  # (segment index, start, end)
 
@@ -102,6 +102,7 @@ class StagingRing:
         src = prepare(source, shape, dtype)
         nbytes = src.nbytes
         self._check_fits(nbytes)
+        refuse_stale_source(src)  # before the quarantine retires anything or the ring moves
         if self.quarantine and self._last is not None:
             (seg, start, end), _ = self._last
             self.segments[seg].retire(start, end - start, by=name)
@@ -110,9 +111,9 @@ class StagingRing:
                 self._held.popleft()
             self._last = None
         seg, offset = self.place(nbytes, src.dtype.itemsize)
-        if (seg, offset) < (self.segment, self.head) and self.head:
-            self.wraps += 1
-        view = self.segments[seg].write_prepared(offset, src, name)
+        wrapped = (seg, offset) < (self.segment, self.head) and self.head
+        view = self.segments[seg].write_prepared(offset, src, name, source_checked=True)
+        self.wraps += bool(wrapped)  # the ring moves only once the write went through
         self.segment, self.head = seg, offset + nbytes
         self._last = ((seg, offset, offset + nbytes), name)
         return view

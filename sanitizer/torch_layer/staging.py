@@ -18,6 +18,7 @@ from sanitizer.torch_layer import runtime
 from sanitizer.torch_layer.aliasing import alias_view, check_device, device_key, dtype_name, host_array
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.torch_layer.sources import Prepared, Source, check_dtype, check_shape, copy_into, prepare
+from sanitizer.torch_layer.stale_use import check_not_stale
 
 BORROWED_MARKER = "_vllm_instanttensor_borrowed"
 
@@ -46,6 +47,13 @@ def _index(value: Any, what: str) -> int:
         return operator.index(value)
     except TypeError:
         raise TypeError(f"{what} must be an int, got {value!r}") from None
+
+
+def refuse_stale_source(src: Prepared) -> None:
+    """A write whose source tensor is a stale lease reads someone else's bytes: report it before the write
+    changes anything (raised, every lease as it was; or recorded, with ``halt_on_error=0``)."""
+    if isinstance(src.payload, torch.Tensor):
+        check_not_stale(src.payload, "StagingBuffer.write")
 
 
 def _forget_region_at_gc(region: Region) -> None:
@@ -100,6 +108,9 @@ class StagingBuffer:
         self.name = self._region.name
         _BUFFERS[self._region.region_id] = self
         self._finalizer = weakref.finalize(self, _forget_region_at_gc, self._region)
+        # Not at exit: the user's own atexit handlers (registered before the first buffer) may still
+        # put into it; the process's memory goes with the process anyway.
+        self._finalizer.atexit = False
 
     # -- state -------------------------------------------------------------
     @property
@@ -197,13 +208,38 @@ class StagingBuffer:
         self._live(f"write '{name}' into")
         return self.write_prepared(offset, prepare(source, shape, dtype), name)
 
-    def write_prepared(self, offset: int, src: Prepared, name: Optional[str] = None) -> torch.Tensor:
-        """:meth:`write` of a source already validated by :func:`~sanitizer.torch_layer.sources.prepare`."""
+    def write_prepared(self, offset: int, src: Prepared, name: Optional[str] = None, *,
+                       source_checked: bool = False) -> torch.Tensor:
+        """:meth:`write` of a source already validated by :func:`~sanitizer.torch_layer.sources.prepare`
+        (``source_checked``: the caller already refused a stale source, see :func:`refuse_stale_source`)."""
         data = self._live(f"write '{name}' into")
         offset, shape, dtype, nbytes = self._check_lend(offset, src.shape, src.dtype, name, "write")
+        if not source_checked:
+            refuse_stale_source(src)
+        payload = self._payload(offset, src, nbytes)
         self.reuse(offset, nbytes, by=name)
-        copy_into(data, self._host, offset, src, nbytes)
+        if payload is not None:
+            copy_into(data, self._host, offset, payload, nbytes)
         return self.lend(offset, shape, dtype, name)
+
+    def _payload(self, offset: int, src: Prepared, nbytes: int) -> Any:
+        """What :meth:`write_prepared` copies after its reuse, decided before it: a source that overlaps
+        the bytes about to be reused (a lease of this very buffer written back) is copied out first, or
+        not at all when it already is those bytes (re-lending in place: the copy would be a no-op).
+        None: nothing to copy."""
+        payload = src.payload
+        if not isinstance(payload, torch.Tensor) or not nbytes:
+            return src
+        data = self._data
+        if payload.device != data.device:
+            return src
+        start, end = data.data_ptr() + offset, data.data_ptr() + offset + nbytes
+        first, last = payload.data_ptr(), payload.data_ptr() + nbytes
+        if first == start:
+            return None  # the source is these very bytes
+        if first < end and start < last:
+            return src._replace(payload=payload.clone())  # read it before the reuse declares it overwritten
+        return src
 
     def close(self) -> None:
         """Free the buffer. Every lease goes stale; using one then is a use-after-free report.

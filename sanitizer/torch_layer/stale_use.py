@@ -23,13 +23,16 @@ from sanitizer.torch_layer.records import raise_or_record
 from sanitizer.torch_layer.state import state
 
 
-def report_stale_use(lease: Lease, func: Any, tensor: torch.Tensor) -> None:
-    """``tensor`` (a view of the stale ``lease``) is about to be used by ``func``: report it."""
+def report_stale_use(lease: Lease, func: Any, tensor: Optional[torch.Tensor],
+                     used_as: Optional[Dict[str, Any]] = None) -> None:
+    """``tensor`` (a view of the stale ``lease``; None for its storage, described by ``used_as``) is about
+    to be used by ``func``: report it."""
     event = lease.stale_by
     assert event is not None
+    if tensor is not None:
+        used_as = {"dtype": str(tensor.dtype).replace("torch.", ""), "shape": list(tensor.shape)}
     use = StaleUse(op=str(func), used_at=capture_excluding(state.options["stack_depth"], (torch_dir(),)),
-                   used_as={"dtype": str(tensor.dtype).replace("torch.", ""), "shape": list(tensor.shape)},
-                   thread=threading.current_thread().name)
+                   used_as=used_as, thread=threading.current_thread().name)
     holder = _holder(lease, use)
     raise_or_record(StaleBorrowError(lease, event, use.op, use.used_at, use.used_as, holder=holder), lease)
 
@@ -66,4 +69,19 @@ def check_not_stale(tensor: torch.Tensor, where: str) -> bool:
     return True
 
 
-__all__ = ["report_stale_use", "check_not_stale"]
+def check_storage_not_stale(storage: Any, where: str) -> bool:
+    """:func:`check_not_stale` for a lease's storage used through the storage API (``storage[0:16]``,
+    ``pickle.dumps(storage)``, ``torch.save(storage)``)."""
+    if not state.stale or not state.enabled:
+        return False
+    try:
+        lease = state.stale.get(storage._cdata)
+    except (AttributeError, RuntimeError):
+        return False
+    if lease is None:
+        return False
+    report_stale_use(lease, where, None, {"dtype": "storage", "shape": [lease.nbytes]})
+    return True
+
+
+__all__ = ["report_stale_use", "check_not_stale", "check_storage_not_stale"]
