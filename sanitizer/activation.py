@@ -18,6 +18,7 @@ import os
 import threading
 from typing import Any, Dict, Iterator, Mapping, Optional
 
+from sanitizer.core import forking
 from sanitizer.core import options as _opts
 
 _lock = threading.Lock()
@@ -104,6 +105,13 @@ def activate_from_environment(environ: Optional[Mapping[str, str]] = None) -> bo
     if switch:
         enable()
     return runtime.enabled()
+
+
+
+@forking.in_child
+def _after_fork() -> None:
+    global _lock
+    _lock = threading.Lock()
 
 
 __all__ = ["compose", "composed", "enable", "disable", "enabled", "sanitize", "activate_from_environment"]

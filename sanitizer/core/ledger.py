@@ -167,6 +167,10 @@ class Ledger:
         self._live: Dict[int, Lease] = {}
         self.on_live_change = on_live_change
 
+    def after_fork_in_child(self) -> None:
+        """A fresh lock in a forked child (the parent's may have been held by a thread the child lacks)."""
+        self._lock = threading.RLock()
+
     # -- regions -----------------------------------------------------------
     def add_region(self, name: str, device: str, base: int, nbytes: int) -> Region:
         if nbytes < 0:

@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from sanitizer.core import forking
 from sanitizer.torch_layer import records, runtime
 from sanitizer.torch_layer.hooks import RetireOrder, add_lend_hook, add_retire_hook
 from sanitizer.torch_layer.stale_use import check_not_stale
@@ -232,6 +233,13 @@ def install() -> None:
     add_lend_hook(on_lend)
     add_retire_hook(on_retire, RetireOrder.VERIFY)
     add_retire_hook(on_poison, RetireOrder.POISON)
+
+
+
+@forking.in_child
+def _after_fork() -> None:
+    global _lock
+    _lock = threading.RLock()
 
 
 __all__ = ["verify", "synchronize", "install", "on_lend", "on_retire", "on_poison"]

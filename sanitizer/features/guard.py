@@ -22,6 +22,7 @@ import threading
 import weakref
 from typing import Any, Dict, List
 
+from sanitizer.core import forking
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.torch_layer import runtime, storage_handles
 from sanitizer.torch_layer.hooks import RetireOrder, add_enable_hook, add_retire_hook
@@ -84,6 +85,13 @@ def stats() -> Dict[str, int]:
     they really share on CPU (one poison file, the size of the largest)."""
     with _lock:
         return dict(_counts, shared_poison_bytes=storage_handles.POISON.nbytes)
+
+
+
+@forking.in_child
+def _after_fork() -> None:
+    global _lock
+    _lock = threading.Lock()
 
 
 __all__ = ["install", "stats", "ORDER"]

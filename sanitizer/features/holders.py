@@ -27,6 +27,7 @@ from typing import Any, Dict, Iterable, List, Set, Tuple
 
 import torch
 
+from sanitizer.core import forking
 from sanitizer.core.sites import torch_dir
 from sanitizer.features.holder import Holder, consumer_key
 from sanitizer.features.holder_paths import (DETOUR, GEN_FLAGS, FrameLocal, Seg, internal,
@@ -347,6 +348,13 @@ def forget_patterns() -> None:
     """Drop the remembered holder paths (tests; a new process starts with none)."""
     with _patterns_lock:
         _patterns.clear()
+
+
+
+@forking.in_child
+def _after_fork() -> None:
+    global _patterns_lock
+    _patterns_lock = threading.Lock()
 
 
 __all__ = ["Holder", "WalkResult", "find_holders", "replay", "remember", "consumer_key",

@@ -32,6 +32,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from sanitizer.core import forking
 from sanitizer.torch_layer import records, runtime
 from sanitizer.torch_layer.aliasing import alias_view, host_array
 from sanitizer.torch_layer.staging import BORROWED_MARKER
@@ -126,6 +127,11 @@ class _Accounting:
 
 
 _acct = _Accounting()
+
+
+@forking.in_child
+def _after_fork() -> None:
+    _acct.lock = threading.RLock()
 _CLONE_EVENTS: Dict[str, dict] = {}
 
 

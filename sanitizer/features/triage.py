@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from inspect import CO_OPTIMIZED
 from typing import Any, Dict, List, Optional, Set, Tuple
 
+from sanitizer.core import forking
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.core.sites import site_text, to_records
 from sanitizer.features import holders as _holders
@@ -398,6 +399,13 @@ def pending_count() -> int:
 def timeline() -> Dict[str, Any]:
     """The report's ``timeline`` section (see :meth:`TimelineLog.section`)."""
     return _TRIAGE.log.section()
+
+
+
+@forking.in_child
+def _after_fork() -> None:
+    """A forked child decides its own retentions: a fresh triage and flight log (fresh locks with them)."""
+    reset()
 
 
 __all__ = ["Triage", "install", "uninstall", "installed_hooks", "reset", "settle", "retentions", "holder_of", "pending_count",

@@ -19,6 +19,7 @@ import os
 import sys
 from typing import Any, Dict, Iterable, List, Optional, Set
 
+from sanitizer.core import forking
 from sanitizer.core.sites import frame_text, site_text
 from sanitizer.core.units import format_bytes
 from sanitizer.torch_layer import records, runtime
@@ -178,7 +179,12 @@ def merge(reports: Iterable[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 def expand_path(path: str) -> str:
+    """``{pid}`` and ``{rank}`` expanded. In a forked child a path without ``{pid}`` gets ``.<pid>`` before
+    its extension: the child writes its own report, never over its parent's."""
     rank = _rank_info()["rank"]
+    if _forked and "{pid}" not in path:
+        root, ext = os.path.splitext(path)
+        path = f"{root}.{{pid}}{ext}"
     return path.replace("{pid}", str(os.getpid())).replace("{rank}", "0" if rank is None else str(rank))
 
 
@@ -227,6 +233,8 @@ def validate(rep: Dict[str, Any]) -> List[str]:
 
 
 _exit_writer_armed = False
+_forked = False  # this process is a forked child (of a process that had the sanitizer loaded)
+_os_exit = os._exit
 
 
 def _on_enable(options: Dict[str, Any]) -> None:
@@ -246,6 +254,23 @@ def _write_report_at_exit() -> None:
     except Exception as exc:  # one line, never a second traceback after the program's own
         print(f"ownership-sanitizer: could not write the report to {path!r}: {type(exc).__name__}: {exc}",
               file=sys.stderr)
+
+
+def _exit_after_writing_the_report(code: int) -> None:
+    """``os._exit`` in a forked child: the report first. multiprocessing's fork workers (and
+    ProcessPoolExecutor's) end with ``os._exit``, which runs no atexit handler."""
+    try:
+        _write_report_at_exit()
+    finally:
+        _os_exit(code)
+
+
+@forking.in_child
+def _after_fork() -> None:
+    global _forked
+    _forked = True
+    if _exit_writer_armed and os._exit is _os_exit:
+        os._exit = _exit_after_writing_the_report
 
 
 def install() -> None:

@@ -25,6 +25,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from sanitizer.core import forking
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.core.sites import Site
 
@@ -105,6 +106,11 @@ class HookSlots:
 
 
 HOOKS = HookSlots()
+
+
+@forking.in_child
+def _after_fork() -> None:
+    HOOKS._lock = threading.Lock()
 
 add_enable_hook = HOOKS.add_enable
 add_lend_hook = HOOKS.add_lend

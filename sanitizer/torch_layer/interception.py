@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 
+from sanitizer.core import forking
 from sanitizer.torch_layer import readers
 from sanitizer.torch_layer.mode import ModeController
 from sanitizer.torch_layer.stale_use import check_not_stale, check_storage_not_stale, report_stale_use
@@ -90,6 +91,12 @@ def arm(on: bool) -> None:
 
 
 retry_leave = MODES.retry_leave
+
+
+@forking.in_child
+def _after_fork() -> None:
+    _now.lock = threading.RLock()
+    MODES.after_fork_in_child()
 
 __all__ = ["MODES", "intercepting", "sync", "stale_marked", "lease_died_or_disowned", "on_lend", "arm",
            "retry_leave"]

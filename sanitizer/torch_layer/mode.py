@@ -220,6 +220,14 @@ class ModeController:
         self._main_wants: Callable[[], bool] = lambda: False
         self._pending = _PendingCall(self._sync_main) if _PendingCall.available() else None
 
+    def after_fork_in_child(self) -> None:
+        """In a forked child only the forking thread exists: a fresh lock, the count of threads carrying
+        a mode is this one's, and no pending call is queued any more."""
+        self._lock = threading.Lock()
+        self._installed = 1 if self.installed_here() else 0
+        if self._pending is not None:
+            self._pending._scheduled = False
+
     # -- this thread -------------------------------------------------------------
     def installed_here(self) -> bool:
         return getattr(self._tls, "mode", None) is not None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Dict, List, Optional, Set
 
+from sanitizer.core import forking
 from sanitizer.core.errors import OwnershipError, rebuild
 from sanitizer.core.ledger import Lease
 from sanitizer.torch_layer.state import state
@@ -101,6 +102,14 @@ class RecordStore:
 
 
 STORE = RecordStore()
+
+
+@forking.in_child
+def _after_fork() -> None:
+    """A forked child reports its own findings: the parent's records stay the parent's (and its report's)."""
+    STORE._lock = threading.RLock()
+    STORE.clear_errors()
+    STORE.forget_events()
 
 # -- the one exit of every sanitizer error -------------------------------------------
 _last = threading.local()  # per thread: how many errors it raised, and a copy-able state of the last one

@@ -17,6 +17,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
+from sanitizer.core import forking
 from sanitizer.core import options as _opts
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.core.sites import Site, capture
@@ -105,6 +106,12 @@ def rebind_lease(lease: Lease, piece: Any) -> None:
 _WEAK_HANDLES = storage_handles.AVAILABLE
 _handles_lock = threading.Lock()
 _dead_handles: List[int] = []
+
+
+@forking.in_child
+def _after_fork() -> None:
+    global _handles_lock
+    _handles_lock = threading.Lock()
 
 
 def _free_dead_handles() -> None:

@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict
 
 import torch
 
+from sanitizer.core import forking
 from sanitizer.core import errors
 from sanitizer.torch_layer import mode as _mode
 from sanitizer.torch_layer import records
@@ -108,6 +109,13 @@ def install() -> None:
     _mode.op_error_hook = note  # the mode's documented slot for it
     if state.enabled:  # composed after enable(): arm now
         hook(True)
+
+
+
+@forking.in_child
+def _after_fork() -> None:
+    global _lock
+    _lock = threading.Lock()
 
 
 __all__ = ["install", "hook", "hooked", "note"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from typing import Dict, Tuple
 
+from sanitizer.core import forking
 from sanitizer.core import options as _opts
 from sanitizer.core.ledger import Lease, Ledger
 
@@ -33,5 +34,11 @@ class RuntimeState:
 
 
 state = RuntimeState()
+
+
+@forking.in_child
+def _after_fork() -> None:
+    state.lock = threading.RLock()
+    state.ledger.after_fork_in_child()
 
 __all__ = ["RuntimeState", "state"]

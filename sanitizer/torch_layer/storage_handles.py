@@ -20,6 +20,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 import torch
 
+from sanitizer.core import forking
 from sanitizer.torch_layer.aliasing import alias_view, host_array
 
 _S = torch.UntypedStorage
@@ -114,6 +115,12 @@ def repoint(storage: torch.UntypedStorage, fill: Optional[int] = None) -> Tuple[
     storage._swap_data_ptr_(fresh)  # the two swap memories: ``fresh`` now holds what ``storage`` had
     previous = fresh
     return previous, keeper
+
+
+
+@forking.in_child
+def _after_fork() -> None:
+    POISON._lock = threading.Lock()  # (the poison file itself is shared: every mapping is private)
 
 
 __all__ = ["AVAILABLE", "UNAVAILABLE_REASON", "upgrade", "free_weak_handle", "PoisonFile", "POISON", "holders",
