@@ -33,12 +33,13 @@ def compose() -> None:
     with _lock:
         if _composed:
             return
-        from sanitizer.features import checksums, guard, rescue, triage
+        from sanitizer.features import aliases, checksums, guard, rescue, triage
         from sanitizer.reporting import report
         from sanitizer.torch_layer import script_calls
 
         checksums.install()  # verify at retire (checksum=1), poison what is left stale (poison=1)
         triage.install()  # retentions named, the timeline's flight log, holders in the errors
+        aliases.install()  # exports of fresh leases (numpy, DLPack): aliases named among the holders
         rescue.install()  # enable(rescue=1) installs its hooks
         guard.install()  # enable(guard=1), the default, installs its hooks
         report.install()  # enable(report=path) writes the report at exit

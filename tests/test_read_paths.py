@@ -116,11 +116,13 @@ def test_the_reader_hooks_exist_only_while_a_stale_lease_is_reachable():
     buf = StagingBuffer(256)
     with sanitizer.sanitize():
         w = buf.write(0, torch.ones(4), name="w")
-        assert not readers.hooked() and "numpy" not in torch.Tensor.__dict__
+        assert not readers.hooked() and "tolist" not in torch.Tensor.__dict__
+        assert readers.noting() and "numpy" in torch.Tensor.__dict__  # exports of a fresh lease are noted
         buf.reuse(0, 16)
-        assert readers.hooked() and "numpy" in torch.Tensor.__dict__
+        assert readers.hooked() and "tolist" in torch.Tensor.__dict__
         del w
         gc.collect()
-        assert not readers.hooked() and "numpy" not in torch.Tensor.__dict__
+        assert not readers.hooked() and not readers.noting()
+        assert "numpy" not in torch.Tensor.__dict__ and "tolist" not in torch.Tensor.__dict__
         assert torch.Tensor.tolist is torch._C.TensorBase.tolist
         assert torch.utils.dlpack.to_dlpack.__module__ != readers.__name__

@@ -7,7 +7,7 @@ describe the same lease with the same words.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 
 def describe_lease(rec: Mapping[str, Any]) -> str:
@@ -29,4 +29,15 @@ def describe_event(rec: Mapping[str, Any]) -> str:
             f"(generation {before} -> {after})")
 
 
-__all__ = ["describe_lease", "describe_event"]
+def fix_hint(kind: Optional[str], consumer: str, site: Optional[str]) -> str:
+    """What to change for a retaining consumer: own the tensor where the holder keeps it (``site``:
+    where it is kept, ``file:line``, when known)."""
+    at = f" ({site})" if site else ""
+    if not kind or kind in ("unknown", "none"):
+        return ("own what you keep: store sanitizer.own(t) (a copy only when t is borrowed) or t.clone(), "
+                "not the borrowed view")
+    return (f"own the tensor where {consumer} keeps it: store sanitizer.own(t) (copies only a borrowed t) or "
+            f"t.clone() there, not the borrowed view{at}")
+
+
+__all__ = ["describe_lease", "describe_event", "fix_hint"]

@@ -25,8 +25,8 @@ import types
 from typing import Any, Dict, List, Optional
 
 from sanitizer.core.ledger import Lease, ReuseEvent
-from sanitizer.core.describe import describe_event, describe_lease
-from sanitizer.core.sites import Site, format_site, frame_text, to_records
+from sanitizer.core.describe import describe_event, describe_lease, fix_hint
+from sanitizer.core.sites import Site, format_site, frame_text, site_text, to_records
 
 
 def _record(kind: str, summary: str, **fields: Any) -> Dict[str, Any]:
@@ -42,9 +42,14 @@ def _event_lines(event: ReuseEvent) -> List[str]:
             format_site(event.site)]
 
 
-def _holder_line(holder: Dict[str, Any]) -> str:
+def _holder_lines(holder: Dict[str, Any]) -> List[str]:
     where = frame_text(holder.get("site"))
-    return f"  held by {holder.get('kind', 'unknown')} {holder.get('path', '?')}" + (f" ({where})" if where else "")
+    lines = [f"  held by {holder.get('kind', 'unknown')} {holder.get('path', '?')}" + (f" ({where})" if where else "")]
+    for alias in holder.get("aliases") or ():
+        made = frame_text(alias.get("made_at"))
+        lines.append(f"  exported as a {alias.get('kind')} alias while lent" + (f" at {made}" if made else "")
+                     + ": reads through it are not checked and see the next tensor's bytes")
+    return lines
 
 
 def rebuild(cls: type, text: Optional[str], state: Dict[str, Any]) -> "OwnershipError":
@@ -158,6 +163,10 @@ class StaleBorrowError(OwnershipError):
             used_as=used_as, used_at=to_records(used_at),
         )
         self._used_lines = format_site(used_at)
+        holder = self.holder or {}
+        self.fix = fix_hint(holder.get("kind"), holder.get("consumer") or holder.get("path") or "",
+                            site_text(holder.get("stored_at") or holder.get("site")))
+        self.record["fix"] = self.fix
         self._finish()
 
     def _render(self) -> str:
@@ -167,7 +176,8 @@ class StaleBorrowError(OwnershipError):
             via = f" (through a derived view {self.used_as['dtype']}{list(self.used_as['shape'])})"
         return "\n".join([
             self.summary + via,
-            *([_holder_line(self.holder)] if self.holder else []),
+            *(_holder_lines(self.holder) if self.holder else []),
+            *([f"  fix: {self.fix}"] if getattr(self, "fix", None) else []),
             f"  lent at (generation {lease.generation}, bytes [{lease.start:#x}, {lease.end:#x}) "
             f"of '{lease.region_name}'):",
             format_site(lease.site),
@@ -210,7 +220,7 @@ class BorrowCorruptedError(OwnershipError):
         self._finish()
 
     def _render(self) -> str:
-        return "\n".join([self.summary, *([_holder_line(self.holder)] if self.holder else []), *self._lines])
+        return "\n".join([self.summary, *(_holder_lines(self.holder) if self.holder else []), *self._lines])
 
 
 def stale_summary(lease: Lease, event: ReuseEvent, op: str) -> str:

@@ -123,7 +123,8 @@ OPTIONS: Dict[str, Option] = {
                "plugin set it."),
         Option("triage_budget_ms", int, 1000,
                "Time bound of one holder walk (gc referrers from a retained view up to a global, an object "
-               "attribute, a closure, a partial or a frame local). 0: record retentions without naming the holder.",
+               "attribute, a closure, a partial or a frame local), in CPU time of the walking thread, so a loaded "
+               "machine names the same holders. 0: record retentions without naming the holder.",
                _non_negative),
         Option("triage_depth", int, 8,
                "Referrer levels the holder walk climbs before it gives up.", _non_negative),

@@ -119,7 +119,7 @@ Seg = Tuple[Any, ...]
 ("a", name) attribute, ("c",) cell contents, ("?", text) a step we can print but not follow again;
 and the first steps below a root: ("g", name) module global, ("ca", name) class attribute,
 ("l", name) generator local, ("cl", i) closure cell, ("df",) defaults, ("pa",) / ("pk",) partial args /
-keywords. Structured, so that a found path can be followed again for the next lease (see holders.py)."""
+keywords; ("al", kind) marks a path that ends at an alias of the view (a numpy array), not the view. Structured, so that a found path can be followed again for the next lease (see holders.py)."""
 
 _TEXT = {"a": ".{}", "g": ".{}", "ca": ".{}", "i": "[{}]", "pa": ".args", "pk": ".keywords"}
 
@@ -132,6 +132,8 @@ def render(segs: Tuple[Seg, ...]) -> str:
             out.append(f"[{seg[1]!r}]")
         elif tag == "?":
             out.append(seg[1])
+        elif tag == "al":
+            out.append(f" (a {seg[1]} alias of the view)")
         elif tag in _TEXT:
             out.append(_TEXT[tag].format(*seg[1:]))
     return "".join(out)
@@ -207,7 +209,7 @@ def _make(kind: str, obj: Any, head: str, segs: Tuple[Seg, ...], site: Optional[
     """A holder named ``head`` + steps; remembers how to follow the same steps again from ``obj``."""
     ref = (lambda o=obj: o) if strong else _ref(obj)
     steps, detour = without_detours(segs)
-    pattern = None if ref is None or any(seg[0] == "?" for seg in steps) else (ref, steps, kind, head, site)
+    pattern = None if ref is None or any(seg[0] in ("?", "al") for seg in steps) else (ref, steps, kind, head, site)
     return Holder(kind, head + render(steps), site, pattern=pattern, detour=detour)
 
 

@@ -23,7 +23,7 @@ import threading
 import time
 import types
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 
@@ -75,9 +75,10 @@ class _Walk:
         self.result = WalkResult()
         self.found: Dict[int, List[Holder]] = {k: [] for k in keys}
         self.seen_paths: Set[Tuple[int, str]] = set()
+        self.aliases: Aliases = {}
 
     def out_of_time(self) -> bool:
-        if time.perf_counter() > self.deadline:
+        if time.thread_time() > self.deadline:
             self.result.truncated = True
             return True
         return False
@@ -125,17 +126,26 @@ def _targets(keys: Set[int], walk: _Walk) -> List[Tuple[torch.Tensor, int]]:
     return out
 
 
+Aliases = Dict[int, List[Tuple[Any, str]]]
+"""storage key -> (alias object, its kind): objects that reach a lease's memory without its storage
+(a ``numpy()`` array of a view); the walk starts from them too (see :mod:`sanitizer.features.aliases`)."""
+
+
 def find_holders(keys: Iterable[int], *, depth: int = 8, budget_ms: float = 200.0,
-                 max_holders: int = 8, replay: bool = True) -> WalkResult:
+                 max_holders: int = 8, replay: bool = True, aliases: Optional[Aliases] = None) -> WalkResult:
     """Name what holds the storages ``keys`` (storage ``_cdata`` addresses), best holder first.
 
     The caller keeps those storages alive meanwhile (an address names a storage only while it
     lives). With ``replay`` the holder paths found before are followed again from their roots
     first (a consumer that retained one weight usually retains the next the same way): that
-    costs a few container steps, not a walk of the heap. Storages not found so are walked.
+    costs a few container steps, not a walk of the heap. Storages not found so are walked, from
+    their tensors and from their ``aliases``.
     """
     start = time.perf_counter()
-    walk = _Walk(set(keys), depth, start + budget_ms / 1000.0, max_holders)
+    # The bound is this thread's CPU time, not the wall clock: on a loaded machine (a CI runner, other
+    # processes) the same walk gets as far, and names the same holder.
+    walk = _Walk(set(keys), depth, time.thread_time() + budget_ms / 1000.0, max_holders)
+    walk.aliases = aliases or {}
     try:
         if replay:
             _replay(walk, _REPLAY_VISITS)
@@ -251,15 +261,20 @@ def _run(walk: _Walk) -> None:
                 bucket = local_map.setdefault(id(value), [])
                 ignore.add(id(bucket))
                 bucket.append(item)
-        targets = _targets(walk.keys, walk)
+        targets = [(t, key, ()) for t, key in _targets(walk.keys, walk)]
         walk.result.tensors = len(targets)
+        targets += [(obj, key, (("al", kind),)) for key in walk.keys for obj, kind in walk.aliases.get(key, ())]
+        ignore.add(id(walk.aliases))  # the caller's containers of aliases are nobody's holder
+        for items in walk.aliases.values():
+            ignore.add(id(items))
+            ignore.update(id(item) for item in items)
         _bfs(walk, targets, local_map, ignore)
     finally:
         local_map.clear()
         stacks.clear()
 
 
-def _bfs(walk: _Walk, targets: List[Tuple[torch.Tensor, int]],
+def _bfs(walk: _Walk, targets: List[Tuple[Any, int, Tuple[Seg, ...]]],
          local_map: Dict[int, List[Tuple[types.FrameType, str, bool]]], ignore: Set[int]) -> None:
     modules: Dict[int, Tuple[str, Any]] = {}
     for name, mod in list(sys.modules.items()):
@@ -270,10 +285,10 @@ def _bfs(walk: _Walk, targets: List[Tuple[torch.Tensor, int]],
     running = {id(f.f_globals) for f, mine in _stacks() if mine and not f.f_code.co_flags & CO_OPTIMIZED}
     # The frontier's objects live in one tuple (gc.get_referrers skips its own argument
     # tuple); per object id and storage key we keep the path from it down to the tensor.
-    objs: Tuple[Any, ...] = tuple(t for t, _ in targets)
+    objs: Tuple[Any, ...] = tuple({id(t): t for t, _, _ in targets}.values())
     paths: Dict[int, Dict[int, Tuple[Seg, ...]]] = {}
-    for t, key in targets:
-        paths.setdefault(id(t), {})[key] = ()
+    for t, key, suffix in targets:
+        paths.setdefault(id(t), {}).setdefault(key, suffix)
     targets.clear()
     visited: Set[int] = set(paths)
     ignore.update((id(modules), id(paths), id(visited)))
@@ -288,7 +303,7 @@ def _bfs(walk: _Walk, targets: List[Tuple[torch.Tensor, int]],
                 site = site_of_frame(frame)
                 for key, suffix in paths[id(obj)].items():
                     steps, detour = without_detours(suffix)
-                    pattern = (None if any(seg[0] == "?" for seg in steps)
+                    pattern = (None if any(seg[0] in ("?", "al") for seg in steps)
                                else (FrameLocal(frame, name), steps, kind, head, site))
                     walk.add(key, Holder(kind, head + render(steps), site, transient=mine and not steps,
                                          frame_id=id(frame), local=name, pattern=pattern, detour=detour))

@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
+from sanitizer.features import aliases
 from sanitizer.torch_layer import records, runtime, storage_handles
 from sanitizer.torch_layer.hooks import RetireOrder, add_enable_hook, add_retire_hook
 from sanitizer.torch_layer.state import state
@@ -88,9 +89,13 @@ def _rescue(lease: Lease, storage: torch.UntypedStorage, event: ReuseEvent) -> N
     from sanitizer.features.ownership import account_copy
 
     account_copy("rescue", nbytes, keeper)
-    _remember({"kind": "rescue", "rescued": True, "nbytes": nbytes, "holders": holders,
-               "lease": lease.to_dict(), "event": event.to_dict(),
-               "thread": threading.current_thread().name, "pid": os.getpid()})
+    record = {"kind": "rescue", "rescued": True, "nbytes": nbytes, "holders": holders,
+              "lease": lease.to_dict(), "event": event.to_dict(),
+              "thread": threading.current_thread().name, "pid": os.getpid()}
+    exported = aliases.records_of(lease.lease_id)
+    if exported:  # they point at the staging bytes, not at the storage: the copy does not reach them
+        record["aliases_not_rescued"] = exported
+    _remember(record)
 
 
 def _remember(record: dict) -> None:

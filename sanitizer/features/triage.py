@@ -46,6 +46,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 from sanitizer.core import forking
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.core.sites import site_text, to_records
+from sanitizer.features import aliases as _aliases
 from sanitizer.features import holders as _holders
 from sanitizer.features.holder import Holder, consumer_key
 from sanitizer.features.holders import find_holders
@@ -123,6 +124,9 @@ def _promote(h: Holder) -> Holder:
     return Holder(h.kind, h.path, h.site, False, h.frame_id, h.local, h.pattern, h.detour)
 
 
+_SKIPPED: Dict[str, Any] = {"when": "skipped", "ms": 0.0, "tensors": 0, "truncated": False}
+
+
 def _ms(start: float) -> float:
     return round((time.perf_counter() - start) * 1000.0, 3)
 
@@ -195,28 +199,45 @@ class Triage:
             self._checkpoint(self.lends, final)
 
     def _checkpoint(self, limit: int, final: bool = False) -> None:
-        """(Under the lock.) Decide the pending retentions recorded before lend number ``limit``."""
+        """(Under the lock.) Decide the pending retentions recorded before lend number ``limit``.
+
+        The ones that need a heap walk to name their holder are walked together, once (a test's end or a
+        report settles a whole consumer's retentions at a time: one pass over the heap, not one a view)."""
         if not self._pending:
             return
+        due: List[Tuple[_Pending, bool, bool]] = []
         for p in [p for p in self._pending.values() if final or p.lends < limit]:
             if self._pending.pop(p.lease.lease_id, None) is None:
                 continue  # decided meanwhile (a walk can run a finalizer that reports)
-            self._decide(p, evidence=final and p.lends >= self.lends)
-
-    def _decide(self, p: _Pending, evidence: bool) -> None:
-        used = p.lease.lease_id in self._used_stale
-        if not used and not p.lease.alive:  # dropped once its consumer had its turn: a loop variable
-            self.log.unwatch(p.lease.lease_id)
+            used = p.lease.lease_id in self._used_stale
+            if not used and not p.lease.alive:  # dropped once its consumer had its turn: a loop variable
+                self.log.unwatch(p.lease.lease_id)
+                continue
+            due.append((p, used, final and p.lends >= self.lends and not used))
+        if not due:
             return
-        if self._confirm(p, used_stale=used, evidence=evidence and not used) is None:
-            self.log.unwatch(p.lease.lease_id)
+        named: Dict[int, Tuple[List[Holder], Dict[str, Any]]] = {}
+        to_walk: List[Lease] = []
+        for p, _, evidence in due:
+            cheap = self._name_cheaply(p.lease, self._sites.setdefault(p.site_key, _Site()), evidence)
+            if cheap is None:
+                to_walk.append(p.lease)
+            else:
+                named[p.lease.lease_id] = cheap
+        named.update(self._walk(to_walk))
+        for p, used, evidence in due:
+            if self._confirm(p, used, evidence, named=named.get(p.lease.lease_id)) is None:
+                self.log.unwatch(p.lease.lease_id)
 
-    def _confirm(self, p: _Pending, used_stale: bool, evidence: bool,
-                 read_at: Optional[dict] = None) -> Optional[dict]:
-        """(Under the lock.) Name the holder of a confirmed retention and record it (None: no evidence)."""
+    def _confirm(self, p: _Pending, used_stale: bool, evidence: bool, read_at: Optional[dict] = None,
+                 named: Optional[Tuple[List[Holder], Dict[str, Any]]] = None) -> Optional[dict]:
+        """(Under the lock.) Name the holder of a confirmed retention (unless ``named`` already) and record it
+        (None: no evidence)."""
         lease = p.lease
         site = self._sites.setdefault(p.site_key, _Site())
-        found, walk = self._name(lease, site, evidence)
+        if named is None:
+            named = self._name_cheaply(lease, site, evidence) or self._walk([lease]).get(lease.lease_id, ([], _SKIPPED))
+        found, walk = named
         if evidence:
             found = [h for h in found if not h.transient and not _was_running(h, p)]
             if not found:
@@ -236,24 +257,41 @@ class Triage:
         self.log.retained(lease, p.event, p.t, p.region, record)
         return record
 
-    def _name(self, lease: Lease, site: _Site, evidence: bool) -> Tuple[List[Holder], Dict[str, Any]]:
-        """The holders of a lease: a known path, else counted as its site's holder, else a heap walk."""
-        walk: Dict[str, Any] = {"when": "skipped", "ms": 0.0, "tensors": 0, "truncated": False}
-        budget = state.options["triage_budget_ms"]
-        if not lease.alive or budget <= 0:
-            return [], walk
+    @staticmethod
+    def _name_cheaply(lease: Lease, site: _Site, evidence: bool) -> Optional[Tuple[List[Holder], Dict[str, Any]]]:
+        """The holders of a lease without a heap walk: none to name (dead, or walks off), a known path, or
+        counted as its site's holder. None: only a walk can tell."""
+        if not lease.alive or state.options["triage_budget_ms"] <= 0:
+            return [], dict(_SKIPPED)
+        if evidence:  # (a known path may run through a loop variable: only a walk tells a transient apart)
+            return None
         key = lease.handle  # (a rescued lease's storage is the same one, now owning a copy)
         start = time.perf_counter()
-        if not evidence:  # (a known path may run through a loop variable: only a walk tells a transient apart)
-            found = _holders.replay({key}).holders.get(key) or []
-            if found:
-                return found, {"when": "known-path", "ms": _ms(start), "tensors": len(found), "truncated": False}
-            if site.same >= SAME_HOLDER and site.holder is not None:
-                return [site.holder], {"when": "counted", "ms": _ms(start), "tensors": 0, "truncated": False,
-                                       "like": site.same}
-        result = find_holders({key}, depth=state.options["triage_depth"], budget_ms=budget, replay=False)
-        return result.holders.get(key, []), {"when": "walk", "ms": _ms(start), "tensors": result.tensors,
-                                             "truncated": result.truncated}
+        found = _holders.replay({key}).holders.get(key) or []
+        if found:
+            return found, {"when": "known-path", "ms": _ms(start), "tensors": len(found), "truncated": False}
+        if site.same >= SAME_HOLDER and site.holder is not None:
+            return [site.holder], {"when": "counted", "ms": _ms(start), "tensors": 0, "truncated": False,
+                                   "like": site.same}
+        return None
+
+    @staticmethod
+    def _walk(leases: List[Lease]) -> Dict[int, Tuple[List[Holder], Dict[str, Any]]]:
+        """Name the holders of ``leases`` in one bounded heap walk (their aliases are walked from too)."""
+        if not leases:
+            return {}
+        keys = {lease.handle: lease for lease in leases}
+        aliases = {}
+        for key, lease in keys.items():
+            exported = [(a.obj(), a.kind) for a in _aliases.live(lease.lease_id) if a.obj() is not None]
+            if exported:
+                aliases[key] = exported
+        start = time.perf_counter()
+        result = find_holders(set(keys), depth=state.options["triage_depth"],
+                              budget_ms=state.options["triage_budget_ms"], replay=False, aliases=aliases or None)
+        walk = {"when": "walk", "ms": _ms(start), "tensors": result.tensors, "truncated": result.truncated,
+                "together": len(keys)}
+        return {lease.lease_id: (result.holders.get(key, []), dict(walk)) for key, lease in keys.items()}
 
     @staticmethod
     def _learn(site: _Site, best: Holder) -> None:
@@ -275,16 +313,22 @@ class Triage:
         summary = f"borrowed view {lease.describe()} was still held by {where} when {p.event.describe()}"
         if walk["when"] == "counted":
             summary += f" (counted: the {walk['like']} before it from the same lend and reuse sites were held there)"
+        exported = _aliases.records_of(lease.lease_id)
+        if exported:
+            made = site_text(exported[0]["made_at"])
+            summary += (f"; its memory was exported as a {exported[0]['kind']} alias{f' at {made}' if made else ''} "
+                        f"while lent: reads through that alias are not checked and see the next tensor's bytes")
         record = {
             "summary": summary,
             "lease": lease.to_dict(),
             "event": p.event.to_dict(),
-            "holder": best.to_dict() if best else None,
+            "holder": dict(best.to_dict(), aliases=exported) if best and exported else (best.to_dict() if best else None),
             "holders": [h.to_dict() for h in found],
             "lent_at": (to_records(lease.site[:1]) or [None])[0],
             "reused_at": (to_records(p.event.site[:1]) or [None])[0],
             "used_stale": used_stale,
             "rescued": lease.rescued,
+            "aliases": exported,
             "walk": walk,
             "thread": p.thread,
             "pid": os.getpid(),

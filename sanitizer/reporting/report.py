@@ -20,6 +20,7 @@ import sys
 from typing import Any, Dict, Iterable, List, Optional, Set
 
 from sanitizer.core import forking
+from sanitizer.core.describe import fix_hint
 from sanitizer.core.sites import frame_text, site_text
 from sanitizer.core.units import format_bytes
 from sanitizer.torch_layer import records, runtime
@@ -74,6 +75,8 @@ def report(final: bool = False, exclude: Optional[Set[int]] = None) -> Dict[str,
         "options": runtime.options(),
         "error_count": len(errors) if exclude else max(counts["errors_seen"], len(errors)),
         "records_dropped": counts["dropped"],
+        "errors_not_kept": {"max_records": counts["errors_dropped"],
+                            "max_errors_per_lease": counts["errors_over_per_lease"]},
         "errors": errors,
         "events": events,
         "retained_stale_leases": retained,
@@ -87,14 +90,16 @@ def report(final: bool = False, exclude: Optional[Set[int]] = None) -> Dict[str,
     return rep
 
 
-def fix_hint(kind: Optional[str], consumer: str, site: Optional[str]) -> str:
-    """What to change for a retaining consumer: own the tensor where the holder keeps it."""
-    at = f" ({site})" if site else ""
-    if not kind or kind in ("unknown", "none"):
-        return ("own what you keep: store sanitizer.own(t) (a copy only when t is borrowed) or t.clone(), "
-                "not the borrowed view")
-    return (f"own the tensor where {consumer} keeps it: store sanitizer.own(t) (copies only a borrowed t) or "
-            f"t.clone() there, not the borrowed view{at}")
+def _kept_text(total: int, by_kind: Dict[str, int], not_kept: Optional[Dict[str, int]]) -> str:
+    """`` (4 stale_use)``, or when not every error was kept ``(4 kept: 4 stale_use; 9 not kept: 9 by
+    max_records)``: the total counts every error, the breakdown only the records kept."""
+    kinds = ", ".join(f"{n} {k}" for k, n in sorted(by_kind.items()))
+    kept = sum(by_kind.values())
+    if kept >= total:
+        return f" ({kinds})" if kinds else ""
+    why = [f"{n} by {cap}" for cap, n in sorted((not_kept or {}).items()) if n]
+    head = f"{kept} kept" + (f": {kinds}" if kinds else "")
+    return f" ({head}; {total - kept} not kept" + (f": {', '.join(why)}" if why else "") + ")"
 
 
 def summarize(rep: Dict[str, Any], pending: int = 0) -> Dict[str, Any]:
@@ -132,9 +137,7 @@ def summarize(rep: Dict[str, Any], pending: int = 0) -> Dict[str, Any]:
     n_ret = events_by_kind.get("retention", 0)
     retained_bytes = sum(g["bytes"] for g in consumers)
     n_err = rep.get("error_count", 0)
-    parts = [f"{n_err} error{'s' * (n_err != 1)}"]
-    if errors_by_kind:
-        parts[0] += " (" + ", ".join(f"{n} {k}" for k, n in sorted(errors_by_kind.items())) + ")"
+    parts = [f"{n_err} error{'s' * (n_err != 1)}" + _kept_text(n_err, errors_by_kind, rep.get("errors_not_kept"))]
     if n_ret:
         parts.append(f"{n_ret} retention{'s' * (n_ret != 1)} by {len(consumers)} consumer"
                      f"{'s' * (len(consumers) != 1)} ({format_bytes(retained_bytes)})")
@@ -164,6 +167,9 @@ def merge(reports: Iterable[Dict[str, Any]]) -> Dict[str, Any]:
     first = reports[0]
     out = {k: first[k] for k in ("format", "version", "pid", "rank", "world_size", "argv", "enabled", "options")}
     out["error_count"] = sum(r.get("error_count", 0) for r in reports)
+    out["records_dropped"] = sum(r.get("records_dropped", 0) for r in reports)
+    out["errors_not_kept"] = {cap: sum((r.get("errors_not_kept") or {}).get(cap, 0) for r in reports)
+                              for cap in ("max_records", "max_errors_per_lease")}
     for key in ("errors", "events", "retained_stale_leases", "buffers"):
         out[key] = [item for r in reports for item in r.get(key, ())]
     out["processes"] = [{"pid": r["pid"], "rank": r.get("rank"), "world_size": r.get("world_size"),

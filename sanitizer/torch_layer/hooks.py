@@ -15,6 +15,8 @@ Kinds, in the order a lease meets them:
 * **stale use** ``(lease, use)``: a stale lease is about to be read or written (``use`` says where and
   how), *before* the error is built; a hook may return the holder of the lease (a plain dict),
   which goes into the error as a value;
+* **export** ``(lease, where, result)``: a fresh lease's memory was handed to another library
+  (``numpy()``, ``__array__``, DLPack); ``result`` is what the export returned (an ndarray, a capsule);
 * **release** ``(lease)``: the lease's storage died (every view of it gone), rescued leases too. It
   runs wherever the last reference went, possibly inside the GC: keep it cheap and lock-free.
 """
@@ -55,6 +57,7 @@ LendHook = Callable[[Lease, Any], None]
 ReuseHook = Callable[[Region, ReuseEvent], None]
 RetireHook = Callable[[Region, ReuseEvent, List[Lease]], None]
 StaleUseHook = Callable[[Lease, StaleUse], Optional[Dict[str, Any]]]
+ExportHook = Callable[[Lease, str, Any], None]
 ReleaseHook = Callable[[Lease], None]
 
 
@@ -68,6 +71,7 @@ class HookSlots:
         self.reuse: List[ReuseHook] = []
         self.retire: List[Tuple[int, RetireHook]] = []  # (order, hook), ascending
         self.stale_use: List[StaleUseHook] = []
+        self.export: List[ExportHook] = []
         self.release: List[ReleaseHook] = []
 
     def _add(self, slot: str, hook: Any) -> None:
@@ -94,13 +98,16 @@ class HookSlots:
     def add_stale_use(self, hook: StaleUseHook) -> None:
         self._add("stale_use", hook)
 
+    def add_export(self, hook: ExportHook) -> None:
+        self._add("export", hook)
+
     def add_release(self, hook: ReleaseHook) -> None:
         self._add("release", hook)
 
     def discard(self, hook: Any) -> None:
         """Take ``hook`` out of every slot (a benchmark measuring the runtime without one feature)."""
         with self._lock:
-            for slot in ("enable", "lend", "reuse", "stale_use", "release"):
+            for slot in ("enable", "lend", "reuse", "stale_use", "export", "release"):
                 setattr(self, slot, [h for h in getattr(self, slot) if h is not hook])
             self.retire = [pair for pair in self.retire if pair[1] is not hook]
 
@@ -117,7 +124,8 @@ add_lend_hook = HOOKS.add_lend
 add_reuse_hook = HOOKS.add_reuse
 add_retire_hook = HOOKS.add_retire
 add_stale_use_hook = HOOKS.add_stale_use
+add_export_hook = HOOKS.add_export
 add_release_hook = HOOKS.add_release
 
 __all__ = ["RetireOrder", "StaleUse", "HookSlots", "HOOKS", "add_enable_hook", "add_lend_hook", "add_reuse_hook",
-           "add_retire_hook", "add_stale_use_hook", "add_release_hook"]
+           "add_retire_hook", "add_stale_use_hook", "add_export_hook", "add_release_hook"]

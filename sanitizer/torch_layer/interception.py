@@ -9,13 +9,21 @@ of the load. A correct program never pays at all.
 
 Other threads get the mode when they start while the sanitizer is enabled, or
 when they lend (see :class:`~sanitizer.torch_layer.mode.ModeController`).
+
+Exports of a fresh lease's memory (``numpy()``, ``__array__``, DLPack) are told
+to the export hooks while the sanitizer is enabled and a lease is alive: an
+alias made then points at the staging bytes themselves, where neither the mode
+nor the guard can follow it.
 """
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from sanitizer.core import forking
 from sanitizer.torch_layer import readers
+from sanitizer.torch_layer.aliasing import storage_key
+from sanitizer.torch_layer.hooks import HOOKS
 from sanitizer.torch_layer.mode import ModeController
 from sanitizer.torch_layer.stale_use import check_not_stale, check_storage_not_stale, report_stale_use
 from sanitizer.torch_layer.state import state
@@ -28,6 +36,7 @@ class _Interception:
 
     def __init__(self) -> None:
         self.on = False
+        self.exports = False  # the exporters tell the export hooks
         self.lock = threading.RLock()
 
 
@@ -66,13 +75,43 @@ def stale_marked() -> None:
 
 def lease_died_or_disowned() -> None:
     """A lease stopped being borrowed: the hysteresis may end (no stale lease and none alive)."""
-    if _now.on and state.ledger.live_count == 0:
-        sync()
+    if state.ledger.live_count == 0:
+        if _now.on:
+            sync()
+        if _now.exports:
+            sync_exports()
+
+
+def _exports_wanted() -> bool:
+    return state.enabled and bool(HOOKS.export) and state.ledger.live_count > 0
+
+
+def sync_exports() -> None:
+    """Tell the export hooks of exports (or stop) as :func:`_exports_wanted` says."""
+    with _now.lock:
+        want = _exports_wanted()
+        if want != _now.exports:
+            _now.exports = want
+            readers.set_export_notes(want, _on_export)
+
+
+def _on_export(tensor: Any, where: str, result: Any) -> None:
+    """An exporter ran: a fresh lease's memory now has an alias the sanitizer cannot follow."""
+    try:
+        lease = state.by_storage.get(storage_key(tensor))
+    except (RuntimeError, NotImplementedError):
+        return
+    if lease is None or lease.stale_by is not None:
+        return  # not borrowed; or stale (the stale check reported the export itself)
+    for hook in HOOKS.export:
+        hook(lease, where, result)
 
 
 def on_lend() -> None:
     """A lend while enabled: a lending thread other than main keeps a mode until it ends (its consumers
     may read there after the reuse); the main thread follows the stale set instead."""
+    if not _now.exports and HOOKS.export:
+        sync_exports()
     MODES.retry_leave()
     if not MODES.installed_here() and threading.current_thread() is not threading.main_thread():
         MODES.install_here()
@@ -86,6 +125,7 @@ def arm(on: bool) -> None:
     else:
         MODES.unhook_threads()
     sync()
+    sync_exports()
     if not on:
         MODES.sync_main(_wanted)
 

@@ -22,6 +22,7 @@ already imported at the moment a lease goes stale.
 from __future__ import annotations
 
 import functools
+import threading
 import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -48,18 +49,56 @@ def _loaded_writers() -> List[Tuple[Any, str]]:
     return [(st, name) for name in ("_tobytes", "_to_ndarray") if callable(getattr(st, name, None))]
 
 
+_EXPORTERS = {"Tensor.numpy", "Tensor.__array__", "Tensor.__dlpack__", "torch.utils.dlpack.to_dlpack",
+              "torch.to_dlpack"}  # hand the tensor's memory itself to another library
+
+
+class _Switches:
+    """What the wrappers do now: stale checks (while a stale lease is reachable) and export notes (while a
+    lease is alive). A wrapper reads these at each call; it is installed while either is on."""
+
+    def __init__(self) -> None:
+        self.check: Optional[Check] = None
+        self.check_storage: Optional[Check] = None
+        self.note: Optional[Note] = None
+
+
+Note = Callable[[torch.Tensor, str, Any], None]  # (tensor, where, what the export returned)
+_now = _Switches()
+_exporting = threading.local()  # per thread: exporters running (one export is told once)
 _saved: Dict[Tuple[int, str], Tuple[Any, Any, bool]] = {}  # (id(owner), name) -> (owner, original, was own attr)
 _wrappers: Dict[Tuple[int, str], Any] = {}
 
 
-def _wrap(original: Any, where: str, check: Check, kind: type) -> Any:
+def _wrap(original: Any, where: str, kind: type) -> Any:
+    storage = kind is not torch.Tensor
+    exporter = where in _EXPORTERS
+
     @functools.wraps(original)
     def checked(*args, **kwargs):
-        if args and isinstance(args[0], kind):
-            check(args[0], where)
-        if where in _TWO_OPERANDS and len(args) > 1 and isinstance(args[1], kind):
-            check(args[1], where)  # it reads (map2_) or copies from (copy_) its other operand too
-        return original(*args, **kwargs)
+        __tracebackhide__ = True  # pytest: the user's line is where the read happened
+        check = _now.check_storage if storage else _now.check
+        if check is not None:
+            try:
+                if args and isinstance(args[0], kind):
+                    check(args[0], where)
+                if where in _TWO_OPERANDS and len(args) > 1 and isinstance(args[1], kind):
+                    check(args[1], where)  # it reads (map2_) or copies from (copy_) its other operand too
+            except Exception as err:  # raised by the check: its traceback starts here, not in our plumbing
+                err.__traceback__ = None
+                raise err
+        if not exporter:
+            return original(*args, **kwargs)
+        depth = getattr(_exporting, "depth", 0)
+        _exporting.depth = depth + 1
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            _exporting.depth = depth
+        note = _now.note
+        if note is not None and not depth and args and isinstance(args[0], torch.Tensor):
+            note(args[0], where, result)  # the outermost export only (``__array__`` calls ``numpy()``)
+        return result
 
     return checked
 
@@ -67,42 +106,63 @@ def _wrap(original: Any, where: str, check: Check, kind: type) -> Any:
 _TWO_OPERANDS = ("Tensor.map2_", "UntypedStorage.copy_")
 
 
-def set_hooks(on: bool, check: Optional[Check] = None, check_storage: Optional[Check] = None) -> None:
-    """Wrap (``on``, with ``check(tensor, where)`` and ``check_storage(storage, where)``) or restore the
-    unseen readers. Idempotent."""
-    if not on:
-        for key, (owner, original, own) in list(_saved.items()):
-            del _saved[key]
-            name = key[1]
-            if vars(owner).get(name) is _wrappers.pop(key):  # someone else's patch on top: leave it
-                if own:
-                    setattr(owner, name, original)
-                else:
-                    delattr(owner, name)
-        return
-    assert check is not None and check_storage is not None
+def _targets() -> List[Tuple[Any, str, str, type]]:
     storage = torch.UntypedStorage
-    targets = [(torch.Tensor, name, f"Tensor.{name}", check, torch.Tensor)
-               for name in _METHODS if hasattr(torch.Tensor, name)]
-    targets += [(owner, name, f"{owner.__name__}.{name}", check, torch.Tensor)
-                for owner, name in _FUNCTIONS + _loaded_writers()]
-    targets += [(storage, name, f"UntypedStorage.{name}", check_storage, storage)
-                for name in _STORAGE_METHODS if hasattr(storage, name)]
-    targets += [(owner, name, where, check_storage, storage)
-                for owner, name, where in _STORAGE_FUNCTIONS if hasattr(owner, name)]
-    for owner, name, where, checker, kind in targets:
-        key = (id(owner), name)
+    out = [(torch.Tensor, name, f"Tensor.{name}", torch.Tensor) for name in _METHODS if hasattr(torch.Tensor, name)]
+    out += [(owner, name, f"{owner.__name__}.{name}", torch.Tensor) for owner, name in _FUNCTIONS + _loaded_writers()]
+    out += [(storage, name, f"UntypedStorage.{name}", storage) for name in _STORAGE_METHODS if hasattr(storage, name)]
+    out += [(owner, name, where, storage) for owner, name, where in _STORAGE_FUNCTIONS if hasattr(owner, name)]
+    return out
+
+
+def set_hooks(on: bool, check: Optional[Check] = None, check_storage: Optional[Check] = None) -> None:
+    """Check (``on``, with ``check(tensor, where)`` and ``check_storage(storage, where)``) the unseen readers,
+    or stop checking them. Idempotent."""
+    if on:
+        assert check is not None and check_storage is not None
+    _now.check, _now.check_storage = (check, check_storage) if on else (None, None)
+    _sync()
+
+
+def set_export_notes(on: bool, note: Optional[Note] = None) -> None:
+    """Tell ``note(tensor, where, result)`` of every export of a tensor's memory (numpy, DLPack), or stop."""
+    _now.note = note if on else None
+    _sync()
+
+
+def _sync() -> None:
+    """Install the wrappers the switches need (every reader while checking; the exporters while noting),
+    restore the others."""
+    checking, noting = _now.check is not None, _now.note is not None
+    wanted = {(id(owner), name): (owner, name, where, kind) for owner, name, where, kind in _targets()
+              if checking or (noting and where in _EXPORTERS)}
+    for key, (owner, original, own) in list(_saved.items()):
+        if key in wanted:
+            continue
+        del _saved[key]
+        name = key[1]
+        if vars(owner).get(name) is _wrappers.pop(key):  # someone else's patch on top: leave it
+            if own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
+    for key, (owner, name, where, kind) in wanted.items():
         if key in _saved:
             continue
         own = name in vars(owner)
         original = vars(owner)[name] if own else getattr(owner, name)
         _saved[key] = (owner, original, own)
-        _wrappers[key] = wrapper = _wrap(original, where, checker, kind)
+        _wrappers[key] = wrapper = _wrap(original, where, kind)
         setattr(owner, name, wrapper)
 
 
 def hooked() -> bool:
-    return bool(_saved)
+    """Are the stale checks of the unseen readers on?"""
+    return _now.check is not None and bool(_saved)
 
 
-__all__ = ["set_hooks", "hooked"]
+def noting() -> bool:
+    return _now.note is not None
+
+
+__all__ = ["set_hooks", "set_export_notes", "hooked", "noting"]

@@ -28,6 +28,8 @@ class RecordStore:
         self._events: List[dict] = []
         self.error_total = 0  # errors seen, kept or not
         self.dropped = 0  # errors and events not kept: the max_records cap was reached
+        self.dropped_errors = 0  # the errors among them
+        self.over_per_lease = 0  # errors not kept: their lease had max_errors_per_lease records already
         self._per_lease: Dict[int, int] = {}  # lease id -> stale uses seen
 
     def _keep(self, records: List[dict], record: dict, cap: int) -> bool:
@@ -48,9 +50,11 @@ class RecordStore:
                 if len(self._per_lease) > 4 * max(1, cap):
                     self._per_lease.clear()  # a bound, not a record: keep it bounded too
                 if n > per_lease:
+                    self.over_per_lease += 1
                     return
                 record["occurrence"] = n
-            self._keep(self._errors, record, cap)
+            if not self._keep(self._errors, record, cap):
+                self.dropped_errors += 1
 
     def add_event(self, kind: str, record: dict, cap: int) -> dict:
         record["kind"] = kind
@@ -85,6 +89,8 @@ class RecordStore:
             self._per_lease.clear()
             self.error_total = 0
             self.dropped = 0
+            self.dropped_errors = 0
+            self.over_per_lease = 0
 
     def record_ids(self) -> Set[int]:
         """Identities of every record kept now (to leave them out of a later report: a test's own)."""
@@ -98,7 +104,8 @@ class RecordStore:
     def counts(self) -> Dict[str, int]:
         with self._lock:
             return {"errors_seen": self.error_total, "errors_kept": len(self._errors),
-                    "events_kept": len(self._events), "dropped": self.dropped}
+                    "events_kept": len(self._events), "dropped": self.dropped,
+                    "errors_dropped": self.dropped_errors, "errors_over_per_lease": self.over_per_lease}
 
 
 STORE = RecordStore()

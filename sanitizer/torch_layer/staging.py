@@ -179,10 +179,15 @@ class StagingBuffer:
         return offset, shape, dtype, nbytes
 
     def _range(self, offset: Any, nbytes: Any, by: Optional[str], what: str):
+        """``(start, end)`` of a valid range; a ValueError naming the values (as lend's) otherwise."""
         start, n = _index(offset, "offset"), _index(nbytes, "nbytes")
+        named = f" for '{by}'" if by else ""
         if n < 0:
-            raise ValueError(f"{what} of {n} bytes at offset {start} for '{by}' in staging buffer '{self.name}': "
+            raise ValueError(f"{what} of {n} bytes at offset {start}{named} in staging buffer '{self.name}': "
                              f"nbytes must be >= 0, got {nbytes!r}")
+        if start < 0 or start + n > self.nbytes:
+            raise ValueError(f"{what} of bytes [{start}, {start + n}){named} is out of bounds of staging buffer "
+                             f"'{self.name}' ({self.nbytes} bytes)")
         return start, start + n
 
     def reuse(self, offset: int, nbytes: int, by: Optional[str] = None) -> ReuseEvent:
