@@ -520,3 +520,68 @@ def test_ownsan_run_fails_on_retentions_alone_unless_told_not_to(tmp_path):
     out = run("-o", "fail_on_retention=0", "-o", "report=kept.json")
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "kept.json").exists()
+
+
+class _TwoPlaces:
+    """Keeps each weight in a list and in a deferred call: two consumers hold one view."""
+
+    def __init__(self) -> None:
+        self.weights: list = []
+        self.todo: list = []
+
+    def apply(self, w: torch.Tensor) -> torch.Tensor:
+        return w.sum()
+
+    def load(self, ring: sanitizer.StagingRing, n: int) -> None:
+        for i in range(n):
+            w = ring.put(f"layers.{i}.w", torch.full((64,), float(i)))
+            self.weights.append(w)  # STORE-IN-LIST
+            self.todo.append(functools.partial(self.apply, w))  # STORE-IN-PARTIAL
+
+
+def _line_of(marker: str) -> int:
+    with open(THIS_FILE, encoding="utf-8") as fh:
+        return next(i for i, text in enumerate(fh, 1) if marker in text and "def _line_of" not in text
+                    and "_line_of(" not in text)
+
+
+def test_every_holder_of_a_view_is_named_at_the_line_that_stored_it():
+    model = _TwoPlaces()
+    ring = sanitizer.StagingRing(1024, name="two")
+    with sanitizer.sanitize(triage=1):
+        model.load(ring, 8)
+        rep = sanitizer.report(final=True)
+    groups = {g["consumer"]: g for g in rep["summary"]["retaining_consumers"]}
+    assert set(groups) == {"_TwoPlaces.weights[*]", "partial(_TwoPlaces.apply).args[*]"}
+    assert groups["_TwoPlaces.weights[*]"]["count"] == groups["partial(_TwoPlaces.apply).args[*]"]["count"] == 4
+    list_line, partial_line = _line_of("# STORE-IN-LIST"), _line_of("# STORE-IN-PARTIAL")
+    assert groups["_TwoPlaces.weights[*]"]["stored_at"] == f"{THIS_FILE}:{list_line}"
+    assert groups["partial(_TwoPlaces.apply).args[*]"]["stored_at"] == f"{THIS_FILE}:{partial_line}"
+    assert f":{list_line})" in groups["_TwoPlaces.weights[*]"]["fix"]  # the fix points at the storing line
+    assert rep["summary"]["retained_bytes"] == 4 * 256  # each view once, however many consumers hold it
+    with sanitizer.sanitize():
+        with pytest.raises(sanitizer.StaleBorrowError) as info:
+            model.weights[0].sum()
+    text = str(info.value)
+    assert "also held by" in text and f"stored at _TwoPlaces.load {THIS_FILE}:" in text
+    assert f"fix: own the tensor where" in text
+
+
+def test_a_settle_names_a_whole_consumers_retentions_in_one_walk(monkeypatch):
+    walks = []
+    real = triage.find_holders
+
+    def counting(keys, **kwargs):
+        walks.append(len(keys))
+        return real(keys, **kwargs)
+
+    monkeypatch.setattr(triage, "find_holders", counting)
+    buf = sanitizer.StagingBuffer(1 << 16, name="batch")
+    with sanitizer.sanitize(triage=1, triage_budget_ms=10000):
+        for i in range(40):
+            _KEPT.append(buf.write(0, torch.full((16,), float(i)), name=f"t{i}"))  # each reuse retires the last
+        triage.settle(final=True)
+        rets = sanitizer.retentions()
+    assert len(rets) == 39
+    assert sum(walks) >= 1 and len(walks) <= 4  # the first few walked one by one at most, the rest together
+    assert all(r["holder"]["consumer"] == f"{__name__}._KEPT[*]" for r in rets)

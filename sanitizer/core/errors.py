@@ -42,9 +42,14 @@ def _event_lines(event: ReuseEvent) -> List[str]:
             format_site(event.site)]
 
 
+def _held_by(holder: Dict[str, Any], verb: str) -> str:
+    stored = frame_text(holder.get("stored_at"))
+    where = f"stored at {stored}" if stored else frame_text(holder.get("site"))
+    return f"  {verb} {holder.get('kind', 'unknown')} {holder.get('path', '?')}" + (f" ({where})" if where else "")
+
+
 def _holder_lines(holder: Dict[str, Any]) -> List[str]:
-    where = frame_text(holder.get("site"))
-    lines = [f"  held by {holder.get('kind', 'unknown')} {holder.get('path', '?')}" + (f" ({where})" if where else "")]
+    lines = [_held_by(holder, "held by")] + [_held_by(other, "also held by") for other in holder.get("also") or ()]
     for alias in holder.get("aliases") or ():
         made = frame_text(alias.get("made_at"))
         lines.append(f"  exported as a {alias.get('kind')} alias while lent" + (f" at {made}" if made else "")

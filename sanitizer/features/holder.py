@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 _NUMBER = re.compile(r"\d+")
+_CLOSURE_VARIABLE = re.compile(r"\(variable '([A-Za-z_]\w*)'\)")
+_FIRST_ATTR = re.compile(r"^[\w.<>]*?\.([A-Za-z_]\w*)(?:\[|\.|$)")  # Type.attr[...] -> attr (a path not followable)
 
 
 @dataclass
@@ -25,6 +27,7 @@ class Holder:
     local: Optional[str] = None
     pattern: Optional[tuple] = None  # (weakref to the root, steps below it): to look again, cheaply
     detour: int = 0  # objects of the sanitizer's own classes the path runs through (a DeferralScope...)
+    counted: bool = False  # named from its sites' earlier retentions, not seen holding this very view
 
     @property
     def rank(self) -> int:
@@ -34,7 +37,33 @@ class Holder:
         return 1 if self.kind in ("frame", "unknown") or self.detour else 0
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"kind": self.kind, "path": self.path, "site": self.site, "consumer": consumer_key(self.path)}
+        out = {"kind": self.kind, "path": self.path, "site": self.site, "consumer": consumer_key(self.path)}
+        if self.counted:
+            out["counted"] = True
+        return out
+
+    def store_target(self) -> Optional[Tuple[str, str]]:
+        """What the storing statement writes into (see :mod:`sanitizer.features.store_site`): the first
+        attribute or name of the path, or the function a partial wraps; None when the path says neither."""
+        if self.kind in ("frame", "generator") and self.local:
+            return ("name", self.local)
+        for seg in (self.pattern[1] if self.pattern else ()):
+            if seg[0] in ("a", "ca"):
+                return ("attr", seg[1])
+            if seg[0] in ("g", "l"):
+                return ("name", seg[1])
+            if seg[0] in ("pa", "pk", "cl", "df"):
+                break
+        if self.kind == "partial" and self.path.startswith("partial(") and ")" in self.path:
+            return ("partial", self.path[len("partial("):self.path.index(")")].rsplit(".", 1)[-1])
+        found = _CLOSURE_VARIABLE.search(self.path) if self.kind == "closure" else None
+        if found:
+            return ("name", found.group(1))
+        if self.kind in ("object", "class", "global"):
+            found = _FIRST_ATTR.match(self.path)
+            if found:
+                return ("attr" if self.kind != "global" else "name", found.group(1))
+        return None
 
 
 def consumer_key(path: str) -> str:

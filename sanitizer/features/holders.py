@@ -35,6 +35,7 @@ from sanitizer.features.holder_paths import (DETOUR, GEN_FLAGS, FrameLocal, Seg,
                                              site_of_frame, step, without_detours)
 
 _MAX_FRONTIER = 256
+_EXTRA_LEVELS = 2  # levels walked on once every storage has a holder a person recognises: its other holders
 _MAX_PATTERNS = 16  # holder paths remembered, most recent first
 _REPLAY_VISITS = 20_000  # objects one replay may visit before it gives up (it stops at the first match)
 _patterns: List[tuple] = []  # (root getter: weakref, strong lambda or FrameLocal; steps, kind, head, site)
@@ -91,8 +92,11 @@ class _Walk:
         bucket.append(holder)
 
     def done(self) -> bool:
-        """Every storage has a holder a person recognises (rank 0): deeper levels only add longer paths."""
+        """Every storage has a holder a person recognises (rank 0), or as many holders as it may name."""
         return all(any(h.rank == 0 for h in b) or len(b) >= self.max_holders for b in self.found.values())
+
+    def full(self) -> bool:
+        return all(len(b) >= self.max_holders for b in self.found.values())
 
 
 def _tensor_types() -> Set[type]:
@@ -293,7 +297,10 @@ def _bfs(walk: _Walk, targets: List[Tuple[Any, int, Tuple[Seg, ...]]],
     visited: Set[int] = set(paths)
     ignore.update((id(modules), id(paths), id(visited)))
     level = 0
-    while objs and not walk.done():
+    named_at: Optional[int] = None  # the level at which every storage had a recognisable holder
+    # A view kept in two places (Model.weights and a functools.partial) has two holders, usually at
+    # similar depths: walk a few levels past the first recognisable one of each storage, to name them all.
+    while objs and not walk.full() and (named_at is None or level <= named_at + _EXTRA_LEVELS):
         # Executing frames never show up as referrers: match their locals by identity.
         for obj in objs:
             for frame, name, mine in local_map.get(id(obj), ()):
@@ -307,6 +314,8 @@ def _bfs(walk: _Walk, targets: List[Tuple[Any, int, Tuple[Seg, ...]]],
                                else (FrameLocal(frame, name), steps, kind, head, site))
                     walk.add(key, Holder(kind, head + render(steps), site, transient=mine and not steps,
                                          frame_id=id(frame), local=name, pattern=pattern, detour=detour))
+        if named_at is None and walk.done():
+            named_at = level
         if level == walk.depth or (level and walk.out_of_time()):
             break  # the time bound is checked between heap passes: a pass, once paid for, is used
         level += 1
@@ -346,7 +355,7 @@ def _bfs(walk: _Walk, targets: List[Tuple[Any, int, Tuple[Seg, ...]]],
         objs = tuple(next_objs)
         del next_objs
         paths = next_paths
-    if objs:
+    if objs and not walk.done():
         walk.result.truncated = True
         # Bounds reached: the deepest anonymous containers are still better than nothing.
         for obj in objs[: walk.max_holders]:

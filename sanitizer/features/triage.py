@@ -39,9 +39,9 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from inspect import CO_OPTIMIZED
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from sanitizer.core import forking
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
@@ -50,6 +50,7 @@ from sanitizer.features import aliases as _aliases
 from sanitizer.features import holders as _holders
 from sanitizer.features.holder import Holder, consumer_key
 from sanitizer.features.holders import find_holders
+from sanitizer.features.store_site import stored_at
 from sanitizer.features.timeline_log import TimelineLog
 from sanitizer.torch_layer import records
 from sanitizer.torch_layer.hooks import (HOOKS, RetireOrder, StaleUse, add_enable_hook, add_lend_hook,
@@ -81,6 +82,7 @@ class _Site:
     consumer: Optional[Tuple[str, Optional[str]]] = None  # (holder path with [*], holder site)
     holder: Optional[Holder] = None
     same: int = 0  # retentions in a row named with that holder
+    others: Dict[str, Holder] = field(default_factory=dict)  # the other consumers seen holding these views too
 
 
 def _site_key(lease: Lease, event: ReuseEvent) -> Tuple[Any, ...]:
@@ -117,6 +119,31 @@ def _was_running(h: Holder, p: _Pending) -> bool:
         root = pattern[0]()
         return root is not None and id(root) in p.running[1]
     return False
+
+
+def _by_consumer(found: List[Holder]) -> List[Holder]:
+    """Best first, one holder per consumer (a consumer that holds the view twice is named once)."""
+    out: Dict[str, Holder] = {}
+    for h in sorted(found, key=lambda h: h.rank):
+        out.setdefault(consumer_key(h.path), h)
+    return list(out.values())
+
+
+def _as_counted(h: Holder, path: str) -> Holder:
+    """A site's holder, kept to name later retentions of the same sites without a walk."""
+    return Holder(h.kind, path, h.site, pattern=h.pattern, local=h.local, counted=True)
+
+
+def _holder_record(h: Holder, also: Sequence[Holder], lease: Lease, exported: Sequence[dict]) -> Dict[str, Any]:
+    """A holder as the records carry it: who, where the holder lives, where it stored the view (the line a
+    fix changes), the other consumers holding the same view, the aliases of it."""
+    rec = h.to_dict()
+    rec["stored_at"] = stored_at(h.store_target(), lease.site, h.site)
+    if also:
+        rec["also"] = [_holder_record(o, (), lease, ()) for o in also]
+    if exported:
+        rec["aliases"] = list(exported)
+    return rec
 
 
 def _promote(h: Holder) -> Holder:
@@ -244,10 +271,10 @@ class Triage:
                 return None  # nothing but the running code's own locals: cannot tell it from a loop variable
         else:
             found = [_promote(h) if h.transient else h for h in found]
-        found.sort(key=lambda h: h.rank)
+        found = _by_consumer(found)
         best = found[0] if found else None
         if best is not None and walk["when"] != "counted":
-            self._learn(site, best)
+            self._learn(site, found)
         record = records.record_event("retention", self._record(p, found, walk, used_stale, read_at))
         lid = lease.lease_id
         if len(self._confirmed) >= _CONFIRMED_KEPT:  # bounded: forget the oldest half
@@ -268,11 +295,13 @@ class Triage:
         key = lease.handle  # (a rescued lease's storage is the same one, now owning a copy)
         start = time.perf_counter()
         found = _holders.replay({key}).holders.get(key) or []
-        if found:
-            return found, {"when": "known-path", "ms": _ms(start), "tensors": len(found), "truncated": False}
+        if found:  # the known path of one consumer; the others seen at these sites hold it the same way
+            others = [h for h in (site.holder, *site.others.values()) if h is not None]
+            return found + others, {"when": "known-path", "ms": _ms(start), "tensors": len(found),
+                                    "truncated": False}
         if site.same >= SAME_HOLDER and site.holder is not None:
-            return [site.holder], {"when": "counted", "ms": _ms(start), "tensors": 0, "truncated": False,
-                                   "like": site.same}
+            return [site.holder, *site.others.values()], {"when": "counted", "ms": _ms(start), "tensors": 0,
+                                                          "truncated": False, "like": site.same}
         return None
 
     @staticmethod
@@ -294,15 +323,20 @@ class Triage:
         return {lease.lease_id: (result.holders.get(key, []), dict(walk)) for key, lease in keys.items()}
 
     @staticmethod
-    def _learn(site: _Site, best: Holder) -> None:
-        """Remember ``best``'s path (to try first next time) and count it for its (lend, reuse) sites."""
+    def _learn(site: _Site, found: List[Holder]) -> None:
+        """Remember the best holder's path (to try first next time), count it for its (lend, reuse) sites, and
+        note every other consumer that held the view (a retention counted later names them all)."""
+        best = found[0]
         _holders.remember(best)
         ident = (consumer_key(best.path), site_text(best.site))
         if site.consumer == ident:
             site.same += 1
         else:
             site.consumer, site.same = ident, 1
-            site.holder = Holder(best.kind, ident[0], best.site)
+            site.holder = _as_counted(best, ident[0])
+        for h in found[1:]:
+            if h.rank < 2 and h.kind != "unknown" and len(site.others) < 8:
+                site.others.setdefault(consumer_key(h.path), _as_counted(h, consumer_key(h.path)))
 
     @staticmethod
     def _record(p: _Pending, found: List[Holder], walk: Dict[str, Any], used_stale: bool,
@@ -322,8 +356,8 @@ class Triage:
             "summary": summary,
             "lease": lease.to_dict(),
             "event": p.event.to_dict(),
-            "holder": dict(best.to_dict(), aliases=exported) if best and exported else (best.to_dict() if best else None),
-            "holders": [h.to_dict() for h in found],
+            "holder": _holder_record(best, found[1:], lease, exported) if best else None,
+            "holders": [_holder_record(h, (), lease, ()) for h in found],
             "lent_at": (to_records(lease.site[:1]) or [None])[0],
             "reused_at": (to_records(p.event.site[:1]) or [None])[0],
             "used_stale": used_stale,

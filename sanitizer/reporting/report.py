@@ -102,6 +102,35 @@ def _kept_text(total: int, by_kind: Dict[str, int], not_kept: Optional[Dict[str,
     return f" ({head}; {total - kept} not kept" + (f": {', '.join(why)}" if why else "") + ")"
 
 
+def _every_holder(retention: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The retention's holder and every other consumer that held the same view (at least one entry)."""
+    holder = retention.get("holder") or {}
+    return [holder, *(holder.get("also") or ())]
+
+
+def _add_to_group(groups: Dict[tuple, Dict[str, Any]], e: Dict[str, Any], holder: Dict[str, Any]) -> None:
+    """Count retention ``e`` for the consumer of ``holder`` (grouped by consumer and where it stores views)."""
+    site = site_text(holder.get("site"))
+    stored = site_text(holder.get("stored_at"))
+    consumer = holder.get("consumer") or "<unnamed holder>"
+    g = groups.get((consumer, stored or site))
+    if g is None:
+        g = groups[(consumer, stored or site)] = {
+            "consumer": consumer, "holder": holder.get("path") or consumer, "kind": holder.get("kind", "none"),
+            "site": site, "stored_at": stored, "count": 0, "bytes": 0, "leases": [], "used_stale": 0, "first": e,
+            "read_stale_at": [], "lent_at": frame_text(e.get("lent_at")),
+            "reused_at": frame_text(e.get("reused_at")),
+            "fix": fix_hint(holder.get("kind"), consumer, stored or site)}
+    g["count"] += 1
+    g["bytes"] += int(e["lease"].get("nbytes") or 0)
+    g["used_stale"] += bool(e.get("used_stale"))
+    if len(g["leases"]) < 8:
+        g["leases"].append(e["lease"].get("name"))
+    read = site_text(e.get("read_stale_at"))
+    if read and read not in g["read_stale_at"] and len(g["read_stale_at"]) < 4:
+        g["read_stale_at"].append(read)
+
+
 def summarize(rep: Dict[str, Any], pending: int = 0) -> Dict[str, Any]:
     """Counts by kind, retentions grouped by retaining consumer (biggest first), and a one-line summary."""
     errors_by_kind: Dict[str, int] = {}
@@ -109,40 +138,25 @@ def summarize(rep: Dict[str, Any], pending: int = 0) -> Dict[str, Any]:
         errors_by_kind[e.get("kind", "?")] = errors_by_kind.get(e.get("kind", "?"), 0) + 1
     events_by_kind: Dict[str, int] = {}
     groups: Dict[tuple, Dict[str, Any]] = {}
+    retained_bytes = 0  # each retained lease once, whatever number of consumers held it
     for e in rep.get("events", ()):
         kind = e.get("kind", "?")
         events_by_kind[kind] = events_by_kind.get(kind, 0) + (e.get("count", 1) if kind == "clone" else 1)
         if kind != "retention":
             continue
-        holder = e.get("holder") or {}
-        site = site_text(holder.get("site"))
-        consumer = holder.get("consumer") or "<unnamed holder>"
-        g = groups.get((consumer, site))
-        if g is None:
-            g = groups[(consumer, site)] = {
-                "consumer": consumer, "holder": holder.get("path") or consumer, "kind": holder.get("kind", "none"),
-                "site": site, "count": 0, "bytes": 0, "leases": [], "used_stale": 0, "first": e,
-                "read_stale_at": [], "lent_at": frame_text(e.get("lent_at")),
-                "reused_at": frame_text(e.get("reused_at")),
-                "fix": fix_hint(holder.get("kind"), consumer, site)}
-        g["count"] += 1
-        g["bytes"] += int(e["lease"].get("nbytes") or 0)
-        g["used_stale"] += bool(e.get("used_stale"))
-        if len(g["leases"]) < 8:
-            g["leases"].append(e["lease"].get("name"))
-        read = site_text(e.get("read_stale_at"))
-        if read and read not in g["read_stale_at"] and len(g["read_stale_at"]) < 4:
-            g["read_stale_at"].append(read)
+        retained_bytes += int(e["lease"].get("nbytes") or 0)
+        for holder in _every_holder(e):
+            _add_to_group(groups, e, holder)
     consumers = sorted(groups.values(), key=lambda g: (-g["bytes"], -g["count"], g["consumer"]))
     n_ret = events_by_kind.get("retention", 0)
-    retained_bytes = sum(g["bytes"] for g in consumers)
     n_err = rep.get("error_count", 0)
     parts = [f"{n_err} error{'s' * (n_err != 1)}" + _kept_text(n_err, errors_by_kind, rep.get("errors_not_kept"))]
     if n_ret:
         parts.append(f"{n_ret} retention{'s' * (n_ret != 1)} by {len(consumers)} consumer"
                      f"{'s' * (len(consumers) != 1)} ({format_bytes(retained_bytes)})")
         top = consumers[0]
-        parts.append(f"top: {top['consumer']}" + (f" at {top['site']}" if top["site"] else "")
+        parts.append(f"top: {top['consumer']}" + (f" at {top['stored_at'] or top['site']}"
+                                                  if top["stored_at"] or top["site"] else "")
                      + f" ({top['count']}, {format_bytes(top['bytes'])})")
     else:
         parts.append("no retentions")

@@ -72,7 +72,10 @@ def format_triage(rep: Dict[str, Any], path: Optional[str] = None, top: int = 20
             pad = "  " + " " * (sum(widths) + 2 * 5)
             first = g["first"]
             names = ", ".join(repr(n) for n in g["leases"][:4]) + (", ..." if g["count"] > 4 else "")
-            lines.append(f"{pad}holder lives at {g['site'] or '?'}")
+            if g.get("stored_at"):
+                lines.append(f"{pad}stored at {g['stored_at']} (holder lives at {g['site'] or '?'})")
+            else:
+                lines.append(f"{pad}holder lives at {g['site'] or '?'}")
             lines.append(f"{pad}e.g. {first['holder']['path'] if first.get('holder') else '?'}")
             lines.append(f"{pad}leases: {names}")
             reads = g.get("read_stale_at") or []
@@ -120,7 +123,8 @@ def section_for_test(rep: Dict[str, Any], path: Optional[str]) -> str:
     lines = [summary["line"]]
     for g in summary["retaining_consumers"][:5]:
         lines.append(f"held by: {g['consumer']} ({g['count']} lease{'s' * (g['count'] != 1)}, "
-                     f"{format_bytes(g['bytes'])})" + (f"; holder lives at {g['site']}" if g.get("site") else ""))
+                     f"{format_bytes(g['bytes'])})" + (f"; stored at {g['stored_at']}" if g.get("stored_at") else
+                                                       f"; holder lives at {g['site']}" if g.get("site") else ""))
         if g.get("read_stale_at"):
             lines.append(f"  read stale at {', '.join(g['read_stale_at'])}")
         if g.get("fix"):
