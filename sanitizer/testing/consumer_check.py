@@ -519,6 +519,7 @@ def check_consumer(consume: Callable[[Iterator[Tuple[str, torch.Tensor]]], Any],
     Returns a :class:`CheckResult` when every example passed: bit-identical results unsanitized,
     sanitized and against the owned oracle, and no sanitizer error or retention. Raises a
     :class:`ConsumerCheckError` (an ``AssertionError``) otherwise."""
+    __tracebackhide__ = True  # pytest: the failure is the message, shown at the test's own line
     if not is_count(examples, 1):
         raise ValueError(f"check_consumer: examples must be an integer >= 1, got {examples!r}")
     if seed is not None and not is_count(seed, 0):
@@ -527,6 +528,26 @@ def check_consumer(consume: Callable[[Iterator[Tuple[str, torch.Tensor]]], Any],
                                  or not deadline > 0):
         raise ValueError(f"check_consumer: deadline must be a number of seconds > 0, got {deadline!r}")
     checker = _Checker(consume, weights)
+    with _one_intra_op_thread():
+        return _check(checker, examples, seed, deadline, replay, streams, progress)
+
+
+@contextlib.contextmanager
+def _one_intra_op_thread() -> Iterator[None]:
+    """torch single-threaded for the check, the caller's count restored after: a check's tensors are small,
+    and one intra-op thread is faster and far steadier on a shared CI machine (two OpenMP threads on two
+    busy cores wait for each other on every op: 2 ms an example became 120 ms here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check(checker: "_Checker", examples: int, seed: Optional[int], deadline: Optional[float], replay: Any,
+           streams: Any, progress: Optional[Progress]) -> CheckResult:
+    __tracebackhide__ = True
     start = time.perf_counter()
     if replay is not None:
         case = replay if isinstance(replay, StreamCase) else StreamCase.from_json(replay)
