@@ -19,7 +19,7 @@ from sanitizer.testing import (ConsumerCheckError, NondeterministicConsumerError
                                SanitizerMissError, StreamCase, check_consumer)
 from sanitizer.testing.reference.deferred_loader import LayerwiseLoader  # noqa: E402
 from sanitizer.testing.strategies import borrowed_streams  # noqa: E402
-from sanitizer.torch_layer import runtime  # noqa: E402
+from sanitizer.torch_layer import records  # noqa: E402
 
 EXAMPLES = 12  # per check: enough to cross every parameter's simplest values; the long run is the benchmark
 
@@ -292,8 +292,8 @@ def test_the_check_leaves_state_options_threads_and_records_as_it_found_them():
         assert sanitizer.enabled() and sanitizer.options()["stack_depth"] == 3
         assert sanitizer.options()["halt_on_error"] is False
         assert sanitizer.errors() == mine  # the check's own records are gone, the caller's kept
-        assert runtime.record_counts()["errors_seen"] == 1
-        assert [e for e in runtime.events("retention") if e["lease"]["buffer"] != "mine"] == []
+        assert records.record_counts()["errors_seen"] == 1
+        assert [e for e in records.events("retention") if e["lease"]["buffer"] != "mine"] == []
     del view
     buf.close()
     assert not sanitizer.enabled() and torch.get_num_threads() == threads and gc.get_freeze_count() == 0

@@ -37,6 +37,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
+import sanitizer
 from sanitizer.core.options import OPTIONS
 from sanitizer.testing import consumer_cli, isolation
 from sanitizer.testing.pool import batches, in_processes
@@ -45,7 +46,6 @@ from sanitizer.testing.results import differences
 from sanitizer.testing.streams import (DEBUG, STREAMS, check_field as _check_field, clip as _clip, open_stream,
                                        order_names, parse_object, raw_ring_loader as _raw_ring_loader)
 from sanitizer.testing.streams import ring_bytes as _ring_bytes
-import sanitizer
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "int8": torch.int8}
 ORDERS = ("sorted", "grouped", "shuffled")

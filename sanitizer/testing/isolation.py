@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 from typing import Iterator, List, Optional, Set
 
 import sanitizer
@@ -67,8 +68,8 @@ def _keep_only(errors: List[dict]) -> None:
     filed again after the clear: the same dicts, in their order. (Its count of errors seen becomes the
     number kept: errors the records cap had dropped before the run are no longer counted.)"""
     sanitizer.clear_errors()
-    for record in errors:
-        records.STORE.add_error(record, None, max(len(errors), 1), None)
+    for record in errors:  # they were within the cap before the run: no cap now
+        records.STORE.add_error(record, None, sys.maxsize, None)
 
 
 @contextlib.contextmanager
