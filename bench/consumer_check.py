@@ -70,15 +70,9 @@ def load_weights(weights) -> nn.Module:
 
 
 def deferred(weights) -> nn.Module:
-    from sanitizer.testing.reference.deferred_loader import LayerwiseLoader
+    from sanitizer.testing.reference.deferred_loader import load_layerwise
 
-    model = TwoLayers()
-    loader = LayerwiseLoader(model, ownership=True)
-    for name, t in weights:
-        p = model.get_parameter(name)
-        p.weight_loader(p, t)
-    loader.finalize()
-    return model
+    return load_layerwise(TwoLayers(), weights, ownership=True)
 
 
 CONSUMERS: Dict[str, Callable] = {"load_weights": load_weights, "deferred": deferred}

@@ -17,7 +17,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 import sanitizer  # noqa: E402
 from sanitizer.testing import (ConsumerCheckError, NondeterministicConsumerError, RetainedBorrowError,  # noqa: E402
                                SanitizerMissError, StreamCase, check_consumer)
-from sanitizer.testing.reference.deferred_loader import LayerwiseLoader  # noqa: E402
+from sanitizer.testing.reference.deferred_loader import load_layerwise  # noqa: E402
 from sanitizer.testing.strategies import borrowed_streams  # noqa: E402
 from sanitizer.torch_layer import records  # noqa: E402
 
@@ -66,23 +66,11 @@ def state_dict_copy(weights):
 
 
 def deferred_owning(weights):
-    model = Model()
-    loader = LayerwiseLoader(model, ownership=True)
-    for name, t in weights:
-        p = model.get_parameter(name)
-        p.weight_loader(p, t)
-    loader.finalize()
-    return model
+    return load_layerwise(Model(), weights, ownership=True)
 
 
 def deferred_retaining(weights):
-    model = Model()
-    loader = LayerwiseLoader(model, ownership=False)
-    for name, t in weights:
-        p = model.get_parameter(name)
-        p.weight_loader(p, t)
-    loader.finalize()
-    return model
+    return load_layerwise(Model(), weights, ownership=False)
 
 
 def returns_views(weights):

@@ -230,7 +230,7 @@ class _Checker:
         items = self.weights.items(names)
         ring = self.weights.ring(case)
         self._runs += 1
-        tag = f"check_consumer[{self._runs}]"
+        tag = f"check_consumer#{self._runs}"
         out = Outcome(case, ring, self.weights.largest)
         with isolation.isolated_run(freeze=not diagnose) as scope:
             oracle = self.oracle(names)
@@ -363,7 +363,8 @@ class _Checker:
             lines.append("  oracle run twice: " + "; ".join(out.nondeterministic[:3]))
         where = ""
         if found_at:
-            where = f" (hypothesis shrank the failing example {found_at}" + (f" of {examples}" if examples else "") + ")"
+            where = (f" (example {found_at}" + (f" of {examples}" if examples else "")
+                     + " failed first; hypothesis shrank it to this one)")
         lines += ["", f"minimal case{where}: {out.case.describe(out.ring, out.largest)}"]
         lines += [f"replay: {line}" if i == 0 else f"    or: {line}" for i, line in enumerate(self.replay_lines(out.case))]
         return "\n".join(lines)

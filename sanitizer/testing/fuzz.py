@@ -234,14 +234,9 @@ def consume(case: Case, weights: Any) -> Dict[str, torch.Tensor]:
         for name, t in weights:
             params[name].copy_(t, non_blocking=kind == "non_blocking")
     elif kind in ("deferred", "deferred_own"):
-        from sanitizer.testing.reference.deferred_loader import LayerwiseLoader
+        from sanitizer.testing.reference.deferred_loader import load_layerwise
 
-        loader = LayerwiseLoader(model, ownership=kind == "deferred_own")
-        for name, t in weights:
-            p = model.get_parameter(name)
-            p.weight_loader(p, t)
-        del t
-        loader.finalize()
+        load_layerwise(model, weights, ownership=kind == "deferred_own")
     elif kind == "list":
         held = list(weights)
         return {n: t.clone() for n, t in held}
