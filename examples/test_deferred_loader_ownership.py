@@ -85,10 +85,12 @@ def load_deferred_owning(weights):
     return load_deferred(weights, own=True)
 
 
+SHAPES = {"gate": (2 * HIDDEN, HIDDEN), "up": (2 * HIDDEN, HIDDEN), "down": (HIDDEN, 2 * HIDDEN)}
+
+
 def _checkpoint():
     g = torch.Generator().manual_seed(0)
-    return {f"layers.{i}.{p}": torch.randn(shape, generator=g) * 0.02 for i in range(2)
-            for p, shape in (("gate", (2 * HIDDEN, HIDDEN)), ("up", (2 * HIDDEN, HIDDEN)), ("down", (HIDDEN, 2 * HIDDEN)))}
+    return {f"layers.{i}.{p}": torch.randn(shape, generator=g) * 0.02 for i in range(2) for p, shape in SHAPES.items()}
 
 
 STATE_DICT = _checkpoint()  # about 0.4 MiB; a state dict needs no file

@@ -366,7 +366,8 @@ class _Checker:
             where = (f" (example {found_at}" + (f" of {examples}" if examples else "")
                      + " failed first; hypothesis shrank it to this one)")
         lines += ["", f"minimal case{where}: {out.case.describe(out.ring, out.largest)}"]
-        lines += [f"replay: {line}" if i == 0 else f"    or: {line}" for i, line in enumerate(self.replay_lines(out.case))]
+        replays = self.replay_lines(out.case)
+        lines += [f"replay: {replays[0]}"] + [f"    or: {line}" for line in replays[1:]]
         return "\n".join(lines)
 
     def replay_lines(self, case: StreamCase) -> List[str]:

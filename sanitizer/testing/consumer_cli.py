@@ -133,15 +133,21 @@ def _in_processes(args: argparse.Namespace, progress: Optional[ProgressLine]) ->
     return done, failure
 
 
+_WEIGHTS: Dict[str, Any] = {}  # in a worker: the weights, read once for all the batches it runs
+
+
 def check_batch(spec: str, weights: str, examples: int, seed: int, stop_at: Optional[float]) -> Dict[str, Any]:
     """One search in a worker process: ``{"examples": run, "failure": its text or None}``."""
     from sanitizer.testing.consumer_check import ConsumerCheckError, check_consumer, load_consumer
+    from sanitizer.testing.weights import WeightSet
 
     deadline = None if stop_at is None else stop_at - time.time()
     if deadline is not None and deadline <= 0:
         return {"examples": 0, "failure": None}
+    if weights not in _WEIGHTS:
+        _WEIGHTS[weights] = WeightSet.of(_weights_arg(weights))
     try:
-        result = check_consumer(load_consumer(spec), _weights_arg(weights), examples=examples, seed=seed,
+        result = check_consumer(load_consumer(spec), _WEIGHTS[weights], examples=examples, seed=seed,
                                 deadline=deadline, progress=lambda done, total, failures: tick())
     except ConsumerCheckError as exc:
         return {"examples": exc.found_at or 1, "failure": str(exc)}

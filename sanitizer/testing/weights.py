@@ -75,7 +75,8 @@ class WeightSet:
         what = f"{len(self.names)} tensors, {format_bytes(self.nbytes)}"
         if not self.paths:
             return f"a state dict ({what})"
-        shown = self.paths[0] if len(self.paths) == 1 else f"{len(self.paths)} files in {os.path.dirname(self.paths[0])}"
+        where = os.path.dirname(self.paths[0])
+        shown = self.paths[0] if len(self.paths) == 1 else f"{len(self.paths)} files in {where}"
         return f"{shown} ({what})"
 
     def order(self, case: StreamCase) -> List[str]:
