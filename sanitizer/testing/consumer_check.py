@@ -243,7 +243,9 @@ class _Checker:
                 if out.unsanitized_error is None:
                     out.unsanitized_diff = differences(oracle, reachable(built))
                 del built
-            options = {"halt_on_error": 0, **case.sanitizer_options(), **(DIAGNOSE if diagnose else QUICK)}
+            # rescue=0 whatever the caller's options: the sanitized result shows what retained views read (the
+            # guard's poison), not the copies rescue would hand them
+            options = {"halt_on_error": 0, "rescue": 0, **case.sanitizer_options(), **(DIAGNOSE if diagnose else QUICK)}
             with sanitizer.sanitize(**options):
                 built = self._sanitized_run(case, items, ring, tag, scope, out, diagnose)
             if out.sanitized_error is None:
