@@ -25,11 +25,8 @@ CI lives in ``tests/test_fuzz.py`` (hypothesis, derandomized).
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
-import gc
 import json
-import multiprocessing
 import os
 import random
 import sys
@@ -40,19 +37,22 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from sanitizer import activation
-from sanitizer.torch_layer import records, runtime
-from sanitizer.torch_layer.iterators import borrowed_iterator, emulate_borrowed
+import sanitizer
 from sanitizer.core.options import OPTIONS
+from sanitizer.testing import consumer_cli, isolation
+from sanitizer.testing.pool import batches, in_processes
+from sanitizer.testing.progress import ProgressLine
+from sanitizer.testing.results import differences
+from sanitizer.testing.streams import (DEBUG, STREAMS, check_field as _check_field, clip as _clip, open_stream,
+                                       order_names, parse_object, raw_ring_loader as _raw_ring_loader)
+from sanitizer.testing.streams import ring_bytes as _ring_bytes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "int8": torch.int8}
 ORDERS = ("sorted", "grouped", "shuffled")
 CORRECT = ("copy", "non_blocking", "deferred_own")
 RETAINING = ("list", "dict", "assign", "state_dict_copy", "deferred")
 CONSUMERS = CORRECT + RETAINING
-DEBUG = ("generations", "checksum+poison")
-STREAMS = ("emulated", "borrowed")  # emulate_borrowed over safe_open; borrowed_iterator over a raw ring loader
-ALIGN = 64  # the emulation ring's alignment
+# DEBUG and STREAMS (emulate_borrowed over safe_open; borrowed_iterator over a raw ring loader) come from streams.py.
 
 Param = Tuple[str, Tuple[int, ...], str]  # (name in its layer, shape, dtype key)
 
@@ -75,19 +75,7 @@ class Case:
     @classmethod
     def from_json(cls, text: str) -> "Case":
         """A case as :meth:`to_json` printed it; ValueError naming the field and the value that is wrong."""
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"not JSON ({exc.msg}, at character {exc.pos}): {_clip(text, raw=True)}") from None
-        fields = [f.name for f in dataclasses.fields(cls)]
-        if not isinstance(d, dict):
-            raise ValueError(f"expected a JSON object with the fields {', '.join(fields)}; got {_clip(text, raw=True)}")
-        unknown = sorted(set(d) - set(fields))
-        missing = [f.name for f in dataclasses.fields(cls) if f.name not in d and f.default is dataclasses.MISSING]
-        problems = ([f"unknown field(s) {unknown}"] if unknown else []) + ([f"missing field(s) {missing}"] if missing
-                                                                              else [])
-        if problems:
-            raise ValueError(f"{'; '.join(problems)} (a case has {', '.join(fields)})")
+        d = parse_object(text, dataclasses.fields(cls), "a case")
         d["layers"] = _parse_layers(d["layers"])
         _check_field("files", d["files"], isinstance(d["files"], int) and not isinstance(d["files"], bool)
                      and d["files"] >= 1, "an integer >= 1")
@@ -106,17 +94,6 @@ class Case:
 
     def names(self) -> List[str]:
         return [f"layers.{i}.{p[0]}" for i, layer in enumerate(self.layers) for p in layer]
-
-
-def _clip(value: Any, limit: int = 80, raw: bool = False) -> str:
-    """``value`` as JSON (``raw``: the text as given), cut to ``limit`` characters."""
-    text = value if raw else json.dumps(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _check_field(name: str, value: Any, ok: bool, wanted: str) -> None:
-    if not ok:
-        raise ValueError(f"field {name!r}: expected {wanted}, got {_clip(value)}")
 
 
 def _parse_layers(raw: Any) -> Tuple[Tuple[Param, ...], ...]:
@@ -184,12 +161,9 @@ def _tensor(shape: Tuple[int, ...], dtype: str, g: torch.Generator) -> torch.Ten
 
 
 def stream_order(case: Case) -> List[str]:
-    names = case.names()
-    if case.order == "sorted":
-        return sorted(names)  # layers.10 before layers.2: interleaves layers, as real shards do
-    if case.order == "shuffled":
-        random.Random(case.seed).shuffle(names)
-    return names  # grouped: layer by layer
+    """``sorted`` interleaves layers (``layers.10`` before ``layers.2``), as real shards do; ``grouped`` is layer
+    by layer; ``shuffled`` is seeded by the case."""
+    return order_names(case.names(), case.order, case.seed)
 
 
 def write_checkpoint(case: Case, directory: str) -> Tuple[List[Tuple[str, str]], Dict[str, torch.Tensor]]:
@@ -213,33 +187,14 @@ def write_checkpoint(case: Case, directory: str) -> Tuple[List[Tuple[str, str]],
     return [(n, where[n]) for n in order], oracle
 
 
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
 def ring_bytes(case: Case, oracle: Dict[str, torch.Tensor]) -> int:
-    sizes = [t.numel() * t.element_size() for t in oracle.values()]
-    largest, total = max(sizes), sum(_aligned(s) for s in sizes)
-    ring = max(largest, largest + int(case.ring_fraction * (total - largest)))
-    if case.stream == "borrowed":  # the raw loader must honour its own contract: L+1 tensors never overlap
-        ring = max(ring, (_lifetime(case) + 1) * _aligned(largest))
-    return ring
-
-
-def _lifetime(case: Case) -> int:
-    return case.lifetime or 1
+    return _ring_bytes([t.numel() * t.element_size() for t in oracle.values()], case.ring_fraction, case.stream,
+                       case.lifetime)
 
 
 def raw_ring_loader(plan: List[Tuple[str, str]], nbytes: int) -> Iterator[Tuple[str, torch.Tensor]]:
-    """A borrowing loader with no sanitizer inside: views of one plain uint8 ring it keeps rewriting."""
-    pool = torch.empty(nbytes, dtype=torch.uint8)
-    head = 0
-    for name, t in _stream(plan):
-        n = t.numel() * t.element_size()
-        offset = _aligned(head) if _aligned(head) + n <= nbytes else 0
-        pool[offset:offset + n].copy_(t.reshape(-1).view(torch.uint8))
-        yield name, pool[offset:offset + n].view(t.dtype).view(t.shape)
-        head = offset + n
+    """A borrowing loader with no sanitizer inside, over the files of ``plan`` (see streams.raw_ring_loader)."""
+    return _raw_ring_loader(_stream(plan), nbytes)
 
 
 def _stream(plan: List[Tuple[str, str]]) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -279,14 +234,9 @@ def consume(case: Case, weights: Any) -> Dict[str, torch.Tensor]:
         for name, t in weights:
             params[name].copy_(t, non_blocking=kind == "non_blocking")
     elif kind in ("deferred", "deferred_own"):
-        from sanitizer.testing.reference.deferred_loader import LayerwiseLoader
+        from sanitizer.testing.reference.deferred_loader import load_layerwise
 
-        loader = LayerwiseLoader(model, ownership=kind == "deferred_own")
-        for name, t in weights:
-            p = model.get_parameter(name)
-            p.weight_loader(p, t)
-        del t
-        loader.finalize()
+        load_layerwise(model, weights, ownership=kind == "deferred_own")
     elif kind == "list":
         held = list(weights)
         return {n: t.clone() for n, t in held}
@@ -305,77 +255,39 @@ def consume(case: Case, weights: Any) -> Dict[str, torch.Tensor]:
 
 
 def _exact(got: Dict[str, torch.Tensor], oracle: Dict[str, torch.Tensor]) -> bool:
-    return set(got) == set(oracle) and all(
-        got[n].dtype == oracle[n].dtype and got[n].shape == oracle[n].shape and torch.equal(got[n], oracle[n])
-        for n in oracle)
+    return not differences(oracle, got)
 
 
 def _load(case: Case, plan: List[Tuple[str, str]], ring: int) -> Dict[str, torch.Tensor]:
-    if case.stream == "borrowed":
-        return consume(case, borrowed_iterator(raw_ring_loader(plan, ring), _lifetime(case), name="fuzz-loader"))
-    return consume(case, emulate_borrowed(_stream(plan), ring, lifetime=case.lifetime, name="fuzz-ring"))
+    name = "fuzz-loader" if case.stream == "borrowed" else "fuzz-ring"
+    return consume(case, open_stream(case, _stream(plan), ring, name))
 
 
 def run_case(case: Case) -> Outcome:
     """Run one case (unsanitized, sanitized, and with ``rescue=1`` for retaining consumers).
 
-    The objects alive before the case are frozen out of the garbage collector for its duration
-    (``gc.freeze``), so the full collection at its end, which lets its leftover leases die, scans only
-    what the case made: a few ms instead of ~0.2 s over torch's whole heap."""
-    freeze = gc.get_freeze_count() == 0  # a caller that froze itself keeps its own freeze
-    if freeze:
-        gc.freeze()
-    before = {id(e) for e in records.events()}
-    try:
-        return _run_case(case)
-    finally:
-        gc.collect()  # the case's own leftovers (cycles that hold leases): only unfrozen objects are scanned
-        if freeze:
-            gc.unfreeze()
-        _forget_events_since(before)
+    The objects alive before the case are frozen out of the garbage collector for its duration,
+    and the records it adds are forgotten after it (see :mod:`sanitizer.testing.isolation`)."""
+    with isolation.isolated_run() as scope:
+        return _run_case(case, scope)
 
 
-def _forget_events_since(before: set) -> None:
-    """Drop the retention and rescue records a case added, and triage's pending state and timeline:
-    cases stay independent, and a long campaign never fills the records cap (which would then drop
-    the errors the properties count)."""
-    from sanitizer.features import triage
-
-    triage.reset()
-    for e in records.events():
-        if id(e) not in before and e.get("kind") != "clone":  # clone: one aggregated record per policy
-            records.forget_events(record=e)
-
-
-def _errors_seen() -> int:
-    """Errors the sanitized run saw (all of them: records kept or not)."""
-    return records.record_counts()["errors_seen"]
-
-
-def _run_case(case: Case) -> Outcome:
+def _run_case(case: Case, scope: isolation.RecordScope) -> Outcome:
     # No heap walks (diagnostics only) and short stacks: the properties do not depend on them.
     quiet = {k: v for k, v in (("triage_budget_ms", 0), ("stack_depth", 2)) if k in OPTIONS}
     debug = {"checksum": 1, "poison": 1} if case.debug == "checksum+poison" else {}
     with tempfile.TemporaryDirectory(prefix="ownsan-fuzz-") as tmp:
         plan, oracle = write_checkpoint(case, tmp)
         ring = ring_bytes(case, oracle)
-        was_enabled = runtime.enabled()
-        activation.disable()
-        try:
+        with isolation.unsanitized():
             corrupted = not _exact(_load(case, plan, ring), oracle)
-            records.clear_errors()
-            with activation.sanitize(halt_on_error=0, **quiet, **debug):
+            with sanitizer.sanitize(halt_on_error=0, **quiet, **debug):
                 sanitized = _load(case, plan, ring)
-                errors = _errors_seen()
-            records.clear_errors()
+                errors = scope.errors_seen()
             rescue_exact = None
             if case.consumer in RETAINING:
-                with activation.sanitize(halt_on_error=0, rescue=1, **quiet, **debug):
+                with sanitizer.sanitize(halt_on_error=0, rescue=1, **quiet, **debug):
                     rescue_exact = _exact(_load(case, plan, ring), oracle)
-                records.clear_errors()
-        finally:
-            if was_enabled:
-                activation.enable()
     return Outcome(corrupted, errors, _exact(sanitized, oracle), rescue_exact)
 
 
@@ -470,6 +382,7 @@ def _work(seed: int, indices: Sequence[int]) -> Dict[str, Any]:
 
 
 Progress = Callable[[int, int, int], None]  # (cases done, cases in all, failures so far)
+_ProgressLine = ProgressLine  # its old name here (tests/test_cli.py)
 
 
 def campaign(examples: int, seed: int, jobs: int = 1, progress: Optional[Progress] = None) -> Dict[str, Any]:
@@ -486,49 +399,31 @@ def campaign(examples: int, seed: int, jobs: int = 1, progress: Optional[Progres
         for i in range(examples):
             add(_work(seed, [i]))
     else:
-        # Small batches, so that progress moves and no worker idles while another finishes a long chunk.
-        batch = max(1, min(8, examples // (jobs * 8)))
-        chunks = [list(range(i, min(i + batch, examples))) for i in range(0, examples, batch)]
-        ctx = multiprocessing.get_context("spawn")  # no fork of a process with torch's threads
-        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-            for done in concurrent.futures.as_completed([pool.submit(_work, seed, c) for c in chunks]):
-                add(done.result())
+        for part in in_processes(_work, [(seed, batch) for batch in batches(examples, jobs)], jobs):
+            add(part)
     total["failures"].sort(key=lambda f: f["index"])
     return total
 
 
-class _ProgressLine:
-    """Campaign progress on stderr: one redrawn line on a terminal, else a line at each tenth of the cases."""
-
-    def __init__(self, stream: Any = None):
-        self.stream = stream or sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.start = time.monotonic()
-        self.shown = 0  # tenths already printed (not a terminal)
-
-    def __call__(self, done: int, total: int, failures: int) -> None:
-        elapsed = time.monotonic() - self.start
-        eta = f", about {elapsed / done * (total - done):.0f} s left" if 0 < done < total else ""
-        line = f"fuzz: {done}/{total} cases, {failures} failure{'s' * (failures != 1)}, {elapsed:.1f} s{eta}"
-        if self.tty:
-            self.stream.write(f"\r{line}\x1b[K" + ("\n" if done >= total else ""))
-        elif done * 10 // total > self.shown or done == total:
-            self.shown = done * 10 // total
-            self.stream.write(line + "\n")
-        else:
-            return
-        self.stream.flush()
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="ownsan fuzz", description="Fuzz the sanitizer: no miss, no false alarm.")
-    parser.add_argument("--examples", type=int, default=200, help="cases to run (default 200)")
+    parser = argparse.ArgumentParser(prog="ownsan fuzz", description="Fuzz the sanitizer: no miss, no false alarm; "
+                                     "or, with --consumer, fuzz your own consumer over borrowed streams.")
+    parser.add_argument("--examples", type=int, default=None,
+                        help="cases to run (default 200; with --consumer, examples, default 100)")
     parser.add_argument("--seed", type=int, default=0, help="campaign seed: case i is generated from (seed, i)")
     parser.add_argument("-j", "--jobs", type=int, default=1, help="worker processes")
     parser.add_argument("--replay", metavar="JSON", help="run one case (as printed on a failure) and show it")
     parser.add_argument("--no-shrink", action="store_true", help="report failures without minimizing them")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress line on stderr")
+    consumer_cli.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.consumer:
+        args.examples = 100 if args.examples is None else args.examples
+        return consumer_cli.run(args, parser)
+    for flag, value in (("--weights", args.weights), ("--deadline", args.deadline)):
+        if value is not None:
+            parser.error(f"{flag} goes with --consumer MODULE:FUNCTION (the project's campaign makes its own weights)")
+    args.examples = 200 if args.examples is None else args.examples
     if args.replay:
         try:
             case = Case.from_json(args.replay)
@@ -541,7 +436,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.examples < 1 or args.jobs < 1:
         parser.error(f"--examples and -j must be >= 1, got {args.examples} and {args.jobs}")
     start = time.perf_counter()
-    c = campaign(args.examples, args.seed, args.jobs, progress=None if args.quiet else _ProgressLine())
+    c = campaign(args.examples, args.seed, args.jobs, progress=None if args.quiet else ProgressLine())
     print(f"cases: {c['cases']} (seed {args.seed}, {args.jobs} job(s), {time.perf_counter() - start:.1f} s)\n"
           f"unguarded consumers: {c['unguarded']}; unguarded corruptions seen: {c['unguarded_corrupted']}; "
           f"detected: {c['detected']}\n"

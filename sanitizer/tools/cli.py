@@ -460,7 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt = sub.add_parser("options", help="the option table: names, types, defaults, help")
     opt.add_argument("--sync-readme", metavar="README", default=None,
                      help="rewrite the generated option table in this README instead of printing")
-    fuzz = sub.add_parser("fuzz", help="the bounded fuzz campaign")
+    fuzz = sub.add_parser("fuzz", help="the bounded fuzz campaign; with --consumer MODULE:FUNCTION, your own consumer")
     fuzz.add_argument("args", nargs=argparse.REMAINDER, help="passed to the fuzzer")
     for name, text in (("install-hook", "write the zero-code activation .pth into site-packages"),
                        ("uninstall-hook", "remove the zero-code activation .pth")):

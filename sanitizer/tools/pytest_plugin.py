@@ -262,3 +262,19 @@ def staging_ring(request: Any):
         yield ring
     finally:
         ring.close()
+
+
+@pytest.fixture
+def borrowed_weights(request: Any):
+    """A factory of borrowed iterators over weights you give it: ``borrowed_weights(weights, case=None,
+    **params)`` streams a state dict, a safetensors file or a directory through a real staging ring
+    (see :func:`sanitizer.testing.borrowed_stream`; ``case`` from ``sanitizer.testing.strategies``). The
+    iterators run under this test's sanitizer options (its marker's, or --ownership-sanitize's), each
+    checkpoint is read once, and every iterator handed out is closed after the test."""
+    from sanitizer.testing.consumer_check import BorrowedWeights
+
+    factory = BorrowedWeights(name=f"borrowed_weights[{request.node.name}]")
+    try:
+        yield factory
+    finally:
+        factory.close()

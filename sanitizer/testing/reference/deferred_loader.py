@@ -220,4 +220,17 @@ class LayerwiseLoader:
         return [info.name for info in self.infos.values() if info.can_load() and info.loaded_weights]
 
 
-__all__ = ["LayerwiseLoader", "LayerReloadingInfo", "CopyCounter", "get_numel_loaded"]
+def load_layerwise(model: nn.Module, weights: Any, *, ownership: bool = True) -> nn.Module:
+    """Stream ``(name, tensor)`` pairs into ``model`` as vLLM's reload does: each through its parameter's
+    (wrapped, deferring) ``weight_loader``, then :meth:`LayerwiseLoader.finalize`; returns ``model``."""
+    loader = LayerwiseLoader(model, ownership=ownership)
+    t = None
+    for name, t in weights:
+        p = model.get_parameter(name)
+        p.weight_loader(p, t)
+    t = None  # the last borrowed view: not this frame's to keep through finalize
+    loader.finalize()
+    return model
+
+
+__all__ = ["LayerwiseLoader", "LayerReloadingInfo", "CopyCounter", "get_numel_loaded", "load_layerwise"]

@@ -1,0 +1,167 @@
+"""``ownsan fuzz --consumer MODULE:FUNCTION --weights PATH``, the ``borrowed_weights`` fixture, and the shipped
+examples (run as a user runs them: plain pytest in a subprocess)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("hypothesis")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+import torch  # noqa: E402
+
+from conftest import ROOT  # noqa: E402
+from sanitizer.testing import fuzz  # noqa: E402
+from sanitizer.tools import cli  # noqa: E402
+
+HERE = os.path.relpath(os.path.abspath(__file__), ROOT)
+pytest_plugins = ["pytester"]
+
+
+def copies(weights):
+    return {name: t.clone() for name, t in weights}
+
+
+def keeps(weights):
+    return dict(weights)
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    g = torch.Generator().manual_seed(2)
+    path = tmp_path / "model.safetensors"
+    safetensors_torch.save_file({f"layers.{i}.w{j}": torch.randn(16, 16, generator=g) for i in range(2)
+                                 for j in range(3)}, str(path))
+    return str(path)
+
+
+@pytest.fixture
+def in_root(monkeypatch):
+    monkeypatch.chdir(ROOT)  # specs by path are relative to the working directory, as in a shell
+
+
+def test_a_correct_consumer_passes_with_counts_and_progress(checkpoint, in_root, capsys):
+    assert fuzz.main(["--consumer", f"{HERE}:copies", "--weights", checkpoint, "--examples", "6"]) == 0
+    out, err = capsys.readouterr()
+    assert f"consumer: {HERE}:copies" in out and "weights: " in out and "(6 tensors, 6.0 KiB)" in out
+    assert re.search(r"examples: 6 \(seed 0, 1 job\(s\), [\d.]+ s, \d+ examples/s\)", out), out
+    assert "passed: every example bit-exact" in out
+    assert "fuzz: 6/6 examples, 0 failures" in err and "fuzz:" not in out
+
+
+def test_a_retaining_consumer_fails_with_the_message_and_a_replay_line_that_reruns_it(checkpoint, in_root, capsys):
+    assert cli.main(["fuzz", "--consumer", f"{HERE}:keeps", "--weights", checkpoint, "--examples", "6",
+                     "-q"]) == 1
+    out, err = capsys.readouterr()
+    assert err == "" and "FAILED: check_consumer(keeps): keeps keeps borrowed weights past their lifetime" in out
+    assert "the value keeps() returned" in out and "fix: " in out
+    line = next(l for l in out.splitlines() if l.strip().startswith("or: ownsan fuzz --consumer"))
+    replay = re.search(r"--replay '(.*)'$", line).group(1)
+    assert f"--consumer {HERE}:keeps --weights {checkpoint}" in line
+    assert fuzz.main(["--consumer", f"{HERE}:keeps", "--weights", checkpoint, "--replay", replay]) == 1
+    assert "FAILED: " in capsys.readouterr().out
+    assert fuzz.main(["--consumer", f"{HERE}:copies", "--weights", checkpoint, "--replay", replay]) == 0
+    assert "passed: bit-exact" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # two spawned workers import torch: ~10 s here
+def test_jobs_share_the_examples_and_stop_at_a_failure(checkpoint, in_root, capsys):
+    assert fuzz.main(["--consumer", f"{HERE}:copies", "--weights", checkpoint, "--examples", "20", "-j", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert "examples: 20 (seed 0, 2 job(s)" in out and "fuzz: 20/20 examples, 0 failures" in err
+    assert fuzz.main(["--consumer", f"{HERE}:keeps", "--weights", checkpoint, "--examples", "20", "-j", "2"]) == 1
+    assert "FAILED: check_consumer(keeps)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--consumer", "no_colon", "--weights", "{ckpt}"], "--consumer 'no_colon' is not MODULE:FUNCTION"),
+    (["--consumer", "no_such_module_x:f", "--weights", "{ckpt}"], "cannot import 'no_such_module_x'"),
+    (["--consumer", f"{HERE}:nothing_here", "--weights", "{ckpt}"], "has no attribute 'nothing_here'"),
+    (["--consumer", f"{HERE}:HERE", "--weights", "{ckpt}"], "'HERE' is a str, not a function"),
+    (["--consumer", "tests/no_such_file.py:f", "--weights", "{ckpt}"], "no file 'tests/no_such_file.py'"),
+    (["--consumer", f"{HERE}:copies", "--weights", "/no/such/weights"], "--weights '/no/such/weights': no such file"),
+    (["--consumer", f"{HERE}:copies"], "needs --weights DIR_OR_FILE"),
+    (["--weights", "{ckpt}"], "--weights goes with --consumer"),
+    (["--consumer", f"{HERE}:copies", "--weights", "{ckpt}", "--replay", '{"order": 1}'],
+     "--replay: not a stream case: field 'order'"),
+    (["--consumer", f"{HERE}:copies", "--weights", "{ckpt}", "--examples", "0"], "must be >= 1"),
+])
+def test_bad_arguments_are_usage_errors_naming_the_value(args, named, checkpoint, in_root, capsys):
+    assert cli.main(["fuzz", *[a.replace("{ckpt}", checkpoint) for a in args]]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "usage: ownsan fuzz" in err and "Traceback" not in err, err
+
+
+def test_the_campaign_keeps_its_flags(capsys):
+    assert fuzz.main(["--examples", "2", "--seed", "3", "-q"]) == 0
+    assert "cases: 2 (seed 3" in capsys.readouterr().out
+
+
+FIXTURE_SUITE = '''
+import pytest
+import sanitizer
+import torch
+from sanitizer.testing import StreamCase
+
+WEIGHTS = {f"layers.{i}.w": torch.full((64,), float(i)) for i in range(4)}
+KEPT = []
+
+def test_borrowed_views_in_the_given_order(borrowed_weights):
+    got = [(n, float(t[0]), sanitizer.is_borrowed(t)) for n, t in borrowed_weights(WEIGHTS, order="sorted")]
+    assert got == [(f"layers.{i}.w", float(i), True) for i in range(4)]
+
+def test_a_stream_left_open_is_closed_after_the_test(borrowed_weights):
+    it = borrowed_weights(WEIGHTS, StreamCase(ring_fraction=1.0))
+    KEPT.append(next(it)[1])
+
+def test_closed_then(borrowed_weights):
+    lease = sanitizer.lease_of(KEPT[0])
+    assert lease is not None and lease.stale_by is not None
+
+@pytest.mark.ownership_sanitize
+def test_the_runs_options_apply(borrowed_weights):
+    kept = [t for _, t in borrowed_weights(WEIGHTS)]  # the ring of one tensor reuses each: read stale below
+    float(kept[0].sum())
+'''
+
+
+def test_the_borrowed_weights_fixture_hands_out_borrowed_iterators_closed_after_the_test(pytester):
+    pytester.makepyfile(test_fixture_suite=FIXTURE_SUITE)
+    pytester._monkeypatch.setenv("PYTHONPATH", ROOT)
+    pytester._monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    for key in [k for k in os.environ if k.startswith("OWNERSHIP_SANITIZE")]:
+        pytester._monkeypatch.delenv(key, raising=False)
+    result = pytester.runpytest_subprocess("-p", "sanitizer.tools.pytest_plugin", "-p", "no:cacheprovider",
+                                           "--ownership-report-dir", str(pytester.path / "reports"))
+    result.assert_outcomes(passed=3, failed=1)
+    text = result.stdout.str()
+    assert "test_the_runs_options_apply" in text and "stale_use" in text
+
+
+def _run_example(name: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OWNERSHIP_SANITIZE")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"examples/{name}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("name, failing, passing, holder", [
+    ("test_load_weights_ownership.py", "test_retaining_load_weights_is_caught",
+     ["test_owning_load_weights_passes", "test_a_property_of_your_own"], "local 'parts' of _load()"),
+    ("test_deferred_loader_ownership.py", "test_deferred_loader_without_ownership_is_caught",
+     ["test_deferred_loader_with_own_arguments_passes"], "LayerwiseLoader.pending["),
+])
+def test_the_shipped_examples_catch_the_retaining_loader_and_pass_its_fix(name, failing, passing, holder):
+    proc = _run_example(name)
+    out = proc.stdout
+    assert proc.returncode == 1, out + proc.stderr  # pytest: some tests failed
+    assert f"FAILED examples/{name}::{failing}" in out
+    assert f"1 failed, {len(passing)} passed" in out
+    assert "RetainedBorrowError" in out and "keeps borrowed weights past their lifetime" in out
+    assert holder in out and "fix: own the tensor where" in out and "replay: check_consumer(" in out
+    for test in passing:
+        assert f"FAILED examples/{name}::{test}" not in out
