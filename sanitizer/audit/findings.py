@@ -1,0 +1,56 @@
+"""What the audit reports: one :class:`Finding` per retaining statement, with the chain of steps that
+led the yielded tensor there (so a reader can check the claim without re-deriving it)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+
+@dataclass(frozen=True)
+class Link:
+    """One step of a chain: where (line, function) and what happened there, in words."""
+
+    line: int
+    function: str
+    text: str
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"line": self.line, "function": self.function, "text": self.text}
+
+    def render(self) -> str:
+        return f"{self.text} (line {self.line})"
+
+
+@dataclass
+class Finding:
+    path: str
+    line: int
+    col: int  # 1-based, as flake8 and compilers print it
+    end_line: int
+    function: str  # qualified name of the function that holds the retaining statement
+    code: str
+    pattern: str
+    message: str
+    chain: Tuple[Link, ...]
+    fix: str
+    consumer: str = ""  # the weight-consuming function whose yielded tensor this is (differs through helpers)
+    confirmed: Optional[bool] = None  # set by the --report cross-check
+    confirmed_by: List[Dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def key(self) -> Tuple[str, int, int, str]:
+        return (self.path, self.line, self.col, self.code)
+
+    def to_json(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {
+            "path": self.path, "line": self.line, "col": self.col, "end_line": self.end_line,
+            "function": self.function, "code": self.code, "pattern": self.pattern, "message": self.message,
+            "chain": [link.to_json() for link in self.chain], "fix": self.fix, "consumer": self.consumer,
+        }
+        if self.confirmed is not None:
+            out["confirmed"] = self.confirmed
+            out["confirmed_by"] = list(self.confirmed_by)
+        return out
+
+
+__all__ = ["Link", "Finding"]
