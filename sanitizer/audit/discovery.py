@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 from sanitizer.audit import vocabulary as V
 from sanitizer.audit.findings import Link
 from sanitizer.audit.index import FunctionInfo, dotted, _own_scope
-from sanitizer.audit.values import ELEM_PAIR, HOLDER, ITER, TENSOR, Val
+from sanitizer.audit.values import ELEM_PAIR, HOLDER, ITER, PAIR, TENSOR, Val
 
 _ITER_USERS = V.MATERIALISERS | V.TEE | V.LAZY_WRAPPERS | {"next"}
 
@@ -34,6 +34,7 @@ class Seed:
     param: str
     kind: str  # ITER or TENSOR or HOLDER (*args of a forwarding loader)
     why: str
+    consumer: str = ""  # the function the weights come from, when not this one (an enclosing function's)
 
 
 def _annotation(arg: ast.arg) -> str:
@@ -73,6 +74,18 @@ def _is_destination(arg: ast.arg) -> bool:
     return arg.arg in _DESTINATIONS or bool(ann and V.TENSOR_ANNOTATION.search(ann))
 
 
+def _indexed_names(info: FunctionInfo) -> set:
+    """Names subscripted or measured with ``len()``: a sequence of tensors, not a weights stream."""
+    out = set()
+    for node in _own_scope(info.node.body):  # type: ignore[attr-defined]
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name):
+            out.add(node.value.id)
+        elif isinstance(node, ast.Call) and dotted(node.func) == "len" and node.args and isinstance(node.args[0],
+                                                                                                   ast.Name):
+            out.add(node.args[0].id)
+    return out
+
+
 def _looks_like_loader(name: str) -> bool:
     return bool(V.LOADER_FUNCTION.search(name)) or "weight_loader" in name
 
@@ -92,8 +105,11 @@ def seeds_of(info: FunctionInfo) -> List[Seed]:
         if name in V.TENSOR_PARAM_NAMES:
             seeds.append(Seed(name, TENSOR, f"a per-tensor weight ({name})"))
             continue
+        if ann and V.PAIR_ANNOTATION.match(ann):
+            seeds.append(Seed(name, PAIR, f"a (name, tensor) item, annotated {ann}"))
+            continue
         if loader and i == 1 and _is_destination(params[0]) and "Parameter" not in ann and (
-                not ann or V.TENSOR_ANNOTATION.search(ann)):
+                V.TENSOR_ANNOTATION.search(ann) if ann else V.TENSOR_ARG_NAME.match(name)):
             seeds.append(Seed(name, TENSOR, f"the weight argument of loader {info.name}()"))
             continue
         if (name in V.ITER_PARAM_NAMES or V.ITER_PARAM_PATTERN.match(name)) and not (
@@ -101,7 +117,7 @@ def seeds_of(info: FunctionInfo) -> List[Seed]:
                                                              and not V.ITER_ANNOTATION.search(ann)))):
             if used is None:
                 used = _iterated_names(info)
-            if name in used:
+            if name in used and (ann or name not in _indexed_names(info)):
                 seeds.append(Seed(name, ITER, f"a weights iterator ({name}, {used[name]})"))
     if loader and info.vararg is not None and not seeds:
         seeds.append(Seed(info.vararg.arg, HOLDER, f"the forwarded arguments of loader {info.name}()"))
@@ -118,11 +134,14 @@ def seed_value(info: FunctionInfo, seed: Seed) -> Val:
     (the loader's step ends when it returns); an iterator's items get their step from the loop."""
     node = info.node
     link = Link(node.lineno, info.qualname, f"`{seed.param}` is {seed.why}")  # type: ignore[attr-defined]
+    consumer = seed.consumer or info.qualname
     if seed.kind == ITER:
-        return Val(ITER, 0, (link,), info.qualname, elem=ELEM_PAIR, label=f"`{seed.param}`")
+        return Val(ITER, 0, (link,), consumer, elem=ELEM_PAIR, label=f"`{seed.param}`")
     if seed.kind == HOLDER:
-        return Val(HOLDER, id(node), (link,), info.qualname, label=f"`*{seed.param}`")
-    return Val(TENSOR, id(node), (link,), info.qualname, label=f"`{seed.param}`")
+        return Val(HOLDER, id(node), (link,), consumer, label=f"`*{seed.param}`")
+    if seed.kind == PAIR:
+        return Val(PAIR, id(node), (link,), consumer, elem=ELEM_PAIR, label=f"`{seed.param}`")
+    return Val(TENSOR, id(node), (link,), consumer, label=f"`{seed.param}`")
 
 
 __all__ = ["Seed", "seeds_of", "seed_value", "uses_producer"]

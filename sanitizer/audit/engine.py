@@ -3,15 +3,17 @@ the flow walks each of them (with the module's summaries for its helper calls), 
 and ``--select/--ignore`` filter what is left."""
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from sanitizer.audit import suppression
 from sanitizer.audit.codes import selected_codes
-from sanitizer.audit.discovery import seed_value, seeds_of, uses_producer
+from sanitizer.audit.discovery import Seed, seed_value, seeds_of, uses_producer
 from sanitizer.audit.findings import Finding
 from sanitizer.audit.flow import Flow
-from sanitizer.audit.index import build_index
+from sanitizer.audit.index import FunctionInfo, build_index
+from sanitizer.audit.project import Project
 from sanitizer.audit.sources import AuditInputError, Source, parse, python_files, read
 from sanitizer.audit.snippets import Snippets
 from sanitizer.audit.summaries import ModuleAnalysis
@@ -39,15 +41,38 @@ class AuditResult:
     suppressed: int = 0
 
 
-def analyse(source: Source) -> Tuple[List[Finding], List[Consumer]]:
+def _inherited(info: FunctionInfo, seeds_by_fn: Dict[int, List[Seed]]) -> List[Seed]:
+    """Seeds of enclosing functions that a nested function reads as free variables (a generator closure
+    over the outer ``weights``: ``def weight_filter(): for name, w in weights: ...``)."""
+    out: List[Seed] = []
+    parent = info.parent
+    reads: Optional[set] = None
+    while parent is not None:
+        for seed in seeds_by_fn.get(id(parent), ()):
+            if seed.param in info.locals or any(s.param == seed.param for s in out):
+                continue
+            if reads is None:
+                reads = {n.id for n in ast.walk(info.node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+            if seed.param in reads:
+                out.append(Seed(seed.param, seed.kind, f"{seed.why}, of enclosing `{parent.qualname}`",
+                                seed.consumer or parent.qualname))
+        parent = parent.parent
+    return out
+
+
+def analyse(source: Source, project: Optional[Project] = None) -> Tuple[List[Finding], List[Consumer]]:
     """Every finding in one parsed module (before suppression and selection), and its consumers."""
     index = build_index(source.path, source.tree)
     snippets = Snippets(source.text)
-    analysis = ModuleAnalysis(source.path, index, snippets)
+    analysis = ModuleAnalysis(source.path, index, snippets, project)
     producers = bool(PRODUCER_HINT.search(source.text))
     roots = []
+    seeds_by_fn: Dict[int, List[Seed]] = {}
     for info in index.functions:
         seeds = seeds_of(info)
+        if info.parent is not None:
+            seeds = seeds + _inherited(info, seeds_by_fn)
+        seeds_by_fn[id(info)] = seeds
         if seeds or (producers and uses_producer(info)):
             roots.append((0 if any(s.kind == ITER for s in seeds) else 1, info, seeds))
     roots.sort(key=lambda r: r[0])  # iterator consumers first: their chains are the informative ones
@@ -59,14 +84,19 @@ def analyse(source: Source) -> Tuple[List[Finding], List[Consumer]]:
         flow = Flow(source.path, info, {s.param: seed_value(info, s) for s in seeds}, index.globals, snippets,
                     analysis.resolve)
         for finding in flow.run().findings:
-            found.setdefault(finding.key, finding)
+            if finding.key in found:
+                found[finding.key].merge(finding)
+            else:
+                found[finding.key] = finding
     consumers.sort(key=lambda c: c.line)
     return sorted(found.values(), key=lambda f: (f.line, f.col, f.code)), consumers
 
 
-def _audit_one(source: Source, codes: set, result: AuditResult) -> None:
-    findings, consumers = analyse(source)
-    kept = suppression.apply(findings, {source.path: source.text})
+def _audit_one(source: Source, codes: set, result: AuditResult, project: Optional[Project] = None) -> None:
+    findings, consumers = analyse(source, project)
+    texts = dict(project.texts) if project is not None else {}
+    texts[source.path] = source.text
+    kept = suppression.apply(findings, texts)
     result.suppressed += len(findings) - len(kept)
     result.findings.extend(f for f in kept if f.code in codes)
     result.consumers.extend(consumers)
@@ -92,13 +122,26 @@ def audit_paths(paths: Sequence[str], select: Optional[Sequence[str]] = None,
     once makes the garbage collector's full passes, and so parsing, several times slower)."""
     codes = set(selected_codes(select, ignore))
     result = AuditResult()
-    for path in python_files(paths):
+    files = python_files(paths)
+    project = Project(files)
+    seen: Dict[Tuple[str, int, int, str], Finding] = {}
+    for path in files:
         try:
             source = read(path)
         except AuditInputError as exc:
             result.errors.append(str(exc))
             continue
-        _audit_one(source, codes, result)
+        before = len(result.findings)
+        _audit_one(source, codes, result, project)
+        fresh = []
+        for f in result.findings[before:]:  # a helper's statement, found from callers in two modules
+            if f.key in seen:
+                seen[f.key].merge(f)
+            else:
+                seen[f.key] = f
+                fresh.append(f)
+        del result.findings[before:]
+        result.findings.extend(fresh)
     return result
 
 

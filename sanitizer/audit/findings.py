@@ -34,8 +34,21 @@ class Finding:
     chain: Tuple[Link, ...]
     fix: str
     consumer: str = ""  # the weight-consuming function whose yielded tensor this is (differs through helpers)
+    consumer_path: str = ""  # the file that function is in (another module's, through an imported helper)
+    also_from: List[Tuple[str, str]] = field(default_factory=list)  # other (path, consumer) reaching it
     confirmed: Optional[bool] = None  # set by the --report cross-check
     confirmed_by: List[Dict[str, Any]] = field(default_factory=list)
+
+    def merge(self, other: "Finding") -> None:
+        """The same statement found again from another consumer: remember that consumer too."""
+        for who in other.consumers:
+            if who[1] and who not in self.consumers:
+                self.also_from.append(who)
+
+    @property
+    def consumers(self) -> List[Tuple[str, str]]:
+        """Every (path, function) whose yielded tensors reach this statement."""
+        return [(self.consumer_path or self.path, self.consumer)] + self.also_from
 
     @property
     def key(self) -> Tuple[str, int, int, str]:
@@ -46,6 +59,7 @@ class Finding:
             "path": self.path, "line": self.line, "col": self.col, "end_line": self.end_line,
             "function": self.function, "code": self.code, "pattern": self.pattern, "message": self.message,
             "chain": [link.to_json() for link in self.chain], "fix": self.fix, "consumer": self.consumer,
+            "also_from": [{"path": p, "function": f} for p, f in self.also_from],
         }
         if self.confirmed is not None:
             out["confirmed"] = self.confirmed

@@ -150,7 +150,8 @@ class Flow:
         line = getattr(node, "lineno", 0)
         finding = Finding(self.path, line, getattr(node, "col_offset", 0) + 1,
                           getattr(node, "end_lineno", None) or line, self.fn, code, pattern, message,
-                          val.chain + (Link(line, self.fn, last),), info.fix, consumer=val.consumer)
+                          val.chain + (Link(line, self.fn, last),), info.fix, consumer=val.consumer,
+                          consumer_path=self.path)
         self._seen[key] = finding
         self.out.findings.append(finding)
 
@@ -625,9 +626,11 @@ class Flow:
         if not tainted:
             return None
         first = tainted[0]
-        pair = isinstance(node, ast.Tuple) and len(vals) == 2 and vals[0] is None and vals[1] is not None
-        return first.then(HOLDER, elem=ELEM_PAIR if pair else ELEM_TENSOR, parts=tuple(vals),
-                          reported=all(v.reported for v in tainted))
+        pair = isinstance(node, ast.Tuple) and len(vals) == 2 and vals[0] is None and vals[1] is not None \
+            and vals[1].kind == TENSOR
+        if pair:  # (name, tensor): one item, as a weights iterator yields it
+            return first.then(PAIR, elem=ELEM_PAIR, parts=tuple(vals), reported=first.reported)
+        return first.then(HOLDER, elem=ELEM_TENSOR, parts=tuple(vals), reported=all(v.reported for v in tainted))
 
     def materialise(self, node: ast.AST, it: Val, how: str) -> Val:
         """The whole iterator held at once: the finding, and a holder whose items are already covered."""

@@ -83,6 +83,8 @@ class ModuleIndex:
     classes: Dict[str, ClassInfo] = field(default_factory=dict)
     globals: Set[str] = field(default_factory=set)
     by_node: Dict[int, FunctionInfo] = field(default_factory=dict)
+    # ``from X import a as b`` at module level: b -> (X, level, a), for calls into other audited modules
+    imports: Dict[str, Tuple[str, int, str]] = field(default_factory=dict)
 
     def method(self, cls: ClassInfo, name: str, _seen: Optional[Set[str]] = None) -> Optional[FunctionInfo]:
         """``cls.name`` resolved through the class and its same-module bases (first match, MRO-ish)."""
@@ -181,6 +183,8 @@ def build_index(path: str, tree: ast.Module) -> ModuleIndex:
         elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
             for alias in stmt.names:
                 index.globals.add((alias.asname or alias.name).split(".")[0])
+                if isinstance(stmt, ast.ImportFrom) and alias.name != "*":
+                    index.imports[alias.asname or alias.name] = (stmt.module or "", stmt.level, alias.name)
 
     def visit(body: List[ast.stmt], prefix: str, cls: Optional[ClassInfo], parent: Optional[FunctionInfo]) -> None:
         for stmt in _statements(body):

@@ -24,7 +24,8 @@ from typing import Dict, List, Optional, Tuple
 
 from sanitizer.audit.findings import Finding, Link
 from sanitizer.audit.flow import _UNRESOLVED, Flow, IntoParam, Outcome
-from sanitizer.audit.index import ClassInfo, FunctionInfo, ModuleIndex
+from sanitizer.audit.index import ClassInfo, FunctionInfo, ModuleIndex, build_index
+from sanitizer.audit.project import Project
 from sanitizer.audit.snippets import Snippets
 from sanitizer.audit.targets import root_of
 from sanitizer.audit.values import HOLDER, ITER, SOURCE, Val
@@ -37,14 +38,16 @@ class Callee:
     info: FunctionInfo
     offset: int  # how many leading parameters the call binds implicitly (self)
     constructor: bool
+    analysis: Optional["ModuleAnalysis"] = None  # the module that defines it, when another audited one
 
 
 class ModuleAnalysis:
     """The summaries of one module's functions, computed on demand and memoised."""
 
-    def __init__(self, path: str, index: ModuleIndex, snippets: Snippets):
+    def __init__(self, path: str, index: ModuleIndex, snippets: Snippets, project: Optional[Project] = None):
         self.path = path
         self.snippets = snippets
+        self.project = project
         self.index = index
         self._memo: Dict[Tuple[int, int, str, str, bool], Outcome] = {}
         self._busy: set = set()
@@ -74,7 +77,7 @@ class ModuleAnalysis:
             if cls is not None:
                 init = index.method(cls, "__init__")
                 return Callee(init, 1, True) if init is not None else None
-            return None
+            return self._imported(func.id)
         if not isinstance(func, ast.Attribute):
             return None
         base = func.value
@@ -98,6 +101,22 @@ class ModuleAnalysis:
                 if m is not None:
                     return Callee(m, 0 if m.is_static else 1, False)
         return None
+
+    def _imported(self, name: str) -> Optional[Callee]:
+        """A module-level function imported from another audited module (``from .x import f``)."""
+        imp = self.index.imports.get(name)
+        if imp is None or self.project is None:
+            return None
+        module, level, original = imp
+        path = self.project.locate(self.path, module, level)
+        if path is None or path == self.path:
+            return None
+        other = self.project.module(path, lambda source: ModuleAnalysis(
+            source.path, build_index(source.path, source.tree), Snippets(source.text), self.project))
+        if not isinstance(other, ModuleAnalysis):
+            return None
+        info = other.index.top_functions.get(original)
+        return Callee(info, 0, False, other) if info is not None else None
 
     # -- summaries -------------------------------------------------------------------------------------------
     def summary(self, callee: FunctionInfo, index: int, seed: Val) -> Outcome:
@@ -155,7 +174,7 @@ class ModuleAnalysis:
             val = flow.ev(expr) if not isinstance(expr, ast.Name) else flow.state.env.get(expr.id)
             if val is None or val.kind == SOURCE:
                 continue
-            outcome = self.summary(callee, p, val)
+            outcome = (target.analysis or self).summary(callee, p, val)
             pname = (params + [a for a in (callee.vararg, callee.kwarg) if a is not None])[p].arg
             call_link = Link(node.lineno, flow.fn, f"passed to `{callee.qualname}()` as `{pname}`")
             for template in outcome.findings:
@@ -164,8 +183,12 @@ class ModuleAnalysis:
                 self._into_param(flow, node, target, fact, arg_of, val, call_link, callee)
             if outcome.returns is not None and result is None:
                 ret = outcome.returns
-                result = val.then(ret.kind, Link(node.lineno, flow.fn, f"returned by `{callee.name}()`"),
-                                  elem=ret.elem, capture=ret.capture or val.capture, seed=val.seed)
+                link = Link(node.lineno, flow.fn, f"returned by `{callee.name}()`")
+                parts = None
+                if ret.parts is not None:  # `return name, w`: keep which element is the tensor
+                    parts = tuple(val.then(p.kind, link, elem=p.elem) if p is not None else None for p in ret.parts)
+                result = val.then(ret.kind, link, elem=ret.elem, capture=ret.capture or val.capture, seed=val.seed,
+                                  parts=parts, reported=ret.reported or val.reported)
             if result is None and target.constructor and constructor_result(outcome):
                 result = val.then(HOLDER, Link(node.lineno, flow.fn, f"kept by the new `{callee.qualname.split('.')[0]}`"))
             if result is None and val.kind == ITER and callee.is_generator and outcome.yields is not None:
@@ -181,7 +204,8 @@ class ModuleAnalysis:
         chain = val.chain + (call_link,) + template.chain[1:]
         pattern = template.pattern if "through helper" in template.pattern else \
             f"{template.pattern} (through helper `{callee.name}`)"
-        finding = replace(template, chain=chain, consumer=val.consumer, pattern=pattern)
+        finding = replace(template, chain=chain, consumer=val.consumer, consumer_path=flow.path, pattern=pattern,
+                          also_from=[])
         flow._seen[key] = finding
         flow.out.findings.append(finding)
 

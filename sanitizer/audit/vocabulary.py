@@ -108,6 +108,8 @@ NAME_RETURNING = re.compile(r"(^|\.)\w*load\w*$")
 
 TENSOR_ANNOTATION = re.compile(r"\b(torch\.)?(Tensor|Parameter|nn\.Parameter)\b")
 ITER_ANNOTATION = re.compile(r"\b(Iterable|Iterator|Generator|AsyncIterator|AsyncIterable)\s*\[.*\bstr\b")
+PAIR_ANNOTATION = re.compile(r"^\s*(tuple|Tuple)\[\s*str\s*,\s*(torch\.)?(Tensor|nn\.Parameter|Parameter)\s*\]\s*$")
+TENSOR_ARG_NAME = re.compile(r"^(w|weight|weights?_\w+|\w+_weight|tensor|\w+_tensor|data|value|val|t|x|loaded\w*)$")
 MAPPING_ANNOTATION = re.compile(r"^\s*(dict|Dict|Mapping|MutableMapping|OrderedDict|defaultdict|list|List|set|"
                                 r"Set|deque)\b")
 
