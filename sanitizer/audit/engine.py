@@ -39,6 +39,7 @@ class AuditResult:
     lines: int = 0
     errors: List[str] = field(default_factory=list)  # files that could not be read or parsed
     suppressed: int = 0
+    paths: List[str] = field(default_factory=list)  # every file audited
 
 
 def _inherited(info: FunctionInfo, seeds_by_fn: Dict[int, List[Seed]]) -> List[Seed]:
@@ -101,6 +102,7 @@ def _audit_one(source: Source, codes: set, result: AuditResult, project: Optiona
     result.findings.extend(f for f in kept if f.code in codes)
     result.consumers.extend(consumers)
     result.files += 1
+    result.paths.append(source.path)
     result.lines += source.text.count("\n") + (not source.text.endswith("\n") and bool(source.text))
 
 
