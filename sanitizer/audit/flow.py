@@ -105,8 +105,10 @@ class Flow:
     ``summary_param`` is the index of the seeded parameter in summary mode (None: root mode)."""
 
     def __init__(self, path: str, info: FunctionInfo, seeds: Dict[str, Val], module_globals: Sequence[str],
-                 snippets: Snippets, resolve_call: Optional[Resolver] = None, summary_param: Optional[int] = None):
+                 snippets: Snippets, resolve_call: Optional[Resolver] = None, summary_param: Optional[int] = None,
+                 module_aliases: Sequence[str] = ("torch", "np", "numpy")):
         self.path = path
+        self.module_aliases = set(module_aliases)
         self.snip = snippets
         self.info = info
         self.fn = info.qualname
@@ -701,7 +703,12 @@ class Flow:
             handled, result = self.method_on_tainted(node, base, meth, args)
             if handled:
                 return result
-        if meth in V.STORE_METHODS:
+        if meth in ("register_buffer", "register_parameter") and len(args) >= 2 and args[1] is not None:
+            assert isinstance(func, ast.Attribute)
+            target = ast.Attribute(value=func.value, attr=self.snip(node.args[0], 30).strip("'\""), ctx=ast.Store())
+            self.attribute_store(ast.copy_location(target, node), args[1], node)
+            return None
+        if meth in V.STORE_METHODS and not self._is_module(func):
             self.container_method(node, meth, args, kwargs)
             if meth != "setdefault":
                 return None
@@ -711,6 +718,11 @@ class Flow:
                 return got.then(HOLDER, Link(node.lineno, self.fn, f"bound by `{self.snip(node, 40)}`"),
                                 capture="inspect.BoundArguments")
         return self.function_call(node, name, args, kwargs)
+
+    def _is_module(self, func: ast.AST) -> bool:
+        """``torch.add(...)``, ``np.put(...)``: a module's function, not a container's method."""
+        root = root_of(func.value) if isinstance(func, ast.Attribute) else None  # type: ignore[attr-defined]
+        return bool(root and root.name and root.name in self.module_aliases and root.name not in self.state.slots)
 
     def _first_holding(self, args: Sequence[Optional[Val]], kwargs: Dict[Optional[str], Optional[Val]],
                        skip: int = 0) -> Optional[Val]:
@@ -751,6 +763,8 @@ class Flow:
                 return True, Val(TENSOR, step, base.chain + (link,), self.fn, label=f"`{self.snip(node, 40)}`")
             if meth in V.SOURCE_ITER_METHODS:
                 return True, base.then(ITER, link, elem=ELEM_PAIR)
+            if meth in V.SOURCE_SOURCE_METHODS:
+                return True, base.then(SOURCE, link)
             return True, None
         return True, None  # a PAIR has no methods that matter
 

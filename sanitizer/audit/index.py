@@ -85,6 +85,7 @@ class ModuleIndex:
     by_node: Dict[int, FunctionInfo] = field(default_factory=dict)
     # ``from X import a as b`` at module level: b -> (X, level, a), for calls into other audited modules
     imports: Dict[str, Tuple[str, int, str]] = field(default_factory=dict)
+    module_aliases: Set[str] = field(default_factory=set)  # ``import torch``, ``import numpy as np``
 
     def method(self, cls: ClassInfo, name: str, _seen: Optional[Set[str]] = None) -> Optional[FunctionInfo]:
         """``cls.name`` resolved through the class and its same-module bases (first match, MRO-ish)."""
@@ -180,9 +181,13 @@ def build_index(path: str, tree: ast.Module) -> ModuleIndex:
             targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
             for t in targets:
                 index.globals.update(_bound_names(t))
+        elif isinstance(stmt, FunctionNode + (ast.ClassDef,)):
+            index.globals.add(stmt.name)
         elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
             for alias in stmt.names:
                 index.globals.add((alias.asname or alias.name).split(".")[0])
+                if isinstance(stmt, ast.Import):
+                    index.module_aliases.add((alias.asname or alias.name).split(".")[0])
                 if isinstance(stmt, ast.ImportFrom) and alias.name != "*":
                     index.imports[alias.asname or alias.name] = (stmt.module or "", stmt.level, alias.name)
 

@@ -136,7 +136,7 @@ class ModuleAnalysis:
         self.depth += 1
         try:
             out = Flow(self.path, callee, {name: start}, self.index.globals, self.snippets, self.resolve,
-                       summary_param=index).run()
+                       summary_param=index, module_aliases=self.index.module_aliases).run()
         finally:
             self.depth -= 1
             self._busy.discard(key)

@@ -140,9 +140,8 @@ def method_base_is_tensor(base: ast.AST, local_kind: Optional[str], param_annota
     """``X.add(v)`` / ``X.put(...)``: a tensor method (arithmetic, an indexed write) rather than a container's?"""
     if local_kind in ("tensor", "container"):
         return local_kind == "tensor"
-    if param_annotation and V.TENSOR_ANNOTATION.search(param_annotation) and not V.ITER_ANNOTATION.search(
-            param_annotation):
-        return True
+    if param_annotation:
+        return bool(V.TENSOR_ANNOTATION.search(param_annotation)) and not V.ITER_ANNOTATION.search(param_annotation)
     if isinstance(base, ast.Attribute) and base.attr == "data":
         return True
     if isinstance(base, ast.Name):

@@ -84,8 +84,8 @@ SOURCE_FACTORIES = re.compile(
     r"(^|\.)(safe_open|SafeTensorsFileLoader|ParallelLoader|SafetensorsStreamer|FastSafeTensorsLoader|"
     r"InstantTensor\w*|stream_files|copy_files_to_device)$")
 SOURCE_TENSOR_METHODS = frozenset({"get_tensor", "get_slice", "get_sharded", "get_tensor_wrapper"})
-SOURCE_ITER_METHODS = frozenset({"tensors", "get_tensors", "iterate_weights", "items", "stream_tensors",
-                                 "copy_files_to_device"})
+SOURCE_ITER_METHODS = frozenset({"tensors", "get_tensors", "iterate_weights", "items", "stream_tensors"})
+SOURCE_SOURCE_METHODS = frozenset({"copy_files_to_device", "__enter__"})  # a handle that hands out tensors too
 # Cheap pre-check of a module's text: does it mention any producer at all?
 PRODUCER_HINT = re.compile(r"safe_open|weights_iter|ParallelLoader|SafeTensorsFileLoader|SafetensorsStreamer|"
                            r"stream_files|InstantTensor|iterate_weights|get_all_weights|copy_files_to_device|"
