@@ -51,13 +51,29 @@ def load_report(path: str) -> Dict[str, Any]:
     return doc
 
 
+def _lease_id(rec: Dict[str, Any]) -> Any:
+    lease = rec.get("lease")
+    return lease.get("lease_id") if isinstance(lease, dict) else None
+
+
 def _records(report: Dict[str, Any]) -> Iterable[Dict[str, Any]]:
-    """Every retention record of the report: retention events, and errors that name a holder."""
+    """Every retained lease of the report, once: its retention event, or else an error (a stale use)
+    that names its holder."""
+    seen = set()
     for ev in report.get("events") or ():
         if isinstance(ev, dict) and ev.get("kind") == "retention":
+            lease = _lease_id(ev)
+            if lease is not None:
+                if lease in seen:
+                    continue
+                seen.add(lease)
             yield ev
     for err in report.get("errors") or ():
         if isinstance(err, dict) and (err.get("holder") or err.get("holders")):
+            lease = _lease_id(err)
+            if lease is not None and lease in seen:
+                continue
+            seen.add(lease)
             yield err
 
 

@@ -42,9 +42,9 @@ def _annotation(arg: ast.arg) -> str:
 
 
 def _iterated_names(info: FunctionInfo) -> Dict[str, str]:
-    """Names used as iterators in the function's own body, with how (for the seed's reason)."""
+    """Names used as iterators in the function's body (nested functions included), with how."""
     used: Dict[str, str] = {}
-    for node in _own_scope(info.node.body):  # type: ignore[attr-defined]
+    for node in ast.walk(info.node):  # nested closures count: a generator over the outer `weights`
         if isinstance(node, (ast.For, ast.AsyncFor)) and isinstance(node.iter, ast.Name):
             used.setdefault(node.iter.id, "looped over")
         elif isinstance(node, ast.comprehension) and isinstance(node.iter, ast.Name):

@@ -406,7 +406,7 @@ class Flow:
                  "free": "an enclosing scope", "param": "a container the caller passed in"}.get(place, "")
         message = (f"{self._what(val)} is stored in `{self.snip(root.node)}`"
                    + (f" ({where})" if where else "") + ", which outlives the loader's step")
-        last = f"`{self.snip(stmt, 60)}`" if isinstance(stmt, ast.stmt) else f"stored in `{self.snip(root.node)}`"
+        last = f"`{self.snip(stmt, 60)}`"
         if self.summary_param is not None and place == "param" and index is not None and index != val.seed:
             self._into_param(index, code, stmt, val, pattern, message, last)
         elif self.summary_param is not None and place == "self" and self.info.name == "__init__":
