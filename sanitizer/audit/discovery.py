@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 
 from sanitizer.audit import vocabulary as V
 from sanitizer.audit.findings import Link
-from sanitizer.audit.index import FunctionInfo, dotted, _own_scope
+from sanitizer.audit.index import FunctionInfo, _own_scope, annotation_text, dotted
 from sanitizer.audit.values import ELEM_PAIR, HOLDER, ITER, PAIR, TENSOR, Val
 
 _ITER_USERS = V.MATERIALISERS | V.TEE | V.LAZY_WRAPPERS | {"next"}
@@ -38,7 +38,7 @@ class Seed:
 
 
 def _annotation(arg: ast.arg) -> str:
-    return ast.unparse(arg.annotation) if arg.annotation is not None else ""
+    return annotation_text(arg.annotation)
 
 
 def _iterated_names(info: FunctionInfo) -> Dict[str, str]:

@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from sanitizer.audit import vocabulary as V
 from sanitizer.audit.codes import CODES
 from sanitizer.audit.findings import Finding, Link
-from sanitizer.audit.index import FunctionInfo, FunctionNode, dotted
+from sanitizer.audit.index import FunctionInfo, FunctionNode, annotation_text, dotted
 from sanitizer.audit.lifetimes import LoopLifetimes
 from sanitizer.audit.snippets import Snippets
 from sanitizer.audit.targets import (binding_kind, is_fresh_container, method_base_is_tensor, root_of,
@@ -127,7 +127,7 @@ class Flow:
         for i, arg in enumerate(params):
             self.state.slots[arg.arg] = Slot(False, (), "unknown", i)
             if arg.annotation is not None:
-                self.annotations[arg.arg] = ast.unparse(arg.annotation)
+                self.annotations[arg.arg] = annotation_text(arg.annotation)
         for name, val in seeds.items():
             self.state.env[name] = val
 
@@ -166,58 +166,74 @@ class Flow:
 
     # -- statements --------------------------------------------------------------------------------------------
     def stmt(self, node: ast.stmt) -> None:
-        if isinstance(node, ast.Expr):
-            self.ev(node.value)
-        elif isinstance(node, ast.Assign):
+        handler = _STMT.get(type(node))
+        if handler is not None:
+            handler(self, node)
+
+    def _st_expr(self, node: ast.Expr) -> None:
+        value = node.value
+        if type(value) is ast.Call:
+            self.call(value)  # type: ignore[arg-type]
+        elif type(value) is not ast.Constant:  # docstrings
+            self.ev(value)
+
+    def _st_assign(self, node: ast.Assign) -> None:
+        val = self.ev(node.value)
+        for target in node.targets:
+            self.assign(target, val, node.value, node)
+
+    def _st_annassign(self, node: ast.AnnAssign) -> None:
+        if node.value is not None:
+            self.assign(node.target, self.ev(node.value), node.value, node)
+
+    def _st_for(self, node: ast.AST) -> None:
+        self.loop(node, self.ev(node.iter))  # type: ignore[attr-defined]
+
+    def _st_while(self, node: ast.While) -> None:
+        self.ev(node.test)
+        self.loop(node, None)
+
+    def _st_if(self, node: ast.If) -> None:
+        self.ev(node.test)
+        self.branches([node.body, node.orelse])
+
+    def _st_with(self, node: ast.AST) -> None:
+        for item in node.items:  # type: ignore[attr-defined]
+            val = self.ev(item.context_expr)
+            if item.optional_vars is not None:
+                self.assign(item.optional_vars, val, item.context_expr, node)
+        self.block(node.body)  # type: ignore[attr-defined]
+
+    def _st_try(self, node: ast.AST) -> None:
+        self.block(node.body)  # type: ignore[attr-defined]
+        for handler in node.handlers:  # type: ignore[attr-defined]
+            self.block(handler.body)
+        self.block(node.orelse)  # type: ignore[attr-defined]
+        self.block(node.finalbody)  # type: ignore[attr-defined]
+
+    def _st_match(self, node: ast.AST) -> None:
+        self.ev(node.subject)  # type: ignore[attr-defined]
+        self.branches([case.body for case in node.cases] + [[]])  # type: ignore[attr-defined]
+
+    def _st_return(self, node: ast.Return) -> None:
+        if node.value is not None:
             val = self.ev(node.value)
-            for target in node.targets:
-                self.assign(target, val, node.value, node)
-        elif isinstance(node, ast.AnnAssign):
-            if node.value is not None:
-                self.assign(node.target, self.ev(node.value), node.value, node)
-        elif isinstance(node, ast.AugAssign):
-            self.augassign(node)
-        elif isinstance(node, (ast.For, ast.AsyncFor)):
-            self.loop(node, self.ev(node.iter))
-        elif isinstance(node, ast.While):
-            self.ev(node.test)
-            self.loop(node, None)
-        elif isinstance(node, ast.If):
-            self.ev(node.test)
-            self.branches([node.body, node.orelse])
-        elif isinstance(node, (ast.With, ast.AsyncWith)):
-            for item in node.items:
-                val = self.ev(item.context_expr)
-                if item.optional_vars is not None:
-                    self.assign(item.optional_vars, val, item.context_expr, node)
-            self.block(node.body)
-        elif isinstance(node, ast.Try) or type(node).__name__ == "TryStar":
-            self.block(node.body)  # type: ignore[attr-defined]
-            for handler in node.handlers:  # type: ignore[attr-defined]
-                self.block(handler.body)
-            self.block(node.orelse)  # type: ignore[attr-defined]
-            self.block(node.finalbody)  # type: ignore[attr-defined]
-        elif isinstance(node, ast.Match):
-            self.ev(node.subject)
-            self.branches([case.body for case in node.cases] + [[]])
-        elif isinstance(node, ast.Return):
-            if node.value is not None:
-                val = self.ev(node.value)
-                if val is not None and self.summary_param is not None and val.seed is not None:
-                    self.out.returns = self.out.returns or val
-        elif isinstance(node, FunctionNode):
-            self.nested_def(node)
-        elif isinstance(node, ast.Delete):
-            for target in node.targets:
-                if isinstance(target, ast.Name):
-                    self.state.env.pop(target.id, None)
-                else:
-                    self.ev(target)
-        elif isinstance(node, ast.Raise):
-            if node.exc is not None:
-                self.ev(node.exc)
-        elif isinstance(node, ast.Assert):
-            self.ev(node.test)
+            if val is not None and self.summary_param is not None and val.seed is not None:
+                self.out.returns = self.out.returns or val
+
+    def _st_delete(self, node: ast.Delete) -> None:
+        for target in node.targets:
+            if isinstance(target, ast.Name):
+                self.state.env.pop(target.id, None)
+            else:
+                self.ev(target)
+
+    def _st_raise(self, node: ast.Raise) -> None:
+        if node.exc is not None:
+            self.ev(node.exc)
+
+    def _st_assert(self, node: ast.Assert) -> None:
+        self.ev(node.test)
 
     def branches(self, blocks: Sequence[Sequence[ast.stmt]]) -> None:
         start = self.state
@@ -352,6 +368,13 @@ class Flow:
 
     def _self_name(self) -> Optional[str]:
         """The name of ``self`` in this function (a method's first parameter, or the enclosing method's)."""
+        try:
+            return self._self_cached
+        except AttributeError:
+            self._self_cached: Optional[str] = self._find_self_name()
+            return self._self_cached
+
+    def _find_self_name(self) -> Optional[str]:
         info: Optional[FunctionInfo] = self.info
         while info is not None:
             if info.is_method and info.params:
@@ -530,68 +553,80 @@ class Flow:
 
     # -- expressions -------------------------------------------------------------------------------------------
     def ev(self, node: Optional[ast.AST]) -> Optional[Val]:
+        """The abstract value of an expression (and its effects: stores, in-place writes, helper calls)."""
         if node is None:
             return None
-        if isinstance(node, ast.Name):
-            return self.state.env.get(node.id) if isinstance(node.ctx, ast.Load) else None
-        if isinstance(node, ast.Constant):
+        kind = type(node)
+        if kind is ast.Name:  # the most common node by far: no dispatch
+            return self.state.env.get(node.id) if type(node.ctx) is ast.Load else None  # type: ignore[attr-defined]
+        if kind is ast.Constant:
             return None
-        if isinstance(node, ast.Call):
-            return self.call(node)
-        if isinstance(node, ast.Attribute):
-            base = self.ev(node.value)
-            if base is None:
-                return None
-            if base.kind == TENSOR and node.attr in V.ALIAS_ATTRIBUTES:
-                return base.then(TENSOR, Link(node.lineno, self.fn, f"`.{node.attr}`"))
-            if base.kind == HOLDER and node.attr in ("args", "kwargs", "arguments"):
-                return base
-            return None
-        if isinstance(node, ast.Subscript):
-            base = self.ev(node.value)
-            self.ev(node.slice)
-            return self.subscript_value(node, base)
-        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-            return self.literal(node, node.elts)
-        if isinstance(node, ast.Dict):
-            for k in node.keys:
-                self.ev(k)
-            return self.literal(node, node.values)
-        if isinstance(node, _COMPREHENSIONS):
-            return self.comprehension(node)
-        if isinstance(node, ast.BinOp):
-            left, right = self.ev(node.left), self.ev(node.right)
-            if isinstance(node.op, (ast.Add, ast.Mult)):
-                for side in (left, right):
-                    if side is not None and side.kind == HOLDER:
-                        return side
-            return None
-        if isinstance(node, ast.BoolOp):
-            vals = [self.ev(v) for v in node.values]
-            return next((v for v in vals if v is not None), None)
-        if isinstance(node, ast.IfExp):
-            self.ev(node.test)
-            a, b = self.ev(node.body), self.ev(node.orelse)
-            return a if a is not None else b
-        if isinstance(node, ast.NamedExpr):
-            val = self.ev(node.value)
-            self.assign(node.target, val, node.value, node)
-            return val
-        if isinstance(node, ast.Lambda):
-            captured = self._captured(node)
-            if captured is not None:
-                return captured.then(HOLDER, Link(node.lineno, self.fn, "captured by a lambda"), capture="lambda")
-            return None
-        if isinstance(node, (ast.Starred, ast.Await)):
-            return self.ev(node.value)
-        if isinstance(node, (ast.Yield, ast.YieldFrom)):
-            val = self.ev(node.value)
-            if val is not None and self.summary_param is not None and val.seed is not None:
-                self.out.yields = self.out.yields or val
-            return None
+        handler = _EV.get(kind)
+        if handler is not None:
+            return handler(self, node)
         for child in ast.iter_child_nodes(node):  # Compare, UnaryOp, JoinedStr, Slice...: effects only
-            if isinstance(child, ast.expr):
+            if isinstance(child, ast.expr) and type(child) is not ast.Name and type(child) is not ast.Constant:
                 self.ev(child)
+        return None
+
+    def _ev_attribute(self, node: ast.Attribute) -> Optional[Val]:
+        base = self.ev(node.value)
+        if base is None:
+            return None
+        if base.kind == TENSOR and node.attr in V.ALIAS_ATTRIBUTES:
+            return base.then(TENSOR, Link(node.lineno, self.fn, f"`.{node.attr}`"))
+        if base.kind == HOLDER and node.attr in ("args", "kwargs", "arguments"):
+            return base
+        return None
+
+    def _ev_subscript(self, node: ast.Subscript) -> Optional[Val]:
+        base = self.ev(node.value)
+        self.ev(node.slice)
+        return self.subscript_value(node, base)
+
+    def _ev_sequence(self, node: ast.AST) -> Optional[Val]:
+        return self.literal(node, node.elts)  # type: ignore[attr-defined]
+
+    def _ev_dict(self, node: ast.Dict) -> Optional[Val]:
+        for k in node.keys:
+            self.ev(k)
+        return self.literal(node, node.values)
+
+    def _ev_binop(self, node: ast.BinOp) -> Optional[Val]:
+        left, right = self.ev(node.left), self.ev(node.right)
+        if isinstance(node.op, (ast.Add, ast.Mult)):
+            for side in (left, right):
+                if side is not None and side.kind == HOLDER:
+                    return side
+        return None
+
+    def _ev_boolop(self, node: ast.BoolOp) -> Optional[Val]:
+        vals = [self.ev(v) for v in node.values]
+        return next((v for v in vals if v is not None), None)
+
+    def _ev_ifexp(self, node: ast.IfExp) -> Optional[Val]:
+        self.ev(node.test)
+        a, b = self.ev(node.body), self.ev(node.orelse)
+        return a if a is not None else b
+
+    def _ev_namedexpr(self, node: ast.NamedExpr) -> Optional[Val]:
+        val = self.ev(node.value)
+        self.assign(node.target, val, node.value, node)
+        return val
+
+    def _ev_lambda(self, node: ast.Lambda) -> Optional[Val]:
+        captured = self._captured(node)
+        if captured is not None:
+            return captured.then(HOLDER, Link(node.lineno, self.fn, "captured by a lambda"), capture="lambda")
+        return None
+
+    def _ev_value(self, node: ast.AST) -> Optional[Val]:
+        return self.ev(node.value)  # type: ignore[attr-defined]
+
+    def _ev_yield(self, node: ast.AST) -> Optional[Val]:
+        val = self.ev(node.value)  # type: ignore[attr-defined]
+        if val is not None and self.summary_param is not None and val.seed is not None:
+            self.out.yields = self.out.yields or val
         return None
 
     def subscript_value(self, node: ast.Subscript, base: Optional[Val]) -> Optional[Val]:
@@ -883,6 +918,26 @@ class Flow:
             self.report("OWN105", stmt, val, f"variable read {when}",
                         f"`{name}` keeps {self._what(val)} past its step: it is read {when} (line {use.lineno}), "
                         f"when the loader has moved on", f"`{name}` read {when} at line {use.lineno}")
+
+
+_STMT = {
+    ast.Expr: Flow._st_expr, ast.Assign: Flow._st_assign, ast.AnnAssign: Flow._st_annassign,
+    ast.AugAssign: Flow.augassign, ast.For: Flow._st_for, ast.AsyncFor: Flow._st_for, ast.While: Flow._st_while,
+    ast.If: Flow._st_if, ast.With: Flow._st_with, ast.AsyncWith: Flow._st_with, ast.Try: Flow._st_try,
+    ast.Match: Flow._st_match, ast.Return: Flow._st_return, ast.FunctionDef: Flow.nested_def,
+    ast.AsyncFunctionDef: Flow.nested_def, ast.Delete: Flow._st_delete, ast.Raise: Flow._st_raise,
+    ast.Assert: Flow._st_assert,
+}
+if hasattr(ast, "TryStar"):
+    _STMT[ast.TryStar] = Flow._st_try  # type: ignore[attr-defined]
+_EV = {
+    ast.Call: Flow.call, ast.Attribute: Flow._ev_attribute, ast.Subscript: Flow._ev_subscript,
+    ast.Tuple: Flow._ev_sequence, ast.List: Flow._ev_sequence, ast.Set: Flow._ev_sequence, ast.Dict: Flow._ev_dict,
+    ast.ListComp: Flow.comprehension, ast.SetComp: Flow.comprehension, ast.DictComp: Flow.comprehension,
+    ast.GeneratorExp: Flow.comprehension, ast.BinOp: Flow._ev_binop, ast.BoolOp: Flow._ev_boolop,
+    ast.IfExp: Flow._ev_ifexp, ast.NamedExpr: Flow._ev_namedexpr, ast.Lambda: Flow._ev_lambda,
+    ast.Starred: Flow._ev_value, ast.Await: Flow._ev_value, ast.Yield: Flow._ev_yield, ast.YieldFrom: Flow._ev_yield,
+}
 
 
 class _Unresolved:

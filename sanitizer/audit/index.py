@@ -5,6 +5,7 @@ global names. Nothing here evaluates code."""
 from __future__ import annotations
 
 import ast
+import weakref
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Set, Tuple
 
@@ -15,8 +16,8 @@ FunctionNode = (ast.FunctionDef, ast.AsyncFunctionDef)
 class FunctionInfo:
     node: ast.AST  # FunctionDef / AsyncFunctionDef
     qualname: str
-    cls: Optional["ClassInfo"]  # the class it is a method of (directly)
-    parent: Optional["FunctionInfo"]  # the function it is nested in
+    cls_ref: Optional["weakref.ref"]  # the class it is a method of (directly)
+    parent_ref: Optional["weakref.ref"]  # the function it is nested in
     params: List[ast.arg]
     vararg: Optional[ast.arg]
     kwarg: Optional[ast.arg]
@@ -30,13 +31,29 @@ class FunctionInfo:
     def locals(self) -> Set[str]:
         return self.scan.locals
 
+    _declared: Optional[Tuple[Set[str], Set[str]]] = None
+
     @property
     def declared_global(self) -> Set[str]:
-        return self.scan.declared_global
+        return self.declared[0]
 
     @property
     def declared_nonlocal(self) -> Set[str]:
-        return self.scan.declared_nonlocal
+        return self.declared[1]
+
+    @property
+    def declared(self) -> Tuple[Set[str], Set[str]]:
+        """(global, nonlocal) names: statements only, so much cheaper than the full scan."""
+        if self._declared is None:
+            g: Set[str] = set()
+            n: Set[str] = set()
+            for stmt in _statements(self.node.body):  # type: ignore[attr-defined]
+                if isinstance(stmt, ast.Global):
+                    g.update(stmt.names)
+                elif isinstance(stmt, ast.Nonlocal):
+                    n.update(stmt.names)
+            self._declared = (g, n)
+        return self._declared
 
     @property
     def is_generator(self) -> bool:
@@ -52,6 +69,16 @@ class FunctionInfo:
         if self._scan is None:
             self._scan = _scan_function(self.node)
         return self._scan
+
+    # Weak links upward, so that an index (and the tree it points into) is freed by reference counting
+    # alone as soon as its file is done: the audit runs with the cyclic collector paused.
+    @property
+    def cls(self) -> Optional["ClassInfo"]:
+        return self.cls_ref() if self.cls_ref is not None else None
+
+    @property
+    def parent(self) -> Optional["FunctionInfo"]:
+        return self.parent_ref() if self.parent_ref is not None else None
 
     @property
     def name(self) -> str:
@@ -86,6 +113,7 @@ class ModuleIndex:
     # ``from X import a as b`` at module level: b -> (X, level, a), for calls into other audited modules
     imports: Dict[str, Tuple[str, int, str]] = field(default_factory=dict)
     module_aliases: Set[str] = field(default_factory=set)  # ``import torch``, ``import numpy as np``
+    all_classes: List[ClassInfo] = field(default_factory=list)  # nested and local ones too
 
     def method(self, cls: ClassInfo, name: str, _seen: Optional[Set[str]] = None) -> Optional[FunctionInfo]:
         """``cls.name`` resolved through the class and its same-module bases (first match, MRO-ish)."""
@@ -113,6 +141,27 @@ def dotted(node: ast.AST) -> str:
     elif parts:
         parts.append("?")
     return ".".join(reversed(parts))
+
+
+def annotation_text(node: Optional[ast.AST]) -> str:
+    """``Iterable[tuple[str, torch.Tensor]]`` for an annotation node: the common shapes by hand, since
+    ``ast.unparse`` costs more than the rest of discovery (every parameter of every function has one)."""
+    if node is None:
+        return ""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return f"{annotation_text(node.value)}.{node.attr}"
+    if isinstance(node, ast.Subscript):
+        return f"{annotation_text(node.value)}[{annotation_text(node.slice)}]"
+    if isinstance(node, (ast.Tuple, ast.List)):
+        inner = ", ".join(annotation_text(e) for e in node.elts)
+        return f"[{inner}]" if isinstance(node, ast.List) else inner
+    if isinstance(node, ast.Constant):
+        return node.value if isinstance(node.value, str) else repr(node.value)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        return f"{annotation_text(node.left)} | {annotation_text(node.right)}"
+    return ast.unparse(node)
 
 
 def _bound_names(target: ast.AST) -> Iterator[str]:
@@ -191,36 +240,42 @@ def build_index(path: str, tree: ast.Module) -> ModuleIndex:
                 if isinstance(stmt, ast.ImportFrom) and alias.name != "*":
                     index.imports[alias.asname or alias.name] = (stmt.module or "", stmt.level, alias.name)
 
-    def visit(body: List[ast.stmt], prefix: str, cls: Optional[ClassInfo], parent: Optional[FunctionInfo]) -> None:
-        for stmt in _statements(body):
-            if isinstance(stmt, FunctionNode):
-                args = stmt.args
-                decorators = {dotted(d) for d in stmt.decorator_list}
-                info = FunctionInfo(stmt, prefix + stmt.name, cls, parent,
-                                    params=args.posonlyargs + args.args + args.kwonlyargs,
-                                    vararg=args.vararg, kwarg=args.kwarg,
-                                    is_static="staticmethod" in decorators)
-                index.functions.append(info)
-                index.by_node[id(stmt)] = info
-                if cls is not None and parent is None:
-                    cls.methods.setdefault(stmt.name, info)
-                elif parent is not None:
-                    parent.nested[stmt.name] = info
-                elif cls is None:
-                    index.top_functions[stmt.name] = info
-                visit(stmt.body, info.qualname + ".<locals>.", None, info)
-            elif isinstance(stmt, ast.ClassDef):
-                c = ClassInfo(stmt, prefix + stmt.name, bases=[dotted(b) for b in stmt.bases])
-                for sub in stmt.body:
-                    if isinstance(sub, (ast.Assign, ast.AnnAssign)):
-                        for t in (sub.targets if isinstance(sub, ast.Assign) else [sub.target]):
-                            c.attributes.update(_bound_names(t))
-                if parent is None and cls is None:
-                    index.classes.setdefault(stmt.name, c)
-                visit(stmt.body, c.qualname + ".", c, None)
-
-    visit(tree.body, "", None, None)
+    _visit(index, tree.body, "", None, None)
     return index
+
+
+def _visit(index: ModuleIndex, body: List[ast.stmt], prefix: str, cls: Optional[ClassInfo],
+           parent: Optional[FunctionInfo]) -> None:
+    """Index the functions and classes of one block (a module-level function, not a closure: a recursive
+    closure is a reference cycle, and the audit runs with the cyclic collector paused)."""
+    for stmt in _statements(body):
+        if isinstance(stmt, FunctionNode):
+            args = stmt.args
+            decorators = {dotted(d) for d in stmt.decorator_list}
+            info = FunctionInfo(stmt, prefix + stmt.name, weakref.ref(cls) if cls is not None else None,
+                                weakref.ref(parent) if parent is not None else None,
+                                params=args.posonlyargs + args.args + args.kwonlyargs,
+                                vararg=args.vararg, kwarg=args.kwarg,
+                                is_static="staticmethod" in decorators)
+            index.functions.append(info)
+            index.by_node[id(stmt)] = info
+            if cls is not None and parent is None:
+                cls.methods.setdefault(stmt.name, info)
+            elif parent is not None:
+                parent.nested[stmt.name] = info
+            elif cls is None:
+                index.top_functions[stmt.name] = info
+            _visit(index, stmt.body, info.qualname + ".<locals>.", None, info)
+        elif isinstance(stmt, ast.ClassDef):
+            c = ClassInfo(stmt, prefix + stmt.name, bases=[dotted(b) for b in stmt.bases])
+            index.all_classes.append(c)  # the strong reference (methods point to their class weakly)
+            for sub in stmt.body:
+                if isinstance(sub, (ast.Assign, ast.AnnAssign)):
+                    for t in (sub.targets if isinstance(sub, ast.Assign) else [sub.target]):
+                        c.attributes.update(_bound_names(t))
+            if parent is None and cls is None:
+                index.classes.setdefault(stmt.name, c)
+            _visit(index, stmt.body, c.qualname + ".", c, None)
 
 
 def _statements(body: List[ast.stmt]) -> Iterator[ast.stmt]:
@@ -242,4 +297,4 @@ def _statements(body: List[ast.stmt]) -> Iterator[ast.stmt]:
         stack.extend(reversed(inner))
 
 
-__all__ = ["FunctionInfo", "ClassInfo", "ModuleIndex", "build_index", "dotted", "FunctionNode"]
+__all__ = ["FunctionInfo", "ClassInfo", "ModuleIndex", "build_index", "dotted", "annotation_text", "FunctionNode"]

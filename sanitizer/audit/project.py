@@ -53,6 +53,10 @@ class Project:
         found = self._by_suffix.get(tuple(module.split(".")))
         return found
 
+    def close(self) -> None:
+        """Let the cached modules go (they point back to this project: a cycle the audit breaks itself)."""
+        self._cache.clear()
+
     def module(self, path: str, build: Callable[[Source], object]) -> Optional[object]:
         """The analysis of an audited module (built by ``build`` on first use), or None if it does not parse."""
         if path in self._cache:
@@ -66,7 +70,8 @@ class Project:
         made = build(source)
         self._cache[path] = made
         while len(self._cache) > CACHE_SIZE:
-            self._cache.popitem(last=False)
+            _, old = self._cache.popitem(last=False)
+            getattr(old, "close", lambda: None)()
         return made
 
 

@@ -53,6 +53,11 @@ class ModuleAnalysis:
         self._busy: set = set()
         self.depth = 0
 
+    def close(self) -> None:
+        """Break the links to the project and the memo (evicted from the project's cache)."""
+        self.project = None
+        self._memo.clear()
+
     # -- resolution ----------------------------------------------------------------------------------------
     def _class_of(self, info: FunctionInfo) -> Optional[ClassInfo]:
         cur: Optional[FunctionInfo] = info

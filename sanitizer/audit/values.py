@@ -42,9 +42,17 @@ class Val:
     maybe: bool = False  # tainted on some paths only (an in-place write is reported only when it is certain)
 
     def then(self, kind: Optional[str] = None, link: Optional[Link] = None, **changes) -> "Val":
-        """This value after one more step of the chain (a view, a store, a call)."""
-        chain = self.chain + (link,) if link is not None else self.chain
-        return replace(self, kind=kind or self.kind, chain=chain, parts=changes.pop("parts", None), **changes)
+        """This value after one more step of the chain (a view, a store, a call). A copy of the fields,
+        not ``dataclasses.replace`` (which re-runs ``__init__``: the flow makes one of these per view)."""
+        new = object.__new__(Val)
+        fields = new.__dict__
+        fields.update(self.__dict__)
+        fields["kind"] = kind or self.kind
+        if link is not None:
+            fields["chain"] = self.chain + (link,)
+        fields["parts"] = changes.pop("parts", None)
+        fields.update(changes)
+        return new
 
     @property
     def holds_tensor(self) -> bool:
