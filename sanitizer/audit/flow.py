@@ -638,6 +638,8 @@ class Flow:
         if base.kind == PAIR:
             if isinstance(index, ast.Constant) and index.value == 0:
                 return None
+            if isinstance(index, ast.Slice):  # item[:2]: still the (name, tensor) item
+                return base
             return base.then(TENSOR, Link(node.lineno, self.fn, f"`{self.snip(node, 40)}`"), elem=ELEM_TENSOR)
         if base.kind == HOLDER:
             if base.parts is not None and isinstance(index, ast.Constant) and isinstance(index.value, int):
