@@ -89,6 +89,8 @@ def test_an_imported_helper_of_an_audited_module_is_followed(tmp_path):
     (f,) = result.findings
     assert f.path.endswith("store.py") and f.line == 2 and f.function == "keep"
     assert f.consumer == "M.load_weights" and f.consumer_path.endswith("model.py")
+    assert f.chain[0].path.endswith("model.py") and f.chain[-1].path is None  # links in the caller's file say so
+    assert "model.py:" in f.chain[0].render()
     alone = audit_paths([str(tmp_path / "model.py")])  # store.py not audited: not read, nothing claimed
     assert alone.findings == []
 

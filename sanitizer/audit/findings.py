@@ -13,12 +13,16 @@ class Link:
     line: int
     function: str
     text: str
+    path: Optional[str] = None  # set when the link is in another file than the finding (an imported helper)
 
     def to_json(self) -> Dict[str, Any]:
-        return {"line": self.line, "function": self.function, "text": self.text}
+        out: Dict[str, Any] = {"line": self.line, "function": self.function, "text": self.text}
+        if self.path is not None:
+            out["path"] = self.path
+        return out
 
     def render(self) -> str:
-        return f"{self.text} (line {self.line})"
+        return f"{self.text} ({self.path}:{self.line})" if self.path else f"{self.text} (line {self.line})"
 
 
 @dataclass

@@ -59,6 +59,8 @@ def to_text(result: AuditResult, crosscheck: Optional[Dict[str, Any]] = None) ->
         out.append(f"{f.path}:{f.line}:{f.col}: {f.code} {f.message}")
         via = f" (weights from `{f.consumer}`)" if f.consumer and f.consumer != f.function else ""
         out.append(f"    in `{f.function}`{via}: {f.pattern}")
+        if f.also_from:
+            out.append("    also reached from: " + ", ".join(f"`{fn}` ({p})" for p, fn in f.also_from))
         out.append("    chain: " + " -> ".join(link.render() for link in f.chain))
         out.append(f"    fix: {f.fix}")
         line = _confirmation(f)
@@ -146,7 +148,8 @@ def to_sarif(result: AuditResult, crosscheck: Optional[Dict[str, Any]] = None) -
     results = []
     for f in result.findings:
         uri = _uri(f.path)
-        flow = [{"location": {"physicalLocation": {"artifactLocation": {"uri": uri, "uriBaseId": "%SRCROOT%"},
+        flow = [{"location": {"physicalLocation": {"artifactLocation": {"uri": _uri(link.path) if link.path else uri,
+                                                                        "uriBaseId": "%SRCROOT%"},
                                                    "region": _region(link.line)},
                               "message": {"text": f"{link.text} (in {link.function})"}}} for link in f.chain]
         entry: Dict[str, Any] = {

@@ -206,7 +206,10 @@ class ModuleAnalysis:
         key = (template.line, template.col - 1, template.code)
         if key in flow._seen:
             return
-        chain = val.chain + (call_link,) + template.chain[1:]
+        head = val.chain + (call_link,)
+        if flow.path != template.path:  # the caller's links are in its own file: say which
+            head = tuple(link if link.path else replace(link, path=flow.path) for link in head)
+        chain = head + template.chain[1:]
         pattern = template.pattern if "through helper" in template.pattern else \
             f"{template.pattern} (through helper `{callee.name}`)"
         finding = replace(template, chain=chain, consumer=val.consumer, consumer_path=flow.path, pattern=pattern,
