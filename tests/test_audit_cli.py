@@ -171,3 +171,20 @@ def test_audit_help_is_its_own_and_lists_the_codes(capsys):
     assert audit_cli.main(["--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: ownsan audit") and "OWN101" in out and "OWN120" in out and "--report" in out
+
+
+def test_the_pre_commit_hooks_run_ownsan_audit():
+    path = os.path.join(ROOT, ".pre-commit-hooks.yaml")
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    try:
+        import yaml
+    except ImportError:  # PyYAML is not a dependency: check the lines pre-commit reads
+        ids = [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("- id:")]
+        assert ids == ["ownsan-audit", "ownsan-audit-isolated"] and text.count("entry: ownsan audit") == 2
+        return
+    hooks = yaml.safe_load(text)
+    assert [h["id"] for h in hooks] == ["ownsan-audit", "ownsan-audit-isolated"]
+    for hook in hooks:
+        assert hook["entry"].startswith("ownsan audit") and hook["types"] == ["python"]
+        assert {"name", "language"} <= set(hook)
