@@ -535,17 +535,18 @@ class Flow:
         self.state.slots[name] = Slot(True, tuple(self.loops), "unknown")
 
     def _captured(self, node: ast.AST) -> Optional[Val]:
-        """The first tainted name of this scope that a nested function or lambda reads (a captured cell)."""
+        """The first tainted name of this scope that a nested function or lambda reads (a captured cell);
+        names it binds itself (its parameters, its own assignments) are its own, not captures."""
         if not self.state.env:
             return None
-        body = node.body if isinstance(node, ast.Lambda) else node  # type: ignore[attr-defined]
-        own = set()
-        if not isinstance(node, ast.Lambda) or True:
-            args = node.args  # type: ignore[attr-defined]
-            own = {a.arg for a in args.posonlyargs + args.args + args.kwonlyargs}
-            own |= {a.arg for a in (args.vararg, args.kwarg) if a is not None}
-        for sub in ast.walk(body):
-            if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Load) and sub.id not in own:
+        args = node.args  # type: ignore[attr-defined]
+        own = {a.arg for a in args.posonlyargs + args.args + args.kwonlyargs}
+        own |= {a.arg for a in (args.vararg, args.kwarg) if a is not None}
+        body = [node.body] if isinstance(node, ast.Lambda) else node.body  # type: ignore[attr-defined]
+        names = [sub for part in body for sub in ast.walk(part) if isinstance(sub, ast.Name)]
+        own |= {n.id for n in names if not isinstance(n.ctx, ast.Load)}
+        for sub in names:
+            if isinstance(sub.ctx, ast.Load) and sub.id not in own:
                 val = self.state.env.get(sub.id)
                 if val is not None and val.holds_tensor:
                     return val
