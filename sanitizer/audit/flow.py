@@ -35,6 +35,7 @@ from sanitizer.audit.targets import (binding_kind, is_fresh_container, method_ba
 from sanitizer.audit.values import (ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR, ELEM_PAIR, ELEM_TENSOR, HOLDER, ITER, PAIR,
                                     SOURCE, TENSOR, Val, element_of)
 
+_ACCESSORS = (ast.Attribute, ast.Subscript, ast.Call)  # values that may alias a container of a parameter/self
 _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 _MATERIALISING_COMPS = {ast.ListComp: "list comprehension", ast.SetComp: "set comprehension",
                         ast.DictComp: "dict comprehension"}
@@ -117,6 +118,8 @@ class Flow:
         self.summary_param = summary_param
         self.func_step = id(info.node)
         self.loops: List[int] = [self.func_step]
+        self._loops_t: Tuple[int, ...] = (self.func_step,)  # tuple(self.loops), kept for every binding's Slot
+        self._declared_global, self._declared_nonlocal = info.declared
         self.loop_nodes: Dict[int, ast.AST] = {}
         self.state = State()
         self.out = Outcome()
@@ -235,6 +238,14 @@ class Flow:
     def _st_assert(self, node: ast.Assert) -> None:
         self.ev(node.test)
 
+    def _push_loop(self, step_id: int) -> None:
+        self.loops.append(step_id)
+        self._loops_t = tuple(self.loops)
+
+    def _pop_loop(self) -> None:
+        self.loops.pop()
+        self._loops_t = tuple(self.loops)
+
     def branches(self, blocks: Sequence[Sequence[ast.stmt]]) -> None:
         start = self.state
         ends: List[State] = []
@@ -249,7 +260,7 @@ class Flow:
 
     def loop(self, node: ast.AST, it: Optional[Val]) -> None:
         step_id = id(node)
-        self.loops.append(step_id)
+        self._push_loop(step_id)
         self.loop_nodes[step_id] = node
         before = self.state.copy()
         target = getattr(node, "target", None)
@@ -258,7 +269,7 @@ class Flow:
                 item = self.item_of(it, step_id, node)
                 self.assign(target, item, None, node, loop_target=True)
             self.block(node.body)  # type: ignore[attr-defined]
-        self.loops.pop()
+        self._pop_loop()
         self.state.join(before)
         self.block(getattr(node, "orelse", []))
 
@@ -314,8 +325,8 @@ class Flow:
 
     def bind_name(self, name: str, val: Optional[Val], value: Optional[ast.AST], stmt: ast.AST,
                   loop_target: bool) -> None:
-        if val is not None and (name in self.info.declared_global or name in self.info.declared_nonlocal):
-            where = "global" if name in self.info.declared_global else "nonlocal"
+        if val is not None and (name in self._declared_global or name in self._declared_nonlocal):
+            where = "global" if name in self._declared_global else "nonlocal"
             self.report("OWN106", stmt, val, f"{where} name", f"{self._what(val)} is stored in the {where} "
                         f"name `{name}`, which outlives the loader's step", f"stored in {where} `{name}`")
             return
@@ -327,10 +338,11 @@ class Flow:
             self.state.env[name] = val
         else:
             self.state.env.pop(name, None)
-        param = self._alias_param(value)
-        self.state.slots[name] = Slot(is_fresh_container(value) and param is None, tuple(self.loops),
+        accessor = isinstance(value, _ACCESSORS)
+        param = self._alias_param(value) if accessor or type(value) is ast.Name else None
+        self.state.slots[name] = Slot(param is None and is_fresh_container(value), self._loops_t,
                                       "tainted" if val is not None else binding_kind(value), param,
-                                      self._alias_self(value))
+                                      accessor and self._alias_self(value))
         if (val is not None and not loop_target and val.holds_tensor and val.step in self.loop_nodes
                 and val.step in self.loops and not val.reported):
             self._kept.setdefault((name, val.step), (stmt, val, getattr(stmt, "lineno", 0)))
@@ -532,7 +544,7 @@ class Flow:
                                                               f"captured by closure `{name}`"), capture="closure")
         else:
             self.state.env.pop(name, None)
-        self.state.slots[name] = Slot(True, tuple(self.loops), "unknown")
+        self.state.slots[name] = Slot(True, self._loops_t, "unknown")
 
     def _captured(self, node: ast.AST) -> Optional[Val]:
         """The first tainted name of this scope that a nested function or lambda reads (a captured cell);
@@ -685,7 +697,7 @@ class Flow:
         iterates_stream = False
         stream: Optional[Val] = None
         step_id = id(node)
-        self.loops.append(step_id)
+        self._push_loop(step_id)
         try:
             for gen in node.generators:  # type: ignore[attr-defined]
                 it = self.ev(gen.iter)
@@ -706,7 +718,7 @@ class Flow:
             else:
                 elt = self.ev(node.elt)  # type: ignore[attr-defined]
         finally:
-            self.loops.pop()
+            self._pop_loop()
             self.state = saved
         if elt is None or not elt.holds_tensor:
             return None
