@@ -6,8 +6,10 @@ import each other in a cycle.  ``core`` stays free of torch, numpy and numba.
 The package face (``sanitizer/__init__.py``, a lazy map of names) and
 ``sanitizer/__main__.py`` are exempt; ``sanitizer/activation.py`` composes the
 features onto the runtime and sits at the face's layer, so only ``testing`` and
-``tools`` (above it) may use the face.  All imports count, including those inside
-functions, relative and absolute.
+``tools`` (above it) may use the face.  ``audit`` (the static auditor) is a layer
+of its own beside ``core``: it may import only ``sanitizer.core``, is forbidden
+torch/numpy/numba like core, and only ``tools`` (the CLI's thin subcommand) imports
+it.  All imports count, including those inside functions, relative and absolute.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent / PKG
 
 LAYERS = {
     "core": 0,
+    "audit": 0,  # beside core: see test_audit_is_its_own_torch_free_layer
     "torch_layer": 1,
     "features": 2,
     "adapters": 3,
@@ -150,3 +153,22 @@ def test_core_imports_no_array_libraries():
             if target.split(".")[0] in CORE_FORBIDDEN:
                 bad.append(f"{mod} (line {line}) imports {target}")
     assert not bad, "core must stay torch/numpy/numba-free:\n  " + "\n  ".join(sorted(set(bad)))
+
+
+def test_audit_is_its_own_torch_free_layer():
+    mods, edges = _graph()
+    bad = []
+    for mod, path in mods.items():
+        part = mod.split(".")[1] if "." in mod else ""
+        if part == "audit":
+            for target, line in _imports(mod, path):
+                if target.split(".")[0] in CORE_FORBIDDEN:
+                    bad.append(f"{mod} (line {line}) imports {target}")
+            for target, line in edges[mod]:
+                if target.split(".")[1:2] not in (["core"], ["audit"]):
+                    bad.append(f"{mod} (line {line}) imports {target}: audit may import only sanitizer.core")
+        elif mod not in EXEMPT and part != "tools":
+            for target, line in edges[mod]:
+                if target.split(".")[1:2] == ["audit"]:
+                    bad.append(f"{mod} (line {line}) imports {target}: only the tools layer may use the auditor")
+    assert not bad, "audit layer:\n  " + "\n  ".join(sorted(set(bad)))

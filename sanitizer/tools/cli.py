@@ -5,6 +5,7 @@
     ownsan demo [demo args]
     ownsan options
     ownsan fuzz [fuzz args]
+    ownsan audit PATH... [--format json|sarif] [--report ownsan-report.json]
     ownsan install-hook | uninstall-hook
 
 ``run`` needs no change to the program: it sets ``OWNERSHIP_SANITIZE=1`` (with
@@ -407,6 +408,11 @@ def cmd_fuzz(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      "ownsan fuzz: the fuzz campaign is not part of this installation (no sanitizer/fuzz.py)")
 
 
+def cmd_audit(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """The static auditor (torch-free, imported only when asked for): see sanitizer/audit and docs/audit.md."""
+    return int(importlib.import_module("sanitizer.audit.cli").main(list(args.args)) or 0)
+
+
 def cmd_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.sync_readme:
         changed = _opts.sync_readme(args.sync_readme)
@@ -462,6 +468,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="rewrite the generated option table in this README instead of printing")
     fuzz = sub.add_parser("fuzz", help="the bounded fuzz campaign; with --consumer MODULE:FUNCTION, your own consumer")
     fuzz.add_argument("args", nargs=argparse.REMAINDER, help="passed to the fuzzer")
+    audit = sub.add_parser("audit", help="find retaining consumers of borrowed weights statically, without "
+                           "running the code (ownsan audit --help)")
+    audit.add_argument("args", nargs=argparse.REMAINDER, help="paths and options (ownsan audit --help)")
     for name, text in (("install-hook", "write the zero-code activation .pth into site-packages"),
                        ("uninstall-hook", "remove the zero-code activation .pth")):
         hp = sub.add_parser(name, help=text)
@@ -470,10 +479,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _COMMANDS = {"run": cmd_run, "triage": cmd_triage, "demo": cmd_demo, "options": cmd_options, "fuzz": cmd_fuzz,
-             "install-hook": cmd_install_hook, "uninstall-hook": cmd_uninstall_hook}
+             "audit": cmd_audit, "install-hook": cmd_install_hook, "uninstall-hook": cmd_uninstall_hook}
 
 
-_PASS_THROUGH = ("demo", "fuzz")  # their flags belong to the command itself (ownsan fuzz --seed 3 -j 2)
+_PASS_THROUGH = ("demo", "fuzz", "audit")  # their flags belong to the command itself (ownsan fuzz --seed 3 -j 2)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -1,0 +1,89 @@
+"""``ownsan audit PATH...`` (also ``python -m sanitizer audit`` and ``python -m sanitizer.audit``).
+
+Exit status: 0 when nothing is found, 1 when a finding is reported (or, with ``--report``, a retention
+the run saw that the audit missed), 2 on a usage error: a path that does not exist, a file that does
+not parse (named), an unknown code in --select/--ignore, an unreadable --report.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional, Sequence
+
+from sanitizer.audit.codes import CODES, CodeSelectionError, selected_codes
+
+EPILOG = "codes:\n" + "\n".join(f"  {c.code}  {c.name}: {c.meaning.split(':')[0].split(' (')[0]}"
+                                 for c in CODES.values()) + \
+    "\n\nsuppress one statement with `# ownsan: ignore[OWN101]` (or a bare `# ownsan: ignore`)."
+
+
+def build_parser(prog: str = "ownsan audit") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+        description="Find, without running it, every statement of a code base that keeps a tensor a weight "
+                    "loader yielded (or a view of it) past the loader's step. Reads the source with ast; "
+                    "never imports it, never imports torch.")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="Python files or directories")
+    p.add_argument("--format", choices=("text", "concise", "json", "sarif"), default="text",
+                   help="text (default: each finding with its chain and fix), concise (one line each), "
+                        "json (findings_schema.json), sarif (SARIF 2.1.0, for code scanning)")
+    p.add_argument("-o", "--output", metavar="FILE", default=None, help="write the output here, not to stdout")
+    p.add_argument("--select", action="append", default=[], metavar="CODES",
+                   help="report only these codes (comma-separated; a prefix such as OWN10 selects several)")
+    p.add_argument("--ignore", action="append", default=[], metavar="CODES", help="do not report these codes")
+    p.add_argument("--report", metavar="REPORT", default=None,
+                   help="an ownsan run report (ownsan-report.json): mark the findings the run confirmed and "
+                        "list the retentions it saw that the audit missed")
+    p.add_argument("--exit-zero", action="store_true", help="exit 0 even when something is found")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None, prog: str = "ownsan audit") -> int:
+    parser = build_parser(prog)
+    try:
+        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as exc:  # usage printed; --help is 0
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        selected_codes(args.select, args.ignore)
+    except CodeSelectionError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    from sanitizer.audit import crosscheck as cc
+    from sanitizer.audit.engine import audit_paths
+    from sanitizer.audit.formats import render
+    from sanitizer.audit.sources import AuditInputError
+
+    report = None
+    if args.report:
+        try:
+            report = cc.load_report(args.report)
+        except cc.ReportError as exc:
+            print(f"{prog}: {exc}", file=sys.stderr)
+            return 2
+    try:
+        result = audit_paths(args.paths, args.select, args.ignore)
+    except AuditInputError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    checked = cc.crosscheck(result, report, args.report, result.paths) if report is not None else None
+    text = render(result, args.format, checked)
+    if args.output:
+        try:
+            with open(args.output, "w", encoding="utf-8") as fh:
+                fh.write(text)
+        except OSError as exc:
+            print(f"{prog}: cannot write {args.output!r} ({exc.strerror or exc})", file=sys.stderr)
+            return 2
+    else:
+        sys.stdout.write(text)
+    for err in result.errors:
+        if args.format in ("json", "sarif") or args.output:
+            print(f"{prog}: {err}", file=sys.stderr)
+    if result.errors:
+        return 2
+    found = bool(result.findings) or bool(checked and checked["missed"])
+    return 1 if found and not args.exit_zero else 0
+
+
+__all__ = ["main", "build_parser"]

@@ -1,0 +1,147 @@
+"""Which functions consume weights, and which of their parameters carry them.
+
+Three ways in, as engines write them:
+
+* a parameter that receives a **weights iterator**: annotated ``Iterable[tuple[str, torch.Tensor]]``
+  (``Iterator``, ``Generator``...), or named as engines name it (``weights``, ``weights_iter``,
+  ``all_weights``...) and used as an iterator in the body (looped over, materialised, ``next``-ed);
+* a **per-tensor loader**'s weight argument: ``weight_loader(param, loaded_weight, ...)``, any parameter
+  called ``loaded_weight``, or a ``*args`` of a function named like a loader (a wrapper that forwards
+  them, as a deferring loader does);
+* the results of **known producers** called in the body (``safe_open(...).get_tensor``,
+  ``*_weights_iterator(...)``, fastsafetensors, runai, InstantTensor): the flow recognises those calls
+  itself, so such a function needs no seed, only to be looked at.
+
+A name alone is not enough for an iterator: a ``weights`` parameter of a ``forward`` is a tensor of
+router weights, and it is never looped over.
+"""
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from sanitizer.audit import vocabulary as V
+from sanitizer.audit.findings import Link
+from sanitizer.audit.index import FunctionInfo, _own_scope, annotation_text, dotted
+from sanitizer.audit.values import ELEM_PAIR, HOLDER, ITER, PAIR, TENSOR, Val
+
+_ITER_USERS = V.MATERIALISERS | V.TEE | V.LAZY_WRAPPERS | {"next"}
+
+
+@dataclass(frozen=True)
+class Seed:
+    param: str
+    kind: str  # ITER or TENSOR or HOLDER (*args of a forwarding loader)
+    why: str
+    consumer: str = ""  # the function the weights come from, when not this one (an enclosing function's)
+
+
+def _annotation(arg: ast.arg) -> str:
+    return annotation_text(arg.annotation)
+
+
+def _iterated_names(info: FunctionInfo) -> Dict[str, str]:
+    """Names used as iterators in the function's body (nested functions included), with how."""
+    used: Dict[str, str] = {}
+    for node in ast.walk(info.node):  # nested closures count: a generator over the outer `weights`
+        if isinstance(node, (ast.For, ast.AsyncFor)) and isinstance(node.iter, ast.Name):
+            used.setdefault(node.iter.id, "looped over")
+        elif isinstance(node, ast.comprehension) and isinstance(node.iter, ast.Name):
+            used.setdefault(node.iter.id, "looped over")
+        elif isinstance(node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            for gen in node.generators:
+                if isinstance(gen.iter, ast.Name):
+                    used.setdefault(gen.iter.id, "looped over")
+        elif isinstance(node, ast.Call) and dotted(node.func) in _ITER_USERS:
+            for a in node.args:
+                if isinstance(a, ast.Name):
+                    used.setdefault(a.id, f"passed to {dotted(node.func)}()")
+        elif isinstance(node, ast.YieldFrom) and isinstance(node.value, ast.Name):
+            used.setdefault(node.value.id, "yielded from")
+        elif isinstance(node, ast.Starred) and isinstance(node.value, ast.Name):
+            used.setdefault(node.value.id, "unpacked")
+    return used
+
+
+_DESTINATIONS = frozenset({"param", "p", "parameter", "layer_param", "expert_data", "param_data", "dst", "target",
+                           "dest", "tensor_param"})
+
+
+def _is_destination(arg: ast.arg) -> bool:
+    """The first argument of ``weight_loader(param, loaded_weight)``: where the weight goes."""
+    ann = _annotation(arg)
+    return arg.arg in _DESTINATIONS or bool(ann and V.TENSOR_ANNOTATION.search(ann))
+
+
+def _indexed_names(info: FunctionInfo) -> set:
+    """Names subscripted or measured with ``len()``: a sequence of tensors, not a weights stream."""
+    out = set()
+    for node in _own_scope(info.node.body):  # type: ignore[attr-defined]
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name):
+            out.add(node.value.id)
+        elif isinstance(node, ast.Call) and dotted(node.func) == "len" and node.args and isinstance(node.args[0],
+                                                                                                   ast.Name):
+            out.add(node.args[0].id)
+    return out
+
+
+def _looks_like_loader(name: str) -> bool:
+    return bool(V.LOADER_FUNCTION.search(name)) or "weight_loader" in name
+
+
+def seeds_of(info: FunctionInfo) -> List[Seed]:
+    """The weight-carrying parameters of ``info`` (empty: not a weight consumer by its signature)."""
+    seeds: List[Seed] = []
+    used: Optional[Dict[str, str]] = None
+    params = info.params[1:] if info.is_method else info.params
+    loader = _looks_like_loader(info.name)
+    for i, arg in enumerate(params):
+        ann = _annotation(arg)
+        name = arg.arg
+        if ann and V.ITER_ANNOTATION.search(ann) and V.TENSOR_ANNOTATION.search(ann) and not V.MAPPING_ANNOTATION.match(ann):
+            seeds.append(Seed(name, ITER, f"annotated {ann}"))
+            continue
+        if name in V.TENSOR_PARAM_NAMES:
+            seeds.append(Seed(name, TENSOR, f"a per-tensor weight ({name})"))
+            continue
+        if ann and V.PAIR_ANNOTATION.match(ann):
+            seeds.append(Seed(name, PAIR, f"a (name, tensor) item, annotated {ann}"))
+            continue
+        if loader and i == 1 and _is_destination(params[0]) and "Parameter" not in ann and (
+                V.TENSOR_ANNOTATION.search(ann) if ann else V.TENSOR_ARG_NAME.match(name)):
+            seeds.append(Seed(name, TENSOR, f"the weight argument of loader {info.name}()"))
+            continue
+        if (name in V.ITER_PARAM_NAMES or V.ITER_PARAM_PATTERN.match(name)) and not (
+                ann and (V.MAPPING_ANNOTATION.match(ann) or (V.TENSOR_ANNOTATION.search(ann)
+                                                             and not V.ITER_ANNOTATION.search(ann)))):
+            if used is None:
+                used = _iterated_names(info)
+            if name in used and (ann or name not in _indexed_names(info)):
+                seeds.append(Seed(name, ITER, f"a weights iterator ({name}, {used[name]})"))
+    if loader and info.vararg is not None and not seeds:
+        seeds.append(Seed(info.vararg.arg, HOLDER, f"the forwarded arguments of loader {info.name}()"))
+    return seeds
+
+
+def uses_producer(info: FunctionInfo) -> bool:
+    """Does the body call a known producer of borrowed tensors (so the flow must look at it)?"""
+    return any(V.SOURCE_FACTORIES.search(c) or V.ITERATOR_FACTORY.search(c) for c in info.calls)
+
+
+def seed_value(info: FunctionInfo, seed: Seed) -> Val:
+    """The abstract value a seeded parameter starts with: its step is the call for a per-tensor weight
+    (the loader's step ends when it returns); an iterator's items get their step from the loop."""
+    node = info.node
+    link = Link(node.lineno, info.qualname, f"`{seed.param}` is {seed.why}")  # type: ignore[attr-defined]
+    consumer = seed.consumer or info.qualname
+    if seed.kind == ITER:
+        return Val(ITER, 0, (link,), consumer, elem=ELEM_PAIR, label=f"`{seed.param}`")
+    if seed.kind == HOLDER:
+        return Val(HOLDER, id(node), (link,), consumer, label=f"`*{seed.param}`")
+    if seed.kind == PAIR:
+        return Val(PAIR, id(node), (link,), consumer, elem=ELEM_PAIR, label=f"`{seed.param}`")
+    return Val(TENSOR, id(node), (link,), consumer, label=f"`{seed.param}`")
+
+
+__all__ = ["Seed", "seeds_of", "seed_value", "uses_producer"]

@@ -1,0 +1,178 @@
+"""One audit: files in, findings out. Discovery picks the weight-consuming functions of each module,
+the flow walks each of them (with the module's summaries for its helper calls), suppression comments
+and ``--select/--ignore`` filter what is left."""
+from __future__ import annotations
+
+import ast
+import gc
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+from sanitizer.audit import suppression
+from sanitizer.audit.codes import selected_codes
+from sanitizer.audit.discovery import Seed, seed_value, seeds_of, uses_producer
+from sanitizer.audit.findings import Finding
+from sanitizer.audit.flow import Flow
+from sanitizer.audit.index import FunctionInfo, build_index
+from sanitizer.audit.project import Project
+from sanitizer.audit.sources import AuditInputError, Source, parse, python_files, read
+from sanitizer.audit.snippets import Snippets
+from sanitizer.audit.summaries import ModuleAnalysis
+from sanitizer.audit.vocabulary import PRODUCER_HINT
+from sanitizer.audit.values import ITER
+
+
+@dataclass(frozen=True)
+class Consumer:
+    """A weight-consuming function the audit looked at (flagged or not): for coverage and metrics."""
+
+    path: str
+    line: int
+    function: str
+    why: str
+
+
+@dataclass
+class AuditResult:
+    findings: List[Finding] = field(default_factory=list)
+    consumers: List[Consumer] = field(default_factory=list)
+    files: int = 0
+    lines: int = 0
+    errors: List[str] = field(default_factory=list)  # files that could not be read or parsed
+    suppressed: int = 0
+    paths: List[str] = field(default_factory=list)  # every file audited
+
+
+def _inherited(info: FunctionInfo, seeds_by_fn: Dict[int, List[Seed]]) -> List[Seed]:
+    """Seeds of enclosing functions that a nested function reads as free variables (a generator closure
+    over the outer ``weights``: ``def weight_filter(): for name, w in weights: ...``)."""
+    out: List[Seed] = []
+    parent = info.parent
+    reads: Optional[set] = None
+    while parent is not None:
+        for seed in seeds_by_fn.get(id(parent), ()):
+            if seed.param in info.locals or any(s.param == seed.param for s in out):
+                continue
+            if reads is None:
+                reads = {n.id for n in ast.walk(info.node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+            if seed.param in reads:
+                out.append(Seed(seed.param, seed.kind, f"{seed.why}, of enclosing `{parent.qualname}`",
+                                seed.consumer or parent.qualname))
+        parent = parent.parent
+    return out
+
+
+def analyse(source: Source, project: Optional[Project] = None) -> Tuple[List[Finding], List[Consumer]]:
+    """Every finding in one parsed module (before suppression and selection), and its consumers."""
+    index = build_index(source.path, source.tree)
+    snippets = Snippets(source.text)
+    analysis = ModuleAnalysis(source.path, index, snippets, project)
+    producers = bool(PRODUCER_HINT.search(source.text))
+    roots = []
+    seeds_by_fn: Dict[int, List[Seed]] = {}
+    for info in index.functions:
+        seeds = seeds_of(info)
+        if info.parent is not None:
+            seeds = seeds + _inherited(info, seeds_by_fn)
+        seeds_by_fn[id(info)] = seeds
+        if seeds or (producers and uses_producer(info)):
+            roots.append((0 if any(s.kind == ITER for s in seeds) else 1, info, seeds))
+    roots.sort(key=lambda r: r[0])  # iterator consumers first: their chains are the informative ones
+    found: Dict[Tuple[str, int, int, str], Finding] = {}
+    consumers: List[Consumer] = []
+    for _, info, seeds in roots:
+        why = "; ".join(s.why for s in seeds) or "calls a known producer"
+        consumers.append(Consumer(source.path, info.node.lineno, info.qualname, why))  # type: ignore[attr-defined]
+        flow = Flow(source.path, info, {s.param: seed_value(info, s) for s in seeds}, index.globals, snippets,
+                    analysis.resolve, module_aliases=index.module_aliases)
+        for finding in flow.run().findings:
+            if finding.key in found:
+                found[finding.key].merge(finding)
+            else:
+                found[finding.key] = finding
+    consumers.sort(key=lambda c: c.line)
+    return sorted(found.values(), key=lambda f: (f.line, f.col, f.code)), consumers
+
+
+def _audit_one(source: Source, codes: set, result: AuditResult, project: Optional[Project] = None) -> None:
+    findings, consumers = analyse(source, project)
+    texts = dict(project.texts) if project is not None else {}
+    texts[source.path] = source.text
+    kept = suppression.apply(findings, texts)
+    result.suppressed += len(findings) - len(kept)
+    result.findings.extend(f for f in kept if f.code in codes)
+    result.consumers.extend(consumers)
+    result.files += 1
+    result.paths.append(source.path)
+    result.lines += source.text.count("\n") + (not source.text.endswith("\n") and bool(source.text))
+
+
+def audit_sources(sources: Iterable[Source], select: Optional[Sequence[str]] = None,
+                  ignore: Optional[Sequence[str]] = None) -> AuditResult:
+    codes = set(selected_codes(select, ignore))
+    result = AuditResult()
+    for source in sources:
+        _audit_one(source, codes, result)
+    return result
+
+
+def audit_paths(paths: Sequence[str], select: Optional[Sequence[str]] = None,
+                ignore: Optional[Sequence[str]] = None) -> AuditResult:
+    """Audit files and directories. A path that does not exist raises :class:`AuditInputError`; a file
+    that cannot be read or parsed is named in ``errors`` and the rest are audited.
+
+    One file at a time: parse, analyse, let the tree go (holding every tree of a large code base at
+    once makes the garbage collector's full passes, and so parsing, several times slower)."""
+    codes = set(selected_codes(select, ignore))
+    with _collector_paused():
+        return _audit_files(python_files(paths), codes)
+
+
+@contextmanager
+def _collector_paused():
+    """The cyclic garbage collector off while auditing (restored after). Each file's tree is hundreds of
+    thousands of tracked nodes: the collector's passes over them cost as much as parsing (measured: the
+    audit of a 37,000-line tree in 2.7 s with it, 1.6 s without). The audit makes almost no cycles, and
+    each tree is freed by reference counting as soon as its file is done."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _audit_files(files: List[str], codes: set) -> AuditResult:
+    result = AuditResult()
+    project = Project(files)
+    seen: Dict[Tuple[str, int, int, str], Finding] = {}
+    for path in files:
+        try:
+            source = read(path)
+        except AuditInputError as exc:
+            result.errors.append(str(exc))
+            continue
+        before = len(result.findings)
+        _audit_one(source, codes, result, project)
+        fresh = []
+        for f in result.findings[before:]:  # a helper's statement, found from callers in two modules
+            if f.key in seen:
+                seen[f.key].merge(f)
+            else:
+                seen[f.key] = f
+                fresh.append(f)
+        del result.findings[before:]
+        result.findings.extend(fresh)
+    project.close()
+    return result
+
+
+def audit_text(text: str, path: str = "<string>", select: Optional[Sequence[str]] = None,
+               ignore: Optional[Sequence[str]] = None) -> AuditResult:
+    """Audit one module given as text (tests, editors)."""
+    return audit_sources([parse(path, text)], select, ignore)
+
+
+__all__ = ["AuditResult", "Consumer", "analyse", "audit_sources", "audit_paths", "audit_text"]

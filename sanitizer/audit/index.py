@@ -1,0 +1,300 @@
+"""One parsed module, indexed for the flow: every function with its qualified name (the same
+``__qualname__`` Python gives it, so a finding names the function a runtime report names), its
+parameters and local names, the classes with their methods and same-module bases, and the module's
+global names. Nothing here evaluates code."""
+from __future__ import annotations
+
+import ast
+import weakref
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional, Set, Tuple
+
+FunctionNode = (ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+@dataclass(eq=False)
+class FunctionInfo:
+    node: ast.AST  # FunctionDef / AsyncFunctionDef
+    qualname: str
+    cls_ref: Optional["weakref.ref"]  # the class it is a method of (directly)
+    parent_ref: Optional["weakref.ref"]  # the function it is nested in
+    params: List[ast.arg]
+    vararg: Optional[ast.arg]
+    kwarg: Optional[ast.arg]
+    nested: Dict[str, "FunctionInfo"] = field(default_factory=dict)
+    is_static: bool = False
+    _scan: Optional["_Scan"] = None
+
+    # What the body binds, declares and calls: scanned on first use, since most functions of a large
+    # tree are never looked at (the audit's time goes to parsing, not to functions it skips).
+    @property
+    def locals(self) -> Set[str]:
+        return self.scan.locals
+
+    _declared: Optional[Tuple[Set[str], Set[str]]] = None
+
+    @property
+    def declared_global(self) -> Set[str]:
+        return self.declared[0]
+
+    @property
+    def declared_nonlocal(self) -> Set[str]:
+        return self.declared[1]
+
+    @property
+    def declared(self) -> Tuple[Set[str], Set[str]]:
+        """(global, nonlocal) names: statements only, so much cheaper than the full scan."""
+        if self._declared is None:
+            g: Set[str] = set()
+            n: Set[str] = set()
+            for stmt in _statements(self.node.body):  # type: ignore[attr-defined]
+                if isinstance(stmt, ast.Global):
+                    g.update(stmt.names)
+                elif isinstance(stmt, ast.Nonlocal):
+                    n.update(stmt.names)
+            self._declared = (g, n)
+        return self._declared
+
+    @property
+    def is_generator(self) -> bool:
+        return self.scan.is_generator
+
+    @property
+    def calls(self) -> Set[str]:
+        """Dotted names of every call in its own body (discovery of producers)."""
+        return self.scan.calls
+
+    @property
+    def scan(self) -> "_Scan":
+        if self._scan is None:
+            self._scan = _scan_function(self.node)
+        return self._scan
+
+    # Weak links upward, so that an index (and the tree it points into) is freed by reference counting
+    # alone as soon as its file is done: the audit runs with the cyclic collector paused.
+    @property
+    def cls(self) -> Optional["ClassInfo"]:
+        return self.cls_ref() if self.cls_ref is not None else None
+
+    @property
+    def parent(self) -> Optional["FunctionInfo"]:
+        return self.parent_ref() if self.parent_ref is not None else None
+
+    @property
+    def name(self) -> str:
+        return self.node.name  # type: ignore[attr-defined]
+
+    @property
+    def is_method(self) -> bool:
+        return self.cls is not None and not self.is_static
+
+    def param_names(self) -> List[str]:
+        return [a.arg for a in self.params]
+
+
+@dataclass(eq=False)
+class ClassInfo:
+    node: ast.ClassDef
+    qualname: str
+    methods: Dict[str, FunctionInfo] = field(default_factory=dict)
+    bases: List[str] = field(default_factory=list)
+    attributes: Set[str] = field(default_factory=set)  # names bound in the class body
+
+
+@dataclass(eq=False)
+class ModuleIndex:
+    path: str
+    tree: ast.Module
+    functions: List[FunctionInfo] = field(default_factory=list)
+    top_functions: Dict[str, FunctionInfo] = field(default_factory=dict)
+    classes: Dict[str, ClassInfo] = field(default_factory=dict)
+    globals: Set[str] = field(default_factory=set)
+    by_node: Dict[int, FunctionInfo] = field(default_factory=dict)
+    # ``from X import a as b`` at module level: b -> (X, level, a), for calls into other audited modules
+    imports: Dict[str, Tuple[str, int, str]] = field(default_factory=dict)
+    module_aliases: Set[str] = field(default_factory=set)  # ``import torch``, ``import numpy as np``
+    all_classes: List[ClassInfo] = field(default_factory=list)  # nested and local ones too
+
+    def method(self, cls: ClassInfo, name: str, _seen: Optional[Set[str]] = None) -> Optional[FunctionInfo]:
+        """``cls.name`` resolved through the class and its same-module bases (first match, MRO-ish)."""
+        if name in cls.methods:
+            return cls.methods[name]
+        seen = _seen if _seen is not None else set()
+        seen.add(cls.qualname)
+        for base in cls.bases:
+            other = self.classes.get(base.rpartition(".")[2])
+            if other is not None and other.qualname not in seen:
+                found = self.method(other, name, seen)
+                if found is not None:
+                    return found
+        return None
+
+
+def dotted(node: ast.AST) -> str:
+    """``a.b.c`` for a Name/Attribute chain; ``a.b(...).c`` keeps only the last attribute ('' if none)."""
+    parts: List[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+    elif parts:
+        parts.append("?")
+    return ".".join(reversed(parts))
+
+
+def annotation_text(node: Optional[ast.AST]) -> str:
+    """``Iterable[tuple[str, torch.Tensor]]`` for an annotation node: the common shapes by hand, since
+    ``ast.unparse`` costs more than the rest of discovery (every parameter of every function has one)."""
+    if node is None:
+        return ""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return f"{annotation_text(node.value)}.{node.attr}"
+    if isinstance(node, ast.Subscript):
+        return f"{annotation_text(node.value)}[{annotation_text(node.slice)}]"
+    if isinstance(node, (ast.Tuple, ast.List)):
+        inner = ", ".join(annotation_text(e) for e in node.elts)
+        return f"[{inner}]" if isinstance(node, ast.List) else inner
+    if isinstance(node, ast.Constant):
+        return node.value if isinstance(node.value, str) else repr(node.value)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        return f"{annotation_text(node.left)} | {annotation_text(node.right)}"
+    return ast.unparse(node)
+
+
+def _bound_names(target: ast.AST) -> Iterator[str]:
+    for node in ast.walk(target):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            yield node.id
+
+
+def _own_scope(body: List[ast.stmt]) -> Iterator[ast.AST]:
+    """Every node of a function body that belongs to its own scope (not nested functions/classes/lambdas,
+    nor comprehensions, whose targets are their own)."""
+    stack: List[ast.AST] = list(reversed(body))
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, FunctionNode + (ast.ClassDef, ast.Lambda)):
+            continue
+        children = list(ast.iter_child_nodes(node))
+        if isinstance(node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            children = [g.iter for g in node.generators]  # the first iterable is evaluated outside
+        stack.extend(reversed(children))
+
+
+@dataclass(eq=False)
+class _Scan:
+    locals: Set[str] = field(default_factory=set)  # names bound in its own scope
+    declared_global: Set[str] = field(default_factory=set)
+    declared_nonlocal: Set[str] = field(default_factory=set)
+    is_generator: bool = False
+    calls: Set[str] = field(default_factory=set)
+
+
+def _scan_function(node: ast.AST) -> _Scan:
+    info = _Scan()
+    args = node.args  # type: ignore[attr-defined]
+    for a in args.posonlyargs + args.args + args.kwonlyargs + [x for x in (args.vararg, args.kwarg) if x]:
+        info.locals.add(a.arg)
+    for sub in _own_scope(node.body):  # type: ignore[attr-defined]
+        if isinstance(sub, ast.Name) and isinstance(sub.ctx, (ast.Store, ast.Del)):
+            info.locals.add(sub.id)
+        elif isinstance(sub, FunctionNode + (ast.ClassDef,)):
+            info.locals.add(sub.name)  # type: ignore[attr-defined]
+        elif isinstance(sub, (ast.Import, ast.ImportFrom)):
+            for alias in sub.names:
+                info.locals.add((alias.asname or alias.name).split(".")[0])
+        elif isinstance(sub, ast.Global):
+            info.declared_global.update(sub.names)
+        elif isinstance(sub, ast.Nonlocal):
+            info.declared_nonlocal.update(sub.names)
+        elif isinstance(sub, (ast.Yield, ast.YieldFrom)):
+            info.is_generator = True
+        elif isinstance(sub, ast.Call):
+            name = dotted(sub.func)
+            if name:
+                info.calls.add(name)
+        elif isinstance(sub, ast.NamedExpr) and isinstance(sub.target, ast.Name):
+            info.locals.add(sub.target.id)
+    info.locals -= info.declared_global | info.declared_nonlocal
+    return info
+
+
+def build_index(path: str, tree: ast.Module) -> ModuleIndex:
+    index = ModuleIndex(path, tree)
+    for stmt in tree.body:
+        if isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+            for t in targets:
+                index.globals.update(_bound_names(t))
+        elif isinstance(stmt, FunctionNode + (ast.ClassDef,)):
+            index.globals.add(stmt.name)
+        elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            for alias in stmt.names:
+                index.globals.add((alias.asname or alias.name).split(".")[0])
+                if isinstance(stmt, ast.Import):
+                    index.module_aliases.add((alias.asname or alias.name).split(".")[0])
+                if isinstance(stmt, ast.ImportFrom) and alias.name != "*":
+                    index.imports[alias.asname or alias.name] = (stmt.module or "", stmt.level, alias.name)
+
+    _visit(index, tree.body, "", None, None)
+    return index
+
+
+def _visit(index: ModuleIndex, body: List[ast.stmt], prefix: str, cls: Optional[ClassInfo],
+           parent: Optional[FunctionInfo]) -> None:
+    """Index the functions and classes of one block (a module-level function, not a closure: a recursive
+    closure is a reference cycle, and the audit runs with the cyclic collector paused)."""
+    for stmt in _statements(body):
+        if isinstance(stmt, FunctionNode):
+            args = stmt.args
+            decorators = {dotted(d) for d in stmt.decorator_list}
+            info = FunctionInfo(stmt, prefix + stmt.name, weakref.ref(cls) if cls is not None else None,
+                                weakref.ref(parent) if parent is not None else None,
+                                params=args.posonlyargs + args.args + args.kwonlyargs,
+                                vararg=args.vararg, kwarg=args.kwarg,
+                                is_static="staticmethod" in decorators)
+            index.functions.append(info)
+            index.by_node[id(stmt)] = info
+            if cls is not None and parent is None:
+                cls.methods.setdefault(stmt.name, info)
+            elif parent is not None:
+                parent.nested[stmt.name] = info
+            elif cls is None:
+                index.top_functions[stmt.name] = info
+            _visit(index, stmt.body, info.qualname + ".<locals>.", None, info)
+        elif isinstance(stmt, ast.ClassDef):
+            c = ClassInfo(stmt, prefix + stmt.name, bases=[dotted(b) for b in stmt.bases])
+            index.all_classes.append(c)  # the strong reference (methods point to their class weakly)
+            for sub in stmt.body:
+                if isinstance(sub, (ast.Assign, ast.AnnAssign)):
+                    for t in (sub.targets if isinstance(sub, ast.Assign) else [sub.target]):
+                        c.attributes.update(_bound_names(t))
+            if parent is None and cls is None:
+                index.classes.setdefault(stmt.name, c)
+            _visit(index, stmt.body, c.qualname + ".", c, None)
+
+
+def _statements(body: List[ast.stmt]) -> Iterator[ast.stmt]:
+    """The statements of a block, looking inside if/try/with/for/while (a def under ``if TYPE_CHECKING``
+    or in a try is still a definition of this scope), but not inside nested defs or classes."""
+    stack = list(reversed(body))
+    while stack:
+        stmt = stack.pop()
+        yield stmt
+        if isinstance(stmt, FunctionNode + (ast.ClassDef,)):
+            continue
+        inner: List[ast.stmt] = []
+        for name in ("body", "orelse", "finalbody"):
+            inner.extend(getattr(stmt, name, []) or [])
+        for handler in getattr(stmt, "handlers", []) or []:
+            inner.extend(handler.body)
+        for case in getattr(stmt, "cases", []) or []:
+            inner.extend(case.body)
+        stack.extend(reversed(inner))
+
+
+__all__ = ["FunctionInfo", "ClassInfo", "ModuleIndex", "build_index", "dotted", "annotation_text", "FunctionNode"]

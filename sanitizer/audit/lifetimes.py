@@ -1,0 +1,137 @@
+"""Does a local variable outlive the step it was given a yielded tensor in?
+
+A name bound inside the loop that yields weights keeps its value when the loop moves on. That is a
+retention when the value is read again *after* the loader has advanced: after the loop, or in a later
+iteration (``prev = w`` read at the top of the next one: a tensor parked until its partner arrives).
+A read in the same iteration, after a binding that happens on every path to it, is not.
+
+The dominance used here is structural and cheap: a binding dominates a read when it is an earlier
+statement of a block that encloses the read (a binding in both arms of an ``if``, or an arm that leaves
+the iteration with ``continue``/``break``/``return``/``raise``, counts as one).
+"""
+from __future__ import annotations
+
+import ast
+from typing import Dict, List, Optional, Tuple
+
+_BLOCK_FIELDS = ("body", "orelse", "finalbody", "handlers")
+
+
+def _position(node: ast.AST) -> Tuple[int, int]:
+    return (getattr(node, "lineno", 0), getattr(node, "col_offset", 0))
+
+
+def _end(node: ast.AST) -> Tuple[int, int]:
+    return (getattr(node, "end_lineno", 0) or 0, getattr(node, "end_col_offset", 0) or 0)
+
+
+def _binds(stmt: ast.stmt, name: str) -> bool:
+    """Does ``stmt`` bind ``name`` (or leave the iteration) on every path through it?"""
+    if isinstance(stmt, (ast.Continue, ast.Break, ast.Return, ast.Raise)):
+        return True
+    if isinstance(stmt, ast.Assign):
+        return any(_target_binds(t, name) for t in stmt.targets)
+    if isinstance(stmt, ast.AnnAssign):
+        return stmt.value is not None and _target_binds(stmt.target, name)
+    if isinstance(stmt, (ast.With, ast.AsyncWith)):
+        return any(i.optional_vars is not None and _target_binds(i.optional_vars, name) for i in stmt.items) or \
+            _block_binds(stmt.body, name)
+    if isinstance(stmt, ast.If):
+        return bool(stmt.orelse) and _block_binds(stmt.body, name) and _block_binds(stmt.orelse, name)
+    if isinstance(stmt, (ast.Try,) + ((ast.TryStar,) if hasattr(ast, "TryStar") else ())):
+        return _block_binds(stmt.body, name) and all(_block_binds(h.body, name) for h in stmt.handlers)
+    if isinstance(stmt, ast.Delete):
+        return any(isinstance(t, ast.Name) and t.id == name for t in stmt.targets)
+    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
+        return False
+    return False
+
+
+def _target_binds(target: ast.AST, name: str) -> bool:
+    if isinstance(target, ast.Name):
+        return target.id == name
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return any(_target_binds(e, name) for e in target.elts)
+    if isinstance(target, ast.Starred):
+        return _target_binds(target.value, name)
+    return False
+
+
+def _block_binds(block: List[ast.stmt], name: str) -> bool:
+    return any(_binds(s, name) for s in block)
+
+
+class LoopLifetimes:
+    """Answers "is this name read past its step?" for the loops of one function (parents built once)."""
+
+    def __init__(self, function: ast.AST):
+        self.function = function
+        self.parent: Dict[int, Tuple[ast.AST, Optional[List[ast.stmt]]]] = {}
+        self.names: Dict[str, List[ast.Name]] = {}
+        stack: List[ast.AST] = [function]
+        while stack:
+            node = stack.pop()
+            for field, value in ast.iter_fields(node):
+                if isinstance(value, list):
+                    block = value if field in _BLOCK_FIELDS and value and isinstance(value[0], ast.stmt) else None
+                    for child in value:
+                        if isinstance(child, ast.AST):
+                            self.parent[id(child)] = (node, block)
+                            stack.append(child)
+                elif isinstance(value, ast.AST):
+                    self.parent[id(value)] = (node, None)
+                    stack.append(value)
+            if isinstance(node, ast.Name):
+                self.names.setdefault(node.id, []).append(node)
+        for uses in self.names.values():
+            uses.sort(key=_position)
+
+    def read_after(self, name: str, loop: ast.AST) -> Optional[ast.Name]:
+        """The first use of ``name`` after ``loop`` ends, if it is a read (None if it is rebound first)."""
+        end = _end(loop)
+        for use in self.names.get(name, ()):
+            if _position(use) > end:
+                return use if isinstance(use.ctx, ast.Load) and not self._inside(use, loop) else None
+        return None
+
+    def read_by_next_iteration(self, name: str, loop: ast.AST) -> Optional[ast.Name]:
+        """A read of ``name`` in ``loop``'s body that no binding earlier in the same iteration dominates."""
+        for use in self.names.get(name, ()):
+            if not isinstance(use.ctx, ast.Load) or not self._inside(use, loop):
+                continue
+            if not self._dominated(use, name, loop):
+                return use
+        return None
+
+    def _inside(self, node: ast.AST, loop: ast.AST) -> bool:
+        cur: Optional[ast.AST] = node
+        while cur is not None and cur is not self.function:
+            if cur is loop:
+                return True
+            cur = self.parent.get(id(cur), (None, None))[0]
+        return False
+
+    def _dominated(self, use: ast.AST, name: str, loop: ast.AST) -> bool:
+        cur: ast.AST = use
+        while cur is not loop:
+            parent, block = self.parent.get(id(cur), (None, None))
+            if parent is None:
+                return False
+            if block is not None and cur is not None:
+                if parent is loop and block is not getattr(loop, "body", None):
+                    return True  # the loop's else: runs once, after the last step (a read after the loop)
+                for prev in block[: _index(block, cur)]:
+                    if _binds(prev, name):
+                        return True
+            cur = parent
+        return False
+
+
+def _index(block: List[ast.stmt], node: ast.AST) -> int:
+    for i, stmt in enumerate(block):
+        if stmt is node:
+            return i
+    return len(block)
+
+
+__all__ = ["LoopLifetimes"]

@@ -1,0 +1,78 @@
+"""The audited files as one project, so that a call into a helper imported from another audited module
+(``from .deepseek_v2 import _try_load_fp8_indexer_wk``) gets that helper's summary too.
+
+Modules are found by the dotted path their file has under the audited directories (the longest
+suffix of ``a.b.c`` that names an audited file), or relative to the importing file for
+``from .x import f``. An imported module is parsed when a call with a tainted argument first needs it
+and kept in a small cache; a file outside the audited paths is never read.
+"""
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from typing import Callable, Dict, Iterable, Optional, Tuple
+
+from sanitizer.audit.sources import AuditInputError, Source, read
+
+CACHE_SIZE = 48
+
+
+def _dotted(path: str) -> Tuple[str, ...]:
+    parts = os.path.normpath(os.path.abspath(path))[:-3].split(os.sep)
+    if parts and parts[-1] == "__init__":
+        parts = parts[:-1]
+    return tuple(p for p in parts if p)
+
+
+class Project:
+    def __init__(self, files: Iterable[str]):
+        self._by_suffix: Dict[Tuple[str, ...], str] = {}
+        self._abs: Dict[str, str] = {}
+        for f in files:
+            parts = _dotted(f)
+            self._abs[os.path.normpath(os.path.abspath(f))] = f
+            for i in range(len(parts)):
+                self._by_suffix.setdefault(parts[i:], f)
+        self._cache: "OrderedDict[str, object]" = OrderedDict()
+        self.texts: Dict[str, str] = {}  # path -> source text of every module read (for suppression comments)
+
+    def locate(self, importer: str, module: str, level: int) -> Optional[str]:
+        """The audited file that ``from <level dots><module> import ...`` in ``importer`` names, if any."""
+        if level:
+            base = os.path.dirname(os.path.abspath(importer))
+            for _ in range(level - 1):
+                base = os.path.dirname(base)
+            target = os.path.join(base, *module.split(".")) if module else base
+            for candidate in (target + ".py", os.path.join(target, "__init__.py")):
+                found = self._abs.get(os.path.normpath(candidate))
+                if found is not None:
+                    return found
+            return None
+        if not module:
+            return None
+        found = self._by_suffix.get(tuple(module.split(".")))
+        return found
+
+    def close(self) -> None:
+        """Let the cached modules go (they point back to this project: a cycle the audit breaks itself)."""
+        self._cache.clear()
+
+    def module(self, path: str, build: Callable[[Source], object]) -> Optional[object]:
+        """The analysis of an audited module (built by ``build`` on first use), or None if it does not parse."""
+        if path in self._cache:
+            self._cache.move_to_end(path)
+            return self._cache[path]
+        try:
+            source = read(path)
+        except AuditInputError:
+            return None
+        self.texts[path] = source.text
+        made = build(source)
+        self._cache[path] = made
+        while len(self._cache) > CACHE_SIZE:
+            _, old = self._cache.popitem(last=False)
+            getattr(old, "close", lambda: None)()
+        return made
+
+
+__all__ = ["Project"]

@@ -1,0 +1,63 @@
+"""Which files an audit reads, and reading them: never importing them (the audited code may import
+torch, CUDA libraries or the engine itself; the audit imports none of it)."""
+from __future__ import annotations
+
+import ast
+import os
+from dataclasses import dataclass
+from typing import Iterable, List, Sequence, Tuple
+
+SKIP_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__", ".venv", "venv", ".tox", ".nox", "node_modules",
+                       ".mypy_cache", ".pytest_cache", "build", "dist", ".eggs"})
+
+
+class AuditInputError(Exception):
+    """A path that does not exist or a file that does not parse: a usage error (exit status 2)."""
+
+
+@dataclass(frozen=True)
+class Source:
+    path: str  # as the user named it (relative paths stay relative, as flake8 prints them)
+    text: str
+    tree: ast.Module
+
+
+def python_files(paths: Sequence[str]) -> List[str]:
+    """Every ``.py`` file named or under a named directory (sorted, hidden and build directories skipped)."""
+    out: List[str] = []
+    for path in paths:
+        if os.path.isdir(path):
+            for root, dirs, files in os.walk(path):
+                dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not d.startswith("."))
+                out.extend(os.path.join(root, f) for f in sorted(files) if f.endswith(".py"))
+        elif os.path.isfile(path):
+            out.append(path)
+        else:
+            raise AuditInputError(f"{path}: no such file or directory")
+    return out
+
+
+def read(path: str) -> Source:
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except OSError as exc:
+        raise AuditInputError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise AuditInputError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    return parse(path, text)
+
+
+def parse(path: str, text: str) -> Source:
+    try:
+        tree = ast.parse(text, filename=path)
+    except SyntaxError as exc:
+        raise AuditInputError(f"{path}:{exc.lineno or 0}:{exc.offset or 0}: does not parse: {exc.msg}") from None
+    except ValueError as exc:  # source with NUL bytes
+        raise AuditInputError(f"{path}: does not parse: {exc}") from None
+    return Source(path, text, tree)
+
+
+__all__ = ["AuditInputError", "Source", "python_files", "read", "parse", "SKIP_DIRS"]

@@ -1,0 +1,249 @@
+"""Calls into functions of the same module or class: summaries, so that a helper that keeps its
+argument is found from the loop that passes it a yielded tensor.
+
+A summary answers, for one helper parameter seeded with one kind of value (a tensor, a pair, a holder,
+an iterator), three questions, by running the same flow over the helper's body:
+
+* which statements of the helper keep it past the call (finding *templates*: the caller prefixes its
+  own chain and reports them at the helper's statement, where the fix belongs);
+* which containers *passed in* it is stored into (``buf`` in ``_try_load(name, tensor, buf)``): the
+  caller judges those by its own container's lifetime (a fresh per-step dict is fine);
+* what it returns (a view of the argument, or a container holding it), so ``w2 = self._narrow(w)``
+  stays tainted.
+
+Resolved: nested functions (by name, through enclosing functions), module-level functions, methods of
+the enclosing class and its same-module bases via ``self.``/``cls.``/``super().``, ``ClassName.method``
+and ``ClassName(...)`` (its ``__init__``: storing into ``self`` makes the new object a holder).
+Summaries nest up to :data:`MAX_DEPTH` calls deep; recursion gets an empty summary.
+"""
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, replace
+from typing import Dict, List, Optional, Tuple
+
+from sanitizer.audit.findings import Finding, Link
+from sanitizer.audit.flow import _UNRESOLVED, Flow, IntoParam, Outcome
+from sanitizer.audit.index import ClassInfo, FunctionInfo, ModuleIndex, build_index
+from sanitizer.audit.project import Project
+from sanitizer.audit.snippets import Snippets
+from sanitizer.audit.targets import root_of
+from sanitizer.audit.values import HOLDER, ITER, SOURCE, Val
+
+MAX_DEPTH = 3
+
+
+@dataclass(frozen=True)
+class Callee:
+    info: FunctionInfo
+    offset: int  # how many leading parameters the call binds implicitly (self)
+    constructor: bool
+    analysis: Optional["ModuleAnalysis"] = None  # the module that defines it, when another audited one
+
+
+class ModuleAnalysis:
+    """The summaries of one module's functions, computed on demand and memoised."""
+
+    def __init__(self, path: str, index: ModuleIndex, snippets: Snippets, project: Optional[Project] = None):
+        self.path = path
+        self.snippets = snippets
+        self.project = project
+        self.index = index
+        self._memo: Dict[Tuple[int, int, str, str, bool], Outcome] = {}
+        self._busy: set = set()
+        self.depth = 0
+
+    def close(self) -> None:
+        """Break the links to the project and the memo (evicted from the project's cache)."""
+        self.project = None
+        self._memo.clear()
+
+    # -- resolution ----------------------------------------------------------------------------------------
+    def _class_of(self, info: FunctionInfo) -> Optional[ClassInfo]:
+        cur: Optional[FunctionInfo] = info
+        while cur is not None:
+            if cur.cls is not None:
+                return cur.cls
+            cur = cur.parent
+        return None
+
+    def callee(self, flow: Flow, node: ast.Call) -> Optional[Callee]:
+        func = node.func
+        index = self.index
+        if isinstance(func, ast.Name):
+            cur: Optional[FunctionInfo] = flow.info
+            while cur is not None:
+                if func.id in cur.nested:
+                    return Callee(cur.nested[func.id], 0, False)
+                cur = cur.parent
+            if func.id in index.top_functions:
+                return Callee(index.top_functions[func.id], 0, False)
+            cls = index.classes.get(func.id)
+            if cls is not None:
+                init = index.method(cls, "__init__")
+                return Callee(init, 1, True) if init is not None else None
+            return self._imported(func.id)
+        if not isinstance(func, ast.Attribute):
+            return None
+        base = func.value
+        cls = self._class_of(flow.info)
+        if isinstance(base, ast.Name):
+            if cls is not None and base.id in (flow._self_name(), "cls", "self"):
+                m = index.method(cls, func.attr)
+                if m is not None:
+                    return Callee(m, 0 if m.is_static else 1, False)
+                return None
+            other = index.classes.get(base.id)
+            if other is not None:
+                m = index.method(other, func.attr)
+                if m is not None:
+                    return Callee(m, 0, False)
+            return None
+        if isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super" and cls:
+            for b in cls.bases:
+                other = index.classes.get(b.rpartition(".")[2])
+                m = index.method(other, func.attr) if other is not None else None
+                if m is not None:
+                    return Callee(m, 0 if m.is_static else 1, False)
+        return None
+
+    def _imported(self, name: str) -> Optional[Callee]:
+        """A module-level function imported from another audited module (``from .x import f``)."""
+        imp = self.index.imports.get(name)
+        if imp is None or self.project is None:
+            return None
+        module, level, original = imp
+        path = self.project.locate(self.path, module, level)
+        if path is None or path == self.path:
+            return None
+        other = self.project.module(path, lambda source: ModuleAnalysis(
+            source.path, build_index(source.path, source.tree), Snippets(source.text), self.project))
+        if not isinstance(other, ModuleAnalysis):
+            return None
+        info = other.index.top_functions.get(original)
+        return Callee(info, 0, False, other) if info is not None else None
+
+    # -- summaries -------------------------------------------------------------------------------------------
+    def summary(self, callee: FunctionInfo, index: int, seed: Val) -> Outcome:
+        key = (id(callee.node), index, seed.kind, seed.elem, seed.capture is not None)
+        done = self._memo.get(key)
+        if done is not None:
+            return done
+        if key in self._busy:
+            return Outcome()
+        params = callee.params + [a for a in (callee.vararg, callee.kwarg) if a is not None]
+        name = params[index].arg
+        start = Val(seed.kind, 0 if seed.kind == ITER else id(callee.node),
+                    (Link(callee.node.lineno, callee.qualname, f"`{name}` (parameter of `{callee.qualname}`)"),),
+                    callee.qualname, elem=seed.elem, capture=seed.capture, seed=index,
+                    parameter=seed.parameter, label=f"`{name}`")
+        self._busy.add(key)
+        self.depth += 1
+        try:
+            out = Flow(self.path, callee, {name: start}, self.index.globals, self.snippets, self.resolve,
+                       summary_param=index, module_aliases=self.index.module_aliases).run()
+        finally:
+            self.depth -= 1
+            self._busy.discard(key)
+        self._memo[key] = out
+        return out
+
+    def resolve(self, flow: Flow, node: ast.Call):
+        """The flow's hook for a call with tainted arguments: apply the callee's summaries."""
+        if self.depth >= MAX_DEPTH:
+            return _UNRESOLVED
+        target = self.callee(flow, node)
+        if target is None:
+            return _UNRESOLVED
+        callee = target.info
+        params = callee.params
+        bound: List[Tuple[int, ast.AST]] = []  # (parameter index, argument expression)
+        for i, arg in enumerate(node.args):
+            if isinstance(arg, ast.Starred):
+                break
+            p = target.offset + i
+            if p < len(params):
+                bound.append((p, arg))
+            elif callee.vararg is not None:
+                bound.append((len(params), arg))
+                break
+        names = {a.arg: i for i, a in enumerate(params)}
+        for kw in node.keywords:
+            if kw.arg in names:
+                bound.append((names[kw.arg], kw.value))
+            elif kw.arg is not None and callee.kwarg is not None:
+                bound.append((len(params) + (callee.vararg is not None), kw.value))
+        arg_of = {p: expr for p, expr in bound}
+        result: Optional[Val] = None
+        for p, expr in bound:
+            val = flow.ev(expr) if not isinstance(expr, ast.Name) else flow.state.env.get(expr.id)
+            if val is None or val.kind == SOURCE:
+                continue
+            outcome = (target.analysis or self).summary(callee, p, val)
+            pname = (params + [a for a in (callee.vararg, callee.kwarg) if a is not None])[p].arg
+            call_link = Link(node.lineno, flow.fn, f"passed to `{callee.qualname}()` as `{pname}`")
+            for template in outcome.findings:
+                self._emit(flow, template, val, call_link, callee)
+            for fact in outcome.into_param:
+                self._into_param(flow, node, target, fact, arg_of, val, call_link, callee)
+            if outcome.returns is not None and result is None:
+                ret = outcome.returns
+                link = Link(node.lineno, flow.fn, f"returned by `{callee.name}()`")
+                parts = None
+                if ret.parts is not None:  # `return name, w`: keep which element is the tensor
+                    parts = tuple(val.then(p.kind, link, elem=p.elem) if p is not None else None for p in ret.parts)
+                result = val.then(ret.kind, link, elem=ret.elem, capture=ret.capture or val.capture, seed=val.seed,
+                                  parts=parts, reported=ret.reported or val.reported)
+            if result is None and target.constructor and constructor_result(outcome):
+                result = val.then(HOLDER, Link(node.lineno, flow.fn, f"kept by the new `{callee.qualname.split('.')[0]}`"))
+            if result is None and val.kind == ITER and callee.is_generator and outcome.yields is not None:
+                result = val.then(ITER, Link(node.lineno, flow.fn, f"re-yielded by `{callee.name}()`"))
+        return result
+
+    def _emit(self, flow: Flow, template: Finding, val: Val, call_link: Link, callee: FunctionInfo) -> None:
+        if val.reported:
+            return
+        key = (template.line, template.col - 1, template.code)
+        if key in flow._seen:
+            return
+        head = val.chain + (call_link,)
+        if flow.path != template.path:  # the caller's links are in its own file: say which
+            head = tuple(link if link.path else replace(link, path=flow.path) for link in head)
+        chain = head + template.chain[1:]
+        pattern = template.pattern if "through helper" in template.pattern else \
+            f"{template.pattern} (through helper `{callee.name}`)"
+        finding = replace(template, chain=chain, consumer=val.consumer, consumer_path=flow.path, pattern=pattern,
+                          also_from=[])
+        flow._seen[key] = finding
+        flow.out.findings.append(finding)
+
+    def _into_param(self, flow: Flow, node: ast.Call, target: Callee, fact: IntoParam, arg_of: Dict[int, ast.AST],
+                    val: Val, call_link: Link, callee: FunctionInfo) -> None:
+        if target.constructor and fact.index == 0:
+            return  # the new object holds it: the call's result is a holder (see resolve_result)
+        expr = arg_of.get(fact.index)
+        if expr is None:
+            self._emit(flow, fact.template, val, call_link, callee)  # a default container: outlives the call
+            return
+        root = root_of(expr)
+        place, index = flow._place(root.name)
+        if place == "local" and root.name is not None:
+            slot = flow.state.slots[root.name]
+            if slot.fresh and val.step in slot.loops and not root.through_attribute:
+                flow.state.env[root.name] = val.then(HOLDER, Link(node.lineno, flow.fn,
+                                                                  f"stored in `{flow.snip(root.node)}` by `{callee.name}()`"))
+                return
+        if flow.summary_param is not None and place == "param" and index is not None and index != val.seed:
+            before = len(flow.out.findings)
+            self._emit(flow, fact.template, val, call_link, callee)
+            if len(flow.out.findings) > before:
+                flow.out.into_param.append(IntoParam(index, flow.out.findings.pop()))
+            return
+        self._emit(flow, fact.template, val, call_link, callee)
+
+
+def constructor_result(outcome: Outcome) -> bool:
+    return any(f.index == 0 for f in outcome.into_param)
+
+
+__all__ = ["ModuleAnalysis", "Callee", "MAX_DEPTH"]

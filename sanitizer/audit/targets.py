@@ -1,0 +1,164 @@
+"""What a store writes into: the root a container expression hangs from, whether a binding is a fresh
+container (so it can live and die inside one step), and whether a subscript target is a tensor (a copy
+into it) or a container (a retention of the value).
+
+The distinction carries the audit's precision: ``param_data[:, :n] = w`` copies ``w`` into a parameter,
+``pending[name] = w`` keeps ``w``; ``parts = []`` inside the loop dies with the step, ``parts = []``
+before it does not.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from sanitizer.audit import vocabulary as V
+from sanitizer.audit.index import dotted
+
+_CAMEL = re.compile(r"^_?[A-Z][A-Za-z0-9]*[a-z][A-Za-z0-9]*$")
+_PEEL_METHODS = frozenset({"setdefault", "get", "__getitem__", "pop", "popleft"})
+
+
+@dataclass(frozen=True)
+class Root:
+    """The name a stored-into expression hangs from: ``pending`` in ``pending[k].append``, ``self`` in
+    ``self.cache[name]``; ``name`` is None when it hangs from a call's result or a literal."""
+
+    name: Optional[str]
+    through_attribute: bool  # an attribute lies between the root and the store (an object's container)
+    node: ast.AST  # the stored-into expression (for messages)
+
+
+def root_of(expr: ast.AST) -> Root:
+    node = expr
+    through_attr = False
+    while True:
+        if isinstance(node, ast.Subscript):
+            node = node.value
+        elif isinstance(node, ast.Attribute):
+            through_attr = True
+            node = node.value
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in _PEEL_METHODS):
+            node = node.func.value
+        else:
+            break
+    name = node.id if isinstance(node, ast.Name) else None
+    return Root(name, through_attr, expr)
+
+
+def is_fresh_container(value: Optional[ast.AST]) -> bool:
+    """Does ``value`` build a new container or object (that nothing else references yet)?"""
+    if value is None:
+        return False
+    if isinstance(value, (ast.List, ast.Dict, ast.Set, ast.Tuple, ast.ListComp, ast.DictComp, ast.SetComp,
+                          ast.Lambda)):
+        return True
+    if isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult):
+        return is_fresh_container(value.left) or is_fresh_container(value.right)
+    if isinstance(value, ast.Call):
+        name = dotted(value.func)
+        if name in V.CONTAINER_FACTORIES:
+            return True
+        last = name.rpartition(".")[2]
+        return bool(_CAMEL.match(last)) and last not in ("Parameter", "Tensor")
+    return False
+
+
+def binding_kind(value: Optional[ast.AST]) -> str:
+    """'container', 'tensor' or 'unknown': what an untainted local was bound to (for subscript stores)."""
+    if value is None:
+        return "unknown"
+    if isinstance(value, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)):
+        return "container"
+    if isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult) and isinstance(value.left, ast.List):
+        return "container"
+    if isinstance(value, ast.Call):
+        name = dotted(value.func)
+        if name in V.CONTAINER_FACTORIES:
+            return "container"
+        if V.TENSOR_FACTORY.match(name) or name.startswith("torch.") or name in ("getattr",):
+            return "tensor"
+        if isinstance(value.func, ast.Attribute) and value.func.attr in V.ALIAS_METHODS | {"clone", "new_empty",
+                                                                                          "new_zeros"}:
+            return "tensor"
+        return "unknown"
+    if isinstance(value, ast.Attribute):
+        return "tensor" if value.attr in V.ALIAS_ATTRIBUTES or V.TENSOR_ATTR_NAME.match(value.attr) else "unknown"
+    if isinstance(value, ast.Subscript):
+        return binding_kind(value.value) if binding_kind(value.value) == "tensor" else "unknown"
+    return "unknown"
+
+
+def _index_is_slicing(index: ast.AST) -> bool:
+    if isinstance(index, ast.Slice) or (isinstance(index, ast.Constant) and index.value is Ellipsis):
+        return True
+    if isinstance(index, ast.Tuple):
+        return any(_index_is_slicing(e) for e in index.elts) or len(index.elts) > 1
+    return False
+
+
+def _index_is_key(index: ast.AST) -> bool:
+    """A string key (``d["w"]``, ``d[f"{p}.w"]``, ``d[name]``): a dict's, not a tensor's."""
+    if isinstance(index, ast.Constant):
+        return isinstance(index.value, str)
+    if isinstance(index, ast.JoinedStr):
+        return True
+    if isinstance(index, ast.Name):
+        return "name" in index.id or index.id in ("key", "k", "prefix")
+    return False
+
+
+def subscript_is_tensor(target: ast.Subscript, local_kind: Optional[str], param_annotation: str) -> bool:
+    """Is ``target`` (``X[i] = v``) a write into a tensor (a copy) rather than into a container?"""
+    if _index_is_slicing(target.slice):
+        return True
+    node: ast.AST = target.value
+    while isinstance(node, (ast.Subscript, ast.Attribute)):
+        if isinstance(node, ast.Attribute) and node.attr == "data":
+            return True
+        node = node.value
+    if _index_is_key(target.slice):
+        return False
+    if local_kind in ("tensor", "container"):
+        return local_kind == "tensor"
+    if param_annotation:
+        if V.MAPPING_ANNOTATION.match(param_annotation):
+            return False
+        if V.TENSOR_ANNOTATION.search(param_annotation):
+            return True
+    value = target.value
+    if isinstance(value, ast.Name):
+        return bool(V.TENSOR_NAME.match(value.id))
+    if isinstance(value, ast.Attribute):
+        return bool(V.TENSOR_ATTR_NAME.match(value.attr))
+    return False
+
+
+def method_base_is_tensor(base: ast.AST, local_kind: Optional[str], param_annotation: str) -> bool:
+    """``X.add(v)`` / ``X.put(...)``: a tensor method (arithmetic, an indexed write) rather than a container's?"""
+    if local_kind in ("tensor", "container"):
+        return local_kind == "tensor"
+    if param_annotation:
+        return bool(V.TENSOR_ANNOTATION.search(param_annotation)) and not V.ITER_ANNOTATION.search(param_annotation)
+    if isinstance(base, ast.Attribute) and base.attr == "data":
+        return True
+    if isinstance(base, ast.Name):
+        return bool(V.TENSOR_NAME.match(base.id)) and base.id not in ("buf",)
+    return False
+
+
+def peel_target(target: ast.AST) -> Tuple[str, ast.AST]:
+    """('name'|'attribute'|'subscript'|'other', node) for an assignment target."""
+    if isinstance(target, ast.Name):
+        return "name", target
+    if isinstance(target, ast.Attribute):
+        return "attribute", target
+    if isinstance(target, ast.Subscript):
+        return "subscript", target
+    return "other", target
+
+
+__all__ = ["Root", "root_of", "is_fresh_container", "binding_kind", "subscript_is_tensor",
+           "method_base_is_tensor", "peel_target"]

@@ -1,0 +1,71 @@
+"""The abstract values of the taint/alias flow: what a name may hold, as far as borrowed memory goes.
+
+An untainted name holds nothing borrowed (a string, a copy, a shape) and has no :class:`Val`.
+A tainted one holds one of:
+
+* ``ITER``   an iterator that yields weights (``elem`` says what each item is);
+* ``PAIR``   one ``(name, tensor)`` item: element 0 is the name, the rest share the tensor's memory;
+* ``TENSOR`` a tensor that shares memory with a yielded tensor (the tensor itself or a view of it);
+* ``HOLDER`` a container, closure, ``functools.partial`` or ``BoundArguments`` that holds such a tensor;
+* ``SOURCE`` a checkpoint handle (``safe_open(...)``, a fastsafetensors loader) that hands out tensors.
+
+``step`` names the loader step the tensor belongs to: the loop whose iteration yielded it, or the call
+(for a per-tensor loader's argument). A tensor may be used freely within its step; keeping it in
+anything that outlives the step is a retention.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional, Tuple
+
+from sanitizer.audit.findings import Link
+
+ITER, PAIR, TENSOR, HOLDER, SOURCE = "iter", "pair", "tensor", "holder", "source"
+
+# What one item of an ITER (or one element of a HOLDER) is.
+ELEM_PAIR, ELEM_TENSOR, ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR = "pair", "tensor", "enum-pair", "enum-tensor"
+
+
+@dataclass(frozen=True)
+class Val:
+    kind: str
+    step: int  # id() of the loop or function node whose step the tensor belongs to; 0 when not yet known
+    chain: Tuple[Link, ...]
+    consumer: str  # qualified name of the function where the tensor entered (for the report)
+    elem: str = ELEM_TENSOR
+    reported: bool = False  # a retention that already covers this value was reported (list(weights)'s items)
+    capture: Optional[str] = None  # HOLDER only: "closure", "lambda", "functools.partial", "inspect.BoundArguments"
+    seed: Optional[int] = None  # summaries: index of the helper parameter this value came from
+    parts: Optional[Tuple[Optional["Val"], ...]] = None  # a tuple/list literal's elements, for unpacking
+    parameter: bool = False  # its chain passed through nn.Parameter (for the finding's pattern)
+    label: str = ""  # how a message names it: "`loaded_weight`"
+    maybe: bool = False  # tainted on some paths only (an in-place write is reported only when it is certain)
+
+    def then(self, kind: Optional[str] = None, link: Optional[Link] = None, **changes) -> "Val":
+        """This value after one more step of the chain (a view, a store, a call). A copy of the fields,
+        not ``dataclasses.replace`` (which re-runs ``__init__``: the flow makes one of these per view)."""
+        new = object.__new__(Val)
+        fields = new.__dict__
+        fields.update(self.__dict__)
+        fields["kind"] = kind or self.kind
+        if link is not None:
+            fields["chain"] = self.chain + (link,)
+        fields["parts"] = changes.pop("parts", None)
+        fields.update(changes)
+        return new
+
+    @property
+    def holds_tensor(self) -> bool:
+        return self.kind in (TENSOR, PAIR, HOLDER)
+
+
+def element_of(val: Val, link: Optional[Link] = None) -> Val:
+    """One item of an iterator or holder: a pair when the items are pairs, else a tensor."""
+    kind = PAIR if val.elem in (ELEM_PAIR,) else TENSOR
+    if val.elem in (ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR):
+        kind = HOLDER  # (index, item): unpacked by the loop target
+    return val.then(kind, link, elem=val.elem)
+
+
+__all__ = ["Val", "element_of", "ITER", "PAIR", "TENSOR", "HOLDER", "SOURCE",
+           "ELEM_PAIR", "ELEM_TENSOR", "ELEM_ENUM_PAIR", "ELEM_ENUM_TENSOR"]

@@ -1,0 +1,122 @@
+"""What the names in weight-loading code mean to the audit: which operations share a tensor's memory,
+which copy it, which read only its metadata, which calls produce borrowed tensors, and which names
+engines give to weight iterators and per-tensor weights.
+
+Kept as plain tables so that the rules can be read (and argued with) in one place. PyTorch semantics:
+a view (``view``, ``narrow``, slicing, ``t``, ``detach``, ``split`` ...) shares the storage; ``contiguous``,
+``to``, ``float``, ``cpu``... return ``self`` when nothing needs converting, so they may share it too;
+``clone``, arithmetic and ``cat``/``stack`` allocate.
+"""
+from __future__ import annotations
+
+import re
+
+# -- methods and attributes of a tensor ------------------------------------------------------------
+ALIAS_METHODS = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "narrow", "t", "transpose", "permute", "squeeze", "unsqueeze",
+    "flatten", "unflatten", "expand", "expand_as", "detach", "contiguous", "to", "cuda", "cpu", "type",
+    "float", "half", "bfloat16", "double", "int", "long", "short", "char", "byte", "bool",
+    "as_strided", "movedim", "moveaxis", "swapaxes", "swapdims", "select", "diagonal", "unfold", "numpy",
+    "view_as_real", "view_as_complex", "squeeze_", "unsqueeze_", "t_", "transpose_", "requires_grad_",
+    "share_memory_", "__getitem__", "mT", "align_to", "rename", "refine_names", "resolve_conj", "resolve_neg",
+    "untyped_storage", "storage", "_typed_storage", "as_subclass", "real", "imag", "__array__",
+})
+SPLIT_METHODS = frozenset({"split", "chunk", "unbind", "tensor_split", "hsplit", "vsplit", "dsplit",
+                           "split_with_sizes", "unsafe_split", "unsafe_chunk"})
+ALIAS_ATTRIBUTES = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
+# In-place methods that change only metadata (shape, strides, flags), never the bytes.
+METADATA_INPLACE = frozenset({"squeeze_", "unsqueeze_", "t_", "transpose_", "requires_grad_", "share_memory_",
+                              "as_strided_", "resize_as_", "rename_", "retain_grad", "detach_", "swapdims_",
+                              "swapaxes_", "set_", "pin_memory"})
+# torch.* functions (and numpy's) whose result may share the argument's memory.
+ALIAS_FUNCTIONS = frozenset({
+    "torch.nn.Parameter", "nn.Parameter", "Parameter", "torch.nn.parameter.Parameter", "ModelWeightParameter",
+    "torch.from_numpy", "torch.as_tensor", "torch.asarray", "torch.frombuffer", "torch.utils.dlpack.from_dlpack",
+    "torch.from_dlpack", "from_dlpack", "torch.Tensor", "numpy.asarray", "np.asarray", "memoryview",
+    "torch.narrow", "torch.t", "torch.transpose", "torch.reshape", "torch.squeeze", "torch.unsqueeze",
+    "torch.flatten", "torch.permute", "torch.movedim", "torch.select", "torch.detach", "torch.view_as_real",
+    "torch.view_as_complex", "torch.as_strided", "torch.swapaxes", "torch.diagonal", "torch.unflatten",
+    "torch.atleast_1d", "torch.atleast_2d", "torch.atleast_3d", "torch.squeeze_copy_",
+    "torch.nn.Buffer", "nn.Buffer", "Buffer", "torch.Tensor.view", "torch.Tensor.narrow",
+})
+SPLIT_FUNCTIONS = frozenset({"torch.split", "torch.chunk", "torch.unbind", "torch.tensor_split", "torch.hsplit",
+                             "torch.vsplit", "torch.dsplit"})
+
+# -- containers ----------------------------------------------------------------------------------------
+STORE_METHODS = frozenset({"append", "extend", "insert", "add", "appendleft", "extendleft", "put", "put_nowait",
+                           "push", "update", "setdefault", "__setitem__"})
+# ``C.meth(...)`` that returns (a view of) what C holds.
+HOLDER_READ_METHODS = frozenset({"pop", "get", "popitem", "popleft", "values", "items", "copy", "setdefault",
+                                 "__getitem__", "args", "kwargs", "arguments"})
+CONTAINER_FACTORIES = frozenset({
+    "list", "dict", "set", "tuple", "frozenset", "defaultdict", "collections.defaultdict", "OrderedDict",
+    "collections.OrderedDict", "deque", "collections.deque", "Counter", "collections.Counter", "queue.Queue",
+    "Queue", "SimpleQueue", "queue.SimpleQueue", "ChainMap", "collections.ChainMap", "WeakValueDictionary",
+})
+# Calls that hold everything an iterator yields, at once.
+MATERIALISERS = frozenset({
+    "list", "tuple", "dict", "set", "frozenset", "sorted", "OrderedDict", "collections.OrderedDict", "deque",
+    "collections.deque", "Counter", "numpy.array", "np.array",
+})
+TEE = frozenset({"itertools.tee", "tee"})
+# Lazy wrappers: the result still yields one item at a time, in the same step as the wrapped iterator.
+LAZY_WRAPPERS = frozenset({
+    "iter", "enumerate", "zip", "filter", "map", "reversed", "itertools.chain", "chain", "itertools.islice",
+    "islice", "itertools.groupby", "groupby", "itertools.starmap", "itertools.filterfalse",
+    "itertools.takewhile", "itertools.dropwhile", "itertools.compress", "itertools.zip_longest",
+    "itertools.chain.from_iterable", "chain.from_iterable", "tqdm", "tqdm.tqdm", "tqdm.auto.tqdm",
+})
+PARTIALS = frozenset({"functools.partial", "partial", "functools.partialmethod", "partialmethod"})
+BIND_METHODS = frozenset({"bind", "bind_partial"})
+
+# -- calls that copy, or only look ------------------------------------------------------------------
+PURE_BUILTINS = frozenset({
+    "len", "id", "hash", "isinstance", "issubclass", "type", "str", "repr", "print", "format", "float", "int",
+    "bool", "complex", "getattr", "hasattr", "callable", "any", "all", "sum", "min", "max", "abs", "round",
+    "divmod", "vars", "dir", "logger.debug", "logger.info", "logger.warning", "logger.error", "logger.info_once",
+    "logger.warning_once", "logger.debug_once", "weakref.ref", "weakref.finalize", "copy.deepcopy", "deepcopy",
+    "assert_", "torch.equal", "torch.allclose", "torch.isnan", "torch.isinf",
+})
+
+# -- where borrowed tensors come from -------------------------------------------------------------
+# A call to one of these opens a source; ``source.get_tensor(k)`` and friends then yield tensors.
+SOURCE_FACTORIES = re.compile(
+    r"(^|\.)(safe_open|SafeTensorsFileLoader|ParallelLoader|SafetensorsStreamer|FastSafeTensorsLoader|"
+    r"InstantTensor\w*|stream_files|copy_files_to_device)$")
+SOURCE_TENSOR_METHODS = frozenset({"get_tensor", "get_slice", "get_sharded", "get_tensor_wrapper"})
+SOURCE_ITER_METHODS = frozenset({"tensors", "get_tensors", "iterate_weights", "items", "stream_tensors"})
+SOURCE_SOURCE_METHODS = frozenset({"copy_files_to_device", "__enter__"})  # a handle that hands out tensors too
+# Cheap pre-check of a module's text: does it mention any producer at all?
+PRODUCER_HINT = re.compile(r"safe_open|weights_iter|ParallelLoader|SafeTensorsFileLoader|SafetensorsStreamer|"
+                           r"stream_files|InstantTensor|iterate_weights|get_all_weights|copy_files_to_device|"
+                           r"FastSafeTensorsLoader|get_weights_iterator")
+# A call whose name matches yields (name, tensor) pairs: vLLM's and SGLang's weight iterators and similar.
+ITERATOR_FACTORY = re.compile(r"(^|\.)(\w*_weights_iterator|\w*weights_iter|iterate_weights|get_all_weights|"
+                              r"_get_weights_iterator|get_weights_iterator|stream_files)$")
+
+# -- names engines give them ---------------------------------------------------------------------------
+ITER_PARAM_NAMES = frozenset({
+    "weights", "weights_iter", "weights_iterator", "weight_iterator", "weight_iter", "weights_iterable",
+    "all_weights", "model_weights", "hf_weights", "weight_generator", "weights_generator", "weight_items",
+    "named_tensors", "tensor_iterator", "state_dict_iter",
+})
+ITER_PARAM_PATTERN = re.compile(r"^(\w+_)?weights?(_(iter|iterator|iterable|gen|generator|stream))?$")
+TENSOR_PARAM_NAMES = frozenset({"loaded_weight", "loaded_tensor", "loaded_w", "loaded_param", "loaded_weights_tensor"})
+LOADER_FUNCTION = re.compile(r"(^|_)(weight_loader|loader)$|^_?load_(\w+_)?(weight|param|tensor|bias|scale)s?$")
+# Calls that consume an iterator and hand back only names (the usual ``load_weights`` contract).
+NAME_RETURNING = re.compile(r"(^|\.)\w*load\w*$")
+
+TENSOR_ANNOTATION = re.compile(r"\b(torch\.)?(Tensor|Parameter|nn\.Parameter)\b")
+ITER_ANNOTATION = re.compile(r"\b(Iterable|Iterator|Generator|AsyncIterator|AsyncIterable)\s*\[.*\bstr\b")
+PAIR_ANNOTATION = re.compile(r"^\s*(tuple|Tuple)\[\s*str\s*,\s*(torch\.)?(Tensor|nn\.Parameter|Parameter)\s*\]\s*$")
+TENSOR_ARG_NAME = re.compile(r"^(w|weight|weights?_\w+|\w+_weight|tensor|\w+_tensor|data|value|val|t|x|loaded\w*)$")
+MAPPING_ANNOTATION = re.compile(r"^\s*(dict|Dict|Mapping|MutableMapping|OrderedDict|defaultdict|list|List|set|"
+                                r"Set|deque)\b")
+
+# A subscript target whose root has one of these names is a tensor (a copy into it), not a container.
+TENSOR_NAME = re.compile(r"^(param|params?_data|\w*_data|data|out|output|dst|dest|\w*_param|weight|bias|"
+                         r"param_slice|buf|tensor|\w*_tensor|shard|\w*_shard|loaded_weight|w)$")
+TENSOR_ATTR_NAME = re.compile(r"^(weight|bias|data|\w*_weight|\w*_bias|\w*_scale|\w*_zero|qweight|scales|"
+                              r"zeros|qzeros|g_idx|\w*_proj|table)$")
+TENSOR_FACTORY = re.compile(r"^(torch\.)?(empty|zeros|ones|full|rand|randn|arange|empty_like|zeros_like|"
+                            r"ones_like|full_like|tensor|cat|concat|concatenate|stack|empty_strided)$")
