@@ -23,8 +23,9 @@ in Python, and cheap for the common case:
 * Leases are mostly lent at increasing offsets and retired in ring order: an
   item that starts at or after the last one is appended (no bisect), and the
   first entry of a block is deleted in place.
-* Zero-length items overlap nothing and contain nothing (as the ledger's
-  ``_overlaps`` says); they are kept aside, returned only by :meth:`items`.
+* Two intervals overlap when they share a byte, so zero-length items overlap
+  nothing and contain nothing (a zero-byte lease or reuse touches no lease);
+  they are kept aside, returned only by :meth:`items`.
 
 Not thread-safe by itself: its owner (the ledger) holds its lock around every call.
 """

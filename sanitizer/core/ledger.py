@@ -157,17 +157,9 @@ class Region:
         """Alive leases (fresh or stale): a closed region is forgotten once none is left."""
         return len(self.fresh) + len(self.stale)
 
-    def _file(self, lease: Lease) -> None:
-        (self.fresh if lease.stale_by is None else self.stale).add(lease, lease.start, lease.end)
-
     def _unfile(self, lease: Lease) -> None:
+        """Take an alive lease out of the index its staleness puts it in (it died or was rescued)."""
         (self.fresh if lease.stale_by is None else self.stale).remove(lease, lease.start, lease.end)
-
-
-def _overlaps(lease: Lease, start: int, end: int) -> bool:
-    """Do the lease's bytes and ``[start, end)`` share a byte? A zero-byte range shares none.
-    (The interval indexes answer the same question for many leases at once.)"""
-    return lease.start < end and start < lease.end and start < end and lease.start < lease.end
 
 
 _LEND_ORDER = attrgetter("lease_id")
