@@ -242,6 +242,16 @@ class IntervalIndex:
         run = self._runs.get(c)
         if run is None:
             run = self._runs[c] = _Run(1 << c, self._block)
+        lasts = run.lasts
+        if lasts and start >= lasts[-1]:  # _Run.add's common case, inlined: this runs at every lend
+            starts = run.starts[-1]
+            if len(starts) < 2 * run.block:
+                starts.append(start)
+                run.ends[-1].append(end)
+                run.items[-1].append(item)
+                lasts[-1] = start
+                run.size += 1
+                return
         run.add(item, start, end)
 
     def remove(self, item: Any, start: int, end: int) -> bool:
