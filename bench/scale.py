@@ -24,7 +24,8 @@ hold; and a ring load whose consumer keeps 5,000 views, off and under
 ledger's cost, as a loader pays it in production); the guard, memory and
 retention figures with it on.
 
-    python bench/scale.py [--sizes 1000,10000,100000] [--budget 60] [--quick]
+    python bench/scale.py [--sizes 1000,10000,100000] [--budget 30] [--quick]
+                          [--sections curves,retire,heap,tombstones,ring]
 """
 from __future__ import annotations
 
@@ -297,20 +298,29 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=30.0,
                     help="skip a K predicted to take longer than this many seconds (a quadratic curve)")
     ap.add_argument("--quick", action="store_true", help="fewer repeats, smaller retention figures")
+    ap.add_argument("--sections", default="curves,retire,heap,tombstones,ring",
+                    help="which parts to run (comma-separated)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     sizes = [int(s) for s in args.sizes.split(",")]
+    sections = set(args.sections.split(","))
     number, repeat = (50, 3) if args.quick else (200, 7)
-    curves = Curves(sizes)
-    for n in sizes:
-        lease_curves(curves, n, number, repeat)
-        region_curves(curves, n, number, repeat)
-    print(f"the ledger at scale: n leases held in one buffer (or n regions open), sanitizer off\n")
-    ok = curves.print()
-    retire_many([int(k) for k in args.retire.split(",")], args.budget)
-    heap_per_lease(2_000 if args.quick else 10_000)
-    tombstones(2_000)
-    ring_retention(1_000 if args.quick else 5_000)
+    ok = True
+    if "curves" in sections:
+        curves = Curves(sizes)
+        for n in sizes:
+            lease_curves(curves, n, number, repeat)
+            region_curves(curves, n, number, repeat)
+        print("the ledger at scale: n leases held in one buffer (or n regions open), sanitizer off\n")
+        ok = curves.print()
+    if "retire" in sections:
+        retire_many([int(k) for k in args.retire.split(",")], args.budget)
+    if "heap" in sections:
+        heap_per_lease(2_000 if args.quick else 10_000)
+    if "tombstones" in sections:
+        tombstones(2_000)
+    if "ring" in sections:
+        ring_retention(1_000 if args.quick else 5_000)
     print("\n(CPU time of the measuring thread, best of several runs: a shared machine still adds cache noise)")
     return 0 if ok else 1
 
