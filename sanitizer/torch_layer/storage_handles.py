@@ -69,11 +69,16 @@ class _Mapping:
     while a view may still be read).
     """
 
-    __slots__ = ("__array_interface__", "_address", "_length", "_owner", "__weakref__")
+    __slots__ = ("_address", "_length", "_owner")  # no dict, no weakref: one small GC-tracked object per tombstone
 
     def __init__(self, owner: "PoisonFile", address: int, length: int):
         self._owner, self._address, self._length = owner, address, length
-        self.__array_interface__ = {"data": (address, False), "shape": (length,), "typestr": "|u1", "version": 3}
+
+    @property
+    def __array_interface__(self) -> dict:
+        """Read once, by ``np.asarray``; made on demand so that no dict lives per tombstone (the GC
+        would walk it at every collection)."""
+        return {"data": (self._address, False), "shape": (self._length,), "typestr": "|u1", "version": 3}
 
     def __del__(self) -> None:
         try:
