@@ -131,24 +131,27 @@ def test_threads_lend_reuse_and_release_without_losing_an_event():
     per_thread = 500
     errors = []
 
-    def worker(region):
+    def worker(region, lane):
+        # Two threads per region, each in its own half: a reuse by the other thread never takes this
+        # thread's lease between its lend and its own reuse (that would be a correct result, not a loss).
         try:
             for i in range(per_thread):
-                lease = led.lend(region.region_id, (i * 16) % 9000, (i * 16) % 9000 + 16, f"t{i}", "uint8", (16,))
-                _, victims = led.reuse(region.region_id, (i * 16) % 9000, (i * 16) % 9000 + 16)
+                at = lane * 5000 + (i * 16) % 4500
+                lease = led.lend(region.region_id, at, at + 16, f"t{i}", "uint8", (16,))
+                _, victims = led.reuse(region.region_id, at, at + 16)
                 assert lease in victims
                 led.release(lease.lease_id)
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=worker, args=(r,)) for r in regions for _ in range(2)]
+    threads = [threading.Thread(target=worker, args=(r, lane)) for r in regions for lane in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert not errors
     assert all(r.generation == FIRST_GENERATION + 2 * per_thread for r in regions)
-    assert led.live_count == 0
+    assert led.live_count == 0 and all(r.alive == 0 for r in regions)
 
 
 def test_closed_regions_are_forgotten_once_no_lease_reaches_them():
@@ -263,3 +266,268 @@ def test_importing_installs_no_feature_and_enable_composes_them_once():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["False", "0", "False", "True", "True", "True", "True"]
+
+
+# -- the indexes against brute force ------------------------------------------
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from sanitizer.core import intervals  # noqa: E402
+from sanitizer.core.intervals import IntervalIndex  # noqa: E402
+
+_PROPERTY = settings(max_examples=150, deadline=None, derandomize=True,
+                     suppress_health_check=[HealthCheck.too_slow])
+
+
+class _Item:
+    """An interval item compared by identity, as leases and regions are."""
+
+    def __init__(self, n: int, start: int, end: int):
+        self.n, self.start, self.end = n, start, end
+
+    def __repr__(self) -> str:
+        return f"#{self.n}[{self.start},{self.end})"
+
+
+def _shares_a_byte(a0, a1, b0, b1):
+    return a0 < b1 and b0 < a1 and a0 < a1 and b0 < b1
+
+
+@_PROPERTY
+@given(st.data(), st.sampled_from([1, 2, 3, 512]))
+def test_interval_index_matches_brute_force(data, block):
+    """Adds (mostly ascending, as a ring lends; sometimes anywhere, overlapping, zero-length,
+    equal starts), removals (in order, at random, of absent items), pops, against a list."""
+    index, model, made = IntervalIndex(block=block), [], []
+    span = st.integers(0, 80)
+    for step in range(data.draw(st.integers(1, 60), label="steps")):
+        op = data.draw(st.sampled_from(["add", "add", "append", "remove", "remove_first", "pop", "query",
+                                        "contain"]), label="op")
+        if op in ("add", "append"):
+            start = (max((i.start for i in model), default=0) + data.draw(st.integers(0, 8))
+                     if op == "append" else data.draw(span))
+            item = _Item(len(made), start, start + data.draw(st.sampled_from([0, 1, 2, 3, 7, 16, 40, 100])))
+            made.append(item)
+            index.add(item, item.start, item.end)
+            model.append(item)
+        elif op in ("remove", "remove_first") and made:
+            item = model[0] if op == "remove_first" and model else data.draw(st.sampled_from(made))
+            assert index.remove(item, item.start, item.end) == (item in model)
+            if item in model:
+                model.remove(item)
+        elif op in ("pop", "query", "contain"):
+            if model and data.draw(st.booleans()):  # at an item's edges, where off-by-ones live
+                item = data.draw(st.sampled_from(model))
+                qs = item.start + data.draw(st.integers(-1, 1))
+                qe = max(qs, item.end + data.draw(st.integers(-1, 1)))
+            else:
+                qs = data.draw(span)
+                qe = qs + data.draw(st.integers(0, 30))
+            if op == "contain":
+                holding = [i for i in model if i.start <= qs and qe <= i.end and i.start < i.end and qs < qe]
+                found = index.containing(qs, qe)
+                assert all(i.start == s and i in holding for s, i in found)
+                best = max(holding, key=lambda i: (i.start, i.n), default=None)
+                got = max(found, key=lambda h: (h[0], h[1].n), default=(None, None))[1]
+                assert got is best, (qs, qe, model)
+                continue
+            expected = [i for i in model if _shares_a_byte(i.start, i.end, qs, qe)]
+            got = index.pop_overlapping(qs, qe) if op == "pop" else index.overlapping(qs, qe)
+            assert sorted(got, key=lambda i: i.n) == expected, (op, qs, qe, model)
+            if op == "pop":
+                model = [i for i in model if i not in expected]
+        assert len(index) == len(model) and bool(index) == bool(model)
+        assert sorted(index.items(), key=lambda i: i.n) == model
+        _check_blocks(index, block)
+
+
+def _check_blocks(index, block):
+    """The blocked lists' invariants: no empty block, sorted starts, each block's last start kept."""
+    for c, run in index._runs.items():
+        assert run.size == sum(len(b) for b in run.starts) > 0
+        flat = [s for b in run.starts for s in b]
+        assert flat == sorted(flat) and all(0 < len(b) <= 2 * block for b in run.starts)
+        assert run.lasts == [b[-1] for b in run.starts]
+        assert all((e - s).bit_length() == c for b_s, b_e in zip(run.starts, run.ends) for s, e in zip(b_s, b_e))
+
+
+def test_interval_index_keeps_every_block_sorted_through_splits():
+    index = IntervalIndex(block=2)
+    items = [_Item(n, s, s + 4) for n, s in enumerate([50, 10, 30, 10, 70, 10, 0, 90, 20])]
+    for i in items:
+        index.add(i, i.start, i.end)
+    _check_blocks(index, 2)
+    assert len(index._runs[(4).bit_length()].starts) > 1
+    assert [i.n for i in index.overlapping(10, 11)] == [1, 3, 5]  # equal starts: in insertion order
+    with pytest.raises(ValueError, match="at least 1 entry, got 0"):
+        IntervalIndex(block=0)
+
+
+@pytest.mark.parametrize("length", [1, 3, 4, 7, 8, 255, 256])
+def test_interval_index_edges_of_a_length_class(length):
+    """An item as long as its class allows (2**c - 1) or as short (2**(c-1)), found from both edges."""
+    index, item = IntervalIndex(block=1), _Item(0, 1000, 1000 + length)
+    index.add(_Item(1, 0, 1), 0, 1)
+    index.add(item, item.start, item.end)
+    assert index.overlapping(999 + length, 1000 + length) == [item] == index.overlapping(999, 1001)
+    assert index.overlapping(1000 + length, 2000) == [] == index.overlapping(0, 1000)[1:]
+    assert index.containing(1000, 1000 + length) == [(1000, item)]
+    assert index.containing(999 + length, 1000 + length) == [(1000, item)]
+    assert index.containing(1000, 1001 + length) == [] == index.containing(999, 1000 + length)
+
+
+class _LedgerModel:
+    """The ledger's documented behaviour, computed by brute force over plain records."""
+
+    def __init__(self):
+        self.regions = {}  # region id -> dict
+        self.leases = {}  # lease id -> dict
+
+    def alive_of(self, rid):
+        return [lid for lid, l in sorted(self.leases.items()) if l["rid"] == rid and l["alive"]]
+
+    def fresh_hits(self, rid, s, e, include_stale=False):
+        return [lid for lid in self.alive_of(rid)
+                if (include_stale or not self.leases[lid]["stale"])
+                and _shares_a_byte(self.leases[lid]["start"], self.leases[lid]["end"], s, e)]
+
+    def forget_if_done(self, rid):
+        r = self.regions[rid]
+        if r["closed"] and not self.alive_of(rid):
+            r["forgotten"] = True
+
+    def indexed(self, r):
+        return not r["forgotten"] and (not r["closed"] or r["orphaned"])
+
+
+@_PROPERTY
+@given(st.data(), st.sampled_from([1, 3, 512]))
+def test_ledger_matches_a_brute_force_model(data, block):
+    """Random lends, reuses, releases, closes, disowns and orphans over overlapping, nested and
+    adjacent regions, checked after every step: victims, staleness, overlapping(), leases_of(),
+    the address lookup, and which regions are forgotten."""
+    saved = intervals.DEFAULT_BLOCK
+    intervals.DEFAULT_BLOCK = block
+    try:
+        _drive_ledger(data)
+    finally:
+        intervals.DEFAULT_BLOCK = saved
+
+
+def _drive_ledger(data):
+    led, model = Ledger(), _LedgerModel()
+    ops = ["region", "lend", "lend", "lend", "lend", "reuse", "reuse", "release", "disown", "close", "orphan"]
+    for step in range(data.draw(st.integers(1, 50), label="steps")):
+        op = data.draw(st.sampled_from(ops), label="op")
+        known = [rid for rid, r in model.regions.items() if not r["forgotten"]]
+        alive = [lid for lid, l in model.leases.items() if l["alive"]]
+        if op == "region" or not known:
+            device = data.draw(st.sampled_from(["cpu", "cpu", "cuda:0"]))
+            base = data.draw(st.sampled_from([0, 16, 32, 40, 64, 100]))  # adjacent, nested, overlapping
+            nbytes = data.draw(st.sampled_from([0, 8, 16, 24, 64, 100]))
+            r = led.add_region(f"r{step}", device, base, nbytes)
+            model.regions[r.region_id] = dict(device=device, base=base, nbytes=nbytes, closed=False,
+                                              orphaned=False, forgotten=False, obj=r)
+        elif op == "lend":
+            rid = data.draw(st.sampled_from(known))
+            r = model.regions[rid]
+            start = data.draw(st.integers(0, max(0, r["nbytes"])))
+            end = data.draw(st.integers(start, max(start, r["nbytes"])))
+            if r["closed"]:
+                with pytest.raises(LedgerError, match="closed"):
+                    led.lend(rid, start, end, "x", "uint8", (end - start,))
+                continue
+            lease = led.lend(rid, start, end, f"l{step}", "uint8", (end - start,))
+            model.leases[lease.lease_id] = dict(rid=rid, start=start, end=end, stale=False, alive=True, obj=lease)
+        elif op == "reuse":
+            rid = data.draw(st.sampled_from(known))
+            r = model.regions[rid]
+            start = data.draw(st.integers(0, max(0, r["nbytes"])))
+            end = data.draw(st.integers(start, max(start, r["nbytes"])))
+            if r["closed"]:
+                with pytest.raises(LedgerError, match="closed"):
+                    led.reuse(rid, start, end)
+                continue
+            expected = model.fresh_hits(rid, start, end)
+            event, victims = led.reuse(rid, start, end)
+            assert [v.lease_id for v in victims] == expected
+            for lid in expected:
+                model.leases[lid]["stale"] = True
+                assert led.stale_cause(lid) is event
+        elif op in ("release", "disown") and alive:
+            lid = data.draw(st.sampled_from(alive))
+            lease = model.leases[lid]
+            got = led.release(lid) if op == "release" else led.disown(lid)
+            assert got is lease["obj"]
+            lease["alive"] = False
+            if op == "disown":
+                lease["stale"] = False
+                assert got.rescued and not got.stale
+            model.forget_if_done(lease["rid"])
+        elif op == "close":
+            rid = data.draw(st.sampled_from(known))
+            r = model.regions[rid]
+            if r["closed"]:
+                with pytest.raises(LedgerError, match="closed"):
+                    led.close(rid)
+                continue
+            expected = [lid for lid in model.alive_of(rid) if not model.leases[lid]["stale"]]
+            _, victims = led.close(rid)
+            assert [v.lease_id for v in victims] == expected
+            for lid in expected:
+                model.leases[lid]["stale"] = True
+            r["closed"] = True
+            model.forget_if_done(rid)
+        elif op == "orphan":
+            rid = data.draw(st.sampled_from(known))
+            r = model.regions[rid]
+            led.orphan(rid)
+            if not r["closed"]:
+                r["closed"] = r["orphaned"] = True
+                model.forget_if_done(rid)
+        _check_ledger(led, model, data)
+
+
+def _check_ledger(led, model, data):
+    assert sorted(r.region_id for r in led.regions()) == sorted(
+        rid for rid, r in model.regions.items() if not r["forgotten"])
+    assert led.live_count == sum(l["alive"] for l in model.leases.values())
+    assert sorted(l.lease_id for l in led.stale_alive()) == sorted(
+        lid for lid, l in model.leases.items() if l["alive"] and l["stale"])
+    for rid, r in model.regions.items():
+        if r["forgotten"]:
+            assert led.leases_of(rid) == []
+            continue
+        assert [l.lease_id for l in led.leases_of(rid)] == model.alive_of(rid)
+        assert r["obj"].alive == len(model.alive_of(rid))
+        s = data.draw(st.integers(0, max(0, r["nbytes"])), label="query start")
+        e = data.draw(st.integers(s, max(s, r["nbytes"]) + 4), label="query end")
+        assert [l.lease_id for l in led.overlapping(rid, s, e)] == model.fresh_hits(rid, s, e)
+        assert [l.lease_id for l in led.overlapping(rid, s, e, include_stale=True)] == model.fresh_hits(
+            rid, s, e, include_stale=True)
+        for lid in model.alive_of(rid):
+            assert led.is_stale(lid) == model.leases[lid]["stale"]
+    for device in ("cpu", "cuda:0"):
+        address = data.draw(st.integers(-2, 170), label="address")
+        nbytes = data.draw(st.sampled_from([0, 1, 8, 30]), label="nbytes")
+        holding = [r for r in model.regions.values() if r["device"] == device and model.indexed(r)
+                   and r["base"] <= address and address + max(nbytes, 1) <= r["base"] + r["nbytes"]]
+        best = max(holding, key=lambda r: (r["base"], r["obj"].region_id), default=None)
+        assert led.region_containing(device, address, nbytes) is (best and best["obj"])
+
+
+def test_region_lookup_with_adjacent_and_equal_based_regions():
+    led = Ledger()
+    left = led.add_region("left", "cpu", 0, 100)
+    right = led.add_region("right", "cpu", 100, 100)  # adjacent: byte 100 is right's, 99 is left's
+    assert led.region_containing("cpu", 99) is left and led.region_containing("cpu", 100) is right
+    assert led.region_containing("cpu", 99, 2) is None  # spans both: held by neither
+    same = led.add_region("same-base", "cpu", 100, 100)  # same bytes, registered later: it wins
+    assert led.region_containing("cpu", 150) is same
+    small = led.add_region("small", "cpu", 100, 10)  # nested at the same base, registered last
+    assert led.region_containing("cpu", 105) is small and led.region_containing("cpu", 110) is same
+    empty = led.add_region("empty", "cpu", 150, 0)
+    assert led.region_containing("cpu", 150) is same  # a zero-byte region holds nothing
+    led.close(same.region_id)
+    led.close(empty.region_id)
+    assert led.region_containing("cpu", 150) is right

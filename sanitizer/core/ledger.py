@@ -20,16 +20,23 @@ calls :meth:`Ledger.release` when the lease's storage dies). Alive and stale is
 the bug: a consumer kept a view past its lifetime.
 
 All methods are thread-safe: loaders fill buffers from background threads.
+
+Costs, for a real checkpoint's 100,000+ leases: a region keeps its fresh and its
+stale-but-alive leases in interval indexes (:mod:`sanitizer.core.intervals`), and
+each device its regions, so lending, a reuse, a close, :meth:`Ledger.overlapping`,
+:meth:`Ledger.leases_of` and an address lookup cost O(log n + k) for the k leases
+(or regions) they touch, not a scan of all of them.
 """
 from __future__ import annotations
 
-import bisect
 import itertools
 import threading
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from sanitizer.core.describe import describe_event, describe_lease
+from sanitizer.core.intervals import IntervalIndex
 from sanitizer.core.sites import Site, to_records
 
 FIRST_GENERATION = 1
@@ -95,6 +102,7 @@ class Lease:
     handle: Any = None  # opaque key the torch layer files the lease under (its storage address)
     rescued: bool = False  # moved onto owned memory before its bytes were reused: no longer borrowed
     checksum: Any = None  # the checksum feature's record of the lent bytes (a host hash or a device slot)
+    lent: Any = None  # the torch layer's weak reference to the lent tensor object (the borrowed marker's answer)
 
     @property
     def stale(self) -> bool:
@@ -136,18 +144,32 @@ class Region:
     nbytes: int
     generation: int = FIRST_GENERATION
     closed: bool = False
-    fresh: Dict[int, Lease] = field(default_factory=dict)  # leases not yet stale
-    alive: int = 0  # alive leases (fresh or stale): a closed region is forgotten once this reaches 0
+    fresh: IntervalIndex = field(default_factory=IntervalIndex)  # alive leases not yet stale, by bytes
+    stale: IntervalIndex = field(default_factory=IntervalIndex)  # alive leases already stale (retained)
     orphaned: bool = False  # its owner is gone, its views are not: found by address until the last one dies
 
     @property
     def end(self) -> int:
         return self.base + self.nbytes
 
+    @property
+    def alive(self) -> int:
+        """Alive leases (fresh or stale): a closed region is forgotten once none is left."""
+        return len(self.fresh) + len(self.stale)
 
-def _overlaps(lease: Lease, start: int, end: int) -> bool:
-    """Do the lease's bytes and ``[start, end)`` share a byte? A zero-byte range shares none."""
-    return lease.start < end and start < lease.end and start < end and lease.start < lease.end
+    def _unfile(self, lease: Lease) -> None:
+        """Take an alive lease out of the index its staleness puts it in (it died or was rescued)."""
+        (self.fresh if lease.stale_by is None else self.stale).remove(lease, lease.start, lease.end)
+
+
+_LEND_ORDER = attrgetter("lease_id")
+
+
+def _in_lend_order(leases: List[Lease]) -> List[Lease]:
+    """The indexes return leases grouped by size; callers (and reports) see them in lend order."""
+    if len(leases) > 1:
+        leases.sort(key=_LEND_ORDER)
+    return leases
 
 
 class Ledger:
@@ -163,7 +185,7 @@ class Ledger:
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._regions: Dict[int, Region] = {}
-        self._by_device: Dict[str, List[Tuple[int, int]]] = {}  # device -> sorted (base, region_id)
+        self._by_device: Dict[str, IntervalIndex] = {}  # device -> its indexed regions, by address range
         self._live: Dict[int, Lease] = {}
         self.on_live_change = on_live_change
 
@@ -178,7 +200,10 @@ class Ledger:
         with self._lock:
             region = Region(next(self._ids), name, device, base, nbytes)
             self._regions[region.region_id] = region
-            bisect.insort(self._by_device.setdefault(device, []), (base, region.region_id))
+            index = self._by_device.get(device)
+            if index is None:
+                index = self._by_device[device] = IntervalIndex()
+            index.add(region, base, base + nbytes)
             return region
 
     def region(self, region_id: int) -> Region:
@@ -192,20 +217,18 @@ class Ledger:
             return list(self._regions.values())
 
     def region_containing(self, device: str, address: int, nbytes: int = 1) -> Optional[Region]:
-        """The open region whose bytes hold ``[address, address + nbytes)``, if any."""
+        """The open region whose bytes hold ``[address, address + nbytes)``, if any.
+
+        Regions may be nested (an adopted tensor inside another): the innermost one wins (the
+        greatest base; among equal bases, the latest registered)."""
         with self._lock:
-            entries = self._by_device.get(device)
-            if not entries:
+            index = self._by_device.get(device)
+            if not index:
                 return None
-            i = bisect.bisect_right(entries, (address, float("inf"))) - 1
-            # Regions may be nested (an adopted tensor inside another), so walk back.
-            while i >= 0:
-                base, rid = entries[i]
-                region = self._regions[rid]
-                if base <= address and address + max(nbytes, 1) <= region.end:
-                    return region
-                i -= 1
-            return None
+            hits = index.containing(address, address + max(nbytes, 1))
+            if not hits:
+                return None
+            return max(hits, key=lambda hit: (hit[0], hit[1].region_id))[1]
 
     # -- leases ------------------------------------------------------------
     def lend(
@@ -232,8 +255,7 @@ class Ledger:
                 )
             lease = Lease(next(self._ids), region_id, region.name, start, end, region.generation, name, dtype,
                           shape if type(shape) is tuple else tuple(shape), site, handle=handle)
-            region.fresh[lease.lease_id] = lease
-            region.alive += 1
+            region.fresh.add(lease, start, end)
             self._live[lease.lease_id] = lease
             became_live = len(self._live) == 1
         if became_live and self.on_live_change is not None:
@@ -248,10 +270,8 @@ class Ledger:
                 return None
             lease.alive = False
             region = self._regions[lease.region_id]
-            if lease.stale_by is None:
-                region.fresh.pop(lease_id, None)
-            region.alive -= 1  # _forget_lease_of, inlined: this runs at every lease's death
-            if region.closed and region.alive <= 0:
+            region._unfile(lease)
+            if region.closed and not region.alive:
                 self._drop(region)
             now_idle = not self._live
         if now_idle and self.on_live_change is not None:
@@ -264,21 +284,16 @@ class Ledger:
             lease = self._live.pop(lease_id, None)
             if lease is None:
                 return None
+            region = self._regions[lease.region_id]
+            region._unfile(lease)
             lease.rescued = True
             lease.stale_by = None
-            region = self._regions[lease.region_id]
-            region.fresh.pop(lease_id, None)
-            self._forget_lease_of(region)
+            if region.closed and not region.alive:
+                self._drop(region)
             now_idle = not self._live
         if now_idle and self.on_live_change is not None:
             self.on_live_change(0)
         return lease
-
-    def _forget_lease_of(self, region: Region) -> None:
-        """One alive lease fewer; a closed region with none left is dropped (loaders open one per batch)."""
-        region.alive -= 1
-        if region.closed and region.alive <= 0:
-            self._drop(region)
 
     def _drop(self, region: Region) -> None:
         """Forget a closed region nothing reaches any more (an orphan also leaves the address index)."""
@@ -287,11 +302,11 @@ class Ledger:
             self._unindex(region)
 
     def _unindex(self, region: Region) -> None:
-        entries = self._by_device.get(region.device, [])
-        try:
-            entries.remove((region.base, region.region_id))
-        except ValueError:
-            pass
+        index = self._by_device.get(region.device)
+        if index is not None:
+            index.remove(region, region.base, region.end)
+            if not index:
+                del self._by_device[region.device]
 
     def orphan(self, region_id: int) -> None:
         """The region's owner is gone (a buffer object collected by the GC) while its views may live on.
@@ -305,7 +320,7 @@ class Ledger:
                 return
             region.closed = True
             region.orphaned = True
-            if region.alive <= 0:
+            if not region.alive:
                 self._drop(region)
 
     def lease(self, lease_id: int) -> Optional[Lease]:
@@ -325,13 +340,22 @@ class Ledger:
             return [lease for lease in self._live.values() if lease.stale]
 
     def overlapping(self, region_id: int, start: int, end: int, include_stale: bool = False) -> List[Lease]:
-        """Alive leases of a region whose bytes intersect ``[start, end)``."""
+        """Alive leases of a region whose bytes intersect ``[start, end)`` (fresh ones only unless
+        ``include_stale``), in lend order."""
         with self._lock:
+            region = self.region(region_id)
+            hits = region.fresh.overlapping(start, end)
             if include_stale:
-                pool = [l for l in self._live.values() if l.region_id == region_id]
-            else:
-                pool = list(self.region(region_id).fresh.values())
-            return [l for l in pool if _overlaps(l, start, end)]
+                hits += region.stale.overlapping(start, end)
+            return _in_lend_order(hits)
+
+    def leases_of(self, region_id: int) -> List[Lease]:
+        """Alive leases of a region (fresh and stale), in lend order; none once it is forgotten."""
+        with self._lock:
+            region = self._regions.get(region_id)
+            if region is None:
+                return []
+            return _in_lend_order(region.fresh.items() + region.stale.items())
 
     def is_stale(self, lease_id: int) -> bool:
         lease = self._live.get(lease_id)
@@ -372,10 +396,11 @@ class Ledger:
             region.generation += 1
             event = ReuseEvent(next(self._ids), region_id, region.name, start, end,
                                before, region.generation, by, site, kind, thread)
-            victims = [l for l in region.fresh.values() if _overlaps(l, start, end)]
+            victims = _in_lend_order(region.fresh.pop_overlapping(start, end))
+            stale = region.stale
             for lease in victims:
                 lease.stale_by = event
-                del region.fresh[lease.lease_id]
+                stale.add(lease, lease.start, lease.end)
             return event, victims
 
     def close(self, region_id: int, site: Site = (), thread: str = "") -> Tuple[ReuseEvent, List[Lease]]:
@@ -387,12 +412,17 @@ class Ledger:
             region.closed = True
             event = ReuseEvent(next(self._ids), region_id, region.name, 0, region.nbytes,
                                region.generation, None, None, site, "close", thread)
-            victims = list(region.fresh.values())
+            fresh = region.fresh.take_all()
+            victims = _in_lend_order(fresh.items())
             for lease in victims:
                 lease.stale_by = event
-            region.fresh.clear()
+            if not region.stale:
+                region.stale = fresh  # the common case (a batch closed whole): no lease moves
+            else:
+                for lease in victims:
+                    region.stale.add(lease, lease.start, lease.end)
             self._unindex(region)
-            if region.alive <= 0:
+            if not region.alive:
                 del self._regions[region_id]  # nothing reaches it any more: forget it
             return event, victims
 

@@ -22,6 +22,76 @@ from sanitizer.torch_layer.stale_use import check_not_stale
 
 BORROWED_MARKER = "_vllm_instanttensor_borrowed"
 
+
+def _is_lent_view(t: torch.Tensor) -> bool:
+    """Is ``t`` the very tensor object a :meth:`StagingBuffer.lend` returned (its lease still borrowed)?"""
+    lease = runtime.lease_of(t)
+    if lease is None:
+        return False
+    lent = lease.lent
+    return lent is not None and lent() is t
+
+
+class _BorrowedMarker:
+    """``getattr(t, BORROWED_MARKER, False) is True`` for a lent view, without a ``__dict__`` on it.
+
+    The contract some loaders and consumers follow (InstantTensor's marker attribute) used to be
+    met by setting the attribute on every lent view: that made a ``__dict__`` per view, 336 bytes
+    of Python heap per lease (a plain view costs 88). Instead this one object sits on
+    ``torch.Tensor`` (installed with the first staging buffer, so an import installs nothing) and
+    answers for the tensor it is read from: True for the exact object a lend returned, as long as
+    its lease is borrowed; AttributeError otherwise, so ``hasattr`` and ``getattr(t, name, False)``
+    read as if the attribute were absent.
+
+    Semantics kept from the attribute: a view derived from a lent tensor (``narrow``, slicing,
+    ``view``, ``detach``, ``t()``) does not carry it, though it shares the lease's storage: that is
+    the blind spot of ``policy="marked"``, and a consumer that trusts the marker must see under the
+    sanitizer what it sees with the real loader. One change: a view that ``rescue=1`` moved onto
+    owned memory no longer reads as borrowed (it is not).
+
+    It is a *non-data* descriptor (no ``__set__`` on the class), so ``setattr(t, BORROWED_MARKER, v)``
+    still works and an instance's own attribute wins over this answer. ``torch.overrides`` indexes
+    the ``__get__`` and ``__set__`` of every non-callable ``Tensor`` attribute, so the instance
+    carries a ``__set__`` too (an instance attribute: no type slot, the descriptor stays non-data).
+    """
+
+    def __init__(self, name: str):
+        self._name = name
+        self.__set__ = self._set_on_instance
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        if obj is None:
+            return self
+        try:
+            lent = _is_lent_view(obj)
+        except Exception:  # a subclass whose storage cannot be read: not a lend, and never an error here
+            lent = False
+        if lent:
+            return True
+        raise AttributeError(f"'{type(obj).__name__}' object has no attribute '{self._name}'")
+
+    def _set_on_instance(self, obj: Any, value: Any) -> None:
+        obj.__dict__[self._name] = value
+
+    def __repr__(self) -> str:
+        return f"<ownership-sanitizer borrowed marker '{self._name}'>"
+
+
+_MARKER_ON_CLASS: Optional[bool] = None  # None: not decided yet; False: someone else owns the name
+
+
+def _install_marker() -> bool:
+    """Put the marker on ``torch.Tensor`` (once); False when the name is taken by another object."""
+    global _MARKER_ON_CLASS
+    if _MARKER_ON_CLASS is None:
+        present = torch.Tensor.__dict__.get(BORROWED_MARKER)
+        if present is None:
+            setattr(torch.Tensor, BORROWED_MARKER, _BorrowedMarker(BORROWED_MARKER))
+            _MARKER_ON_CLASS = True
+        else:
+            _MARKER_ON_CLASS = isinstance(present, _BorrowedMarker)
+    return _MARKER_ON_CLASS
+
 _BUFFERS: "weakref.WeakValueDictionary[int, StagingBuffer]" = weakref.WeakValueDictionary()
 
 
@@ -107,6 +177,7 @@ class StagingBuffer:
             name or f"staging@{data.data_ptr():#x}", device_key(data.device), data.data_ptr(), self.nbytes)
         self.name = self._region.name
         _BUFFERS[self._region.region_id] = self
+        _install_marker()
         self._finalizer = weakref.finalize(self, _forget_region_at_gc, self._region)
         # Not at exit: the user's own atexit handlers (registered before the first buffer) may still
         # put into it; the process's memory goes with the process anyway.
@@ -132,8 +203,8 @@ class StagingBuffer:
         return self._data
 
     def leases(self) -> List[Lease]:
-        """Alive leases of this buffer (fresh and stale)."""
-        return [l for l in runtime.state.ledger.live_leases() if l.region_id == self._region.region_id]
+        """Alive leases of this buffer (fresh and stale), in lend order."""
+        return runtime.state.ledger.leases_of(self._region.region_id)
 
     # -- the lending API ---------------------------------------------------
     def lend(self, offset: int, shape: Sequence[int], dtype: torch.dtype, name: Optional[str] = None) -> torch.Tensor:
@@ -147,8 +218,10 @@ class StagingBuffer:
             raise ValueError(f"staging buffer '{self.name}' is closed: cannot lend '{name}' from it")
         offset, shape, dtype, nbytes = self._check_lend(offset, shape, dtype, name, "lend")
         view, piece = alias_view(data, self._host, offset, nbytes, shape, dtype)
-        view._vllm_instanttensor_borrowed = True  # BORROWED_MARKER, for consumers that follow that contract
-        runtime.track_lease(self._region, offset, nbytes, view, piece, name, dtype, shape)
+        lease = runtime.track_lease(self._region, offset, nbytes, view, piece, name, dtype, shape)
+        lease.lent = weakref.ref(view)  # BORROWED_MARKER answers True for this object (see _BorrowedMarker)
+        if not _MARKER_ON_CLASS:
+            setattr(view, BORROWED_MARKER, True)  # the name is taken on torch.Tensor: mark the view itself
         return view
 
     def _check_lend(self, offset: Any, shape: Any, dtype: Any, name: Optional[str], what: str):

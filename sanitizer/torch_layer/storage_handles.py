@@ -46,36 +46,132 @@ def holders(storage: torch.UntypedStorage) -> int:
     return torch._C._storage_Use_Count(storage._cdata) - 1
 
 
+def _read_max_map_count() -> int:
+    """The kernel's limit on this process's memory maps (``vm.max_map_count``; 65530 by default)."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return 65530
+
+
+class _Mapping:
+    """One private mapping of the poison file, made with ``mmap(2)`` itself: it keeps no descriptor.
+
+    Python's ``mmap.mmap(fd, ...)`` duplicates the descriptor for every mapping (only Python 3.13
+    has ``trackfd=False``, and this project runs on older ones), so a thousand retained stale views
+    used to hold a thousand open files and the program's next ``open()`` failed under
+    ``ulimit -n 1024``. The kernel keeps the file alive through the mapping alone.
+
+    numpy takes it through ``__array_interface__`` (the array's ``base`` is this object) and torch
+    through that array: the storage's deleter holds the array, the array holds this, and the last
+    reference gone unmaps it (``__del__``, not ``weakref.finalize``: a finalizer would run at exit
+    while a view may still be read).
+    """
+
+    __slots__ = ("_address", "_length", "_owner")  # no dict, no weakref: one small GC-tracked object per tombstone
+
+    def __init__(self, owner: "PoisonFile", address: int, length: int):
+        self._owner, self._address, self._length = owner, address, length
+
+    @property
+    def __array_interface__(self) -> dict:
+        """Read once, by ``np.asarray``; made on demand so that no dict lives per tombstone (the GC
+        would walk it at every collection)."""
+        return {"data": (self._address, False), "shape": (self._length,), "typestr": "|u1", "version": 3}
+
+    def __del__(self) -> None:
+        try:
+            _libc_munmap(self._address, self._length)
+            self._owner._unmapped()
+        except Exception:  # interpreter shutdown: the process is going, and its maps with it
+            pass
+
+
+_libc_mmap: Any = None
+_libc_munmap: Any = None
+_MAP_FAILED = (1 << 64) - 1
+
+
+def _bind_libc() -> bool:
+    """ctypes bindings of ``mmap``/``munmap`` (64-bit Linux only: ``off_t`` is a C long there)."""
+    global _libc_mmap, _libc_munmap
+    if _libc_mmap is None:
+        import ctypes
+        import sys
+
+        if sys.maxsize <= 2**32 or not sys.platform.startswith("linux"):
+            _libc_mmap = False
+            return False
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.mmap
+        fn.restype = ctypes.c_void_p
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        unmap = libc.munmap
+        unmap.restype = ctypes.c_int
+        unmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        _libc_munmap, _libc_mmap = unmap, fn
+    return bool(_libc_mmap)
+
+
 class PoisonFile:
     """One in-memory file (Linux ``memfd``) of poison bytes that every CPU tombstone maps.
 
     Each tombstone is a private (copy-on-write) mapping of the file's first
-    ``nbytes``: it costs one ``mmap`` call and no memory of its own until someone
-    writes to it, so a thousand retained stale views cost the memory of the
-    largest one. The file grows (and is filled) only when a larger tombstone is
-    asked for; a different fill byte starts a new file (old mappings stay valid).
+    ``nbytes``: it costs one ``mmap`` call, no file descriptor and no memory of
+    its own until someone writes to it, so a thousand retained stale views cost
+    the memory of the largest one. The file grows (and is filled) only when a
+    larger tombstone is asked for; a different fill byte starts a new file (old
+    mappings stay valid).
+
+    Every mapping is one of the process's ``vm.max_map_count`` memory maps (which
+    ``malloc`` needs too, one per large allocation): past :attr:`max_maps` live
+    mappings (a quarter of that limit), or when ``mmap`` fails, :meth:`map`
+    answers None and the caller allocates the tombstone instead (:attr:`fallbacks`
+    counts those).
     """
 
     AVAILABLE: bool = hasattr(os, "memfd_create") and hasattr(mmap, "MAP_PRIVATE")
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: a mapping's __del__ may run in a GC inside map()
         self._fd: Optional[int] = None
         self._fill: Optional[int] = None
         self.nbytes = 0  # the shared poison memory: the largest tombstone so far, page-rounded
+        self.live = 0  # mappings alive now
+        self.fallbacks = 0  # tombstones that could not be mapped (limit reached, mmap failed)
+        self.max_maps: Optional[int] = None  # read from the kernel at the first map; tests lower it
 
-    def map(self, nbytes: int, fill: int) -> np.ndarray:
-        """A writable uint8 array of ``nbytes`` poison bytes; unmapped when the array dies."""
+    def map(self, nbytes: int, fill: int) -> Optional[np.ndarray]:
+        """A writable uint8 array of ``nbytes`` poison bytes, unmapped when the array dies; None when
+        no mapping can be made now (the caller allocates the poison instead)."""
         with self._lock:
-            if self._fd is None or fill != self._fill:
-                if self._fd is not None:
-                    os.close(self._fd)
-                self._fd, self._fill, self.nbytes = os.memfd_create("ownsan-poison", os.MFD_CLOEXEC), fill, 0
-            if nbytes > self.nbytes:
-                self._grow(max(nbytes, 2 * self.nbytes))
-            fd = self._fd
-        mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        return np.frombuffer(mapped, dtype=np.uint8)
+            if self.max_maps is None:
+                self.max_maps = _read_max_map_count() // 4
+            if self.live >= self.max_maps or not _bind_libc():
+                self.fallbacks += 1
+                return None
+            try:
+                if self._fd is None or fill != self._fill:
+                    if self._fd is not None:
+                        os.close(self._fd)
+                        self._fd = None
+                    self._fd, self._fill, self.nbytes = os.memfd_create("ownsan-poison", os.MFD_CLOEXEC), fill, 0
+                if nbytes > self.nbytes:
+                    self._grow(max(nbytes, 2 * self.nbytes))
+            except OSError:  # no descriptor left for the file (the program used them all), or no memory
+                self.fallbacks += 1
+                return None
+            address = _libc_mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, self._fd, 0)
+            if address is None or address == _MAP_FAILED:
+                self.fallbacks += 1
+                return None
+            self.live += 1
+        return np.asarray(_Mapping(self, address, nbytes))
+
+    def _unmapped(self) -> None:
+        with self._lock:
+            self.live -= 1
 
     def _grow(self, size: int) -> None:
         size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
@@ -97,11 +193,14 @@ def repoint(storage: torch.UntypedStorage, fill: Optional[int] = None) -> Tuple[
     Returns ``(previous, keeper)``: ``previous`` is a storage that now holds the memory ``storage``
     had (drop it once the lease's bookkeeping is done: dropping it releases the staging alias), and
     ``keeper`` is the object the new memory's deleter keeps (weak-referenceable: it dies with
-    ``storage``). A CPU fill maps the shared :data:`POISON` file.
+    ``storage``). A CPU fill maps the shared :data:`POISON` file (no descriptor kept), or allocates
+    the poison past the map limit.
     """
     nbytes = storage.nbytes()
+    keeper = None
     if fill is not None and nbytes and storage.device.type == "cpu" and PoisonFile.AVAILABLE:
         keeper = POISON.map(nbytes, fill)
+    if keeper is not None:
         fresh = torch.from_numpy(keeper).untyped_storage()
     else:
         if fill is None:
@@ -120,7 +219,7 @@ def repoint(storage: torch.UntypedStorage, fill: Optional[int] = None) -> Tuple[
 
 @forking.in_child
 def _after_fork() -> None:
-    POISON._lock = threading.Lock()  # (the poison file itself is shared: every mapping is private)
+    POISON._lock = threading.RLock()  # (the poison file itself is shared: every mapping is private)
 
 
 __all__ = ["AVAILABLE", "UNAVAILABLE_REASON", "upgrade", "free_weak_handle", "PoisonFile", "POISON", "holders",
