@@ -492,7 +492,7 @@ def _retained_list(name: Any, listed: List[Tuple[int, dict, Optional[dict]]]) ->
 
 def render_html(rep: Dict[str, Any], title: Optional[str] = None, intro: Optional[str] = None) -> str:
     """The page for a report (a dict as :func:`sanitizer.reporting.report.report` returns or ``load`` reads).
-    ``intro``: a paragraph (plain text) said before the chart, e.g. what the run simulated."""
+    ``intro``: plain text said before the chart, e.g. what the run simulated (each line a paragraph)."""
     bufs = buffers_of(rep)
     tl = rep.get("timeline") or {}
     summary = (rep.get("summary") or {}).get("line", "")
@@ -501,8 +501,9 @@ def render_html(rep: Dict[str, Any], title: Optional[str] = None, intro: Optiona
              '<meta name="viewport" content="width=device-width, initial-scale=1">',
              f"<title>{_esc(title)}</title>", f"<style>{_CSS}</style></head><body>",
              f"<h1>{_esc(title)}</h1>"]
-    if intro:
-        parts.append(f'<p class="intro">{_esc(intro)}</p>')
+    for paragraph in (intro or "").split("\n"):
+        if paragraph.strip():
+            parts.append(f'<p class="intro">{_esc(paragraph)}</p>')
     parts += [f'<p class="summary">{_esc(summary)}</p>',
               '<p class="legend">'
               f'<span><i style="background:{LEASE}"></i>lease: lent &#8594; retired by a reuse</span>'
