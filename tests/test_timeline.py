@@ -210,6 +210,14 @@ def test_no_tooltip_or_label_says_none_even_when_the_report_lacks_a_generation(t
     titles = _titles(page)
     assert not [t for t in titles if "None" in t] and "None" not in re.sub(r"<title>.*?</title>", "", page, flags=re.S)
     assert any(t.endswith("read stale") for t in titles) and any(t.endswith("; dropped") for t in titles)
+    for lease in rep["timeline"]["leases"]:  # and lends without a name: named by their id, never 'None'
+        lease["name"] = None
+    names = [e["name"] for e in trace.chrome_trace(rep)["traceEvents"]]
+    read = next(l for l in rep["timeline"]["leases"] if (l["retained"] or {}).get("until") == "stale_read")
+    assert not [n for n in names if "None" in n] and f"stale read of lease {read['lease_id']}" in names
+    page = timeline.render_html(rep)
+    assert not [t for t in _titles(page) if "None" in t] and "None" not in re.sub(r"<title>.*?</title>", "", page,
+                                                                                  flags=re.S)
 
 
 def _dense_report(n: int = 240, every: int = 3, slots: int = 16, slot: int = 4096) -> dict:

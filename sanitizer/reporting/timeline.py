@@ -138,6 +138,11 @@ def _end_of(lease: dict, events_by_id: Dict[int, dict], events: List[dict], now:
     return (now + 1 if lease.get("alive") else lease["generation"] + 1), ("alive" if lease.get("alive") else "gone")
 
 
+def _name(lease: dict) -> str:
+    """A lease's name, or what stands for it when the lend had none."""
+    return lease.get("name") or f"<lease {lease['lease_id']}>"
+
+
 def _at_generation(g: Any) -> str:
     """`` at generation g``, or nothing when the report does not know it."""
     return f" at generation {g:g}" if isinstance(g, (int, float)) else ""
@@ -146,7 +151,7 @@ def _at_generation(g: Any) -> str:
 def _lease_title(lease: dict, how: str, end: float) -> str:
     shape = ", ".join(str(s) for s in lease.get("shape", ()))
     lo, hi = lease["byte_range"]
-    lines = [f"{lease.get('name') or '<lease ' + str(lease['lease_id']) + '>'} {lease.get('dtype', '')}[{shape}]",
+    lines = [f"{_name(lease)} {lease.get('dtype', '')}[{shape}]",
              f"bytes [{lo:#x}, {hi:#x}) ({format_bytes(hi - lo)})",
              f"lent{_at_generation(lease.get('generation'))}"]
     if how == "retired":
@@ -293,7 +298,7 @@ class _Panel:
                 anchors += [Anchor(box.x1 + MARK + 3, yb, "start", "out"), Anchor(box.x0 - 3, yb, "end", "out")]
             anchors += [Anchor(box.x0, box.y0 - DESCENT * LABEL - 2, "start", "out"),
                         Anchor(box.x0, box.y1 + ASCENT * LABEL + 2, "start", "out")]
-            options = [f"#{n} {s}" for s in variants(self.names(lease.get("name")))] + [f"#{n}"]
+            options = [f"#{n} {s}" for s in variants(self.names(_name(lease)))] + [f"#{n}"]
             yield LabelRequest(options, anchors, LABEL, self.plot, key=("marker", lease), place_first=True)
         # 2. the reuses that retired a retained lease, in the band above: the tensor that took the bytes
         rows = [self.band.y0 + ASCENT * LABEL + r * pitch for r in range(self.band_rows)]
@@ -312,7 +317,7 @@ class _Panel:
             style = "in-lease" if how in ("retired", "alive") else "in-dead"
             starts = [box.x0 + 3] + sorted(r.x1 + MARK + 3 for _, _, r in reds
                                            if r.overlaps(box) and box.x0 < r.x1 + MARK + 3 < box.x1)
-            yield LabelRequest(variants(self.names(lease.get("name"))),
+            yield LabelRequest(variants(self.names(_name(lease))),
                                [Anchor(x, yb, "start", style, within=inside) for x in starts],
                                LABEL, self.plot, solid=True, key=("name", lease))
 
@@ -356,7 +361,7 @@ class _Panel:
             r = lease["retained"]
             ev = by_id.get(lease.get("retired_by"))
             took = f" for {ev['by']}" if ev is not None and ev.get("by") else ""
-            title = (f"#{numbers[lease['lease_id']]} RETAINED {lease.get('name')}\n"
+            title = (f"#{numbers[lease['lease_id']]} RETAINED {_name(lease)}\n"
                      f"held by {r.get('holder') or 'an unnamed holder'}\n"
                      f"its bytes were reused{took}{_at_generation(end)}; {_ended(r)}"
                      + ("\n(holder counted, not walked: the same sites' last holder)" if r.get("counted") else ""))
@@ -370,7 +375,7 @@ class _Panel:
                        f'{b.y1 - 1:.1f}" stroke="#fff" stroke-width="5"/><path d="M{b.x0 + 1:.1f},{b.y0 + 1:.1f} '
                        f'L{b.x1 - 1:.1f},{b.y1 - 1:.1f} M{b.x1 - 1:.1f},{b.y0 + 1:.1f} L{b.x0 + 1:.1f},{b.y1 - 1:.1f}" '
                        f'stroke="#000" stroke-width="2.5"/><title>#{numbers[lease["lease_id"]]} '
-                       f'{_esc(lease.get("name"))}: {_esc(_ended(lease["retained"]))}</title></g>')
+                       f'{_esc(_name(lease))}: {_esc(_ended(lease["retained"]))}</title></g>')
         for pl in placed:  # a reuse label's guide down to its tick
             kind, item = pl.request.key
             if kind == "reuse":
@@ -480,7 +485,7 @@ def _retained_list(name: Any, listed: List[Tuple[int, dict, Optional[dict]]]) ->
         took = "-"
         if ev is not None:
             took = f"{_esc(ev.get('by') or ev.get('kind'))}{_esc(_at_generation(_after(ev)))}"
-        rows.append(f'<tr data-lease="{lease["lease_id"]}"><td class="num">#{n}</td><td><code>{_esc(lease.get("name"))}'
+        rows.append(f'<tr data-lease="{lease["lease_id"]}"><td class="num">#{n}</td><td><code>{_esc(_name(lease))}'
                     f'</code></td><td><code>{_esc(r.get("holder") or "an unnamed holder")}</code>'
                     f'{" (counted, not walked)" if r.get("counted") else ""}</td><td>{took}</td>'
                     f"<td>{_esc(_ended(r))}</td></tr>")
