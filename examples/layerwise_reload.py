@@ -3,10 +3,14 @@
 A layerwise deferred loader (vLLM's online-quantization reload, reproduced
 small in ``sanitizer/testing/reference/deferred_loader.py``) retains borrowed views of a staging
 ring until each layer is complete; the ring has moved on by then. The demo
-loads a real ``.safetensors`` checkpoint five ways (unsafe, debug mode,
-clone-on-defer, rescue, copy-everything) and prints a table of corrupted
-tensors, errors raised, load time and peak extra memory. ``--help`` lists the
-size and order options. The implementation is ``sanitizer/testing/demo.py``.
+says what it simulates, loads a real ``.safetensors`` checkpoint five ways
+(unsafe, debug mode, clone-on-defer, rescue, copy-everything) and prints a
+table of corrupted tensors, errors raised, load time and peak extra memory,
+then the fix (``own_arguments`` at the deferral, with its line), debug mode's
+report with which frames are the consumer's, and a run with ``triage=1``
+whose JSON report (``--report``, for ``ownsan triage``) and timeline page
+(``--html``) it writes. ``--help`` lists the size and order options. The
+implementation is ``sanitizer/testing/demo.py``; ``ownsan demo`` runs the same.
 """
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -45,6 +46,80 @@ def test_demo_end_to_end(tmp_path, capsys):
     for label in demo.LABELS.values():
         assert label in printed
     assert "debug mode stopped at the first stale replay" in printed
+
+
+def test_the_demo_says_what_it_simulates_what_corrupted_means_and_the_fix(tmp_path, capsys):
+    rc = demo.main(SMALL + ["--dir", str(tmp_path), "--configs", "unsafe,clone-on-defer", "--html", "",
+                            "--report", ""])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    assert printed.startswith("What this simulates: vLLM's layerwise weight reload")
+    assert "'corrupted' counts checkpoint tensors whose loaded (quantized) values differ, bit for bit" in printed
+    # the fix, at the line it goes on (found in the reference loader's source, so it cannot go stale)
+    where = demo.deferral_site()
+    path, line = where.rsplit(":", 1)
+    assert "scope.defer(bound)" in open(path, encoding="utf-8").read().splitlines()[int(line) - 1]
+    flat = " ".join(printed.split())
+    assert f"online_process_loader ({where})" in flat and "bound = sanitizer.own_arguments(bound)" in printed
+    assert "the unsafe load once more" not in printed  # --html '' --report '': no report run
+
+
+def test_the_debug_report_shows_the_consumer_and_says_whose_frames_are_whose(tmp_path):
+    from sanitizer.testing.reference.checkpoint import write_checkpoint
+    from sanitizer.testing.reference.fused_loaders import TinyConfig
+
+    cfg = TinyConfig(hidden=64, intermediate=128, moe_intermediate=64, dense_layers=2, experts=2)
+    path = str(tmp_path / "tiny.safetensors")
+    info = write_checkpoint(path, cfg)
+    r = demo.run_debug_subprocess(path, 2 * info["largest"])
+    assert r.error_kind == "StaleBorrowError"
+    used = r.report[r.report.index("  used at"):]
+    lent = r.report[r.report.index("  lent at"):r.report.index("  reused at")]
+    # the consumer's frames: the replay of a deferred call, in the reference loader, under the model's loader
+    assert "_process " in used and "online_process_loader " in used and "weight_loader " in used
+    # under them one frame of the demo's own driver, then the command line: no runpy, no argument handling
+    for stack in (used, lent):
+        frames = re.findall(r"#\d+ (\S+) (\S+):\d+", stack)
+        driver = [function for function, where in frames if where.endswith("demo.py")]
+        assert driver == ["load", "_child_debug", "child_main"], stack
+        assert not [f for f, where in frames if "runpy" in where or f in ("main", "_main", "_run_code")], stack
+    guide = " ".join(r.guide.split())
+    assert "stream_through_ring checkpoint.py:" in guide and "the consumer, LayerwiseLoader" in guide
+    assert f"kept them at {demo.deferral_site()} (online_process_loader), where the fix goes" in guide
+
+
+def test_the_demo_writes_its_report_for_ownsan_triage_and_explains_the_nans(tmp_path, capsys):
+    import sanitizer
+    from sanitizer.features import triage
+    from sanitizer.reporting import report as R
+    from sanitizer.tools import cli
+
+    out = tmp_path / "results.json"
+    rc = demo.main(SMALL + ["--dir", str(tmp_path), "--configs", "unsafe", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    assert sanitizer.errors() == [] and triage.pending_count() == 0  # the report run leaves nothing behind
+    run = json.loads(out.read_text())["report_run"]
+    report = tmp_path / "layerwise_reload_report.json"
+    assert run["report"] == str(report) and run["html"] == str(tmp_path / "layerwise_reload_timeline.html")
+    rep = R.load(str(report))
+    assert R.validate(rep) == [] and rep["summary"]["retentions"] > 0 and rep["timeline"]["leases"]
+    flat = " ".join(printed.split())
+    assert f"report: {report} read it with: ownsan triage {report} --html PAGE --trace TRACE" in flat
+    # with the guard on, what the consumer loaded from its retained views is NaN, and the demo says why, there
+    assert run["nan_parameters"] and run["corrupted"]
+    assert (f"{run['nan_parameters'][0]} reads NaN: the guard re-pointed the retained view it was loaded from "
+            "to poison") in flat and "see the report" in flat
+    trace_path, page = tmp_path / "t.json", tmp_path / "t.html"
+    assert cli.main(["triage", str(report), "--trace", str(trace_path), "--html", str(page)]) == 0
+    capsys.readouterr()
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    retained = [e for e in events if e.get("cat") == "retention"]
+    assert len(retained) == rep["summary"]["retentions"]
+    assert all(e["name"].startswith("retained by ") for e in retained)
+    assert any(e["name"].startswith("retained by LayerReloadingInfo.") for e in retained)  # (which of its two
+    # holders, loaded_weights or scope._retained, a retention is named by is triage's choice)
+    assert "<svg" in page.read_text(encoding="utf-8")
 
 
 def test_verdict_flags_a_corrupting_safe_strategy_and_a_missed_corruption():

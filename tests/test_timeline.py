@@ -2,8 +2,11 @@
 Chromium when installed), the Chrome trace export, and ``ownsan triage --html/--trace``."""
 from __future__ import annotations
 
+import html
 import json
 import os
+import random
+import re
 import shutil
 import struct
 import subprocess
@@ -16,7 +19,7 @@ import sanitizer
 from sanitizer.features import holders
 from sanitizer.features import triage
 from sanitizer.reporting import report as R
-from sanitizer.reporting import timeline, trace
+from sanitizer.reporting import label_layout, timeline, trace
 from sanitizer.tools import cli
 
 _KEPT: dict = {}
@@ -30,6 +33,19 @@ def _fresh():
     yield
     triage.reset(records_too=True)
     _KEPT.clear()
+
+
+@pytest.fixture(scope="module")
+def demo_report(tmp_path_factory) -> dict:
+    """The report of the demo's unsafe load (small), the run its timeline page is drawn from."""
+    from sanitizer.testing import demo
+    from sanitizer.testing.reference.checkpoint import write_checkpoint
+    from sanitizer.testing.reference.fused_loaders import TinyConfig
+
+    cfg = TinyConfig(hidden=64, intermediate=128, moe_intermediate=64, dense_layers=2, experts=2)
+    where = tmp_path_factory.mktemp("demo")
+    info = write_checkpoint(str(where / "tiny.safetensors"), cfg)
+    return demo.write_timeline(str(where / "tiny.safetensors"), 2 * info["largest"], str(where / "demo.html"))
 
 
 def _scenario(**options) -> dict:
@@ -159,12 +175,143 @@ def test_the_page_is_one_self_contained_file_with_a_panel_per_buffer(tmp_path):
     assert "http" not in page and "<script" not in page and "<link" not in page and "src=" not in page
     assert 'data-buffer="weights"' in page and 'data-buffer="side"' in page
     assert page.index('data-buffer="weights"') < page.index('data-buffer="side"')  # retentions first
-    assert page.count('<g class="retained"') == 5 and page.count('<g class="stale-read">') == 1
-    assert "held by __main__" not in page and f"held by {__name__}._KEPT[" in page
-    assert "\u2193 layers.13.weight" in page  # a reuse labelled with the tensor that took the bytes
-    assert "<title>RETAINED layers.5.weight\nheld by" in page  # details on hover
-    assert f"read stale at generation 25, at test_timeline.py:" in page
+    assert page.count('<g class="retained"') == 5 and page.count('<g class="stale-read"') == 1
+    # the stale-read cross is drawn after every box of its panel: no later box hides it
+    weights = page[page.index('data-buffer="weights"'):page.index('data-buffer="side"')]
+    assert weights.index('<g class="stale-read"') > max(weights.rindex('<g class="retained"'),
+                                                         weights.rindex('<g class="lease"'))
+    assert "\u2193 13.weight" in page  # the reuse that retired layers.5.weight, named without the common prefix
+    assert "tensor names shown as <code>layers.&#8230;</code>" in page
+    assert "<title>#2 RETAINED layers.5.weight\nheld by" in page  # details on hover
+    # the side list: every retained lease, numbered as in the chart, with its whole holder and its end
+    rows = re.findall(r'<tr data-lease="\d+"><td class="num">#(\d+)</td><td><code>([^<]*)</code></td>'
+                      r'<td><code>([^<]*)</code>', page)
+    assert [(n, name) for n, name, _ in rows] == [(str(i + 1), f"layers.{k}.weight") for i, k in
+                                                  enumerate((0, 5, 10, 15, 20))]
+    assert all(holder == html.escape(f"{__name__}._KEPT['{name}']", quote=True) for _, name, holder in rows)
+    assert "read stale at generation 25, at test_timeline.py:" in page and "dropped at generation 25" in page
+    assert "held by __main__" not in page
     assert "Retaining consumers" in page and "own the tensor where" in page
+
+
+def _titles(page: str) -> list:
+    return [html.unescape(t) for t in re.findall(r"<title>(.*?)</title>", page, re.S)]
+
+
+def test_no_tooltip_or_label_says_none_even_when_the_report_lacks_a_generation(tmp_path):
+    rep, page, _ = _page(tmp_path)
+    assert not [t for t in _titles(page) if "None" in t]
+    for lease in rep["timeline"]["leases"]:  # a report that lost the generations of what ended retentions
+        if lease["retained"]:
+            lease["retained"].update(generation=None, read_at=None)
+    for ev in rep["timeline"]["events"]:
+        ev["generation_after"] = None if ev["kind"] == "close" else ev["generation_after"]
+    page = timeline.render_html(rep)
+    titles = _titles(page)
+    assert not [t for t in titles if "None" in t] and "None" not in re.sub(r"<title>.*?</title>", "", page, flags=re.S)
+    assert any(t.endswith("read stale") for t in titles) and any(t.endswith("; dropped") for t in titles)
+    for lease in rep["timeline"]["leases"]:  # and lends without a name: named by their id, never 'None'
+        lease["name"] = None
+    names = [e["name"] for e in trace.chrome_trace(rep)["traceEvents"]]
+    read = next(l for l in rep["timeline"]["leases"] if (l["retained"] or {}).get("until") == "stale_read")
+    assert not [n for n in names if "None" in n] and f"stale read of lease {read['lease_id']}" in names
+    page = timeline.render_html(rep)
+    assert not [t for t in _titles(page) if "None" in t] and "None" not in re.sub(r"<title>.*?</title>", "", page,
+                                                                                  flags=re.S)
+
+
+def _dense_report(n: int = 240, every: int = 3, slots: int = 16, slot: int = 4096) -> dict:
+    """A synthetic timeline section: ``n`` lends round-robin over ``slots`` slots of one buffer, every
+    ``every``-th retained (read stale, dropped or still held): far more labels than fit."""
+    rnd = random.Random(0)
+    leases, events = [], []
+    for i in range(n):
+        lo = (i % slots) * slot
+        name = f"model.layers.{i // 7}.mlp.experts.{i % 7}.gate_proj.weight"
+        events.append({"event_id": 2 * i, "buffer": 1, "pid": 1, "kind": "reuse", "byte_range": [lo, lo + slot],
+                       "generation_before": i, "generation_after": i + 1, "by": name, "t": i * 1e-3})
+        retired = 2 * (i + slots) if i + slots < n else None
+        retained = None
+        if i % every == 0 and retired is not None:
+            until = rnd.choice(["stale_read", "death", "alive"])
+            retained = {"holder": f"Model.cache[{i}]", "consumer": "Model.cache[*]", "kind": "object",
+                        "until": until, "generation": None if until == "alive" else i + slots + rnd.randint(0, 20),
+                        "t": None, "read_at": {"file": "/x/model.py", "line": 3, "function": "forward"}
+                        if until == "stale_read" else None, "died_generation": None, "counted": False}
+        leases.append({"lease_id": 2 * i + 1, "buffer": 1, "name": name, "dtype": "bfloat16", "shape": [32, 64],
+                       "byte_range": [lo, lo + slot], "generation": i + 1, "pid": 1, "t": i * 1e-3,
+                       "retired_by": retired, "alive": False, "rescued": False, "retained": retained})
+    return {"pid": 1, "summary": {"line": "synthetic"},
+            "timeline": {"cap": n, "dropped": 0, "leases": leases, "events": events,
+                         "buffers": [{"id": 1, "pid": 1, "name": "dense", "device": "cpu", "nbytes": slots * slot,
+                                      "generation": n, "closed": False}]}}
+
+
+def _label_boxes(page: str) -> dict:
+    """Each panel's viewBox and the box of every text in it, from the attributes the page writes (every text
+    has its textLength, so its box is known without a browser)."""
+    out = {}
+    for sid, vb, body in re.findall(r'<svg id="([^"]+)"[^>]*viewBox="([^"]+)"[^>]*>(.*?)</svg>', page, re.S):
+        x0, y0, w, h = map(float, vb.split())
+        boxes = []
+        for attrs, text in re.findall(r"<text([^>]*)>([^<]*)</text>", body):
+            a = dict(re.findall(r'([\w-]+)="([^"]*)"', attrs))
+            assert "textLength" in a, attrs  # a text whose width the layout cannot know
+            x, y, size = float(a["x"]), float(a["y"]), float(a["font-size"])
+            b = label_layout.text_box(html.unescape(text), x, y, size, a.get("text-anchor", "start"))
+            assert abs(b.width - float(a["textLength"])) < 0.2, (text, a)
+            if "transform" in a:  # rotate(-90 x y): the box turned about the anchor point
+                b = label_layout.Box(x - (y - b.y0), y - (b.x1 - x), x + (b.y1 - y), y + (x - b.x0))
+            boxes.append((html.unescape(text), b))
+        out[sid] = (label_layout.Box(x0, y0, x0 + w, y0 + h), boxes)
+    return out
+
+
+def _collisions(panels: dict) -> list:
+    bad = []
+    for sid, (frame, boxes) in panels.items():
+        for i, (text, b) in enumerate(boxes):
+            if not b.inside(frame):
+                bad.append((sid, "clipped", text))
+            bad += [(sid, "overlap", text, other) for other, c in boxes[:i] if b.overlaps(c)]
+    return bad
+
+
+def test_by_construction_no_two_labels_overlap_and_none_leaves_its_panel(tmp_path, demo_report):
+    _, page, _ = _page(tmp_path)
+    for rep in (_scenario(), _dense_report(), _dense_report(3000, 5), demo_report):
+        page = timeline.render_html(rep)
+        panels = _label_boxes(page)
+        assert panels and _collisions(panels) == []
+        assert sum(len(boxes) for _, boxes in panels.values()) > 20
+    dense = _label_boxes(timeline.render_html(_dense_report()))
+    labels = [t for _, boxes in dense.values() for t, _ in boxes if t.startswith("#")]
+    assert len(labels) > 30  # most retained leases still get their number in a crowded chart
+
+
+def test_names_are_cut_where_they_agree_not_where_they_differ(demo_report):
+    page = timeline.render_html(demo_report)
+    texts = [t for _, boxes in _label_boxes(page).values() for t, _ in boxes]
+    assert "tensor names shown as <code>model.layers.&#8230;.weight</code>" in page
+    assert not [t for t in texts if "self_attn.q_\u2026" in t or "LayerReloa\u2026" in t]
+    markers = [t for t in texts if t.startswith("#")]
+    assert markers and all(not t.endswith("\u2026") or t.count("\u2026") == 1 for t in markers)
+    # a label that shortens a name keeps its layer (first component) and what it is (last component)
+    names = [t.split(" ", 1)[1] for t in markers if " " in t]
+    assert names and all(n.split(".")[0].isdigit() and ("proj" in n or n.endswith("\u2026")) for n in names)
+    # holders are not cut at all: each is whole in the list under the chart
+    listed = re.findall(r'<tr data-lease="\d+">.*?</tr>', page)
+    assert len(listed) == demo_report["summary"]["retentions"]
+    assert all("<code>LayerReloadingInfo." in row and "\u2026" not in row for row in listed)
+
+
+def test_overlapping_retained_boxes_share_their_bytes_in_strips():
+    same = [label_layout.Box(10 * i, 0, 10 * i + 25, 30) for i in range(4)]  # each covers the next
+    strips = timeline._strips(same)
+    assert all(not a.overlaps(b) for i, a in enumerate(strips) for b in strips[:i])
+    assert all(s.y0 >= 0 and s.y1 <= 30 and s.height > 0 for s in strips)
+    apart = [label_layout.Box(0, 0, 5, 5), label_layout.Box(10, 0, 15, 5)]
+    assert timeline._strips(apart) == apart
 
 
 def test_an_empty_report_still_renders():
@@ -246,6 +393,75 @@ def test_headless_chromium_shows_the_buffers_and_the_red_retained_leases(tmp_pat
     assert rows.min() < 200 < rows.max() < 900
 
 
+_MEASURE = """
+(function () {
+  const out = {width: window.innerWidth, height: window.innerHeight, svgs: []};
+  for (const svg of document.querySelectorAll('svg')) {
+    const s = svg.getBoundingClientRect(), plot = svg.querySelector('rect.plot').getBoundingClientRect();
+    const texts = [];
+    for (const t of svg.querySelectorAll('text')) {
+      const r = t.getBoundingClientRect();
+      texts.push({box: [r.left, r.top, r.right, r.bottom], text: t.textContent});
+    }
+    out.svgs.push({id: svg.id, box: [s.left, s.top, s.right, s.bottom],
+                   plot: [plot.left, plot.top, plot.right, plot.bottom], texts: texts});
+  }
+  const pre = document.createElement('pre');
+  pre.id = 'measured';
+  pre.textContent = JSON.stringify(out);
+  document.body.appendChild(pre);
+})();
+"""
+
+
+def _measure_in_chromium(browser: str, tmp_path, page: str, width: int, height: int = 1000) -> dict:
+    """Every SVG text's box as Chromium lays the page out (``getBoundingClientRect``: what is on the screen,
+    after the viewBox scaling and the rotation), with each panel's and its plot's box. A copy of the page
+    gets a script for this (the page itself has none); ``--dump-dom`` prints the DOM once the page has
+    loaded and the script has written its findings into it: no DevTools connection, no port, no race."""
+    work = tmp_path / f"measure-{width}"
+    work.mkdir(exist_ok=True)
+    probe = work / "page.html"
+    probe.write_text(page.replace("</body>", f"<script>{_MEASURE}</script></body>"), encoding="utf-8")
+    proc = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                           f"--user-data-dir={work / 'profile'}", "--hide-scrollbars",
+                           f"--window-size={width},{height}", "--dump-dom", probe.as_uri()],
+                          capture_output=True, text=True, timeout=120, cwd=str(work),
+                          env={**os.environ, "HOME": str(work)})
+    found = re.search(r'<pre id="measured">(.*?)</pre>', proc.stdout, re.S)
+    assert found, (proc.returncode, proc.stderr[-2000:])
+    return json.loads(html.unescape(found.group(1)))
+
+
+@pytest.mark.parametrize("which", ["scenario", "demo", "dense"])
+def test_in_chromium_no_two_labels_overlap_none_is_clipped_and_the_chart_uses_the_window(tmp_path, which,
+                                                                                      demo_report):
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("no headless Chromium (apt-get install chromium; .ci/run installs it when it can)")
+    rep = {"scenario": _scenario, "demo": lambda: demo_report, "dense": _dense_report}[which]()
+    page = timeline.render_html(rep)
+    for width in (1000, 1400):
+        got = _measure_in_chromium(browser, tmp_path, page, width)
+        assert got["width"] == width and got["svgs"]
+        for svg in got["svgs"]:
+            sx0, sy0, sx1, sy1 = svg["box"]
+            texts = svg["texts"]
+            assert len(texts) > 10
+            eps = 0.5  # px: rounding of the rendered boxes
+            clipped = [t["text"] for t in texts if t["box"][0] < sx0 - eps or t["box"][1] < sy0 - eps
+                       or t["box"][2] > sx1 + eps or t["box"][3] > sy1 + eps]
+            assert clipped == [], (width, svg["id"], clipped)
+            overlaps = [(a["text"], b["text"]) for i, a in enumerate(texts) for b in texts[:i]
+                        if a["box"][0] < b["box"][2] - eps and b["box"][0] < a["box"][2] - eps
+                        and a["box"][1] < b["box"][3] - eps and b["box"][1] < a["box"][3] - eps]
+            assert overlaps == [], (width, svg["id"], overlaps[:5])
+            # the chart takes the window's width (less the page's margins) and a good part of its height
+            assert sx1 - sx0 >= 0.9 * (width - 48), (width, svg["box"])
+            assert svg["plot"][3] - svg["plot"][1] >= 0.3 * got["height"], (width, svg["plot"])
+
+
 def test_the_trace_opens_as_chrome_trace_events(tmp_path):
     rep = _scenario()
     doc = trace.chrome_trace(rep)
@@ -280,19 +496,14 @@ def test_ownsan_triage_writes_the_page_and_the_trace(tmp_path, capsys):
     assert cli.main(["triage", str(src), "--html", str(tmp_path / "no" / "such" / "\0bad.html")]) == 2
 
 
-def test_the_demo_writes_the_page_of_its_unsafe_load(tmp_path):
-    from sanitizer.testing import demo
-    from sanitizer.testing.reference.checkpoint import write_checkpoint
-    from sanitizer.testing.reference.fused_loaders import TinyConfig
-
-    cfg = TinyConfig(hidden=64, intermediate=128, moe_intermediate=64, dense_layers=2, experts=2)
-    path = str(tmp_path / "tiny.safetensors")
-    info = write_checkpoint(path, cfg)
-    page = tmp_path / "demo.html"
-    rep = demo.write_timeline(path, 2 * info["largest"], str(page))
+def test_the_demo_writes_the_page_of_its_unsafe_load(demo_report):
+    rep = demo_report
     consumer = "LayerReloadingInfo.loaded_weights[*][*].arguments['loaded_weight']"
     assert rep["summary"]["retaining_consumers"][0]["consumer"] == consumer  # as in the real vLLM fork
-    text = page.read_text(encoding="utf-8")
+    text = timeline.render_html(rep)
     assert 'data-buffer="demo-ring"' in text and text.count('<g class="retained"') == rep["summary"]["retentions"] > 0
-    assert "held by LayerReloadingInfo.loaded_weights[" in text and "http" not in text
-    assert sanitizer.errors() == [] and triage.pending_count() == 0  # the demo's triage run leaves nothing behind
+    listed = re.findall(r'<tr data-lease="\d+">.*?</tr>', text)  # the side list: one row per retained view
+    assert len(listed) == rep["summary"]["retentions"]
+    assert all("<td><code>LayerReloadingInfo." in row for row in listed)  # whole holders, never cut
+    assert any("<td><code>LayerReloadingInfo.loaded_weights[" in row for row in listed)
+    assert "http" not in text

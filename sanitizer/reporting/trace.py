@@ -74,7 +74,8 @@ def chrome_trace(rep: Dict[str, Any]) -> Dict[str, Any]:
             args = {"lease_id": lease["lease_id"], "bytes": f"[{lo:#x}, {hi:#x})", "dtype": lease.get("dtype"),
                     "shape": lease.get("shape"), "lent_at_generation": lease.get("generation"),
                     "rescued": lease.get("rescued", False)}
-            out.append({"ph": "X", "cat": "lease", "name": lease.get("name") or f"lease {lease['lease_id']}",
+            name = lease.get("name") or f"lease {lease['lease_id']}"  # (a lend without a name)
+            out.append({"ph": "X", "cat": "lease", "name": name,
                         "pid": pid, "tid": lane + 1, "ts": round(start * 1e6, 3),
                         "dur": round(max(end - start, 1e-6) * 1e6, 3), "args": args})
             if r:
@@ -86,7 +87,7 @@ def chrome_trace(rep: Dict[str, Any]) -> Dict[str, Any]:
                                      "read_stale_at": site_text(r.get("read_at")), "counted": r.get("counted", False)}})
                 if r.get("until") == "stale_read":
                     out.append({"ph": "i", "s": "t", "cat": "stale_read", "cname": "terrible",
-                                "name": f"stale read of {lease.get('name')}", "pid": pid, "tid": lane + 1,
+                                "name": f"stale read of {name}", "pid": pid, "tid": lane + 1,
                                 "ts": round(red_end * 1e6, 3), "args": {"at": site_text(r.get("read_at"))}})
         for lane in range(len(lanes)):
             out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": lane + 1,

@@ -1,25 +1,32 @@
 """The end-to-end demo and benchmark: the vLLM layerwise-reload bug on CPU, caught and fixed.
 
-``python examples/layerwise_reload.py`` (or ``python -m sanitizer.testing.demo``)
+``python examples/layerwise_reload.py`` (or ``ownsan demo``, or ``python -m
+sanitizer.testing.demo``) first says what it simulates (:data:`INTRO`), then
 writes a real ``.safetensors`` checkpoint whose layers are interleaved, reads
 it through a :class:`~sanitizer.StagingRing` smaller than a layer's deferral
 window, loads it with the faithful layerwise deferred loader
-(:mod:`sanitizer.testing.reference.deferred_loader`) plus an online int8 quantizer, and
-compares every checkpoint tensor bit for bit against ``load_file`` + the same
-quantizer, in five configurations:
+(:mod:`sanitizer.testing.reference.deferred_loader`) plus an online int8
+quantizer, and compares every checkpoint tensor bit for bit against
+``load_file`` + the same quantizer, in five configurations:
 
 * ``unsafe``: borrowed views retained as they are (the bug);
 * ``debug``: the same, in a child process with ``OWNERSHIP_SANITIZE=1``
-  (activation at import, for real): it stops at the first stale replay;
-* ``clone-on-defer``: ``own_arguments`` at the deferral point (the fix);
+  (activation at import, for real): it stops at the first stale replay, and
+  the demo says which frames of that report are the consumer's;
+* ``clone-on-defer``: ``own_arguments`` at the deferral point (the fix, printed
+  with the line it goes on: :func:`fix_text`);
 * ``rescue``: unsafe consumer, sanitizer with ``rescue=1``;
 * ``copy-everything``: the loader hands out owned copies (``INSTANTTENSOR_COPY=1``).
 
-Then the unsafe load runs once more with ``triage=1`` (record, never raise)
-and its report's timeline is written as one HTML page (``--html``): each
-staging buffer's leases over its generations, the deferred views retained past
-the reuse of their bytes in red, labelled with their holder (``ownsan triage
---html`` draws the same page from any report).
+Then the unsafe load runs once more with ``triage=1`` (record, never raise:
+:func:`report_run`). Its report is written as JSON (``--report``: what ``ownsan
+triage REPORT --html/--trace`` reads) and its timeline as one HTML page
+(``--html``): each staging buffer's leases over its generations, the deferred
+views retained past the reuse of their bytes in red, numbered and listed with
+their holder. In that run the guard (on by default) re-points each retained
+view to poison when its bytes are reused, so the tensors the consumer loaded
+from one read NaN instead of the next tensor's bytes; the demo says so where
+it lists them.
 
 The table is the benchmark: corruption, errors, load time (best of
 ``--repeat``, each configuration after a warm-up) and extra memory (bytes of
@@ -29,27 +36,32 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
-from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from sanitizer import activation
+from sanitizer.core.errors import OwnershipError
+from sanitizer.core.options import OPTIONS
+from sanitizer.core.sites import frame_text
 from sanitizer.features import ownership
 from sanitizer.features import rescue
-from sanitizer import activation
-from sanitizer.torch_layer import records, runtime
-from sanitizer.testing.reference.checkpoint import (ORDERS, config_of, corrupted_tensors, deferral_windows, read_header, reference_state,
-                         stream_through_ring, write_checkpoint)
+from sanitizer.testing.reference import deferred_loader
+from sanitizer.testing.reference.checkpoint import (ORDERS, config_of, corrupted_tensors, deferral_windows,
+                                                    read_header, reference_state, stream_through_ring,
+                                                    write_checkpoint)
 from sanitizer.testing.reference.deferred_loader import LayerwiseLoader
-from sanitizer.core.errors import OwnershipError
 from sanitizer.testing.reference.fused_loaders import TinyConfig, TinyForCausalLM
-from sanitizer.core.options import OPTIONS
+from sanitizer.torch_layer import records, runtime
 from sanitizer.torch_layer.ring import StagingRing
 
 CONFIGS = ("unsafe", "debug", "clone-on-defer", "rescue", "copy-everything")
@@ -62,6 +74,16 @@ LABELS = {
 }
 SAFE = ("clone-on-defer", "rescue", "copy-everything")
 _RESULT_TAG = "DEMO-RESULT "
+
+INTRO = (
+    "What this simulates: vLLM's layerwise weight reload with online int8 quantization, on CPU, for a small "
+    "MoE model. A fast loader reads the checkpoint into one staging ring it reuses and lends views of it; the "
+    "layerwise loader defers each weight_loader call until its layer is complete, keeping the borrowed view, "
+    "and replays it then. The ring is smaller than a layer's deferral window, so by replay time it has reused "
+    "those bytes for a later tensor.\n"
+    "'corrupted' counts checkpoint tensors whose loaded (quantized) values differ, bit for bit, from "
+    "safetensors.load_file + the same quantizer: they were built from another tensor's bytes."
+)
 
 
 @dataclass
@@ -78,6 +100,7 @@ class Result:
     rescues: int
     summary: str = ""
     report: str = ""
+    guide: str = ""  # (debug) which frames of the report are the consumer's
 
 
 def load(path: str, ring_bytes: int, *, ownership_on: bool, copy: bool = False) -> TinyForCausalLM:
@@ -92,6 +115,66 @@ def load(path: str, ring_bytes: int, *, ownership_on: bool, copy: bool = False) 
     finally:
         ring.close()
     return model
+
+
+def deferral_site() -> str:
+    """``file:line`` of the deferral in the reference loader: where ``online_process_loader`` keeps a call
+    (and its borrowed arguments) for later; found in its source, so it names the line as it is now."""
+    source, first = inspect.getsourcelines(LayerwiseLoader.make_online_process_loader)
+    line = next((first + i for i, text in enumerate(source) if "scope.defer(bound)" in text), first)
+    return f"{_shown_path(deferred_loader.__file__)}:{line}"
+
+
+def fix_text() -> str:
+    """The fix, spelled out: where it goes and what it does."""
+    return (f"The fix (the clone-on-defer row): own the borrowed arguments where the call is deferred, in "
+            f"online_process_loader ({deferral_site()}):\n"
+            "    bound = sanitizer.own_arguments(bound)   # before info.loaded_weights.append((param_name, bound))\n"
+            "own_arguments copies only the tensor arguments that are borrowed views (the destination 'param' is "
+            "skipped), so the copy costs the deferred bytes alone; the call that completes a layer is replayed at "
+            "once and keeps its view. The reference loader does this through DeferralScope.defer, which also "
+            "frees the copies when the layer is processed.")
+
+
+def _shown_path(path: str) -> str:
+    """``path`` relative to the working directory when it is under it (shorter to read), else as it is."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive (Windows)
+        return path
+    return path if rel.startswith("..") else rel
+
+
+def _frames(frames: Any) -> List[Dict[str, Any]]:
+    return [f for f in frames or () if isinstance(f, dict)]
+
+
+def _first(frames: List[Dict[str, Any]], filename: str) -> Optional[Dict[str, Any]]:
+    return next((f for f in frames if os.path.basename(f.get("file") or "") == filename), None)
+
+
+def stack_guide(record: Dict[str, Any]) -> str:
+    """Which frames of the debug report are whose: the loader that lent the view, the consumer that kept
+    it and replayed it late, and the demo's own driver below them (read from the error's record)."""
+    lent = _frames((record.get("lease") or {}).get("lent_at"))
+    used = _frames(record.get("used_at"))
+    lines = ["How to read the report below:"]
+    lender = lent[0] if lent else None
+    pulled = _first(lent, "fused_loaders.py")
+    if lender is not None:
+        lines.append(f"  lent at / reused at: {frame_text(lender, basename=True)} is the demo's stand-in for a fast "
+                     f"loader's iterator" + (f", pulled by the model's {frame_text(pulled, basename=True)}"
+                                             if pulled else ""))
+    replay = _first(used, "deferred_loader.py")
+    reader = used[0] if used else None
+    if replay is not None and reader is not None:
+        lines.append(f"  used at: the consumer, LayerwiseLoader, replaying a deferred call "
+                     f"({frame_text(replay, basename=True)}) into {frame_text(reader, basename=True)}, "
+                     "which read the view after the ring had reused its bytes")
+    lines.append(f"  held by: the consumer's retained calls; it kept them at {deferral_site()} "
+                 "(online_process_loader), where the fix goes")
+    lines.append("  frames in demo.py are the demo's driver (it runs this load in a child process)")
+    return "\n".join(lines)
 
 
 def _measure(config: str, path: str, ring_bytes: int) -> TinyForCausalLM:
@@ -153,9 +236,22 @@ def _child_debug(path: str, ring_bytes: int) -> Result:
         model = load(path, ring_bytes, ownership_on=False)
     except OwnershipError as err:
         return Result("debug", None, total, 1, type(err).__name__, time.perf_counter() - start, 0, 0, 0, 0,
-                      summary=err.summary, report=str(err))
+                      summary=err.summary, report=str(err), guide=stack_guide(err.record))
     bad = corrupted_tensors(model, reference_state(path), config_of(path))
     return Result("debug", len(bad), total, 0, "", time.perf_counter() - start, 0, 0, 0, 0)
+
+
+def child_main(argv: Optional[Sequence[str]] = None) -> int:
+    """The debug child's entry (``--child debug --checkpoint PATH --ring-bytes N``): prints the report it
+    stopped at, then its result as one tagged JSON line for the parent."""
+    args = _parser().parse_args(argv)
+    if args.child != "debug" or not args.checkpoint:
+        raise SystemExit("child_main runs the debug configuration: --child debug --checkpoint PATH --ring-bytes N")
+    result = _child_debug(args.checkpoint, args.ring_bytes)
+    if result.report:
+        print(result.report)
+    print(_RESULT_TAG + json.dumps(asdict(result)))
+    return 0
 
 
 def start_debug_subprocess(path: str, ring_bytes: int) -> subprocess.Popen:
@@ -164,8 +260,10 @@ def start_debug_subprocess(path: str, ring_bytes: int) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OWNERSHIP_SANITIZE")}
     env["OWNERSHIP_SANITIZE"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "sanitizer.testing.demo", "--child", "debug", "--checkpoint", path,
-           "--ring-bytes", str(ring_bytes)]
+    # Started through child_main (not ``-m``): under the consumer's frames, its stacks show one frame of the
+    # demo's driver and the command line's, not runpy's and the demo's argument handling.
+    cmd = [sys.executable, "-c", "import sys; from sanitizer.testing.demo import child_main; sys.exit(child_main())",
+           "--child", "debug", "--checkpoint", path, "--ring-bytes", str(ring_bytes)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -186,9 +284,44 @@ def run_debug_subprocess(path: str, ring_bytes: int, timeout: float = 300) -> Re
     return finish_debug_subprocess(start_debug_subprocess(path, ring_bytes), timeout)
 
 
-def write_timeline(path: str, ring_bytes: int, html_path: str) -> Dict[str, object]:
-    """The unsafe load once more with ``triage=1`` (every finding recorded, none raised): its report, with the
-    timeline page written to ``html_path``. The sanitizer's records are cleared again afterwards."""
+@dataclass
+class ReportRun:
+    """The unsafe load under ``triage=1``: its report, what came out wrong, and where it was written."""
+
+    report: Dict[str, Any]
+    corrupted: List[str] = field(default_factory=list)  # checkpoint tensors loaded wrong
+    nan_parameters: List[str] = field(default_factory=list)  # parameters holding NaN: the guard's poison
+    html: Optional[str] = None
+    json: Optional[str] = None
+
+    def lines(self) -> List[str]:
+        """What the demo prints about this run: the findings, the NaNs explained, the files and how to read them."""
+        rep = self.report
+        out = ["the unsafe load once more with triage=1 (every stale read recorded, none raised; the guard on):",
+               f"  {rep['summary']['line']}"]
+        if self.corrupted:
+            out.append(f"  {len(self.corrupted)} of the checkpoint's tensors came out wrong: "
+                       f"{', '.join(self.corrupted[:2])}" + (", ..." if len(self.corrupted) > 2 else ""))
+        if self.nan_parameters:
+            first, more = self.nan_parameters[0], self.nan_parameters[1:]
+            out.append(f"  {first} reads NaN: the guard re-pointed the retained view it was loaded from to poison "
+                       "when the ring reused its bytes (so it never read the next tensor's bytes); see the report")
+            if more:
+                out.append(f"  so do {len(more)} more parameter{'s' * (len(more) != 1)}, for the same reason: "
+                           f"{', '.join(more[:2])}" + (", ..." if len(more) > 2 else ""))
+        if self.json:
+            out.append(f"  report: {self.json}")
+            out.append(f"    read it with: ownsan triage {self.json} --html PAGE --trace TRACE")
+        if self.html:
+            out.append(f"  timeline: {self.html}  (one page, no network: open it in a browser)")
+        return out
+
+
+def report_run(path: str, ring_bytes: int, html_path: Optional[str] = None, report_path: Optional[str] = None,
+               reference: Optional[Dict[str, torch.Tensor]] = None) -> ReportRun:
+    """The unsafe load once more with ``triage=1`` (every finding recorded, none raised): its report written
+    as JSON to ``report_path`` and drawn as the timeline page at ``html_path`` (either may be None), and the
+    tensors it loaded wrong (with the guard on, as NaN). The sanitizer's records are cleared again afterwards."""
     from sanitizer.features import triage
     from sanitizer.reporting import report as report_mod
     from sanitizer.reporting import timeline
@@ -197,15 +330,36 @@ def write_timeline(path: str, ring_bytes: int, html_path: str) -> Dict[str, obje
     records.clear_errors()
     try:
         with activation.sanitize(triage=1):
-            load(path, ring_bytes, ownership_on=False)
+            model = load(path, ring_bytes, ownership_on=False)
             gc.collect()  # the loader and its half-built model are gone: their retained views die
             rep = report_mod.report(final=True)
-        timeline.write_html(rep, html_path, title="layerwise reload through a staging ring: which view was kept "
-                                                  "past the reuse of its bytes, and by whom")
     finally:
         triage.reset(records_too=True)
         records.clear_errors()
-    return rep
+    run = ReportRun(rep)
+    if reference is not None:
+        run.corrupted = corrupted_tensors(model, reference, config_of(path))
+    run.nan_parameters = [name for name, t in model.state_dict().items()
+                          if t.is_floating_point() and bool(torch.isnan(t).any())]
+    del model
+    if report_path:
+        directory = os.path.dirname(report_path)
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+        with open(report_path, "w", encoding="utf-8") as fh:
+            json.dump(rep, fh, indent=2, default=str)  # as the sanitizer's own report=PATH writes it
+            fh.write("\n")
+        run.json = report_path
+    if html_path:
+        timeline.write_html(rep, html_path, title="layerwise reload through a staging ring: which view was kept "
+                                                  "past the reuse of its bytes, and by whom", intro=INTRO)
+        run.html = html_path
+    return run
+
+
+def write_timeline(path: str, ring_bytes: int, html_path: str) -> Dict[str, Any]:
+    """:func:`report_run` with the page alone: its report."""
+    return report_run(path, ring_bytes, html_path).report
 
 
 def _size(n: float) -> str:
@@ -242,54 +396,65 @@ def verdict(results: Sequence[Result]) -> List[str]:
 
 def _parser() -> argparse.ArgumentParser:
     d = TinyConfig()
-    p = argparse.ArgumentParser(prog="layerwise_reload", description=__doc__.split("\n\n")[0])
-    p.add_argument("--dense-layers", type=int, default=d.dense_layers)
-    p.add_argument("--moe-layers", type=int, default=d.moe_layers)
-    p.add_argument("--experts", type=int, default=d.experts)
-    p.add_argument("--hidden", type=int, default=d.hidden)
-    p.add_argument("--intermediate", type=int, default=d.intermediate)
-    p.add_argument("--moe-intermediate", type=int, default=d.moe_intermediate)
-    p.add_argument("--order", choices=ORDERS, default="interleaved", help="tensor order in the file")
+    p = argparse.ArgumentParser(prog="layerwise_reload", description=__doc__.split("\n\n")[0],
+                                epilog=INTRO.replace("\n", " "))
+    p.add_argument("--dense-layers", type=int, default=d.dense_layers, help="dense decoder layers (%(default)s)")
+    p.add_argument("--moe-layers", type=int, default=d.moe_layers, help="MoE decoder layers (%(default)s)")
+    p.add_argument("--experts", type=int, default=d.experts, help="experts per MoE layer (%(default)s)")
+    p.add_argument("--hidden", type=int, default=d.hidden, help="hidden size (%(default)s)")
+    p.add_argument("--intermediate", type=int, default=d.intermediate, help="dense MLP size (%(default)s)")
+    p.add_argument("--moe-intermediate", type=int, default=d.moe_intermediate,
+                   help="expert MLP size (%(default)s)")
+    p.add_argument("--order", choices=ORDERS, default="interleaved", help="tensor order in the file (%(default)s)")
     p.add_argument("--ring-bytes", type=int, default=0, help="staging ring size (default: 2x the largest tensor)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the checkpoint's values (%(default)s)")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per configuration (best is shown)")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
     p.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temporary directory)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
-    p.add_argument("--html", default=None, help="where to write the timeline page of the unsafe load, with triage=1 "
+    p.add_argument("--report", default=None, help="where to write the sanitizer's JSON report of the unsafe load "
+                   "with triage=1, for ownsan triage (default: layerwise_reload_report.json in --dir, else here; "
+                   "'' for none)")
+    p.add_argument("--html", default=None, help="where to write the timeline page of that load "
                    "(default: layerwise_reload_timeline.html in --dir, else here; '' for none)")
     p.add_argument("--child", choices=("debug",), help=argparse.SUPPRESS)
     p.add_argument("--checkpoint", help=argparse.SUPPRESS)
     return p
 
 
-def _child(args: argparse.Namespace) -> int:
-    result = _child_debug(args.checkpoint, args.ring_bytes)
-    if result.report:
-        print(result.report)
-    print(_RESULT_TAG + json.dumps(asdict(result)))
-    return 0
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.child:
+        return child_main(argv)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny ops: one intra-op thread is faster and steadier on a shared machine
     try:
-        return _main(argv)
+        return _main(args)
     finally:
         torch.set_num_threads(threads)
 
 
-def _main(argv: Optional[Sequence[str]]) -> int:
-    args = _parser().parse_args(argv)
-    if args.child:
-        return _child(args)
+def _default_path(given: Optional[str], directory: Optional[str], name: str) -> Optional[str]:
+    """A flag's path: as given ('' for none), else ``name`` in ``directory`` (or here)."""
+    if given is not None:
+        return given or None
+    return os.path.join(directory or os.getcwd(), name)
+
+
+def _wrapped(lines: Sequence[str], width: int = 110) -> str:
+    """Lines wrapped for a terminal, each continuation indented under its line."""
+    return "\n".join(textwrap.fill(line, width, subsequent_indent=" " * (len(line) - len(line.lstrip()) + 2),
+                                    break_on_hyphens=False, break_long_words=False) for line in lines)
+
+
+def _main(args: argparse.Namespace) -> int:
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         raise SystemExit(f"unknown configuration(s) {unknown}; valid: {', '.join(CONFIGS)}")
     cfg = TinyConfig(hidden=args.hidden, intermediate=args.intermediate, dense_layers=args.dense_layers,
                      moe_layers=args.moe_layers, experts=args.experts, moe_intermediate=args.moe_intermediate)
+    print("\n".join(textwrap.fill(paragraph, 110) for paragraph in INTRO.split("\n")) + "\n")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         path = os.path.join(tmp, "tiny-moe.safetensors")
         info = write_checkpoint(path, cfg, args.order, args.seed)
@@ -311,23 +476,32 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             debug = [finish_debug_subprocess(child)] if child is not None else []
         order = {c: i for i, c in enumerate(CONFIGS)}
         results = sorted(inproc + debug, key=lambda r: order[r.config])
-        html = args.html if args.html is not None else os.path.join(args.dir or os.getcwd(),
-                                                                    "layerwise_reload_timeline.html")
-        page = write_timeline(path, ring_bytes, html) if html else None
+        html = _default_path(args.html, args.dir, "layerwise_reload_timeline.html")
+        report_path = _default_path(args.report, args.dir, "layerwise_reload_report.json")
+        run = report_run(path, ring_bytes, html, report_path, reference) if html or report_path else None
     print(format_table(results))
     print(f"\ncopy-everything would copy {_size(info['bytes'])} (the whole checkpoint); "
           "peak extra memory = owned copies alive at once; load time = best of "
           f"{max(1, args.repeat)} after a warm-up")
+    print("\n" + "\n".join(line if line.startswith("    ") else textwrap.fill(line, 110)
+                            for line in fix_text().split("\n")))
     stopped = next((r for r in results if r.config == "debug" and r.report), None)
     if stopped is not None:
-        print("\ndebug mode stopped at the first stale replay with this report:\n")
+        print("\ndebug mode stopped at the first stale replay with the report below.")
+        if stopped.guide:
+            print(_wrapped(stopped.guide.split("\n")))
+        print()
         print(stopped.report)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump({"checkpoint": info, "ring_bytes": ring_bytes, "order": args.order,
-                       "results": [asdict(r) for r in results]}, fh, indent=2)
-    if page is not None:
-        print(f"\ntimeline of the unsafe load (triage=1): {html}\n  {page['summary']['line']}")
+                       "results": [asdict(r) for r in results],
+                       "report_run": None if run is None else {
+                           "summary": run.report["summary"]["line"], "corrupted": run.corrupted,
+                           "nan_parameters": run.nan_parameters, "report": run.json, "html": run.html}},
+                      fh, indent=2)
+    if run is not None:
+        print("\n" + _wrapped(run.lines()))
     problems = verdict(results)
     for p in problems:
         print(f"\nFAILED: {p}", file=sys.stderr)
