@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import warnings
 from collections import deque
-from typing import Any, Deque, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -148,43 +148,54 @@ class _LeasingIterator:
         raise NotImplementedError
 
 
-class BorrowedIterator(_LeasingIterator):
-    """Wraps a borrowing loader's ``(name, tensor)`` iterator; see :func:`borrowed_iterator`."""
+class _Windows:
+    """A loader's storages adopted as regions (windows), and the leases lent over them.
 
-    def __init__(self, iterable: Iterable, lifetime: int = 1, name: Optional[str] = None):
-        self.lifetime = _check_count(lifetime, "lifetime")
-        super().__init__(iterable, name or "borrowed_iterator")
-        self._windows: List[_Window] = []
+    One window per storage the loader hands out: a loader that lends many tensors from one buffer (a
+    batch, a pool) costs one window, one that makes a storage per tensor (DLPack exports) one each.
+    Windows are found by their storage's base address, so a file buffer of 10,000 tensors costs a
+    dict lookup per lend, not a scan.
+    """
 
-    def _window_for(self, tensor: torch.Tensor, device: str, address: int, span: int) -> _Window:
-        for w in self._windows:  # few: the windows of leases within their lifetime, and the last idle one
-            if w.device == device and w.base <= address and address + span <= w.end:
-                return w
-        # Idle windows stay open until a yield falls outside them, so a loader that lends many tensors
-        # from one buffer (a batch, a pool) costs one window, not one per tensor.
-        for w in [w for w in self._windows if w.pending == 0]:
-            self._close_window(w, run_hooks=False)  # no fresh lease left (see _retire): nothing to check
+    def __init__(self, label: str):
+        self.label = label
+        self.by_base: Dict[Tuple[str, int], _Window] = {}  # the newest window of each storage base
+        self.open: List[_Window] = []
+
+    def window_for(self, tensor: torch.Tensor, device: str, address: int, span: int,
+                   close_idle: bool) -> _Window:
         storage = tensor.untyped_storage()
-        raw = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, 0, (storage.nbytes(),), (1,))
         base = storage.data_ptr()
-        w = _Window(StagingBuffer.adopt(raw, name=f"{self.name}@{base:#x}"), device, base)
-        self._windows.append(w)
+        w = self.by_base.get((device, base))
+        if w is not None and w.buffer is not None and address + span <= w.end:
+            return w
+        if close_idle:
+            # Idle windows stay open until a yield falls outside them, so a loader that lends many
+            # tensors from one buffer costs one window, not one per tensor.
+            for idle in [w for w in self.open if w.pending == 0]:
+                self.close_window(idle, run_hooks=False)  # no fresh lease left (see _retire): nothing to check
+        raw = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, 0, (storage.nbytes(),), (1,))
+        w = _Window(StagingBuffer.adopt(raw, name=f"{self.label}@{base:#x}"), device, base)
+        self.by_base[(device, base)] = w  # a storage that grew under the same base: the old window stays open
+        self.open.append(w)
         return w
 
-    def _lend(self, name: Any, tensor: torch.Tensor, index: int) -> torch.Tensor:
+    def lend(self, name: Any, tensor: torch.Tensor, close_idle: bool) -> Tuple[torch.Tensor, Optional[_Window], int, int]:
+        """``(view, window, start, end)``: a lease over ``tensor``'s own bytes with its layout, or
+        ``(tensor, None, 0, 0)`` for what cannot or need not be tracked (a subclass, meta, no bytes)."""
         kind = type(tensor)
         if kind is not torch.Tensor and kind is not torch.nn.Parameter:
-            return tensor  # a tensor subclass (DTensor, a wrapper): not plain memory we can alias
+            return tensor, None, 0, 0  # a tensor subclass (DTensor, a wrapper): not plain memory we can alias
         if tensor.device.type not in _TRACKED_DEVICES:
             if tensor.device.type != "meta" and tensor.device.type not in _warned_devices:
                 _warned_devices.add(tensor.device.type)
-                warnings.warn(f"{self.name}: tensors on '{tensor.device.type}' are not tracked "
-                              f"(staging leases support {_TRACKED_DEVICES})", RuntimeWarning, stacklevel=3)
-            return tensor
+                warnings.warn(f"{self.label}: tensors on '{tensor.device.type}' are not tracked "
+                              f"(staging leases support {_TRACKED_DEVICES})", RuntimeWarning, stacklevel=4)
+            return tensor, None, 0, 0
         address, span = byte_extent(tensor)
         if span == 0 or address == 0:
-            return tensor  # no bytes: nothing can go stale
-        window = self._window_for(tensor, device_key(tensor.device), address, span)
+            return tensor, None, 0, 0  # no bytes: nothing can go stale
+        window = self.window_for(tensor, device_key(tensor.device), address, span, close_idle)
         offset = address - window.base
         lease_name = name if isinstance(name, str) else str(name)
         dtype, itemsize = tensor.dtype, tensor.element_size()
@@ -198,27 +209,89 @@ class BorrowedIterator(_LeasingIterator):
                 flat = window.buffer.lend(offset, (span,), torch.uint8, lease_name).view(dtype)
             view = flat.as_strided(tuple(tensor.shape), tuple(tensor.stride()), 0)
             setattr(view, BORROWED_MARKER, True)
-        lease = runtime.lease_of(view)
         if kind is torch.nn.Parameter:
             view = torch.nn.Parameter(view, requires_grad=tensor.requires_grad)
             setattr(view, BORROWED_MARKER, True)
         elif tensor.requires_grad:
             view.requires_grad_(True)
         window.pending += 1
-        self._entries.append(_Entry(lease, window, offset, offset + span, index + self.lifetime))
+        return view, window, offset, offset + span
+
+    def close_window(self, window: _Window, run_hooks: bool) -> None:
+        if window.buffer is None:
+            return
+        self.open.remove(window)
+        if self.by_base.get((window.device, window.base)) is window:
+            del self.by_base[(window.device, window.base)]
+        self._close(window, run_hooks)
+
+    def close_all(self, run_hooks: bool) -> None:
+        windows, self.open, self.by_base = self.open, [], {}  # one pass: a file buffer may hold 10,000
+        for window in windows:
+            self._close(window, run_hooks)
+
+    @staticmethod
+    def _close(window: _Window, run_hooks: bool) -> None:
+        buf, window.buffer = window.buffer, None
+        if buf is not None and not buf.closed:
+            runtime.close_region(buf._region, run_hooks=run_hooks)
+        # Dropping ``buf`` drops our reference to the loader's storage: the loader's memory lives
+        # exactly as long as the loader and any consumer that still holds a view keep it.
+
+
+def _retire_span(region_id: int, lease: Optional[Lease], start: int, end: int, retire: Any) -> None:
+    """End ``lease`` (``[start, end)`` of region ``region_id``) unless it is dead, stale or rescued; bytes
+    that another alive lease still covers stay valid (an aliasing yield: retiring them would turn that
+    one stale too early, and poison would change it)."""
+    if lease is None or not lease.alive or lease.stale_by is not None or lease.rescued:
+        return
+    others = [(l.start, l.end) for l in runtime.state.ledger.overlapping(region_id, start, end) if l is not lease]
+    for s, e in subtract([(start, end)], others):
+        retire(s, e - s)
+
+
+def _retire_in_region(lease: Lease, by: str) -> Any:
+    """A retire callback for a lease that another lender made (its region is not one of ours)."""
+    region = runtime.state.ledger.region(lease.region_id)
+
+    def retire(start: int, nbytes: int) -> None:
+        if not region.closed:
+            runtime.retire(region, start, start + nbytes, by, kind="retire")
+
+    return retire
+
+
+class BorrowedIterator(_LeasingIterator):
+    """Wraps a borrowing loader's ``(name, tensor)`` iterator; see :func:`borrowed_iterator`."""
+
+    def __init__(self, iterable: Iterable, lifetime: int = 1, name: Optional[str] = None):
+        self.lifetime = _check_count(lifetime, "lifetime")
+        super().__init__(iterable, name or "borrowed_iterator")
+        self._loans = _Windows(self.name)
+
+    def _lend(self, name: Any, tensor: torch.Tensor, index: int) -> torch.Tensor:
+        lease = runtime.lease_of(tensor) if isinstance(tensor, torch.Tensor) else None
+        if lease is not None:
+            # Already a lease (an adapter on the loader's low-level calls lent it, until its buffer is
+            # closed): adopting it again would track the same bytes twice, and our window would keep the
+            # inner lease alive. Shorten its life instead: it ends at this iterator's expiry too.
+            if lease.alive and lease.stale_by is None and not lease.rescued:
+                self._entries.append(_Entry(lease, None, lease.start, lease.end, index + self.lifetime))
+            return tensor
+        view, window, start, end = self._loans.lend(name, tensor, close_idle=True)
+        if window is not None:
+            self._entries.append(_Entry(runtime.lease_of(view), window, start, end, index + self.lifetime))
         return view
 
     def _retire(self, entry: _Entry) -> None:
         window, lease = entry.window, entry.lease
-        if (window.buffer is not None and lease is not None and lease.alive
-                and lease.stale_by is None and not lease.rescued):
-            region_id = lease.region_id
-            others = [(l.start, l.end) for l in runtime.state.ledger.overlapping(region_id, entry.start, entry.end)
-                      if l is not lease]
-            # Bytes another yield still within its lifetime covers stay valid (an aliasing yield):
-            # retiring them would turn that yield stale too early, and poison would change it.
-            for start, end in subtract([(entry.start, entry.end)], others):
-                window.buffer.retire(start, end - start)
+        if window is None:  # another lender's lease (see _lend)
+            if lease is not None and lease.alive:
+                _retire_span(lease.region_id, lease, entry.start, entry.end,
+                             _retire_in_region(lease, f"{self.name}: lifetime {self.lifetime} ended"))
+            return
+        if window.buffer is not None and lease is not None:
+            _retire_span(lease.region_id, lease, entry.start, entry.end, window.buffer.retire)
         window.pending -= 1
         if window.pending == 0 and window.buffer is not None and runtime.state.ledger.overlapping(
                 window.buffer._region.region_id, 0, window.buffer.nbytes):
@@ -226,22 +299,48 @@ class BorrowedIterator(_LeasingIterator):
             # one died unretired: end it now, while the loader has not run again (its bytes are valid).
             window.buffer.retire(0, window.buffer.nbytes)
 
-    def _close_window(self, window: _Window, run_hooks: bool) -> None:
-        buf, window.buffer = window.buffer, None
-        if buf is None:
-            return
-        self._windows.remove(window)
-        if not buf.closed:
-            runtime.close_region(buf._region, run_hooks=run_hooks)
-        # Dropping ``buf`` drops our reference to the loader's storage: the loader's memory lives
-        # exactly as long as the loader and any consumer that still holds a view keep it.
-
     def _finish(self, loader_ended: bool) -> None:
         """Leases still within their lifetime go stale; when the loader ended, without touching bytes."""
         self._done = True
         self._entries.clear()
-        for window in list(self._windows):
-            self._close_window(window, run_hooks=not loader_ended)
+        self._loans.close_all(run_hooks=not loader_ended)
+
+
+class BorrowedLoans:
+    """Leases over a loader's own memory that end when the loader frees it, not at an advance.
+
+    For low-level loader calls that hand out views of a buffer until an explicit free
+    (fastsafetensors' ``FilesBufferOnDevice.get_tensor`` ... ``close()``): :meth:`lend` returns a
+    lease over the tensor's own bytes (same shape, dtype and strides, nothing copied); :meth:`close`,
+    called right before the loader frees its memory, ends every lease with every check (checksum
+    verification, rescue, the guard's tombstone, triage) while the bytes are still the loader's;
+    :meth:`abandon` ends them without touching bytes, for memory the loader already freed. A tensor
+    that is already a lease (of another lender) is returned as it is.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self._windows = _Windows(name)
+        self.closed = False
+
+    def lend(self, name: Any, tensor: torch.Tensor) -> torch.Tensor:
+        if self.closed:
+            raise ValueError(f"{self.name}: closed; cannot lend '{name}' from it")
+        if not isinstance(tensor, torch.Tensor) or runtime.lease_of(tensor) is not None:
+            return tensor
+        return self._windows.lend(name, tensor, close_idle=False)[0]
+
+    def close(self) -> None:
+        """End every lease now, with every check (the loader's memory must still be there)."""
+        if not self.closed:
+            self.closed = True
+            self._windows.close_all(run_hooks=True)
+
+    def abandon(self) -> None:
+        """End every lease without verification, rescue or poison (the loader's memory may be gone)."""
+        if not self.closed:
+            self.closed = True
+            self._windows.close_all(run_hooks=False)
 
 
 class EmulatedBorrowing(_LeasingIterator):
@@ -321,4 +420,4 @@ def emulate_borrowed(iterable: Iterable, ring_bytes: int, *, lifetime: Optional[
     return EmulatedBorrowing(iterable, ring_bytes, lifetime, device, name)
 
 
-__all__ = ["borrowed_iterator", "emulate_borrowed", "BorrowedIterator", "EmulatedBorrowing"]
+__all__ = ["borrowed_iterator", "emulate_borrowed", "BorrowedIterator", "BorrowedLoans", "EmulatedBorrowing"]
