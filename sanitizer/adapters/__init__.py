@@ -1,20 +1,29 @@
-"""Adapters: put the named loaders' borrowed iterators under lease tracking, on import.
+"""Adapters: put the named loaders' borrowing entry points under lease tracking, on import.
 
 :func:`install_import_hooks` (called by the zero-code activation when
-``OWNERSHIP_SANITIZE=1``) patches each loader's iterator entry point right
-after the loader's module executes, through a ``sys.meta_path`` finder, or at
-once when it is already imported. Nothing here is imported, and nothing is
-installed, while the sanitizer is off. The patches check ``enabled()`` per call,
-so a loader used after ``disable()`` runs untouched.
+``OWNERSHIP_SANITIZE=1``) patches each loader right after the loader's module
+executes, through a ``sys.meta_path`` finder, or at once when it is already
+imported. Nothing here is imported, and nothing is installed, while the
+sanitizer is off. The patches check ``enabled()`` per call, so a loader used
+after ``disable()`` runs untouched.
 
-============================  ======================================  ==============================
-loader                        entry point patched                     semantics
-============================  ======================================  ==============================
-fastsafetensors 0.5           ``ParallelLoader.iterate_weights``      ``borrowed_tensors=True``: lifetime 1
-runai-model-streamer 0.17     ``SafetensorsStreamer.get_tensors``     ``stream_files(owned=False)``: lifetime 1
-InstantTensor                 ``safe_open(copy=False).tensors()``     lifetime 1, CUDA only
-safetensors                   ``safe_open().get_tensor``              emulated, only with ``safetensors_ring=N``
-============================  ======================================  ==============================
+Each adapter states, per loader version, which entry points lend borrowed
+memory, under which arguments, and until when (its ``CONTRACTS``, rendered in
+its docstring and in ``docs/loaders.md``; see :mod:`sanitizer.adapters.contracts`).
+When a loader's installed version lies outside the versions its adapter was
+read from, one ``RuntimeWarning`` line names the version and what is assumed;
+an API the adapter cannot patch at all is reported the same way and left to
+run unsanitized, never broken.
+
+============================  =====================================================  ===========================
+loader                        entry points patched                                   lifetime
+============================  =====================================================  ===========================
+fastsafetensors 0.2-0.5       ``FilesBufferOnDevice`` getters and ``close``;         until ``fb.close()``;
+                              ``ParallelLoader.iterate_weights`` (0.5, borrowed)     1 advance
+runai-model-streamer 0.15-17  ``SafetensorsStreamer.stream_files``/``get_tensors``   1 advance
+InstantTensor 0.1.5-0.2       ``safe_open.tensors`` (and 0.1.x ``get_tensor``)       1 advance, CUDA only
+safetensors                   ``safe_open`` ``get_tensor``/``get_slice``/...         emulated (``safetensors_ring``)
+============================  =====================================================  ===========================
 """
 from __future__ import annotations
 
@@ -27,6 +36,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 # module name -> adapter module (relative); the adapter's patch(module) runs after the module executes
 TARGETS: Dict[str, str] = {
+    "fastsafetensors.file_buffer": "fastsafetensors_adapter",
     "fastsafetensors.parallel_loader": "fastsafetensors_adapter",
     "runai_model_streamer.safetensors_streamer.safetensors_streamer": "runai_adapter",
     "instanttensor._impl": "instanttensor_adapter",
@@ -37,6 +47,7 @@ _MISSING = object()
 _lock = threading.RLock()
 _patches: List[Tuple[Any, str, Any]] = []  # (owner, attribute, original), for uninstall
 _patched_modules: List[str] = []
+_versions_seen: Dict[str, Optional[str]] = {}  # loader -> version found at its first patch
 _finder: Optional["_PostImportFinder"] = None
 
 
@@ -60,23 +71,34 @@ def _patch(target: str, module: Any) -> None:
         adapter = _adapter(target)
         if not adapter.wanted():
             return
+        contracts = getattr(adapter, "CONTRACTS", None)
+        version = _version_of(target, module, contracts)
         try:
             adapter.patch(module)
         except Exception as exc:
             warnings.warn(f"ownership-sanitizer: could not wrap {target} "
-                          f"(version {_version_of(target)}): {type(exc).__name__}: {exc}; it runs unsanitized",
+                          f"(version {version or 'unknown'}): {type(exc).__name__}: {exc}; it runs unsanitized",
                           RuntimeWarning, stacklevel=2)
             return
         _patched_modules.append(target)
+        if contracts is not None and contracts.loader not in _versions_seen:
+            _versions_seen[contracts.loader] = version
+            message = contracts.warning(version)
+            if message:
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
 
 
-def _version_of(target: str) -> str:
-    try:
-        from importlib.metadata import version
+def _version_of(target: str, module: Any = None, contracts: Any = None) -> Optional[str]:
+    from sanitizer.adapters.contracts import installed_version
 
-        return version(target.split(".")[0].replace("_", "-"))
-    except Exception:
-        return "unknown"
+    distribution = contracts.distribution if contracts is not None else target.split(".")[0].replace("_", "-")
+    return installed_version(module if module is not None else sys.modules.get(target), distribution)
+
+
+def versions() -> Dict[str, Optional[str]]:
+    """loader -> the version its adapter found when it patched it (for reports and ``ownsan doctor``)."""
+    with _lock:
+        return dict(_versions_seen)
 
 
 class _PatchingLoader(importlib.abc.Loader):
@@ -152,6 +174,7 @@ def uninstall_import_hooks() -> None:
             else:
                 setattr(owner, attribute, original)
         _patched_modules.clear()
+        _versions_seen.clear()
         if _finder is not None:
             try:
                 sys.meta_path.remove(_finder)
@@ -214,5 +237,5 @@ def lease_iterators(cls: Any, method: str, borrowed: Any, name: str) -> None:
     replace(cls, "__exit__", patched_exit)
 
 
-__all__ = ["install_import_hooks", "uninstall_import_hooks", "patched", "replace", "track_open", "close_open",
-           "lease_iterators", "TARGETS"]
+__all__ = ["install_import_hooks", "uninstall_import_hooks", "patched", "versions", "replace", "track_open",
+           "close_open", "lease_iterators", "TARGETS"]
