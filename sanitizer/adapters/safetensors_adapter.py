@@ -1,5 +1,12 @@
 """safetensors: emulated borrowing for a loader that owns its tensors.
 
+safetensors (safetensors), read from versions 0.4.0 to below 1.0.0; outside them: the same API (`safe_open` with `get_tensor`, `get_slice`, `get_tensors`).
+
+| versions | entry point | borrows when | valid until | checked |
+| --- | --- | --- | --- | --- |
+| 0.4.x-0.8.x | `safe_open(...).get_tensor`, `get_slice(name)[...]`, `get_tensors()` | never (owned views of a private file mapping); emulated with option `safetensors_ring=N` | the consumer's last reference (emulated: the ring coming round, or the file's close) | emulated: a view kept past the ring is moved onto an owned copy and reported as an `emulated_retention` (never an error); `safetensors_strict=1`: a retention and a stale use |
+| 0.4.x-0.8.x | `safetensors.torch.load_file` | never | the consumer's last reference | nothing (a whole-checkpoint dict by contract, never emulated) |
+
 ``safe_open`` hands out tensors that are safe to retain, so nothing is wrong
 with a consumer that keeps them. To test that consumer against the borrowed
 contract anyway (before pointing it at fastsafetensors, runai or InstantTensor)
@@ -7,26 +14,53 @@ its tensors are served through a :class:`~sanitizer.torch_layer.ring.StagingRing
 
 * :func:`iterate` yields ``(name, view)`` for every tensor of some files;
 * with ``OWNERSHIP_SANITIZE=1`` and option ``safetensors_ring=N`` (bytes), the
-  import hook makes ``safe_open(...).get_tensor`` return ring views (freed at
-  the ``with`` block's end). ``safetensors.torch.load_file`` keeps returning
-  owned tensors: its contract is a whole-checkpoint dict, not a stream.
+  import hook makes ``safe_open(...)``'s ``get_tensor``, ``get_slice(...)[...]``
+  (a slice of a borrowed tensor is borrowed) and ``get_tensors()`` return ring
+  views, freed when the file is closed (the ``with`` block's end, or
+  ``__exit__`` called by hand as transformers does). ``safetensors.torch.load_file``
+  keeps returning owned tensors: its contract is a whole-checkpoint dict.
+
+What a kept view means depends on whose contract is asked. Under safetensors'
+own contract (the default) keeping one is correct: a view still held when the
+ring is about to reuse its bytes, or when the file is closed, is first moved
+onto an owned copy of its own (the program stays bit-exact) and reported once
+per file as an ``emulated_retention`` event (how many, how many bytes, who held
+the first), never as an error. ``safetensors_strict=1`` asks for the borrowed
+contract instead: such a view is a retention, and its later use a stale-use
+error, as with a borrowing loader.
 """
 from __future__ import annotations
 
 import functools
 import os
 import threading
-from typing import Any, Iterable, Iterator, Optional, Sequence, Tuple, Union
+from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from sanitizer.core.ledger import Lease
 from sanitizer.core.safetensors_header import read_header
-from sanitizer.torch_layer import runtime
+from sanitizer.core.units import format_bytes
+from sanitizer.adapters.contracts import Contract, LoaderContracts
+from sanitizer.torch_layer import runtime, storage_handles
 from sanitizer.torch_layer.iterators import EmulatedBorrowing, emulate_borrowed
 from sanitizer.torch_layer.ring import StagingRing
 from sanitizer.adapters import replace
 
 NAME = "safetensors"
+CONTRACTS = LoaderContracts(
+    loader="safetensors", distribution="safetensors", low="0.4.0", high="1.0.0",
+    assumed="the same API (`safe_open` with `get_tensor`, `get_slice`, `get_tensors`)",
+    rows=(
+        Contract("0.4.x-0.8.x", "`safe_open(...).get_tensor`, `get_slice(name)[...]`, `get_tensors()`",
+                 "never (owned views of a private file mapping); emulated with option `safetensors_ring=N`",
+                 "the consumer's last reference (emulated: the ring coming round, or the file's close)",
+                 "emulated: a view kept past the ring is moved onto an owned copy and reported as an "
+                 "`emulated_retention` (never an error); `safetensors_strict=1`: a retention and a stale use"),
+        Contract("0.4.x-0.8.x", "`safetensors.torch.load_file`", "never", "the consumer's last reference",
+                 "nothing (a whole-checkpoint dict by contract, never emulated)"),
+    ),
+)
 _TORCH_FRAMEWORKS = ("pt", "torch", "pytorch")
 _bypass = threading.local()
 _original_safe_open: Any = None
@@ -76,8 +110,21 @@ def iterate(paths: Union[str, Iterable[str]], ring_bytes: Optional[int] = None, 
     return emulate_borrowed(_tensors(paths, device), ring_bytes, lifetime=lifetime, name=NAME)
 
 
+class _Kept:
+    """What one emulated file's consumer kept past the emulated contract (for its one event)."""
+
+    __slots__ = ("count", "nbytes", "names", "holder", "named_at_close")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.nbytes = 0
+        self.names: List[str] = []
+        self.holder: Optional[dict] = None
+        self.named_at_close = False
+
+
 class EmulatedSafeOpen:
-    """``safe_open`` whose ``get_tensor`` lends views of a staging ring (option ``safetensors_ring``)."""
+    """``safe_open`` whose tensors are lent as views of a staging ring (option ``safetensors_ring``)."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         if getattr(_bypass, "on", False):
@@ -91,25 +138,99 @@ class EmulatedSafeOpen:
         self._emulate = framework in _TORCH_FRAMEWORKS
         self._label = f"{NAME}:{os.path.basename(os.fspath(filename))}"
         self._ring: Optional[StagingRing] = None
+        self._handles: Optional[storage_handles.WeakStorageTable] = None
+        self._kept = _Kept()
+        self._lock = threading.Lock()  # transformers materializes slices from a thread pool: place + put are one step
 
-    def get_tensor(self, name: str) -> Any:
-        tensor = self._inner.get_tensor(name)
-        if not (self._emulate and runtime.state.enabled):
+    # -- lending -----------------------------------------------------------------
+    def _strict(self) -> bool:
+        return bool(runtime.state.options["safetensors_strict"]) or not storage_handles.AVAILABLE
+
+    def _lend(self, name: str, tensor: Any) -> Any:
+        if not (self._emulate and runtime.state.enabled and isinstance(tensor, torch.Tensor)):
             return tensor
         ring_bytes = runtime.state.options["safetensors_ring"]
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes > ring_bytes:
             raise ValueError(f"{self._label}: tensor '{name}' ({nbytes} bytes) does not fit the emulation ring "
                              f"of safetensors_ring={ring_bytes} bytes; raise the option to >= the largest tensor")
-        if self._ring is None or self._ring.buffer.closed:
-            self._ring = StagingRing(ring_bytes, device=tensor.device, name=self._label)
-        return self._ring.put(name, tensor)
+        with self._lock:
+            if self._ring is None or self._ring.buffer.closed:
+                self._ring = StagingRing(ring_bytes, device=tensor.device, name=self._label)
+                self._handles = storage_handles.WeakStorageTable(lambda: runtime.state.ledger.live_count)
+            if not self._strict():
+                segment, offset = self._ring.place(nbytes, tensor.element_size())
+                region = self._ring.segments[segment]._region
+                self._own_held(runtime.state.ledger.overlapping(region.region_id, offset, offset + nbytes), False)
+            view = self._ring.put(name, tensor)
+            lease = runtime.lease_of(view)
+            if lease is not None and self._handles is not None:
+                self._handles.add(lease, view)
+        return view
+
+    def _own_held(self, leases: List[Lease], at_close: bool) -> None:
+        """Move every held view among ``leases`` onto an owned copy (safetensors' contract lets it be kept)."""
+        for lease in leases:
+            if not lease.alive or lease.rescued or lease.stale_by is not None or self._handles is None:
+                continue
+            storage = self._handles.take(lease)
+            if storage is None or storage_handles.holders(storage) <= 0:
+                continue
+            kept = self._kept
+            if kept.holder is None or (at_close and not kept.named_at_close):
+                # who keeps it at the end says more than who had it in hand mid-load (a future, a list)
+                kept.holder, kept.named_at_close = _name_holder(storage) or kept.holder, at_close
+            old, piece = storage_handles.repoint(storage)  # the view and all its derived views now own a copy
+            runtime.disown(lease)
+            runtime.rebind_lease(lease, piece)
+            del old
+            kept.count += 1
+            kept.nbytes += lease.end - lease.start
+            if len(kept.names) < 8:
+                kept.names.append(lease.name or "?")
+
+    def _report_kept(self) -> None:
+        kept, self._kept = self._kept, _Kept()
+        if not kept.count:
+            return
+        holder = (kept.holder or {}).get("path") or "something the walk could not name"
+        runtime.record_event("emulated_retention", {
+            "kind": "emulated_retention",
+            "summary": (f"{kept.count} view(s) of {self._label} ({format_bytes(kept.nbytes)}) were still held by "
+                        f"{holder} when the emulation ring reused or freed them: a retention under the emulated "
+                        f"borrowed contract, correct under safetensors' own (each was moved onto an owned copy; "
+                        f"safetensors_strict=1 makes it an error)"),
+            "file": self._label, "count": kept.count, "nbytes": kept.nbytes, "leases": kept.names,
+            "holder": kept.holder, "pid": os.getpid()})
+
+    # -- safe_open's API ---------------------------------------------------------
+    def get_tensor(self, name: str) -> Any:
+        return self._lend(name, self._inner.get_tensor(name))
+
+    def get_slice(self, name: str) -> Any:
+        inner = self._inner.get_slice(name)
+        return _EmulatedSlice(self, name, inner) if self._emulate and runtime.state.enabled else inner
+
+    def get_tensors(self) -> Any:
+        """Every tensor of the file as a dict (safetensors: ``get_tensor`` over ``offset_keys()``)."""
+        if not (self._emulate and runtime.state.enabled):
+            return self._inner.get_tensors()
+        keys = self._inner.offset_keys() if hasattr(self._inner, "offset_keys") else self._inner.keys()
+        return {k: self.get_tensor(k) for k in keys}
 
     def close(self) -> None:
-        """Free the ring: every view still held goes stale (the borrowed loader's end of iteration)."""
-        if self._ring is not None:
-            self._ring.close()
-            self._ring = None
+        """Free the ring: every view still held goes stale (strict) or onto an owned copy (the default)."""
+        with self._lock:
+            if self._ring is not None:
+                if not self._strict() and not self._ring.buffer.closed:
+                    for segment in self._ring.segments:
+                        self._own_held(runtime.state.ledger.overlapping(segment._region.region_id, 0,
+                                                                        segment.nbytes), True)
+                self._ring.close()
+                self._ring = None
+        if self._handles is not None:
+            self._handles.clear()
+        self._report_kept()
 
     def __enter__(self) -> "EmulatedSafeOpen":
         self._inner.__enter__()
@@ -121,6 +242,32 @@ class EmulatedSafeOpen:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+class _EmulatedSlice:
+    """``get_slice(name)``: shape and dtype as safetensors says; each ``[...]`` a ring view of the slice."""
+
+    def __init__(self, owner: EmulatedSafeOpen, name: str, inner: Any):
+        self._owner, self._name, self._inner = owner, name, inner
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._owner._lend(self._name, self._inner[index])
+
+    def __getattr__(self, name: str) -> Any:  # get_shape, get_dtype
+        return getattr(self._inner, name)
+
+
+def _name_holder(storage: torch.UntypedStorage) -> Optional[dict]:
+    """Who holds ``storage`` (the bounded heap walk triage uses), or None."""
+    if runtime.state.options["triage_budget_ms"] <= 0:
+        return None
+    from sanitizer.features.holders import find_holders
+
+    key = storage._cdata
+    result = find_holders([key], depth=runtime.state.options["triage_depth"],
+                          budget_ms=runtime.state.options["triage_budget_ms"], replay=False)
+    found = result.holders.get(key) or []
+    return found[0].to_dict() if found else None
 
 
 def _owned_loads(load_file: Any) -> Any:

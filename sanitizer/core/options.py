@@ -113,10 +113,15 @@ OPTIONS: Dict[str, Option] = {
                "its derived views onto an owned copy (same size), so retaining consumers keep correct data; "
                "sanitizer.rescues() lists each one with its lend site."),
         Option("safetensors_ring", int, 0,
-               "With OWNERSHIP_SANITIZE=1: serve safetensors safe_open().get_tensor() through a StagingRing of this "
-               "many bytes (emulated borrowing: views reused as the ring comes round, freed at the with-block's end), "
-               "to test a consumer against the borrowed contract. 0: off (safetensors tensors are owned; load_file "
-               "is never affected).", _non_negative),
+               "With OWNERSHIP_SANITIZE=1: serve safetensors safe_open()'s get_tensor, get_slice(...)[...] and "
+               "get_tensors() through a StagingRing of this many bytes (emulated borrowing: views reused as the "
+               "ring comes round, freed when the file is closed), to test a consumer against the borrowed "
+               "contract. 0: off (safetensors tensors are owned; load_file is never affected).", _non_negative),
+        Option("safetensors_strict", bool, False,
+               "With safetensors_ring=N: hold the consumer to the emulated borrowed contract. 0 (default): a "
+               "view still held when the ring reuses or frees it is moved onto an owned copy and reported as an "
+               "emulated_retention event (correct under safetensors' own contract), never an error. 1: it is a "
+               "retention, and its later use a stale-use error, as with a borrowing loader."),
         Option("triage", bool, False,
                "Triage mode: never raise; record every error and every retention (a retired view that something "
                "still held, with the holder named) so the program runs to the end. ownsan run and the pytest "

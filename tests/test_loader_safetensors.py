@@ -1,0 +1,161 @@
+"""safetensors under ``safetensors_ring=N``: get_tensor, get_slice and get_tensors lend ring views; what a kept
+view means under safetensors' own contract (an ``emulated_retention``, bit-exact) and the strict one (an error);
+transformers' own loading, from a tiny random-config model saved locally (skips without transformers)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import sanitizer
+from sanitizer import StaleBorrowError, adapters
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RING = 4 * 16 * 16  # one float32[16, 16]: every put reuses the previous tensor's bytes
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    g = torch.Generator().manual_seed(11)
+    tensors = {f"layers.{i}.weight": torch.randn(16, 16, generator=g) for i in range(4)}
+    path = str(tmp_path / "model.safetensors")
+    safetensors_torch.save_file(tensors, path)
+    return path, tensors
+
+
+@pytest.fixture
+def emulation():
+    def start(**options):
+        sanitizer.enable(safetensors_ring=RING, **options)
+        assert "safetensors" in adapters.install_import_hooks()
+        from safetensors import safe_open
+
+        return safe_open
+
+    yield start
+    adapters.uninstall_import_hooks()
+
+
+KEPT = {}
+
+
+def test_slices_and_get_tensors_are_ring_views_and_kept_ones_are_reported_not_errors(ckpt, emulation):
+    path, tensors = ckpt
+    safe_open = emulation()
+    f = safe_open(path, framework="pt")  # as transformers does: no with block, __exit__ by hand
+    sl = f.get_slice("layers.0.weight")
+    assert sl.get_shape() == [16, 16] and sl.get_dtype() == "F32"
+    rows = sl[2:5]
+    assert sanitizer.is_borrowed(rows) and torch.equal(rows, tensors["layers.0.weight"][2:5])
+    for name in tensors:
+        KEPT[name] = f.get_slice(name)[...]  # a consumer that keeps every tensor (transformers' parameters)
+    everything = f.get_tensors()  # get_tensor over offset_keys(): the dict itself keeps each one past the ring
+    assert set(everything) == set(tensors) and sanitizer.is_borrowed(everything["layers.3.weight"])
+    assert not sanitizer.is_borrowed(everything["layers.0.weight"])  # moved onto its own copy as the ring came round
+    f.__exit__(None, None, None)
+    try:
+        # safetensors' own contract: keeping is correct, so the kept views were moved onto owned copies
+        assert all(torch.equal(KEPT[k], tensors[k]) for k in tensors)
+        assert all(torch.equal(everything[k], tensors[k]) for k in tensors)
+        assert sanitizer.errors() == [] and sanitizer.retentions() == []
+        events = [e for e in sanitizer.report()["events"] if e["kind"] == "emulated_retention"]
+        assert len(events) == 1  # one per file
+        assert events[0]["count"] == 1 + len(tensors) + len(tensors)  # rows, KEPT, get_tensors' dict
+        assert "KEPT" in events[0]["holder"]["path"] or "everything" in events[0]["holder"]["path"]
+        assert "correct under safetensors' own" in events[0]["summary"]
+    finally:
+        KEPT.clear()
+
+
+def test_strict_contract_makes_a_kept_view_a_stale_use(ckpt, emulation):
+    path, tensors = ckpt
+    safe_open = emulation(safetensors_strict=1)
+    with safe_open(path, framework="pt") as f:
+        first = f.get_slice("layers.0.weight")[:]
+        second = f.get_tensor("layers.1.weight")  # the ring comes round onto first's bytes
+        assert torch.equal(second, tensors["layers.1.weight"])
+        with pytest.raises(StaleBorrowError):
+            first.sum()
+    with pytest.raises(StaleBorrowError):
+        second.sum()
+
+
+def test_a_consumer_that_copies_each_tensor_is_clean_in_both_modes(ckpt, emulation):
+    path, tensors = ckpt
+    for strict in (0, 1):
+        safe_open = emulation(safetensors_strict=strict)
+        params = {k: torch.empty_like(v) for k, v in tensors.items()}
+        with safe_open(path, framework="pt") as f:
+            for k in f.keys():
+                params[k].copy_(f.get_slice(k)[:])
+        assert all(torch.equal(params[k], tensors[k]) for k in tensors)
+        assert sanitizer.errors() == [] and not [e for e in sanitizer.report()["events"]
+                                                 if e["kind"] == "emulated_retention"]
+        adapters.uninstall_import_hooks()
+
+
+LOAD = textwrap.dedent("""
+    import json, sys, torch, transformers
+    from transformers.modeling_utils import load_state_dict
+    from safetensors.torch import load_file
+    path = sys.argv[1]
+    ref = load_file(path + "/model.safetensors")
+    model = transformers.LlamaForCausalLM.from_pretrained(path)
+    sd = model.state_dict()
+    direct = load_state_dict(path + "/model.safetensors")
+    print(json.dumps({"from_pretrained": sum(not torch.equal(sd[k], ref[k]) for k in ref),
+                      "load_state_dict": sum(not torch.equal(direct[k], ref[k]) for k in ref), "n": len(ref)}))
+""")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed here")
+    path = str(tmp_path_factory.mktemp("tiny-llama"))
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)  # no hub: a random model, saved locally
+    return path
+
+
+def _ownsan(tmp_path, model, *options):
+    script = tmp_path / "load.py"
+    script.write_text(LOAD)
+    report = tmp_path / "report.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OWNERSHIP_SANITIZE")}
+    env.update(PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    args = [sys.executable, "-m", "sanitizer", "run", "-q", "--report", str(report)]
+    for option in options:
+        args += ["-o", option]
+    proc = subprocess.run(args + ["--", sys.executable, str(script), model], env=env, capture_output=True,
+                          text=True, timeout=300)
+    with open(report, encoding="utf-8") as fh:
+        return proc, json.loads(proc.stdout.strip().splitlines()[-1]), json.load(fh)
+
+
+def test_transformers_from_pretrained_under_the_emulation(tmp_path, tiny_model):
+    """from_pretrained keeps get_slice(...)[...] as the model's parameters; load_state_dict keeps get_tensor in a
+    dict: retentions under the emulated contract, correct under safetensors' own: reported, bit-exact, exit 0."""
+    proc, result, rep = _ownsan(tmp_path, tiny_model, f"safetensors_ring={64 * 32 * 4}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert result["from_pretrained"] == 0 and result["load_state_dict"] == 0
+    assert rep["error_count"] == 0 and rep["summary"]["retentions"] == 0
+    found = [e for e in rep["events"] if e["kind"] == "emulated_retention"]
+    assert len(found) == 2 and all(e["count"] == result["n"] for e in found)
+    holders = sorted((e.get("holder") or {}).get("path") or "" for e in found)
+    assert "_parameters['weight']" in holders[0] + holders[1]  # the model's parameters are the views
+    assert "state_dict" in holders[0] + holders[1]  # load_state_dict's dict
+
+
+def test_transformers_under_the_strict_contract_fails_naming_the_holders(tmp_path, tiny_model):
+    proc, result, rep = _ownsan(tmp_path, tiny_model, f"safetensors_ring={64 * 32 * 4}", "safetensors_strict=1")
+    assert proc.returncode == 1
+    assert rep["summary"]["retentions"] >= result["n"]
+    assert any("_parameters" in (c["consumer"] or "") for c in rep["summary"]["retaining_consumers"])
