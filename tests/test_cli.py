@@ -15,7 +15,8 @@ from sanitizer.tools import startup
 from conftest import ROOT
 
 # A consumer that defers every weight it is given (never imports sanitizer). Under ownsan run,
-# safetensors_ring makes safe_open serve views of a small reused ring, as a borrowing loader does.
+# safetensors_ring makes safe_open serve views of a small reused ring, as a borrowing loader does;
+# safetensors_strict=1 holds the consumer to that borrowed contract (by default a kept view is only reported).
 SCRIPT = '''
 import sys
 from dataclasses import dataclass, field
@@ -51,7 +52,7 @@ def _ownsan(*args: str, cwd: str, timeout: float = 180) -> subprocess.CompletedP
 def retaining_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ownsan")
     (tmp / "consumer.py").write_text(SCRIPT)
-    out = _ownsan("run", "-o", "safetensors_ring=8192", "--report", "rep.json", "--",
+    out = _ownsan("run", "-o", "safetensors_ring=8192", "-o", "safetensors_strict=1", "--report", "rep.json", "--",
                   sys.executable, "consumer.py", str(tmp / "ckpt.safetensors"), "keep", cwd=str(tmp))
     return tmp, out
 
@@ -80,7 +81,7 @@ def test_triage_prints_the_table_sorted_by_bytes(retaining_run, capsys):
 
 def test_run_passes_a_correct_consumer(tmp_path):
     (tmp_path / "consumer.py").write_text(SCRIPT)
-    out = _ownsan("run", "-q", "-o", "safetensors_ring=8192", "--report", "rep.json", "--",
+    out = _ownsan("run", "-q", "-o", "safetensors_ring=8192", "-o", "safetensors_strict=1", "--report", "rep.json", "--",
                   sys.executable, "consumer.py", str(tmp_path / "ckpt.safetensors"), "clone", cwd=str(tmp_path))
     assert out.returncode == 0, out.stderr
     assert "total 15360.0" in out.stdout  # the right values

@@ -171,8 +171,18 @@ def summarize(rep: Dict[str, Any], pending: int = 0) -> Dict[str, Any]:
     }
 
 
+def process_label(pid: Any, rank: Any) -> str:
+    """How a merged report names the process of a finding: ``rank 1 (pid 4242)``, or ``pid 4242``."""
+    return f"rank {rank} (pid {pid})" if rank is not None else f"pid {pid}"
+
+
 def merge(reports: Iterable[Dict[str, Any]]) -> Dict[str, Any]:
-    """One report from the reports of several processes (ranks, workers); a single one is returned as is."""
+    """One report from the reports of several processes (ranks, workers); a single one is returned as is.
+
+    Every error, event and retained lease names the process it came from (``pid``, ``rank`` and a
+    ``process`` label such as ``rank 1 (pid 4242)``), and each retaining consumer of the summary lists
+    the processes whose retentions it groups: in a multi-worker load, which worker kept what.
+    """
     reports = sorted(reports, key=lambda r: (r.get("rank") is None, r.get("rank") or 0, r.get("pid", 0)))
     if not reports:
         raise ValueError("no report to merge")
@@ -185,9 +195,10 @@ def merge(reports: Iterable[Dict[str, Any]]) -> Dict[str, Any]:
     out["errors_not_kept"] = {cap: sum((r.get("errors_not_kept") or {}).get(cap, 0) for r in reports)
                               for cap in ("max_records", "max_errors_per_lease")}
     for key in ("errors", "events", "retained_stale_leases", "buffers"):
-        out[key] = [item for r in reports for item in r.get(key, ())]
+        out[key] = [_from_process(item, r) for r in reports for item in r.get(key, ())]
     out["processes"] = [{"pid": r["pid"], "rank": r.get("rank"), "world_size": r.get("world_size"),
-                         "error_count": r.get("error_count", 0), "argv": r.get("argv", [])} for r in reports]
+                         "error_count": r.get("error_count", 0), "argv": r.get("argv", []),
+                         "label": process_label(r["pid"], r.get("rank"))} for r in reports]
     timelines = [r["timeline"] for r in reports if isinstance(r.get("timeline"), dict)]
     if timelines:  # buffers, leases and reuses carry their pid: ids are per process
         out["timeline"] = {"cap": max(t.get("cap", 0) for t in timelines),
@@ -195,7 +206,26 @@ def merge(reports: Iterable[Dict[str, Any]]) -> Dict[str, Any]:
                            **{key: [item for t in timelines for item in t.get(key, ())]
                               for key in ("buffers", "leases", "events")}}
     out["summary"] = summarize(out, pending=sum(r.get("summary", {}).get("pending_retentions", 0) for r in reports))
+    by_consumer: Dict[tuple, List[str]] = {}
+    for e in out["events"]:
+        if e.get("kind") == "retention":
+            holder = e.get("holder") or {}
+            labels = by_consumer.setdefault((holder.get("consumer") or "<unnamed holder>",
+                                             site_text(holder.get("site"))), [])
+            if e["process"] not in labels:
+                labels.append(e["process"])
+    for group in out["summary"]["retaining_consumers"]:
+        group["processes"] = by_consumer.get((group["consumer"], group["site"]), [])
     return out
+
+
+def _from_process(item: Any, rep: Dict[str, Any]) -> Any:
+    """``item`` of ``rep`` with the process it came from (its own pid wins: a forked child's records)."""
+    if not isinstance(item, dict):
+        return item
+    pid = item.get("pid", rep.get("pid"))
+    rank = item["rank"] if "rank" in item else rep.get("rank")
+    return dict(item, pid=pid, rank=rank, process=process_label(pid, rank))
 
 
 def expand_path(path: str) -> str:
@@ -298,5 +328,5 @@ def install() -> None:
     add_enable_hook(_on_enable)
 
 
-__all__ = ["install", "report", "write_report", "summarize", "merge", "load", "validate", "schema", "expand_path",
-           "FORMAT", "VERSION", "SCHEMA_PATH"]
+__all__ = ["install", "report", "write_report", "summarize", "merge", "process_label", "load", "validate", "schema",
+           "expand_path", "FORMAT", "VERSION", "SCHEMA_PATH"]
