@@ -5,6 +5,7 @@
 # against each folder it finds and skips, saying why, for a missing one. The versions are the ones the adapters'
 # contract tables know (sanitizer/adapters/*_adapter.py: MATRIX); tests/test_loader_matrix.py checks that this
 # list and those tables agree. A version that will not install is reported and skipped, never a failure here.
+# (pyproject's `engines` extra names the last two for people who want them by hand.)
 #
 #   bash .ci/loader_matrix.sh [python]        (default: .venv/bin/python)
 set -uo pipefail
@@ -32,4 +33,14 @@ for spec in "${MATRIX[@]}"; do
         echo ".ci/loader_matrix.sh: could not install $spec (see $DEST/$name-$version.log): its matrix tests will skip"
     fi
 done
+# The engines' other pieces the tests drive when present: transformers (from_pretrained under safetensors_ring)
+# and Ray (runtime_env on a local instance). Installed into the test environment itself (they bring no torch);
+# their tests skip, saying why, when this fails.
+if ! "$PY" -c "import transformers, ray" >/dev/null 2>&1; then
+    if timeout 900 "$PY" -m pip install -q --disable-pip-version-check transformers ray >"$DEST/engines.log" 2>&1; then
+        echo ".ci/loader_matrix.sh: transformers and ray installed"
+    else
+        echo ".ci/loader_matrix.sh: could not install transformers/ray (see $DEST/engines.log): their tests will skip"
+    fi
+fi
 exit 0

@@ -114,8 +114,9 @@ class EnginePath:
     """How an engine calls a loader, and what the sanitizer checks there, per loader version.
 
     ``outcomes`` maps a loader version (one of the matrix) to ``"caught"`` (a consumer that keeps every
-    tensor is caught: borrowed memory) or ``"clean"`` (owned memory: keeping it is correct, nothing is
-    reported); ``tests/test_engines.py`` drives a loop of this shape under ``ownsan run`` and checks it.
+    tensor is caught: borrowed memory) or ``"clean"`` (owned memory, or memory never reused: keeping it
+    is correct, nothing is reported); ``tests/test_engines.py`` drives a loop of this shape under
+    ``ownsan run`` and checks it.
     """
 
     key: str  # the test's name for the loop
@@ -173,7 +174,8 @@ def render_engines(paths: Sequence[EnginePath] = ENGINE_PATHS) -> str:
     """The table "your engine, your loader, your version -> what is checked"."""
     lines = ["| engine | function | loader | what it calls | loader version: checked | note |",
              "| --- | --- | --- | --- | --- | --- |"]
-    verdict = {"caught": "borrowed: a retaining consumer is caught", "clean": "owned: nothing to catch"}
+    verdict = {"caught": "borrowed: a retaining consumer is caught",
+               "clean": "kept tensors stay valid: nothing reported"}
     for p in paths:
         outcome = "; ".join(f"{v}: {verdict[o]}" for v, o in p.outcomes)
         lines.append("| " + " | ".join(_cell(c) for c in (p.engine, f"`{p.function}`", p.loader, p.calls, outcome,
@@ -181,5 +183,55 @@ def render_engines(paths: Sequence[EnginePath] = ENGINE_PATHS) -> str:
     return "\n".join(lines)
 
 
+_BEGIN = "<!-- {name}: generated from sanitizer/adapters by `python -m sanitizer.adapters.contracts --sync` -->"
+_END = "<!-- /{name} -->"
+
+
+def doc_sections(contracts: Sequence[LoaderContracts]) -> dict:
+    """The generated sections of docs/loaders.md: name -> text."""
+    return {"engine-table": render_engines(),
+            **{f"contracts-{c.distribution}": render_contracts(c) for c in contracts}}
+
+
+def sync_text(text: str, sections: dict) -> str:
+    """``text`` with every generated section replaced by its current rendering (markers must be present)."""
+    for name, body in sections.items():
+        begin, end = _BEGIN.format(name=name), _END.format(name=name)
+        i, j = text.find(begin), text.find(end)
+        if i < 0 or j < i:
+            raise ValueError(f"the document has no section '{name}' (expected the markers {begin!r} ... {end!r})")
+        text = text[:i + len(begin)] + "\n" + body + "\n" + text[j:]
+    return text
+
+
+def all_contracts() -> Tuple[LoaderContracts, ...]:
+    """Every adapter's contracts (imports the adapters: torch)."""
+    import importlib
+
+    names = ("fastsafetensors_adapter", "runai_adapter", "instanttensor_adapter", "safetensors_adapter")
+    return tuple(importlib.import_module(f"sanitizer.adapters.{n}").CONTRACTS for n in names)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m sanitizer.adapters.contracts --sync [docs/loaders.md]``: rewrite the generated tables."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] != "--sync":
+        print("usage: python -m sanitizer.adapters.contracts --sync [docs/loaders.md]", file=sys.stderr)
+        return 2
+    path = args[1] if len(args) > 1 else os.path.join("docs", "loaders.md")
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    new = sync_text(text, doc_sections(all_contracts()))
+    if new != text:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(new)
+    print(f"{path}: {'updated' if new != text else 'up to date'}")
+    return 0
+
+
 __all__ = ["Contract", "LoaderContracts", "EnginePath", "ENGINE_PATHS", "parse_version", "installed_version",
-           "render_contracts", "render_engines"]
+           "render_contracts", "render_engines", "doc_sections", "sync_text", "all_contracts"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
