@@ -1,7 +1,8 @@
 """Load time of the real loaders on CPU: sanitizer off, generation tracking, full debug.
 
-For each loader that is installed (fastsafetensors 0.5 borrowed mode,
-runai-model-streamer owned=False, safetensors safe_open tracked as borrowed),
+For each loader that is installed (fastsafetensors 0.5 borrowed mode, its file
+buffer's views leased until ``fb.close()`` as vLLM 0.20 calls it, runai-model-streamer
+owned=False, safetensors safe_open tracked as borrowed),
 the same checkpoint is loaded by a correct consumer (copy into preallocated
 parameters) in three modes, interleaved run by run so that machine noise hits
 all modes alike:
@@ -103,8 +104,37 @@ def safetensors_loader(paths: List[str]) -> Tuple[Iterator, Callable[[], None]]:
     return gen(), lambda: None
 
 
+def fastsafetensors_file_buffer_loader(paths: List[str], tracked: bool = False) -> Tuple[Iterator, Callable[[], None]]:
+    """vLLM 0.20's path: ``copy_files_to_device`` + ``fb.get_tensor`` per key + ``fb.close()`` per file, the views
+    leased until the close as the adapter does (``BorrowedLoans``), or not at all when ``tracked`` is False."""
+    from fastsafetensors import SafeTensorsFileLoader, SingleGroup
+
+    from sanitizer.torch_layer.iterators import BorrowedLoans
+
+    def gen() -> Iterator:
+        for path in paths:
+            loader = SafeTensorsFileLoader(SingleGroup(), "cpu", nogds=True, set_numa=False)
+            loader.add_filenames({0: [path]})
+            fb = loader.copy_files_to_device(borrowed_tensors=True)  # 0.5: the 0.2-0.4 zero-copy views
+            loans = BorrowedLoans("bench:file-buffer") if tracked else None
+            try:
+                for k in list(fb.key_to_rank_lidx):
+                    t = fb.get_tensor(k)
+                    yield k, (loans.lend(k, t) if loans is not None else t)
+            finally:
+                if loans is not None:
+                    loans.close()
+                fb.close()
+                loader.close()
+
+    return gen(), lambda: None
+
+
+SELF_TRACKING = {fastsafetensors_file_buffer_loader}  # they lend leases themselves (as their adapter does)
+
 LOADERS = {
     "fastsafetensors (borrowed_tensors=True)": ("fastsafetensors", fastsafetensors_loader),
+    "fastsafetensors file buffer (until close)": ("fastsafetensors", fastsafetensors_file_buffer_loader),
     "runai-model-streamer (owned=False)": ("runai_model_streamer", runai_loader),
     "safetensors safe_open (tracked as borrowed)": ("safetensors", safetensors_loader),
 }
@@ -133,9 +163,12 @@ def load_once(make: Callable, paths: List[str], params: Dict[str, torch.Tensor],
             _triage_hooks(False)
     try:
         start = time.perf_counter()
-        iterator, cleanup = make(paths)
-        if mode != "off":
-            iterator = sanitizer.borrowed_iterator(iterator, lifetime=1, name="bench")
+        if make in SELF_TRACKING:
+            iterator, cleanup = make(paths, tracked=mode != "off")
+        else:
+            iterator, cleanup = make(paths)
+            if mode != "off":
+                iterator = sanitizer.borrowed_iterator(iterator, lifetime=1, name="bench")
         for name, t in iterator:
             params[name].copy_(t)
         del t

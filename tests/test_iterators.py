@@ -321,3 +321,63 @@ def test_an_aliased_lease_outliving_its_dropped_alias_still_expires_before_the_l
             whole.sum()
         it.close()
     assert log == [True]
+
+
+# -- BorrowedLoans: leases that end at the loader's free (fastsafetensors' file buffer) ------------------------
+def test_loans_last_until_close_and_a_kept_view_is_stale_after_it():
+    from sanitizer.torch_layer.iterators import BorrowedLoans
+
+    pool = torch.arange(32, dtype=torch.float32)
+    with sanitizer.sanitize():
+        loans = BorrowedLoans("file-buffer")
+        loans.adopt("cpu", pool.data_ptr(), pool.numel() * 4)  # one region for the whole buffer
+        a = loans.lend("a", pool[:8])
+        b = loans.lend("b", pool[8:16].view(2, 4))
+        assert sanitizer.lease_of(a).region_id == sanitizer.lease_of(b).region_id
+        assert b.shape == (2, 4) and float(a.sum()) == 28.0  # valid until the loader's close, however many lends
+        assert loans.lend("again", a) is a  # already a lease: returned as it is
+        loans.close()
+        with pytest.raises(StaleBorrowError) as err:
+            b.sum()
+        assert err.value.event.kind == "close"
+        with pytest.raises(ValueError, match="closed"):
+            loans.lend("late", pool[:4])
+
+
+def test_loans_without_an_adopted_buffer_track_each_storage_and_abandon_touches_nothing():
+    from sanitizer.torch_layer.iterators import BorrowedLoans
+
+    tensors = [torch.full((4,), float(i)) for i in range(3)]  # a storage each (DLPack exports)
+    with sanitizer.sanitize(poison=1):
+        loans = BorrowedLoans("per-tensor")
+        views = [loans.lend(f"t{i}", t) for i, t in enumerate(tensors)]
+        assert len({sanitizer.lease_of(v).region_id for v in views}) == 3
+        loans.abandon()  # the loader already freed them: stale, no verify, no poison
+        with pytest.raises(StaleBorrowError):
+            views[0].sum()
+    assert all(torch.equal(t, torch.full((4,), float(i))) for i, t in enumerate(tensors))
+
+
+def test_a_borrowed_iterator_over_leases_shortens_them_instead_of_tracking_twice():
+    from sanitizer.torch_layer.iterators import BorrowedLoans
+
+    pool = torch.arange(16, dtype=torch.float32)
+    with sanitizer.sanitize():
+        loans = BorrowedLoans("inner")
+
+        def loader():
+            for i in range(4):
+                yield f"w{i}", loans.lend(f"w{i}", pool[4 * i: 4 * i + 4])
+
+        it = borrowed_iterator(loader(), lifetime=1)
+        _, w0 = next(it)
+        inner = sanitizer.lease_of(w0)
+        assert inner is not None and inner.name == "w0"  # the inner lease itself, not a second one over it
+        _, w1 = next(it)
+        with pytest.raises(StaleBorrowError):  # its lifetime (1) ended at the advance, before the loader's close
+            w0.sum()
+        assert float(w1.sum()) == 22.0
+        it.close()
+        loans.close()
+        with pytest.raises(StaleBorrowError):
+            w1.sum()

@@ -92,10 +92,16 @@ def lends(fb: Any) -> bool:
     return bool(getattr(fb, "borrowed_tensors", True))
 
 
-def _loans(fb: Any) -> BorrowedLoans:
+def _loans(fb: Any, device: Any, spans: List[Tuple[int, int]]) -> BorrowedLoans:
+    """The file buffer's loans: one region per device buffer (its tensors are DLPack exports, a storage each)."""
     loans = fb.__dict__.get(_LOANS)
     if loans is None or loans.closed:
         loans = fb.__dict__[_LOANS] = BorrowedLoans(f"{NAME}:file-buffer")
+        for start, end in spans:
+            try:
+                loans.adopt(device, start, end - start)
+            except (ValueError, RuntimeError, TypeError):
+                pass  # a buffer we cannot alias: its tensors get a region each instead
     return loans
 
 
@@ -106,9 +112,10 @@ def _lend(fb: Any, name: Any, tensor: Any, spans: Optional[List[Tuple[int, int]]
     address, nbytes = byte_extent(tensor)
     if not nbytes:
         return tensor
-    for start, end in (spans if spans is not None else _buffer_spans(fb)):
+    spans = spans if spans is not None else _buffer_spans(fb)
+    for start, end in spans:
         if start <= address and address + nbytes <= end:
-            return _loans(fb).lend(name, tensor)
+            return _loans(fb, tensor.device, spans).lend(name, tensor)
     return tensor
 
 

@@ -161,9 +161,21 @@ class _Windows:
         self.label = label
         self.by_base: Dict[Tuple[str, int], _Window] = {}  # the newest window of each storage base
         self.open: List[_Window] = []
+        self.spans: List[_Window] = []  # windows over a loader's whole buffer (few), found by containment
+
+    def adopt_span(self, raw: torch.Tensor) -> None:
+        """Track ``raw`` (uint8 bytes of a loader's buffer) as one window: tensors inside it lend from it."""
+        w = _Window(StagingBuffer.adopt(raw, name=f"{self.label}@{raw.data_ptr():#x}"), device_key(raw.device),
+                    raw.data_ptr())
+        w.pending = 1  # never idle: it ends with the loader's close
+        self.spans.append(w)
+        self.open.append(w)
 
     def window_for(self, tensor: torch.Tensor, device: str, address: int, span: int,
                    close_idle: bool) -> _Window:
+        for w in self.spans:
+            if w.buffer is not None and w.device == device and w.base <= address and address + span <= w.end:
+                return w
         storage = tensor.untyped_storage()
         base = storage.data_ptr()
         w = self.by_base.get((device, base))
@@ -226,7 +238,7 @@ class _Windows:
         self._close(window, run_hooks)
 
     def close_all(self, run_hooks: bool) -> None:
-        windows, self.open, self.by_base = self.open, [], {}  # one pass: a file buffer may hold 10,000
+        windows, self.open, self.by_base, self.spans = self.open, [], {}, []  # one pass: 10,000 may be open
         for window in windows:
             self._close(window, run_hooks)
 
@@ -237,6 +249,31 @@ class _Windows:
             runtime.close_region(buf._region, run_hooks=run_hooks)
         # Dropping ``buf`` drops our reference to the loader's storage: the loader's memory lives
         # exactly as long as the loader and any consumer that still holds a view keep it.
+
+
+class _DeviceBytes:
+    """``nbytes`` of device memory at ``ptr`` through the CUDA array interface; owns nothing."""
+
+    __slots__ = ("__cuda_array_interface__",)
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
+
+
+def raw_bytes(device: torch.device, address: int, nbytes: int) -> torch.Tensor:
+    """A uint8 tensor over ``nbytes`` of a loader's memory at ``address`` that does not keep it alive (the
+    loader frees it; whoever adopts it must stop using it first, as ``BorrowedLoans.close`` does)."""
+    if isinstance(address, bool) or not isinstance(address, int) or address <= 0 or nbytes <= 0:
+        raise ValueError(f"a buffer needs an address > 0 and nbytes > 0, got {address!r}, {nbytes!r}")
+    if device.type == "cpu":
+        import ctypes
+
+        import numpy as np
+
+        return torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address)))
+    if device.type == "cuda":
+        return torch.as_tensor(_DeviceBytes(address, nbytes), device=device)
+    raise ValueError(f"buffers on '{device}' are not tracked (staging leases support {_TRACKED_DEVICES})")
 
 
 def _retire_span(region_id: int, lease: Optional[Lease], start: int, end: int, retire: Any) -> None:
@@ -322,6 +359,13 @@ class BorrowedLoans:
         self.name = name
         self._windows = _Windows(name)
         self.closed = False
+
+    def adopt(self, device: Any, address: int, nbytes: int) -> None:
+        """Track the loader's buffer ``[address, address + nbytes)`` on ``device`` as one region, so that the
+        tensors it hands out from there lend from it (one region per buffer, not one per tensor)."""
+        if self.closed:
+            raise ValueError(f"{self.name}: closed; cannot adopt a buffer")
+        self._windows.adopt_span(raw_bytes(torch.device(device), address, nbytes))
 
     def lend(self, name: Any, tensor: torch.Tensor) -> torch.Tensor:
         if self.closed:
