@@ -149,8 +149,8 @@ def scenario(tag, run):
                         and e["lease"]["name"] in names and "KEPT" in ((e.get("holder") or {}).get("path") or "")}),
         "kept_bit_exact": kept_ok}
     sanitizer.clear_errors(); triage.reset()
-    from sanitizer.torch_layer import runtime
-    runtime.state.events.clear()
+    from sanitizer.torch_layer import records
+    records.forget_events()
     KEPT.clear()
 
 def retain(**kw):

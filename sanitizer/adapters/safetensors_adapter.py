@@ -42,7 +42,7 @@ from sanitizer.core.ledger import Lease
 from sanitizer.core.safetensors_header import read_header
 from sanitizer.core.units import format_bytes
 from sanitizer.adapters.contracts import Contract, LoaderContracts
-from sanitizer.torch_layer import runtime, storage_handles
+from sanitizer.torch_layer import records, runtime, storage_handles
 from sanitizer.torch_layer.iterators import EmulatedBorrowing, emulate_borrowed
 from sanitizer.torch_layer.ring import StagingRing
 from sanitizer.adapters import replace
@@ -138,7 +138,6 @@ class EmulatedSafeOpen:
         self._emulate = framework in _TORCH_FRAMEWORKS
         self._label = f"{NAME}:{os.path.basename(os.fspath(filename))}"
         self._ring: Optional[StagingRing] = None
-        self._handles: Optional[storage_handles.WeakStorageTable] = None
         self._kept = _Kept()
         self._lock = threading.Lock()  # transformers materializes slices from a thread pool: place + put are one step
 
@@ -157,33 +156,28 @@ class EmulatedSafeOpen:
         with self._lock:
             if self._ring is None or self._ring.buffer.closed:
                 self._ring = StagingRing(ring_bytes, device=tensor.device, name=self._label)
-                self._handles = storage_handles.WeakStorageTable(lambda: runtime.state.ledger.live_count)
             if not self._strict():
                 segment, offset = self._ring.place(nbytes, tensor.element_size())
                 region = self._ring.segments[segment]._region
                 self._own_held(runtime.state.ledger.overlapping(region.region_id, offset, offset + nbytes), False)
-            view = self._ring.put(name, tensor)
-            lease = runtime.lease_of(view)
-            if lease is not None and self._handles is not None:
-                self._handles.add(lease, view)
-        return view
+            return self._ring.put(name, tensor)
 
     def _own_held(self, leases: List[Lease], at_close: bool) -> None:
         """Move every held view among ``leases`` onto an owned copy (safetensors' contract lets it be kept)."""
         for lease in leases:
-            if not lease.alive or lease.rescued or lease.stale_by is not None or self._handles is None:
+            if not lease.alive or lease.rescued or lease.stale_by is not None:
                 continue
-            storage = self._handles.take(lease)
+            storage = runtime.storage_of(lease)
             if storage is None or storage_handles.holders(storage) <= 0:
                 continue
             kept = self._kept
             if kept.holder is None or (at_close and not kept.named_at_close):
                 # who keeps it at the end says more than who had it in hand mid-load (a future, a list)
                 kept.holder, kept.named_at_close = _name_holder(storage) or kept.holder, at_close
-            old, piece = storage_handles.repoint(storage)  # the view and all its derived views now own a copy
-            runtime.disown(lease)
-            runtime.rebind_lease(lease, piece)
-            del old
+            previous, keeper = storage_handles.repoint(storage)  # the view and its derived views now own a copy
+            runtime.disown(lease)  # before `previous` (now holding the staging alias) dies
+            runtime.rebind_lease(lease, keeper)
+            del previous
             kept.count += 1
             kept.nbytes += lease.end - lease.start
             if len(kept.names) < 8:
@@ -194,7 +188,7 @@ class EmulatedSafeOpen:
         if not kept.count:
             return
         holder = (kept.holder or {}).get("path") or "something the walk could not name"
-        runtime.record_event("emulated_retention", {
+        records.record_event("emulated_retention", {
             "kind": "emulated_retention",
             "summary": (f"{kept.count} view(s) of {self._label} ({format_bytes(kept.nbytes)}) were still held by "
                         f"{holder} when the emulation ring reused or freed them: a retention under the emulated "
@@ -228,8 +222,6 @@ class EmulatedSafeOpen:
                                                                         segment.nbytes), True)
                 self._ring.close()
                 self._ring = None
-        if self._handles is not None:
-            self._handles.clear()
         self._report_kept()
 
     def __enter__(self) -> "EmulatedSafeOpen":

@@ -293,7 +293,7 @@ def _retire_in_region(lease: Lease, by: str) -> Any:
 
     def retire(start: int, nbytes: int) -> None:
         if not region.closed:
-            runtime.retire(region, start, start + nbytes, by, kind="retire")
+            runtime.retire(region, start, start + nbytes, by)
 
     return retire
 
