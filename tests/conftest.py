@@ -16,10 +16,12 @@ if ROOT not in sys.path:
 def _forget_everything() -> None:
     """Sanitizer off, and no error, event or pending retention left over from another test."""
     import sanitizer
-    from sanitizer.torch_layer import records
+    from sanitizer.core import options
+    from sanitizer.torch_layer import records, runtime
     from sanitizer.features import triage
 
     sanitizer.disable()
+    runtime.set_options(options.resolve({}))  # options survive disable(): one test's must not leak into the next
     sanitizer.clear_errors()
     triage.reset()
     records.forget_events()

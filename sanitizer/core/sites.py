@@ -70,7 +70,20 @@ def capture(depth: int, skip: int = 1) -> Site:
             break
         out.append((frame.f_code, frame.f_lasti))
         frame = frame.f_back
-    return tuple(out)
+    site = tuple(out)
+    # A loader lends from one loop: the same few sites over and over. Interned, each is stored once
+    # (a lease then costs a pointer, not ~100-200 bytes of tuples).
+    known = _INTERNED.get(site)
+    if known is not None:
+        return known
+    if len(_INTERNED) >= _INTERNED_MAX:
+        _INTERNED.clear()
+    _INTERNED[site] = site
+    return site
+
+
+_INTERNED: dict = {}
+_INTERNED_MAX = 4096
 
 
 def capture_excluding(depth: int, extra_prefixes: Sequence[str], skip: int = 1) -> Site:

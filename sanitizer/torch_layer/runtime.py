@@ -58,29 +58,28 @@ def track_lease(region: Region, start: int, nbytes: int, view: torch.Tensor, pie
 
 
 class _LeaseRef(weakref.ref):
-    """A weak reference to the object a lease's memory deleter keeps, knowing its lease: a death is
-    found in O(1), and a rebind (the guard, a rescue) simply replaces the lease's one token."""
+    """A lease's token: a weak reference to the object its memory's deleter keeps (its callback ends the
+    lease), with the lease and the weak handle on its storage. One per alive lease, in ``state.tokens``:
+    a death is found in O(1), and a rebind (the guard, a rescue) simply replaces it."""
 
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "lease", "weak")
 
 
-def _token(piece: Any, lease: Lease, weak: Optional[int]) -> tuple:
-    """``(weakref whose callback ends the lease, lease, weak storage handle)``: one per alive lease."""
+def _token(piece: Any, lease: Lease, weak: Optional[int]) -> _LeaseRef:
     ref = _LeaseRef(piece, _lease_died)
-    ref.lease_id = lease.lease_id
-    return (ref, lease, weak)
+    ref.lease_id, ref.lease, ref.weak = lease.lease_id, lease, weak
+    return ref
 
 
 def _lease_died(ref: _LeaseRef) -> None:
     """A lease's storage is gone (weakref callback): it is no longer alive. Runs wherever the last
     reference went, possibly inside the GC: dict operations only."""
-    entry = state.tokens.get(ref.lease_id)
-    if entry is None or entry[0] is not ref:
+    if state.tokens.get(ref.lease_id) is not ref:
         return  # rebound meanwhile: the lease now ends with its new memory
     state.tokens.pop(ref.lease_id, None)
-    if entry[2] is not None:
-        _dead_handles.append(entry[2])  # freed under _handles_lock, never while storage_of may read it
-    lease = entry[1]
+    if ref.weak is not None:
+        _dead_handles.append(ref.weak)  # freed under _handles_lock, never while storage_of may read it
+    lease = ref.lease
     _unfile(lease)
     state.ledger.release(lease.lease_id)
     lease.alive = False  # a rescued lease too (disowned, it is no longer in the ledger's live set)
@@ -94,7 +93,7 @@ def rebind_lease(lease: Lease, piece: Any) -> None:
     death is what ends the lease (the guard's tombstones, rescue's copies). Call before the old memory
     is dropped. O(1): the lease's one token is replaced (its storage, and so its weak handle, is the same)."""
     entry = state.tokens.get(lease.lease_id)
-    state.tokens[lease.lease_id] = _token(piece, lease, entry[2] if entry is not None else None)
+    state.tokens[lease.lease_id] = _token(piece, lease, entry.weak if entry is not None else None)
 
 
 # -- a lease's storage, weakly ---------------------------------------------------------
@@ -131,9 +130,9 @@ def storage_of(lease: Lease) -> Optional[torch.UntypedStorage]:
     with _handles_lock:
         _free_queued()
         entry = state.tokens.get(lease.lease_id)
-        if entry is None or entry[2] is None:
+        if entry is None or entry.weak is None:
             return None
-        return storage_handles.upgrade(entry[2])
+        return storage_handles.upgrade(entry.weak)
 
 
 def _unfile(lease: Lease) -> None:

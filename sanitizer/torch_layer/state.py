@@ -11,7 +11,7 @@ reads, without a lock (a dict lookup is atomic).
 from __future__ import annotations
 
 import threading
-from typing import Dict, Tuple
+from typing import Dict
 
 from sanitizer.core import forking
 from sanitizer.core import options as _opts
@@ -29,7 +29,7 @@ class RuntimeState:
         # Written only by runtime (a lend, a death, a reuse, a rescue); read lock-free by the per-op path.
         self.by_storage: Dict[int, Lease] = {}  # storage address -> alive lease
         self.stale: Dict[int, Lease] = {}  # storage address -> alive *stale* lease
-        self.tokens: Dict[int, Tuple[object, Lease]] = {}  # lease id -> (weakref whose callback ends it, lease)
+        self.tokens: Dict[int, object] = {}  # lease id -> its token (runtime._LeaseRef: the weakref that ends it)
         self.lock = threading.RLock()  # guards the writes above that are not single dict operations
 
 
