@@ -391,6 +391,19 @@ class _LedgerModel:
                 if (include_stale or not self.leases[lid]["stale"])
                 and _shares_a_byte(self.leases[lid]["start"], self.leases[lid]["end"], s, e)]
 
+    def reuse_hits(self, rid, s, e):
+        """A reuse's victims: the region's fresh leases over ``[s, e)``, and those of every other indexed region
+        on the device over the same bytes (buffers adopted over one memory see each other's reuses)."""
+        r = self.regions[rid]
+        hits = self.fresh_hits(rid, s, e)
+        if s < e:
+            lo, hi = r["base"] + s, r["base"] + e
+            for oid, o in self.regions.items():
+                if oid == rid or o["device"] != r["device"] or not self.indexed(o):
+                    continue
+                hits += self.fresh_hits(oid, lo - o["base"], hi - o["base"])
+        return sorted(hits)
+
     def forget_if_done(self, rid):
         r = self.regions[rid]
         if r["closed"] and not self.alive_of(rid):
@@ -448,7 +461,7 @@ def _drive_ledger(data):
                 with pytest.raises(LedgerError, match="closed"):
                     led.reuse(rid, start, end)
                 continue
-            expected = model.fresh_hits(rid, start, end)
+            expected = model.reuse_hits(rid, start, end)
             event, victims = led.reuse(rid, start, end)
             assert [v.lease_id for v in victims] == expected
             for lid in expected:

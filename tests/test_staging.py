@@ -249,3 +249,22 @@ def test_a_buffer_still_takes_puts_in_the_users_own_atexit_handlers(tmp_path):
     for env in ({}, {"OWNERSHIP_SANITIZE": "1"}):
         out = run_python(code, env)
         assert out.returncode == 0 and "late put 4.0" in out.stdout, out.stderr
+
+
+def test_two_buffers_adopted_over_the_same_memory_see_each_others_reuses():
+    memory = torch.zeros(1024, dtype=torch.uint8)
+    first = StagingBuffer.adopt(memory, name="first")
+    second = StagingBuffer.adopt(memory[256:], name="second")  # nested: the same bytes, other offsets
+    a = first.lend(256, (16,), torch.float32, name="a")  # bytes [256, 320) of the memory
+    b = second.lend(0, (16,), torch.float32, name="b")  # the very same bytes
+    far = second.lend(512, (16,), torch.float32, name="far")
+    with sanitizer.sanitize():
+        second.reuse(0, 64, by="next")  # through the second buffer
+        with pytest.raises(sanitizer.StaleBorrowError, match="'a'"):
+            a.sum()  # the first buffer's lease over those bytes is stale too
+        with pytest.raises(sanitizer.StaleBorrowError, match="'b'"):
+            b.sum()
+        far.sum()  # other bytes: still fresh
+        first.reuse(768, 64, by="later")  # through the first buffer, over the second's 'far'
+        with pytest.raises(sanitizer.StaleBorrowError, match="'far'"):
+            far.sum()

@@ -396,12 +396,33 @@ class Ledger:
             region.generation += 1
             event = ReuseEvent(next(self._ids), region_id, region.name, start, end,
                                before, region.generation, by, site, kind, thread)
-            victims = _in_lend_order(region.fresh.pop_overlapping(start, end))
+            victims = region.fresh.pop_overlapping(start, end)
             stale = region.stale
             for lease in victims:
                 lease.stale_by = event
                 stale.add(lease, lease.start, lease.end)
-            return event, victims
+            if start < end:
+                victims += self._stale_aliasing_regions(region, start, end, event)
+            return event, _in_lend_order(victims)
+
+    def _stale_aliasing_regions(self, region: Region, start: int, end: int, event: ReuseEvent) -> List[Lease]:
+        """(Under the lock.) Fresh leases of *other* regions over the same bytes: two buffers adopted over one
+        loader buffer (or one nested in another) see each other's reuses, since the bytes are the same."""
+        index = self._by_device.get(region.device)
+        lo, hi = region.base + start, region.base + end
+        out: List[Lease] = []
+        for other in (index.overlapping(lo, hi) if index is not None else ()):
+            if other is region or not other.fresh:
+                continue
+            rel_start, rel_end = max(lo, other.base) - other.base, min(hi, other.end) - other.base
+            hit = other.fresh.pop_overlapping(rel_start, rel_end)
+            if hit:
+                other.generation += 1
+                for lease in hit:
+                    lease.stale_by = event
+                    other.stale.add(lease, lease.start, lease.end)
+                out += hit
+        return out
 
     def close(self, region_id: int, site: Site = (), thread: str = "") -> Tuple[ReuseEvent, List[Lease]]:
         """Free the region: every fresh lease goes stale (a later use is a use-after-free)."""

@@ -168,7 +168,8 @@ def on_poison(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
     data = poisonable_bytes(region.region_id)  # only memory the sanitizer allocated: never a loader's tensors
     if data is None:
         return
-    spans = merge([(l.start, l.end) for l in victims if not l.rescued and l.alive])
+    spans = merge([(l.start, l.end) for l in victims  # (a victim of another buffer over these bytes: not ours)
+                   if not l.rescued and l.alive and l.region_id == region.region_id])
     if not spans:
         return
     lo, hi = spans[0][0], spans[-1][1]
