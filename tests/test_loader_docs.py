@@ -48,3 +48,10 @@ def test_known_ranges_and_the_warning_line():
     line = c.warning("0.6.1")
     assert line.startswith("ownership-sanitizer: fastsafetensors 0.6.1 is outside") and "assuming the 0.5" in line
     assert "version unknown" in c.warning(None)
+
+
+def test_the_readme_engine_table_is_in_sync_with_the_adapters():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as fh:
+        text = fh.read()
+    assert contracts.sync_text(text, contracts.readme_sections()) == text, (
+        "README.md's engine table is out of date: run `python -m sanitizer.adapters.contracts --sync README.md`")

@@ -183,6 +183,19 @@ def render_engines(paths: Sequence[EnginePath] = ENGINE_PATHS) -> str:
     return "\n".join(lines)
 
 
+def render_engines_brief(paths: Sequence[EnginePath] = ENGINE_PATHS) -> str:
+    """The README's short form of :func:`render_engines`: per engine path, the loader versions at which a
+    retaining consumer is caught (the loader lends borrowed memory) and those where keeping is correct."""
+    lines = ["| your engine | its weight iterator | your loader | borrowed: a retaining consumer is caught | "
+             "owned (or never reused): nothing to report |", "| --- | --- | --- | --- | --- |"]
+    for p in paths:
+        caught = ", ".join(v for v, o in p.outcomes if o == "caught") or "-"
+        clean = ", ".join(v for v, o in p.outcomes if o == "clean") or "-"
+        lines.append("| " + " | ".join(_cell(c) for c in (p.engine.split(" (")[0], f"`{p.function}`", p.loader,
+                                                           caught, clean)) + " |")
+    return "\n".join(lines)
+
+
 _BEGIN = "<!-- {name}: generated from sanitizer/adapters by `python -m sanitizer.adapters.contracts --sync` -->"
 _END = "<!-- /{name} -->"
 
@@ -193,12 +206,20 @@ def doc_sections(contracts: Sequence[LoaderContracts]) -> dict:
             **{f"contracts-{c.distribution}": render_contracts(c) for c in contracts}}
 
 
-def sync_text(text: str, sections: dict) -> str:
-    """``text`` with every generated section replaced by its current rendering (markers must be present)."""
+def readme_sections() -> dict:
+    """The generated section of README.md: the short engine table."""
+    return {"engine-summary": render_engines_brief()}
+
+
+def sync_text(text: str, sections: dict, required: bool = True) -> str:
+    """``text`` with every generated section replaced by its current rendering (with ``required``, every
+    section's markers must be present; else the sections whose markers are absent are skipped)."""
     for name, body in sections.items():
         begin, end = _BEGIN.format(name=name), _END.format(name=name)
         i, j = text.find(begin), text.find(end)
         if i < 0 or j < i:
+            if not required:
+                continue
             raise ValueError(f"the document has no section '{name}' (expected the markers {begin!r} ... {end!r})")
         text = text[:i + len(begin)] + "\n" + body + "\n" + text[j:]
     return text
@@ -221,7 +242,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     path = args[1] if len(args) > 1 else os.path.join("docs", "loaders.md")
     with open(path, encoding="utf-8") as fh:
         text = fh.read()
-    new = sync_text(text, doc_sections(all_contracts()))
+    sections = {**doc_sections(all_contracts()), **readme_sections()}
+    new = sync_text(text, sections, required=False)
     if new != text:
         with open(path, "w", encoding="utf-8") as fh:
             fh.write(new)
@@ -230,7 +252,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 __all__ = ["Contract", "LoaderContracts", "EnginePath", "ENGINE_PATHS", "parse_version", "installed_version",
-           "render_contracts", "render_engines", "doc_sections", "sync_text", "all_contracts"]
+           "render_contracts", "render_engines", "render_engines_brief", "doc_sections", "readme_sections",
+           "sync_text", "all_contracts"]
 
 
 if __name__ == "__main__":

@@ -317,7 +317,7 @@ def format_table() -> str:
     return "\n".join(lines)
 
 
-README_BEGIN = "<!-- options-table: generated from sanitizer/core/options.py by `ownsan options --sync-readme README.md` -->"
+README_BEGIN = "<!-- options-table: generated from sanitizer/core/options.py by `ownsan options --sync-readme docs/options.md` -->"
 README_END = "<!-- /options-table -->"
 
 

@@ -208,12 +208,31 @@ class Triage:
                 record = self._confirm(p, used_stale=True, evidence=False, read_at=at)
                 return record["holder"] if record else None
             record = self._confirmed.get(lid)
-            if record is None:
-                return None
+            if record is None:  # retired while triage was not looking (the sanitizer off): a retention now
+                p = self._late_pending(lease)
+                if p is None:
+                    return None
+                self.log.watch(lease, p.region)
+                self.log.stale_read(lease, at)
+                record = self._confirm(p, used_stale=True, evidence=False, read_at=at)
+                return record["holder"] if record else None
             self.log.stale_read(lease, at)
             if not record.get("used_stale") or record.get("read_stale_at") is None:
                 records.update_event(record, used_stale=True, read_stale_at=at)
             return record.get("holder")
+
+    def _late_pending(self, lease: Lease) -> Optional[_Pending]:
+        """A pending record for a stale lease retired while triage did not see it (its reuse happened with
+        the sanitizer off); None when its buffer is forgotten."""
+        event = lease.stale_by
+        if event is None:
+            return None
+        try:
+            region = state.ledger.region(lease.region_id)
+        except Exception:  # the buffer is gone from the ledger: nothing to draw it against
+            return None
+        return _Pending(lease, event, region, self.log.reuse_time(event), self.lends, _site_key(lease, event),
+                        threading.current_thread().name)
 
     # -- deciding --------------------------------------------------------------------
     def settle(self, final: bool = False) -> None:

@@ -248,7 +248,8 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     options = _parse_options(args.option, parser)
     if "report" in options:  # -o report=PATH is --report PATH (each process's own report is ours to place)
         args.report = options.pop("report") or args.report
-    args.fail_on_retention = args.fail_on_retention or bool(_opts.resolve(options)["fail_on_retention"])
+    # A confirmed retention fails the run, as LeakSanitizer fails a run that leaked (-o fail_on_retention=0: not).
+    args.fail_on_retention = bool(_opts.resolve(options)["fail_on_retention"])
     why = _unwritable(args.report)
     if why:  # say so now, not after a long run whose findings would then be lost
         parser.error(f"--report {args.report!r}: cannot write the report there ({why}); nothing was run")
@@ -444,12 +445,10 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Run COMMAND with the sanitizer on (triage=1: record, do not raise), "
                          "merge the reports of its processes, print the triage summary.")
     run.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE",
-                     help="a sanitizer option (see ownsan options); repeat, or join with ':'")
+                     help="a sanitizer option (see ownsan options); repeat, or join with ':'. The run exits 1 on "
+                     "an error or a confirmed retention (-o fail_on_retention=0: on errors only)")
     run.add_argument("--report", default="ownsan-report.json", metavar="PATH",
                      help="where to write the merged JSON report (default: %(default)s)")
-    run.add_argument("--fail-on-retention", action="store_true",
-                     help="exit 1 when a retention was confirmed, even without an error (the default, as "
-                     "LeakSanitizer does; -o fail_on_retention=0 turns it off)")
     run.add_argument("--top", type=int, default=20, help="consumers shown (default: %(default)s)")
     run.add_argument("-q", "--quiet", action="store_true", help="print only the one-line summary")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- then the program and its arguments")
