@@ -19,20 +19,27 @@ Under ``NUMBA_ENABLE_CUDASIM=1`` the same kernels run in numba's simulator.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any
+from typing import Any, Dict, Iterator
 
 import numpy as np
 from numba import config, cuda, int32, int64, uint8, uint64
 
 from . import hashdef
 from .cachedir import kernel_cache
+from .errors import KernelsUnavailable
 
 __all__ = [
     "THREADS",
     "SIMULATED",
     "KERNEL_SIGNATURES",
+    "KernelsUnavailable",
+    "as_array",
     "stream_for",
+    "device_scope",
+    "warm",
+    "kernel_info",
     "checksum_async",
     "verify_async",
     "poison_async",
@@ -44,6 +51,8 @@ SIMULATED: bool = bool(config.ENABLE_CUDASIM)
 #: Threads per block (a power of two; the shared-memory reduction is sized to
 #: it).  The simulator runs each thread as a Python thread, so it gets 64.
 THREADS = 64 if SIMULATED else 256
+#: ``"Built-in"`` (numba's own CUDA target) or ``"NVIDIA"`` (the numba-cuda package).
+IMPLEMENTATION: str = getattr(cuda, "implementation", "unknown")
 
 _mix = cuda.jit(device=True, inline=True)(hashdef.mix)
 _position_key = cuda.jit(device=True, inline=True)(hashdef.position_key)
@@ -165,21 +174,49 @@ KERNEL_SIGNATURES: dict[str, tuple[Any, tuple[Any, ...]]] = {
 }
 
 _compile_seconds: dict[str, float] = {}
-_streams: dict[int, Any] = {}
+_streams: Dict[tuple, Any] = {}
 _max_blocks: dict[int, int] = {}
 
 
-def stream_for(handle: int) -> Any:
-    """numba stream wrapping an external ``cudaStream_t`` (torch's current stream).
+def as_array(t: Any, dtype: Any = None) -> Any:
+    """A numba device array over a contiguous tensor's memory (no copy, no synchronisation).
+
+    In the simulator the "device" memory is a CPU tensor's, wrapped in place.
+    """
+    if SIMULATED:
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        arr = FakeCUDAArray(t.numpy())
+    else:
+        arr = cuda.as_cuda_array(t, sync=False)
+    return arr if dtype is None else arr.view(dtype)
+
+
+def stream_for(handle: int, device: int = 0) -> Any:
+    """numba stream wrapping an external ``cudaStream_t`` (torch's current stream) of ``device``.
 
     The simulator has no external streams, so there it is 0 (the default stream).
     """
     if SIMULATED:
         return 0
-    stream = _streams.get(handle)
+    stream = _streams.get((device, handle))
     if stream is None:
-        stream = _streams[handle] = cuda.external_stream(handle)
+        stream = _streams[(device, handle)] = cuda.external_stream(handle)
     return stream
+
+
+@contextlib.contextmanager
+def device_scope(index: int) -> Iterator[None]:
+    """Make device ``index`` numba's current device (torch's is set by the caller)."""
+    if SIMULATED:
+        yield
+        return
+    with cuda.gpus[index]:
+        yield
+
+
+def warm() -> None:
+    """Nothing yet: each kernel compiles (or loads from the disk cache) at its first launch."""
 
 
 def _grid(nitems: int, per_thread: int = 1) -> int:
@@ -230,7 +267,7 @@ def _launch(name: str, kernel: Any, blocks: int, stream: Any, *args: Any) -> Non
     try:
         kernel[blocks, THREADS, stream](*args)
     except ImportError as exc:  # numba's CudaSupportError and NvvmSupportError subclass it
-        raise RuntimeError(f"{_TOOLKIT_HINT} ({type(exc).__name__}: {exc})") from exc
+        raise KernelsUnavailable(f"{_TOOLKIT_HINT} ({type(exc).__name__}: {exc})") from exc
     _compile_seconds[name] = time.perf_counter() - t0
 
 
@@ -244,7 +281,7 @@ def _launch_hash(name: str, kernel: Any, data: Any, scratch: Any, blocks: int | 
 
 
 def checksum_async(
-    data: Any, scratch: Any, out: Any, slot: int, stream: Any, blocks: int | None = None
+    data: Any, scratch: Any, out: Any, slot: int, stream: Any, blocks: int | None = None, device: int = 0
 ) -> None:
     """Enqueue ``out[slot] = hash(data)`` on ``stream``.
 
@@ -257,7 +294,8 @@ def checksum_async(
 
 
 def verify_async(
-    data: Any, scratch: Any, expected: Any, slot: int, flags: Any, stream: Any, blocks: int | None = None
+    data: Any, scratch: Any, expected: Any, slot: int, flags: Any, stream: Any, blocks: int | None = None,
+    device: int = 0
 ) -> None:
     """Enqueue ``if hash(data) != expected[slot]: flags[slot] = 1`` on ``stream``.
 
@@ -267,7 +305,7 @@ def verify_async(
     _launch_hash("cuda_verify", _verify_kernel, data, scratch, blocks, stream, expected, slot, flags)
 
 
-def poison_async(data: Any, byte: int, stream: Any) -> None:
+def poison_async(data: Any, byte: int, stream: Any, device: int = 0) -> None:
     """Enqueue ``data[:] = byte`` (uint8 device array) on ``stream``."""
     _launch("cuda_poison", _poison_kernel, _grid(data.size, 4), stream, data, np.uint8(byte))
 
@@ -275,3 +313,9 @@ def poison_async(data: Any, byte: int, stream: Any) -> None:
 def compile_seconds() -> dict[str, float]:
     """First-launch (compile or cache load) seconds per CUDA kernel launched so far."""
     return dict(_compile_seconds)
+
+
+def kernel_info() -> Dict[str, Any]:
+    """numba's CUDA implementation and the first-launch seconds so far."""
+    return {"implementation": IMPLEMENTATION, "simulated": SIMULATED, "threads": THREADS,
+            "compile_seconds": compile_seconds()}

@@ -103,14 +103,15 @@ def on_lend(lease: Lease, view: torch.Tensor) -> None:
     if raw is None:
         return
     hooks = _kernels()
-    if raw.device.type == "cpu":
+    if not hooks.devices.is_cuda(raw):
         lease.checksum = hooks.checksum(raw)
     else:
+        device = hooks.devices.device_of(raw)
         with _lock:
-            slots = _slots_for(raw.device)
+            slots = _slots_for(device)
             slot = slots.take(lease)
         hooks.checksum_into(raw, slots.expected, slot)
-        lease.checksum = (raw.device, slot)
+        lease.checksum = (device, slot)
 
 
 def _check(lease: Lease, where: str, event: Optional[ReuseEvent]) -> None:
@@ -219,6 +220,16 @@ def synchronize(halt: Optional[bool] = None) -> None:
             records.raise_or_record(BorrowCorruptedError(lease, expected, None, where, site, event), lease, halt)
 
 
+def expected_hash(lease: Lease) -> Optional[int]:
+    """The hash taken of ``lease``'s bytes when it was lent (None: not checksummed). Reading a device
+    slot is a host synchronisation: for tests and tools, not hot paths."""
+    taken = lease.checksum
+    if taken is None or isinstance(taken, int):
+        return taken
+    device, slot = taken
+    return _kernels().to_unsigned(int(_slots[device].expected[slot]))
+
+
 def _synchronize_at_exit() -> None:
     if not _slots:
         return
@@ -242,4 +253,4 @@ def _after_fork() -> None:
     _lock = threading.RLock()
 
 
-__all__ = ["verify", "synchronize", "install", "on_lend", "on_retire", "on_poison"]
+__all__ = ["verify", "synchronize", "expected_hash", "install", "on_lend", "on_retire", "on_poison"]

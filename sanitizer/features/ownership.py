@@ -32,6 +32,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from cuda_hooks import devices
 from sanitizer.core import forking
 from sanitizer.torch_layer import records, runtime
 from sanitizer.torch_layer.aliasing import alias_view, host_array
@@ -198,7 +199,7 @@ def owned_empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) 
     for s in shape:
         nbytes *= int(s)
     nbytes *= dtype.itemsize
-    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    buf = devices.empty(nbytes, device)
     return alias_view(buf, host_array(buf), 0, nbytes, tuple(shape), dtype)
 
 
@@ -206,7 +207,7 @@ def _copy(t: torch.Tensor, policy: str, scope: Optional["DeferralScope"]) -> tor
     nbytes = _nbytes(t)
     with torch.no_grad():
         if t.layout is torch.strided and t.device.type in ("cpu", "cuda") and nbytes:
-            out, piece = owned_empty(t.shape, t.dtype, t.device)
+            out, piece = owned_empty(t.shape, t.dtype, devices.device_of(t))
             out.copy_(t)
         else:  # sparse, other devices, empty: a plain clone (lifetime tracked by the tensor object)
             out = t.clone()

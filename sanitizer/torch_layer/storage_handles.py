@@ -20,6 +20,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 import torch
 
+from cuda_hooks import devices
 from sanitizer.core import forking
 from sanitizer.torch_layer.aliasing import alias_view, host_array
 
@@ -197,16 +198,16 @@ def repoint(storage: torch.UntypedStorage, fill: Optional[int] = None) -> Tuple[
     the poison past the map limit.
     """
     nbytes = storage.nbytes()
+    device = devices.storage_device(storage)
     keeper = None
-    if fill is not None and nbytes and storage.device.type == "cpu" and PoisonFile.AVAILABLE:
+    if fill is not None and nbytes and device.type == "cpu" and PoisonFile.AVAILABLE:
         keeper = POISON.map(nbytes, fill)
     if keeper is not None:
         fresh = torch.from_numpy(keeper).untyped_storage()
     else:
-        if fill is None:
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=storage.device)
-        else:
-            buf = torch.full((nbytes,), fill, dtype=torch.uint8, device=storage.device)
+        buf = devices.empty(nbytes, device)
+        if fill is not None:
+            buf.fill_(fill)
         view, keeper = alias_view(buf, host_array(buf), 0, nbytes, (nbytes,), torch.uint8)
         fresh = view.untyped_storage()
         if fill is None:
