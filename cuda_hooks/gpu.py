@@ -5,13 +5,21 @@ kernel writes its result into device memory (a hash slot, a mismatch flag)
 on the caller's stream and nothing here synchronises.
 
 The hash is one pass: each thread sums ``mix`` over a grid-stride set of
-words (four loads in flight per iteration to cover DRAM latency), blocks
+words (four words in flight per iteration to cover DRAM latency), blocks
 reduce in shared memory and add their partial atomically into a 2-word
 scratch ``[sum, blocks_done]``; the last block to finish (ticket counter,
 ``threadfence`` before it) takes the total, finalises it, writes the
 result and resets the scratch to zero.  The scratch is therefore reusable by
 the next launch on the same stream (and under CUDA graph replay) with no
 memset in between.
+
+Every word is read with aligned 8-byte loads, whatever the tensor's address:
+the host splits the bytes into an unaligned head (``head`` bytes, 0..7), an
+8-byte aligned interior (``words``) and a tail.  When ``head`` is 0 hash word
+``i`` *is* ``words[i]``; otherwise it straddles two interior words and is
+``(words[i-1] >> (64 - 8*head)) | (words[i] << 8*head)`` (the neighbour's load
+hits the cache the neighbouring thread just filled).  Only the first word (the
+head bytes) and the last one or two (the tail) are assembled from bytes.
 
 Importing this module imports numba; ``cuda_hooks.bridge`` imports it lazily.
 Under ``NUMBA_ENABLE_CUDASIM=1`` the same kernels run in numba's simulator.
@@ -66,13 +74,12 @@ _THREE = np.uint64(3)
 _FOUR = np.uint64(4)
 _SEVEN = np.uint64(7)
 _EIGHT = np.uint64(8)
+_SIXTY_FOUR = np.uint64(64)
 
 
 @cuda.jit(device=True, inline=True)
-def _load_word(words, data, nbytes, i):
-    """Word ``i``: a direct 8-byte load when aligned, else assembled from bytes."""
-    if i < np.uint64(words.size):
-        return words[i]
+def _byte_word(data, i, nbytes):
+    """Hash word ``i`` assembled from bytes (the head word and the tail words only)."""
     start = i * _EIGHT
     stop = start + _EIGHT
     if stop > nbytes:  # not min(): numba's vararg min() overload fails to compile for CUDA
@@ -81,34 +88,62 @@ def _load_word(words, data, nbytes, i):
 
 
 @cuda.jit(device=True)
-def _grid_hash(words, data, nbytes, scratch):
-    """Whole-grid hash; returns ``(True, hash)`` in exactly one thread, else ``(False, 0)``.
+def _grid_hash(words, data, head, scratch):
+    """Whole-grid hash of ``data``; returns ``(True, hash)`` in exactly one thread, else ``(False, 0)``.
 
+    ``words`` is the 8-byte aligned interior ``data[head : head + 8 * words.size]``.
     Indices are uint64 throughout: a signed index makes numba add
     negative-index wraparound code to every load, and each integer op counts
     (at HBM speed the mix alone uses a large share of the SMs' integer rate).
     """
-    nb = np.uint64(nbytes)
+    nb = np.uint64(data.size)
     nwords = (nb + _SEVEN) // _EIGHT
-    ndirect = np.uint64(words.size)
+    m = np.uint64(words.size)
+    h = np.uint64(head)
     stride = np.uint64(cuda.gridsize(1))
     i = np.uint64(cuda.grid(1))
     key = _position_key(i)
     kstride = _position_key(stride)  # keys step by addition, not a multiply per word
     s = _ZERO
-    while i + _THREE * stride < ndirect:
-        w0 = words[i]
-        w1 = words[i + stride]
-        w2 = words[i + _TWO * stride]
-        w3 = words[i + _THREE * stride]
-        k1 = key + kstride
-        k2 = k1 + kstride
-        k3 = k2 + kstride
-        s += _mix(w0, key) + _mix(w1, k1) + _mix(w2, k2) + _mix(w3, k3)
-        i += _FOUR * stride
-        key = k3 + kstride
-    while i < nwords:
-        s += _mix(_load_word(words, data, nb, i), key)
+    if h == _ZERO:  # aligned: hash word i is interior word i
+        while i + _THREE * stride < m:
+            k1 = key + kstride
+            k2 = k1 + kstride
+            k3 = k2 + kstride
+            s += (_mix(words[i], key) + _mix(words[i + stride], k1)
+                  + _mix(words[i + _TWO * stride], k2) + _mix(words[i + _THREE * stride], k3))
+            i += _FOUR * stride
+            key = k3 + kstride
+        while i < m:
+            s += _mix(words[i], key)
+            i += stride
+            key += kstride
+    else:  # word i straddles interior words i-1 and i
+        if i == _ZERO:  # word 0 holds the head bytes
+            s += _mix(_byte_word(data, i, nb), key)
+            i += stride
+            key += kstride
+        left = h * _EIGHT
+        right = _SIXTY_FOUR - left  # 8..56: never a shift by 64
+        while i + _THREE * stride < m:
+            i1 = i + stride
+            i2 = i1 + stride
+            i3 = i2 + stride
+            k1 = key + kstride
+            k2 = k1 + kstride
+            k3 = k2 + kstride
+            s += (_mix((words[i - _ONE] >> right) | (words[i] << left), key)
+                  + _mix((words[i1 - _ONE] >> right) | (words[i1] << left), k1)
+                  + _mix((words[i2 - _ONE] >> right) | (words[i2] << left), k2)
+                  + _mix((words[i3 - _ONE] >> right) | (words[i3] << left), k3))
+            i = i3 + stride
+            key = k3 + kstride
+        while i < m:
+            s += _mix((words[i - _ONE] >> right) | (words[i] << left), key)
+            i += stride
+            key += kstride
+    while i < nwords:  # the tail: the last partial word, and the words past the interior
+        s += _mix(_byte_word(data, i, nb), key)
         i += stride
         key += kstride
 
@@ -134,20 +169,20 @@ def _grid_hash(words, data, nbytes, scratch):
     return False, _ZERO
 
 
-def _build(defn: str) -> tuple[Any, Any, Any]:
+def _build(defn: str) -> Tuple[Any, Any, Any]:
     """Create the kernels; closing over ``defn`` keys numba's cache to hashdef.py."""
 
     @cuda.jit(cache=True)
-    def checksum_kernel(words, data, nbytes, scratch, out, slot):
+    def checksum_kernel(words, data, head, scratch, out, slot):
         defn  # noqa: B018  (cache key only, see hashdef.definition_digest)
-        done, h = _grid_hash(words, data, nbytes, scratch)
+        done, h = _grid_hash(words, data, head, scratch)
         if done:
             out[slot] = h
 
     @cuda.jit(cache=True)
-    def verify_kernel(words, data, nbytes, scratch, expected, slot, flags):
+    def verify_kernel(words, data, head, scratch, expected, slot, flags):
         defn  # noqa: B018
-        done, h = _grid_hash(words, data, nbytes, scratch)
+        done, h = _grid_hash(words, data, head, scratch)
         if done and h != expected[slot]:
             flags[slot] = 1
 
@@ -166,8 +201,8 @@ with kernel_cache():  # the on-disk cache goes to the user cache directory, not 
     _checksum_kernel, _verify_kernel, _poison_kernel = _build(hashdef.definition_digest())
 
 _U64 = uint64[::1]
-#: ``name -> (python function, argument types)``, for ahead-of-time PTX checks.
-KERNEL_SIGNATURES: dict[str, tuple[Any, tuple[Any, ...]]] = {
+#: ``name -> (python function, argument types)``, for ahead-of-time compiles and PTX checks.
+KERNEL_SIGNATURES: Dict[str, Tuple[Any, Tuple[Any, ...]]] = {
     "checksum": (_checksum_kernel.py_func, (_U64, uint8[::1], int64, _U64, _U64, int64)),
     "verify": (_verify_kernel.py_func, (_U64, uint8[::1], int64, _U64, _U64, int64, int32[::1])),
     "poison": (_poison_kernel.py_func, (uint8[::1], uint8)),
@@ -239,16 +274,12 @@ def _address(arr: Any) -> int:
     return int(arr.__cuda_array_interface__["data"][0])
 
 
-def _split(data: Any, nbytes: int) -> Any:
-    """uint64 view of the whole words when 8-byte aligned, else an empty one.
-
-    With an empty view the kernel assembles every word from bytes (slower, but
-    a misaligned 8-byte load would fault).
-    """
-    nwords = nbytes // 8
-    if nwords and _address(data) % 8 == 0:
-        return data[: nwords * 8].view(np.uint64)
-    return data[:0].view(np.uint64)
+def _split(data: Any) -> tuple:
+    """``(words, head)``: the 8-byte aligned interior of ``data`` as uint64 and the bytes before it."""
+    nbytes = data.size
+    head = min((-_address(data)) % 8, nbytes)
+    nwords = (nbytes - head) // 8
+    return data[head: head + 8 * nwords].view(np.uint64), head
 
 
 _TOOLKIT_HINT = (
@@ -273,11 +304,11 @@ def _launch(name: str, kernel: Any, blocks: int, stream: Any, *args: Any) -> Non
 
 def _launch_hash(name: str, kernel: Any, data: Any, scratch: Any, blocks: int | None, stream: Any,
                  *rest: Any) -> None:
-    """The hashing kernels' shared prologue: size the grid (unless ``blocks`` is given), split
-    off the aligned words, and launch ``kernel(words, data, nbytes, scratch, *rest)``."""
-    nbytes = data.size
-    blocks = blocks or _grid((nbytes + 7) // 8, 4)
-    _launch(name, kernel, blocks, stream, _split(data, nbytes), data, nbytes, scratch, *rest)
+    """The hashing kernels' shared prologue: size the grid (unless ``blocks`` is given), split the
+    bytes into head and aligned interior, and launch ``kernel(words, data, head, scratch, *rest)``."""
+    words, head = _split(data)
+    blocks = blocks or _grid((data.size + 7) // 8, 4)
+    _launch(name, kernel, blocks, stream, words, data, head, scratch, *rest)
 
 
 def checksum_async(

@@ -122,7 +122,6 @@ def test_launch_configurations_are_built_once_and_grids_are_few(stubs):
     assert stubs["checksum"].configured <= 8  # powers of two up to the 98 blocks of the largest
 
 
-@defect
 def test_misaligned_bytes_are_hashed_from_aligned_interior_words(stubs):
     for offset in range(8):
         _hash(1000, offset)

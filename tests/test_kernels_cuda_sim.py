@@ -106,7 +106,6 @@ def test_simulated_hash_is_bit_identical_to_cpu(report: dict) -> None:
             assert case["gpu"] == ref_hash(bytes.fromhex(case["bytes"])), case
 
 
-@pytest.mark.xfail(strict=True, reason="defect (issue 21): every word of a misaligned lease is byte-assembled")
 def test_a_misaligned_lease_assembles_only_its_head_and_tail_words_from_bytes(report: dict) -> None:
     assert report["byte_words"]["exact"] is True
     assert report["byte_words"]["count"] <= 3, report["byte_words"]  # 1021 bytes at offset 3: 128 words
