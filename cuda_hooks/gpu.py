@@ -21,15 +21,30 @@ the host splits the bytes into an unaligned head (``head`` bytes, 0..7), an
 hits the cache the neighbouring thread just filled).  Only the first word (the
 head bytes) and the last one or two (the tail) are assembled from bytes.
 
+Launch host cost is kept low: the kernels are compiled (or loaded from
+numba's disk cache) once per device by :func:`warm`, which also asks the
+driver how many blocks of :data:`THREADS` fit on the device at once (the
+occupancy query, so the grid matches the kernel's real register use), and
+each configured launch ``kernel[blocks, threads, stream]`` is built once
+and reused (grid sizes are powers of two below that cap, so there are few).
+Building one is the only place numba emits its low-occupancy
+``NumbaPerformanceWarning`` (small tensors need few blocks by design): it is
+silenced there and nowhere else.
+
 Importing this module imports numba; ``cuda_hooks.bridge`` imports it lazily.
-Under ``NUMBA_ENABLE_CUDASIM=1`` the same kernels run in numba's simulator.
+Under ``NUMBA_ENABLE_CUDASIM=1`` the same kernels run in numba's simulator,
+where :func:`as_array` wraps a CPU tensor's memory in place (the fake-device
+test harness treats such memory as device memory).
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
+import threading
 import time
-from typing import Any, Dict, Iterator
+import warnings
+from typing import Any, Dict, Iterator, Tuple
 
 import numpy as np
 from numba import config, cuda, int32, int64, uint8, uint64
@@ -41,17 +56,19 @@ from .errors import KernelsUnavailable
 __all__ = [
     "THREADS",
     "SIMULATED",
+    "IMPLEMENTATION",
     "KERNEL_SIGNATURES",
     "KernelsUnavailable",
     "as_array",
     "stream_for",
     "device_scope",
     "warm",
-    "kernel_info",
+    "grid_cap",
     "checksum_async",
     "verify_async",
     "poison_async",
     "compile_seconds",
+    "kernel_info",
 ]
 
 #: True when numba's CUDA simulator is active (no external streams there).
@@ -61,6 +78,7 @@ SIMULATED: bool = bool(config.ENABLE_CUDASIM)
 THREADS = 64 if SIMULATED else 256
 #: ``"Built-in"`` (numba's own CUDA target) or ``"NVIDIA"`` (the numba-cuda package).
 IMPLEMENTATION: str = getattr(cuda, "implementation", "unknown")
+
 
 _mix = cuda.jit(device=True, inline=True)(hashdef.mix)
 _position_key = cuda.jit(device=True, inline=True)(hashdef.position_key)
@@ -207,10 +225,33 @@ KERNEL_SIGNATURES: Dict[str, Tuple[Any, Tuple[Any, ...]]] = {
     "verify": (_verify_kernel.py_func, (_U64, uint8[::1], int64, _U64, _U64, int64, int32[::1])),
     "poison": (_poison_kernel.py_func, (uint8[::1], uint8)),
 }
+_DISPATCHERS = {"checksum": _checksum_kernel, "verify": _verify_kernel, "poison": _poison_kernel}
 
-_compile_seconds: dict[str, float] = {}
-_streams: Dict[tuple, Any] = {}
-_max_blocks: dict[int, int] = {}
+_TOOLKIT_HINT = (
+    "numba could not compile or load the cuda_hooks kernels: it needs the CUDA driver and libNVVM "
+    "from a CUDA toolkit. Point CUDA_HOME at the toolkit root (the folder holding nvvm/), or put "
+    "libnvvm.so on the loader path, or install this package's CUDA extra "
+    "(pip install 'ownership-sanitizer[cuda12]' or '[cuda13]', which pulls numba-cuda with its NVVM)."
+)
+
+_lock = threading.Lock()  # warm-up and the launch cache (launches themselves take no lock)
+_compile_seconds: Dict[str, float] = {}
+_registers: Dict[str, int] = {}
+_caps: Dict[Tuple[str, int], int] = {}  # (kernel, device id) -> resident blocks of THREADS (occupancy)
+_warm_devices: set = set()
+_streams: Dict[Tuple[int, int], Any] = {}
+_launchers: Dict[Tuple[str, int, int], Tuple[Any, Any]] = {}  # (kernel, blocks, id(stream)) -> (launcher, stream)
+_MAX_LAUNCHERS = 4096
+
+# numba warns when a grid has fewer than 128 blocks; a 4 KiB tensor needs one. numba-cuda raises its
+# own class (numba.cuda.core.errors), the built-in target numba.core.errors': silence whichever exist.
+_LOW_OCCUPANCY = re.escape("will likely result in GPU under-utilization")
+_PERF_WARNINGS = []
+for _mod in ("numba.cuda.core.errors", "numba.core.errors"):
+    try:
+        _PERF_WARNINGS.append(__import__(_mod, fromlist=["NumbaPerformanceWarning"]).NumbaPerformanceWarning)
+    except (ImportError, AttributeError):
+        pass
 
 
 def as_array(t: Any, dtype: Any = None) -> Any:
@@ -250,21 +291,79 @@ def device_scope(index: int) -> Iterator[None]:
         yield
 
 
+def _device_id() -> int:
+    return 0 if SIMULATED else int(cuda.get_current_device().id)
+
+
 def warm() -> None:
-    """Nothing yet: each kernel compiles (or loads from the disk cache) at its first launch."""
+    """Compile (or load from the disk cache) every kernel for the current device, load its module
+    and query its occupancy, so that no later launch compiles, loads a module or sizes a grid.
+
+    Raises :class:`KernelsUnavailable` (with what to install) when that fails.
+    """
+    dev = _device_id()
+    if dev in _warm_devices:
+        return
+    with _lock:
+        if dev in _warm_devices:
+            return
+        if not SIMULATED:
+            for name, (_, sig) in KERNEL_SIGNATURES.items():
+                t0 = time.perf_counter()
+                try:
+                    kernel = _DISPATCHERS[name].compile(sig)
+                    cap = int(kernel.max_cooperative_grid_blocks(THREADS))  # loads the module: cuOccupancy*
+                except Exception as exc:  # CudaSupportError, NvvmSupportError (ImportError), NvvmError, OSError...
+                    raise KernelsUnavailable(f"{_TOOLKIT_HINT} ({type(exc).__name__}: {exc})") from exc
+                _compile_seconds.setdefault(f"cuda_{name}", time.perf_counter() - t0)
+                _registers[name] = int(getattr(kernel, "regs_per_thread", 0) or 0)
+                _caps[(name, dev)] = max(1, cap)
+        _warm_devices.add(dev)
 
 
-def _grid(nitems: int, per_thread: int = 1) -> int:
-    """Blocks to launch: enough for the work, capped at ~2048 resident threads per SM."""
+def grid_cap(name: str, device: int) -> int:
+    """Blocks of :data:`THREADS` of kernel ``name`` resident at once on ``device`` (the current one)."""
     if SIMULATED:
-        cap = 2  # the simulator runs every thread as a Python thread
-    else:
-        dev = cuda.get_current_device()
-        cap = _max_blocks.get(dev.id)
-        if cap is None:
-            cap = _max_blocks[dev.id] = dev.MULTIPROCESSOR_COUNT * (2048 // THREADS)
+        return 2  # the simulator runs every thread as a Python thread
+    cap = _caps.get((name, device))
+    if cap is None:
+        warm()
+        cap = _caps[(name, _device_id())]
+    return cap
+
+
+def _grid(name: str, nitems: int, per_thread: int, device: int) -> int:
+    """Blocks to launch: enough for the work (rounded up to a power of two), at most the resident cap."""
     need = -(-nitems // (THREADS * per_thread))
-    return max(1, min(need, cap))
+    cap = grid_cap(name, device)
+    if need >= cap:
+        return cap
+    return 1 << max(0, need - 1).bit_length()  # 1, 2, 4, ...: few distinct launch configurations
+
+
+def _launcher(name: str, blocks: int, stream: Any) -> Any:
+    """``kernel[blocks, THREADS, stream]``, built once (building it is where numba would warn)."""
+    key = (name, blocks, id(stream))
+    hit = _launchers.get(key)
+    if hit is not None:
+        return hit[0]
+    with _lock, warnings.catch_warnings():
+        for category in _PERF_WARNINGS:
+            warnings.filterwarnings("ignore", message=f".*{_LOW_OCCUPANCY}", category=category)
+        launcher = _DISPATCHERS[name][blocks, THREADS, stream]
+        if len(_launchers) >= _MAX_LAUNCHERS:
+            _launchers.clear()
+        _launchers[key] = (launcher, stream)  # the stream is kept so that its id stays unique
+    return launcher
+
+
+def _launch(name: str, blocks: int, stream: Any, *args: Any) -> None:
+    if SIMULATED and f"cuda_{name}" not in _compile_seconds:
+        t0 = time.perf_counter()
+        _launcher(name, blocks, stream)(*args)
+        _compile_seconds[f"cuda_{name}"] = time.perf_counter() - t0
+        return
+    _launcher(name, blocks, stream)(*args)
 
 
 def _address(arr: Any) -> int:
@@ -274,7 +373,7 @@ def _address(arr: Any) -> int:
     return int(arr.__cuda_array_interface__["data"][0])
 
 
-def _split(data: Any) -> tuple:
+def _split(data: Any) -> Tuple[Any, int]:
     """``(words, head)``: the 8-byte aligned interior of ``data`` as uint64 and the bytes before it."""
     nbytes = data.size
     head = min((-_address(data)) % 8, nbytes)
@@ -282,71 +381,58 @@ def _split(data: Any) -> tuple:
     return data[head: head + 8 * nwords].view(np.uint64), head
 
 
-_TOOLKIT_HINT = (
-    "numba could not compile or load the cuda_hooks kernels: it needs the CUDA driver and libNVVM "
-    "from a CUDA toolkit. Point CUDA_HOME at the toolkit root (the folder holding nvvm/), or put "
-    "libnvvm.so on the loader path, or install numba-cuda with a CUDA extra."
-)
-
-
-def _launch(name: str, kernel: Any, blocks: int, stream: Any, *args: Any) -> None:
-    """Launch; the first call of each kernel (its compile or cache load) is timed."""
-    if name in _compile_seconds:
-        kernel[blocks, THREADS, stream](*args)
-        return
-    t0 = time.perf_counter()
-    try:
-        kernel[blocks, THREADS, stream](*args)
-    except ImportError as exc:  # numba's CudaSupportError and NvvmSupportError subclass it
-        raise KernelsUnavailable(f"{_TOOLKIT_HINT} ({type(exc).__name__}: {exc})") from exc
-    _compile_seconds[name] = time.perf_counter() - t0
-
-
-def _launch_hash(name: str, kernel: Any, data: Any, scratch: Any, blocks: int | None, stream: Any,
-                 *rest: Any) -> None:
+def _launch_hash(name: str, data: Any, scratch: Any, blocks: Any, stream: Any, device: int, *rest: Any) -> None:
     """The hashing kernels' shared prologue: size the grid (unless ``blocks`` is given), split the
     bytes into head and aligned interior, and launch ``kernel(words, data, head, scratch, *rest)``."""
     words, head = _split(data)
-    blocks = blocks or _grid((data.size + 7) // 8, 4)
-    _launch(name, kernel, blocks, stream, words, data, head, scratch, *rest)
+    blocks = blocks or _grid(name, (data.size + 7) // 8, 4, device)
+    _launch(name, blocks, stream, words, data, head, scratch, *rest)
 
 
-def checksum_async(
-    data: Any, scratch: Any, out: Any, slot: int, stream: Any, blocks: int | None = None, device: int = 0
-) -> None:
+def checksum_async(data: Any, scratch: Any, out: Any, slot: int, stream: Any, blocks: Any = None,
+                   device: int = 0) -> None:
     """Enqueue ``out[slot] = hash(data)`` on ``stream``.
 
     ``data``: contiguous 1-D uint8 device array; ``scratch``: 2-element uint64
     device array, zero before the first use and left zero after each launch
     (one per stream); ``out``: uint64 device array.  ``blocks`` overrides the
-    grid size (tests use it to reach every code path on small inputs).
+    grid size (tests use it to reach every code path on small inputs);
+    ``device`` is the current device's index (the caller made it current).
     """
-    _launch_hash("cuda_checksum", _checksum_kernel, data, scratch, blocks, stream, out, slot)
+    _launch_hash("checksum", data, scratch, blocks, stream, device, out, slot)
 
 
-def verify_async(
-    data: Any, scratch: Any, expected: Any, slot: int, flags: Any, stream: Any, blocks: int | None = None,
-    device: int = 0
-) -> None:
+def verify_async(data: Any, scratch: Any, expected: Any, slot: int, flags: Any, stream: Any,
+                 blocks: Any = None, device: int = 0) -> None:
     """Enqueue ``if hash(data) != expected[slot]: flags[slot] = 1`` on ``stream``.
 
     ``flags`` is an int32 device array; a match leaves the flag unchanged, so a
     flag once raised stays raised until the caller clears it.
     """
-    _launch_hash("cuda_verify", _verify_kernel, data, scratch, blocks, stream, expected, slot, flags)
+    _launch_hash("verify", data, scratch, blocks, stream, device, expected, slot, flags)
 
 
 def poison_async(data: Any, byte: int, stream: Any, device: int = 0) -> None:
     """Enqueue ``data[:] = byte`` (uint8 device array) on ``stream``."""
-    _launch("cuda_poison", _poison_kernel, _grid(data.size, 4), stream, data, np.uint8(byte))
+    _launch("poison", _grid("poison", data.size, 4, device), stream, data, np.uint8(byte))
 
 
-def compile_seconds() -> dict[str, float]:
-    """First-launch (compile or cache load) seconds per CUDA kernel launched so far."""
+def compile_seconds() -> Dict[str, float]:
+    """First-use (compile or disk-cache load, module load, occupancy query) seconds per CUDA kernel."""
     return dict(_compile_seconds)
 
 
 def kernel_info() -> Dict[str, Any]:
-    """numba's CUDA implementation and the first-launch seconds so far."""
-    return {"implementation": IMPLEMENTATION, "simulated": SIMULATED, "threads": THREADS,
-            "compile_seconds": compile_seconds()}
+    """What a device check prints: numba's CUDA implementation, the NVVM version, and per kernel its
+    registers per thread and resident blocks (after :func:`warm`)."""
+    info: Dict[str, Any] = {"implementation": IMPLEMENTATION, "simulated": SIMULATED, "threads": THREADS,
+                            "registers": dict(_registers), "resident_blocks": {f"{k}@{d}": v for (k, d), v in _caps.items()},
+                            "compile_seconds": compile_seconds()}
+    if not SIMULATED:
+        try:
+            from numba.cuda.cudadrv import nvvm
+
+            info["nvvm"] = ".".join(map(str, nvvm.NVVM().get_version()))
+        except Exception as exc:  # no libNVVM: say so, do not fail the caller
+            info["nvvm"] = f"unavailable ({type(exc).__name__}: {exc})"
+    return info

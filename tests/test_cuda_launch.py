@@ -94,7 +94,6 @@ def _hash(n: int, offset: int = 0, stream: object = "s0") -> None:
     gpu.checksum_async(_device_bytes(n, offset), scratch, out, 0, stream)
 
 
-@defect
 def test_small_launches_do_not_warn_even_when_warnings_are_errors(stubs):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -105,14 +104,12 @@ def test_small_launches_do_not_warn_even_when_warnings_are_errors(stubs):
             warnings.warn(NumbaPerformanceWarning(LOW_OCCUPANCY.format(1)))
 
 
-@defect
 def test_the_grid_follows_the_occupancy_query_not_a_full_occupancy_guess(stubs):
     _hash(1 << 30)
     blocks = stubs["checksum"].launches[-1][0]
     assert blocks == RESIDENT * SMS  # 6 of 256 threads per SM fit at 39 registers, not 2048 // 256 = 8
 
 
-@defect
 def test_launch_configurations_are_built_once_and_grids_are_few(stubs):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
