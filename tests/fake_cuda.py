@@ -16,10 +16,12 @@ test may rely on:
   allocated it (``_swap_data_ptr_`` moves it along, as in torch).
   ``record_stream`` on a tensor of that storage is recorded; on any other
   storage aliasing the memory (a lease, a ``from_blob``) it does nothing, as in
-  torch. When memory is freed while a stream other than its allocation stream
-  still has *queued* work on it and that stream was not recorded, the free is a
-  :attr:`FakeCuda.hazards` entry: the real allocator would hand the bytes to the
-  next allocation on the allocation stream while that work runs.
+  torch. Work on memory from a stream other than its allocation stream (the
+  kernels, and ``fill_``/``copy_`` issued while that stream is current) is a
+  *use*; when the memory is freed, a use on a stream that was neither recorded
+  nor synchronised since is a :attr:`FakeCuda.hazards` entry: the real allocator
+  would hand the bytes to the next allocation on the allocation stream while
+  that work may still run.
 * **Streams.** A stream per ``(device, handle)``; the default stream has handle
   0 as in torch; ``torch.cuda.stream``/``device``/``current_stream``/
   ``Stream``/``Event``/``synchronize`` behave as documented. Kernel launches
@@ -27,8 +29,10 @@ test may rely on:
   their stream and run at once, unless a test paused that stream
   (:meth:`FakeCuda.pause`): then they run when the stream is synchronised, an
   event recorded on it is synchronised, or another stream waits on it.
-  torch ops on fake device memory run at once on the CPU (they are not
-  queued), so a test pauses only streams other than the one the host reads on.
+  ``fill_`` and ``copy_`` on fake device memory (the sanitizer's poison fills
+  and rescue copies) are queued the same way; every other torch op runs at
+  once on the CPU, so a test pauses only streams other than the one the host
+  reads results on.
 * **Graph capture.** Inside :meth:`FakeCuda.capture`,
   ``torch.cuda.is_current_stream_capturing()`` is True on the capturing stream;
   any synchronisation or module load (the kernels' first launch on a device)
@@ -75,11 +79,12 @@ def _fake() -> "FakeCuda":
 class _Alloc:
     """One fake device allocation: ``nbytes`` at ``base`` on ``device``, allocated on ``stream``."""
 
-    __slots__ = ("id", "base", "nbytes", "device", "stream", "recorded", "freed", "during_capture")
+    __slots__ = ("id", "base", "nbytes", "device", "stream", "recorded", "uses", "freed", "during_capture")
 
     def __init__(self, id: int, base: int, nbytes: int, device: torch.device, stream: "FakeStream", capture: bool):
         self.id, self.base, self.nbytes, self.device, self.stream = id, base, nbytes, device, stream
         self.recorded: set = set()
+        self.uses: Dict["FakeStream", int] = {}  # stream -> tick of its last work on this memory
         self.freed = False
         self.during_capture = capture
 
@@ -97,6 +102,7 @@ class FakeStream:
         self.paused = False
         self.queue: List[Tuple[str, Callable[[], None], List[_Alloc]]] = []
         self.syncs = 0
+        self.synced_at = -1  # tick of the last time the host waited for this stream
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, FakeStream) and (other.device, other.cuda_stream) == (self.device, self.cuda_stream)
@@ -110,6 +116,9 @@ class FakeStream:
     def launch(self, name: str, work: Callable[[], None], allocs: List[_Alloc]) -> None:
         fake = self._fake
         fake.launches.append((name, self.device.index, self.cuda_stream))
+        tick = fake._tick()
+        for alloc in allocs:
+            alloc.uses[self] = tick
         if fake.capturing is self:
             fake.graph.append((name, self.device.index, self.cuda_stream))
             return
@@ -127,6 +136,7 @@ class FakeStream:
         self._fake._refuse_in_capture(f"synchronize {self!r}")
         self.syncs += 1
         self.flush()
+        self.synced_at = self._fake._tick()
 
     def query(self) -> bool:
         return not self.queue
@@ -156,6 +166,7 @@ class FakeEvent:
         if self._stream is not None:
             _fake()._refuse_in_capture("event synchronize")
             self._stream.flush()
+            self._stream.synced_at = _fake()._tick()
 
     def wait(self, stream: Optional[FakeStream] = None) -> None:
         if self._stream is not None:
@@ -286,6 +297,7 @@ class FakeCuda:
         self._current: Dict[int, FakeStream] = {}
         self._next_handle = 0x1000
         self._next_alloc = 0
+        self._ticks = 0
         self._bases: List[int] = []
         self._allocs: List[_Alloc] = []
         self._owners: Dict[int, _Alloc] = {}  # StorageImpl address -> the allocation it owns
@@ -363,11 +375,15 @@ class FakeCuda:
             alloc.freed = True
             at = self._allocs.index(alloc)
             del self._allocs[at], self._bases[at]
-            for stream in self._streams.values():
-                if stream != alloc.stream and stream not in alloc.recorded and any(
-                        alloc in used for _, _, used in stream.queue):
-                    self.hazards.append(f"{alloc!r} freed while {stream!r} still had work queued on it "
-                                        f"and no record_stream for that stream")
+            for stream, tick in alloc.uses.items():
+                if stream != alloc.stream and stream not in alloc.recorded and stream.synced_at < tick:
+                    self.hazards.append(f"{alloc!r} freed after work on {stream!r} that was neither recorded "
+                                        f"(record_stream) nor waited for")
+
+    def _tick(self) -> int:
+        with self._lock:
+            self._ticks += 1
+            return self._ticks
 
     def _find(self, ptr: int) -> Optional[_Alloc]:
         at = bisect.bisect_right(self._bases, ptr) - 1
@@ -456,6 +472,7 @@ class FakeCuda:
             if d == index:
                 s.syncs += 1
                 s.flush()
+                s.synced_at = self._tick()
 
     def pause(self, stream: FakeStream) -> None:
         """Hold ``stream``'s launches back until it is synchronised (a slow stream)."""
@@ -538,6 +555,21 @@ class FakeCuda:
                 fake._watch(b)
 
         monkeypatch.setattr(torch.UntypedStorage, "_swap_data_ptr_", swap)
+
+        def queued(real: Callable[..., Any], name: str) -> Callable[..., Any]:
+            """A torch op that, on fake device memory, is work on the current stream of its device."""
+            def op(target: Any, *args: Any, **kw: Any) -> Any:
+                touched = [x for x in (target, *args) if isinstance(x, (torch.Tensor, torch.UntypedStorage))]
+                allocs = [a for a in (fake._find(x.data_ptr()) for x in touched) if a is not None]
+                if not allocs:
+                    return real(target, *args, **kw)
+                fake.current_stream(allocs[0].device.index).launch(name, lambda: real(target, *args, **kw), allocs)
+                return target
+            return op
+
+        monkeypatch.setattr(torch.Tensor, "fill_", queued(torch.Tensor.fill_, "fill_"))
+        monkeypatch.setattr(torch.Tensor, "copy_", queued(torch.Tensor.copy_, "copy_"))
+        monkeypatch.setattr(torch.UntypedStorage, "copy_", queued(torch.UntypedStorage.copy_, "storage.copy_"))
 
         def on_device(device: Any) -> bool:
             return device is not None and torch.device(device).type == "cuda"
