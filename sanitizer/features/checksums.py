@@ -25,7 +25,7 @@ from __future__ import annotations
 import atexit
 import sys
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -224,21 +224,22 @@ def on_lend(lease: Lease, view: torch.Tensor) -> None:
     _report(reports)
 
 
-def _check(lease: Lease, where: str, event: Optional[ReuseEvent]) -> None:
-    """Re-hash the lease's bytes; report a mismatch (CPU now, CUDA at the next synchronisation)."""
+def _check(lease: Lease, where: str, event: Optional[ReuseEvent]) -> bool:
+    """Re-hash the lease's bytes; report a mismatch (CPU now, CUDA at the next synchronisation).
+    True when a device check was queued."""
     expected = lease.checksum
     if expected is None:
-        return
+        return False
     raw = _lease_bytes(lease)
     if raw is None:
-        return
+        return False
     hooks = _kernels()
     site = capture(state.options["stack_depth"])
     if isinstance(expected, int):
         found = hooks.checksum(raw)
         if found != expected:
             records.raise_or_record(BorrowCorruptedError(lease, expected, found, where, site, event), lease)
-        return
+        return False
     device, slot = expected
     checks = DEVICE_CHECKS
     with checks.lock:  # the tables are never replaced under a launch
@@ -246,6 +247,7 @@ def _check(lease: Lease, where: str, event: Optional[ReuseEvent]) -> None:
         stream = hooks.verify_into(raw, table.expected, slot, table.flags)
         checks.used(stream, lease.region_id, raw)
         checks.pending[(device, slot)] = (where, event, site)
+    return True
 
 
 def on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
@@ -296,14 +298,24 @@ def on_poison(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
 
 
 # -- public API ----------------------------------------------------------------
-def verify(*tensors: torch.Tensor) -> None:
+def verify(*tensors: torch.Tensor, wait: bool = False) -> None:
     """Check now that the leases behind ``tensors`` still hold the bytes they were lent with.
 
     A stale lease is a stale use (``StaleBorrowError``); changed bytes are a
-    ``BorrowCorruptedError`` (on CUDA reported at the next :func:`synchronize`).
-    Tensors that are not leases are skipped. Needs ``checksum=1`` for the
+    ``BorrowCorruptedError``. On CUDA the comparison is queued on the device and
+    reported at the next :func:`synchronize`; ``wait=True`` synchronises once
+    at the end when a device check was queued, so a change raises here as on
+    CPU. Tensors that are not leases are skipped. Needs ``checksum=1`` for the
     byte check; the staleness check always runs.
     """
+    if verify_queued(tensors) and wait:
+        synchronize()
+
+
+def verify_queued(tensors: Iterable[torch.Tensor]) -> bool:
+    """:func:`verify` without waiting: True when a device check was queued (read at the next
+    :func:`synchronize`); host checks have raised or recorded by the time it returns."""
+    queued = False
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"verify expects tensors, got {type(t).__name__}")
@@ -312,7 +324,8 @@ def verify(*tensors: torch.Tensor) -> None:
         lease = runtime.lease_of(t)
         if lease is None or lease.stale_by is not None:
             continue
-        _check(lease, "verify", None)
+        queued = _check(lease, "verify", None) or queued
+    return queued
 
 
 def synchronize(halt: Optional[bool] = None) -> None:
@@ -373,5 +386,5 @@ def _after_fork() -> None:
     DEVICE_CHECKS.__init__()
 
 
-__all__ = ["verify", "synchronize", "expected_hash", "install", "on_lend", "on_retire", "on_poison", "DeviceChecks",
+__all__ = ["verify", "verify_queued", "synchronize", "expected_hash", "install", "on_lend", "on_retire", "on_poison", "DeviceChecks",
            "DEVICE_CHECKS"]

@@ -342,18 +342,28 @@ def _tensors_of(bound: inspect.BoundArguments, skip: Sequence[str]) -> List[torc
     return out
 
 
-def _verify_leased(tensors: Iterable[torch.Tensor]) -> None:
+def _verify_leased(tensors: Iterable[torch.Tensor]) -> bool:
     """With checksums on, check that leased tensors still hold the bytes they were lent with.
 
-    A stale lease raises StaleBorrowError here, a changed one BorrowCorruptedError.
+    A stale lease raises StaleBorrowError here, a bytes change on the host BorrowCorruptedError.
+    True when a check was queued on a CUDA device: its result is read at the next synchronisation
+    (:meth:`DeferralScope.replay` makes one).
     """
     if not (runtime.state.enabled and runtime.state.options.get("checksum")):
-        return
+        return False
     leased = [t for t in tensors if runtime.lease_of(t) is not None]
-    if leased:
-        from sanitizer.features.checksums import verify
+    if not leased:
+        return False
+    from sanitizer.features.checksums import verify_queued
 
-        verify(*leased)
+    return verify_queued(leased)
+
+
+def _synchronize_checks() -> None:
+    """Read the device checks queued so far (a host synchronisation): a mismatch raises here."""
+    from sanitizer.features.checksums import synchronize
+
+    synchronize()
 
 
 class DeferralScope:
@@ -373,6 +383,7 @@ class DeferralScope:
         self.skip = (skip,) if isinstance(skip, str) else tuple(skip)
         self._retained: List[inspect.BoundArguments] = []
         self._copies: List[torch.Tensor] = []  # held until close: a copy lives as long as its deferred unit
+        self._device_checks = False  # a defer queued a CUDA check: replay reads it
         self._live_bytes = 0
         self.peak_bytes = 0
         self.owned_total = 0
@@ -410,17 +421,26 @@ class DeferralScope:
         return own_arguments(bound, self.policy, self.skip, scope=self)
 
     def defer(self, bound: inspect.BoundArguments) -> inspect.BoundArguments:
-        """Verify (checksums on), own and retain ``bound``; returns the retained arguments."""
+        """Verify (checksums on), own and retain ``bound``; returns the retained arguments.
+
+        On CPU a changed borrowed tensor raises here; on CUDA its check is queued on the device and
+        read at :meth:`replay` (one host synchronisation per replay, not one per deferred tensor)."""
         self._live("defer a call in it")
-        _verify_leased(_tensors_of(bound, self.skip))
+        self._device_checks = _verify_leased(_tensors_of(bound, self.skip)) or self._device_checks
         bound = self.own_arguments(bound)
         self._retained.append(bound)
         return bound
 
     def replay(self) -> List[inspect.BoundArguments]:
-        """The retained calls, in order, after verifying the leased tensors among them (checksums on)."""
+        """The retained calls, in order, after verifying the leased tensors among them (checksums on).
+
+        A change to a borrowed tensor since it was lent raises ``BorrowCorruptedError`` here on every
+        device: the CUDA checks of the deferrals and of this replay are read with one synchronisation."""
         self._live("replay it")
-        _verify_leased(t for b in self._retained for t in _tensors_of(b, self.skip))
+        queued = _verify_leased(t for b in self._retained for t in _tensors_of(b, self.skip))
+        if queued or self._device_checks:
+            self._device_checks = False
+            _synchronize_checks()
         return list(self._retained)
 
     def close(self) -> None:
