@@ -18,9 +18,11 @@ Policies (how "borrowed" is decided):
   it misses CPU staging buffers.
 * ``all``: every tensor that holds bytes (the copy-everything strategy).
 
-Meta tensors hold no bytes and are never copied. Copies are tracked by the
-lifetime of their *storage* (a weak reference to the object in the storage's
-deleter), so a copy kept alive only by a ``view(dtype)`` is still counted.
+Meta tensors hold no bytes and are never copied. Copies are ordinary allocator
+memory (CUDA's caching allocator on CUDA) and are tracked by the lifetime of
+their *storage* (a weak reference to the storage object, which torch keeps as
+long as the storage lives), so a copy kept alive only by a ``view(dtype)`` is
+still counted.
 """
 from __future__ import annotations
 
@@ -35,8 +37,7 @@ import torch
 from cuda_hooks import devices
 from sanitizer.core import forking
 from sanitizer.torch_layer import records, runtime
-from sanitizer.torch_layer.aliasing import alias_view, host_array
-from sanitizer.torch_layer.staging import BORROWED_MARKER
+from sanitizer.torch_layer.staging import BORROWED_MARKER, buffer_bytes
 
 POLICIES: Tuple[str, ...] = ("registered", "marked", "accelerator", "all")
 _MARKERS: List[str] = [BORROWED_MARKER]
@@ -193,22 +194,39 @@ def reset_stats() -> None:
 
 
 # -- the rule ----------------------------------------------------------------------
-def owned_empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tuple[torch.Tensor, Any]:
-    """Fresh contiguous memory plus the object its storage's deleter holds (weak-referenceable)."""
-    nbytes = 1
-    for s in shape:
-        nbytes *= int(s)
-    nbytes *= dtype.itemsize
-    buf = devices.empty(nbytes, device)
-    return alias_view(buf, host_array(buf), 0, nbytes, tuple(shape), dtype)
+def owned_copy(t: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+    """A contiguous copy of ``t`` in ordinary allocator memory, and the object whose life is the copy's.
+
+    Ordinary memory (``empty_like`` semantics: the CPU allocator, or CUDA's caching allocator on the
+    current stream) so the copy behaves like any tensor: ``record_stream``, CUDA IPC, ``resize_``
+    and ``share_memory_`` work on it. Its lifetime is its *storage*'s: torch keeps a storage's
+    Python object as long as the storage lives, so a weak reference to it fires when the last view
+    of the copy is gone, even a ``view(dtype)`` that outlived the tensor first returned. (Measured
+    on CPU against the former numpy-backed alias, here on 2 busy cores, best of 7: 9-10 us instead
+    of 21-26 us for 64 bytes, 14 us instead of 160 us for 1 MiB of bf16, the same within noise at
+    4 MiB where the copy dominates.)
+
+    On CUDA the copy reads ``t``'s bytes on the current stream: the memory they live in records
+    that stream (for a lease, its staging buffer's own memory), so freeing it meanwhile, even to
+    another stream's pool, cannot hand the bytes to another allocation before the copy ran.
+    """
+    out = devices.empty_like(t)
+    out.copy_(t)
+    if devices.is_cuda(t) and not torch.cuda.is_current_stream_capturing():
+        stream = torch.cuda.current_stream(devices.device_of(t).index)
+        t.record_stream(stream)  # the loader's own allocator memory (a no-op on a lease's alias storage)
+        lease = runtime.lease_of(t)
+        staging = buffer_bytes(lease.region_id) if lease is not None else None
+        if staging is not None:
+            staging.record_stream(stream)
+    return out, out.untyped_storage()
 
 
 def _copy(t: torch.Tensor, policy: str, scope: Optional["DeferralScope"]) -> torch.Tensor:
     nbytes = _nbytes(t)
     with torch.no_grad():
         if t.layout is torch.strided and t.device.type in ("cpu", "cuda") and nbytes:
-            out, piece = owned_empty(t.shape, t.dtype, devices.device_of(t))
-            out.copy_(t)
+            out, piece = owned_copy(t)
         else:  # sparse, other devices, empty: a plain clone (lifetime tracked by the tensor object)
             out = t.clone()
             piece = out
@@ -466,4 +484,4 @@ class DeferralScope:
 
 
 __all__ = ["POLICIES", "own", "own_arguments", "needs_copy", "DeferralScope", "stats", "reset_stats",
-           "add_borrowed_marker", "borrowed_markers", "account_copy", "note_consumed", "owned_empty"]
+           "add_borrowed_marker", "borrowed_markers", "account_copy", "note_consumed", "owned_copy"]

@@ -7,7 +7,8 @@ someone (a tensor or storage referencing the lease's storage). For each, it
 copies the bytes into fresh memory of the same size and swaps the storage's
 data pointer, so the lent tensor *and every view derived from it* now read the
 copy; then the lease is disowned (no longer a borrow: never stale, not counted
-live). A view nobody retained is already dead and costs nothing, so the copy is
+live). On CUDA the copy is ordinary caching-allocator memory, queued on the
+current stream (see ``storage_handles.repoint``). A view nobody retained is already dead and costs nothing, so the copy is
 paid only for views that really were retained.
 
 Needs private storage APIs (weak storage handles, ``_swap_data_ptr_``,
@@ -26,6 +27,7 @@ from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.features import aliases
 from sanitizer.torch_layer import records, runtime, storage_handles
 from sanitizer.torch_layer.hooks import RetireOrder, add_enable_hook, add_retire_hook
+from sanitizer.torch_layer.staging import buffer_bytes
 from sanitizer.torch_layer.state import state
 
 ORDER = RetireOrder.RESCUE  # after checksum verification, before triage and poison
@@ -81,7 +83,9 @@ def _rescue(lease: Lease, storage: torch.UntypedStorage, event: ReuseEvent) -> N
     holders = storage_handles.holders(storage)
     if holders <= 0:
         return  # nobody holds it: it dies now, nothing to keep correct
-    previous, keeper = storage_handles.repoint(storage)  # the lease's storage (and its views) now own a copy
+    # the lease's storage (and its views) now own a copy; on CUDA the copy is queued on the current stream,
+    # which the staging memory records, so that freeing the buffer meanwhile cannot hand its bytes to another
+    previous, keeper = storage_handles.repoint(storage, source=buffer_bytes(lease.region_id))
     runtime.disown(lease)  # before `previous` (now holding the staging alias) dies
     runtime.rebind_lease(lease, keeper)  # its death is now the copy's: release hooks see the true end
     del previous

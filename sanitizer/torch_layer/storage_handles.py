@@ -188,26 +188,32 @@ class PoisonFile:
 POISON = PoisonFile()
 
 
-def repoint(storage: torch.UntypedStorage, fill: Optional[int] = None) -> Tuple[torch.UntypedStorage, Any]:
+def repoint(storage: torch.UntypedStorage, fill: Optional[int] = None, *,
+            source: Optional[torch.Tensor] = None) -> Tuple[torch.UntypedStorage, Any]:
     """Give ``storage`` fresh memory of its size: a copy of its bytes, or ``fill`` in every byte.
 
     Returns ``(previous, keeper)``: ``previous`` is a storage that now holds the memory ``storage``
     had (drop it once the lease's bookkeeping is done: dropping it releases the staging alias), and
     ``keeper`` is the object the new memory's deleter keeps (weak-referenceable: it dies with
     ``storage``). A CPU fill maps the shared :data:`POISON` file (no descriptor kept), or allocates
-    the poison past the map limit.
+    the poison past the map limit. CUDA memory: see :func:`_repoint_on_device`; ``source`` is the
+    tensor owning the bytes being copied (the staging buffer's own memory), told about the stream the
+    copy is queued on.
     """
     nbytes = storage.nbytes()
     device = devices.storage_device(storage)
+    if device.type == "cuda":
+        return _repoint_on_device(storage, nbytes, device, fill, source)
     keeper = None
-    if fill is not None and nbytes and device.type == "cpu" and PoisonFile.AVAILABLE:
+    if fill is not None and nbytes and storage.device.type == "cpu" and PoisonFile.AVAILABLE:
         keeper = POISON.map(nbytes, fill)
     if keeper is not None:
         fresh = torch.from_numpy(keeper).untyped_storage()
     else:
-        buf = devices.empty(nbytes, device)
-        if fill is not None:
-            buf.fill_(fill)
+        if fill is None:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=storage.device)
+        else:
+            buf = torch.full((nbytes,), fill, dtype=torch.uint8, device=storage.device)
         view, keeper = alias_view(buf, host_array(buf), 0, nbytes, (nbytes,), torch.uint8)
         fresh = view.untyped_storage()
         if fill is None:
@@ -216,6 +222,32 @@ def repoint(storage: torch.UntypedStorage, fill: Optional[int] = None) -> Tuple[
     previous = fresh
     return previous, keeper
 
+
+def _repoint_on_device(storage: torch.UntypedStorage, nbytes: int, device: torch.device, fill: Optional[int],
+                       source: Optional[torch.Tensor]) -> Tuple[torch.UntypedStorage, Any]:
+    """:func:`repoint` of CUDA memory.
+
+    A copy goes into ordinary caching-allocator memory, allocated and filled on the current stream,
+    and the swap hands that memory to ``storage`` itself: a rescued view is then allocator memory
+    like any tensor (``record_stream``, CUDA IPC and ``resize_`` work on it), and ``storage`` is the
+    keeper (torch keeps a storage's Python object as long as the storage lives). The copy reads
+    the staging bytes on the current stream, so ``source`` (their owner) records that stream: the
+    buffer freed meanwhile, even to another stream's pool, is not reused before the copy ran.
+    """
+    buf = devices.empty(nbytes, device)
+    if fill is not None:  # a tombstone: a poison-filled allocation of its own
+        buf.fill_(fill)
+        view, keeper = alias_view(buf, host_array(buf), 0, nbytes, (nbytes,), torch.uint8)
+        fresh = view.untyped_storage()
+        storage._swap_data_ptr_(fresh)
+        return fresh, keeper
+    stream = torch.cuda.current_stream(device.index)
+    fresh = buf.untyped_storage()
+    fresh.copy_(storage)
+    if source is not None:
+        source.record_stream(stream)
+    storage._swap_data_ptr_(fresh)  # ``storage`` owns the allocator memory now; ``fresh`` the staging alias
+    return fresh, storage
 
 
 @forking.in_child
