@@ -326,7 +326,6 @@ def test_checks_and_poison_on_a_side_stream_keep_the_staging_memory_for_that_str
     assert sanitizer.errors() == []
 
 
-@defect
 def test_cuda_tombstones_share_one_poison_allocation(fake_cuda):
     buf = StagingBuffer(1 << 20, device="cuda", name="ring0")
     with sanitizer.sanitize(halt_on_error=0):
@@ -342,6 +341,23 @@ def test_cuda_tombstones_share_one_poison_allocation(fake_cuda):
         assert all(math.isnan(float(k[0])) and math.isnan(float(k[-1])) for k in kept)
         assert guard.stats()["device_poison_bytes"] == poison[0].nbytes
     del kept
+
+
+def test_a_larger_cuda_tombstone_grows_the_block_and_older_ones_still_read_poison(fake_cuda):
+    buf = StagingBuffer(4 << 20, device="cuda", name="ring0")
+    with sanitizer.sanitize(halt_on_error=0):
+        small = buf.write(0, torch.ones(1 << 10), name="small")  # 4 KiB
+        buf.write(0, torch.ones(1 << 10), name="next")
+        first = guard.stats()["device_poison_bytes"]
+        syncs = torch.cuda.current_stream().syncs
+        big = buf.write(1 << 20, torch.ones(3 << 18), name="big")  # 3 MiB
+        buf.write(1 << 20, torch.ones(3 << 18), name="next2")
+        assert guard.stats()["device_poison_bytes"] == 4 << 20 > first  # the next power of two
+        assert torch.cuda.current_stream().syncs == syncs + 1  # the new block's fill was waited for, once
+        for t in (small, big):
+            raw = np.frombuffer((ctypes.c_char * (t.numel() * 4)).from_address(t.data_ptr()), dtype=np.uint8)
+            assert (raw == 0xFF).all()
+    del small, big
 
 
 # -- defects: graph capture, missing tool chain -----------------------------------------------------------
