@@ -623,6 +623,12 @@ def _reset_device_state(monkeypatch: Any) -> None:
     from sanitizer.features import checksums
     from sanitizer.torch_layer import storage_handles
 
+    try:
+        from sanitizer.torch_layer import graph_capture
+
+        monkeypatch.setattr(graph_capture, "_warned", False)  # its warning is once per process: once per test here
+    except ImportError:  # the first version had none
+        pass
     monkeypatch.setattr(bridge, "_scratch", {})
     monkeypatch.setattr(bridge, "_arrays", bridge._ArrayCache())
     monkeypatch.setattr(bridge, "_warm", set())

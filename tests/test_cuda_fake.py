@@ -361,7 +361,6 @@ def test_a_larger_cuda_tombstone_grows_the_block_and_older_ones_still_read_poiso
 
 
 # -- defects: graph capture, missing tool chain -----------------------------------------------------------
-@defect
 def test_graph_capture_skips_device_work_with_one_warning(fake_cuda):
     buf = StagingBuffer(4096, device="cuda", name="r")
     with sanitizer.sanitize(checksum=1, poison=1, rescue=1):
@@ -380,7 +379,12 @@ def test_graph_capture_skips_device_work_with_one_warning(fake_cuda):
         with pytest.raises(StaleBorrowError):  # not rescued during the capture: a stale use, reported
             kept.sum()
         sanitizer.synchronize()  # after the capture: fine
-    del w
+        after = buf.write(1024, torch.ones(16), name="after")  # checks resume once the capture ended
+        buf.tensor.numpy()[1024] ^= 1
+        sanitizer.verify(after)
+        with pytest.raises(BorrowCorruptedError, match="'after'"):
+            sanitizer.synchronize()
+    del w, after
 
 
 @defect

@@ -16,7 +16,9 @@ lease, :class:`DeviceChecks`) and every kernel runs on torch's current stream
 of the lease's device; the host looks at the flags only at a synchronisation
 point (:func:`synchronize`, the end of a deferral scope, a slot table that is
 full, process exit), which first waits for every stream a check ran on since
-the last one. On CPU the same checks run at once. The kernels live in
+the last one. While the current stream captures a CUDA graph, the device
+work skips (``torch_layer.graph_capture``, one warning). On CPU the same
+checks run at once. The kernels live in
 ``cuda_hooks`` and are imported on first use only: with these options off,
 numba is never imported.
 """
@@ -30,7 +32,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from sanitizer.core import forking
-from sanitizer.torch_layer import records, runtime
+from sanitizer.torch_layer import graph_capture, records, runtime
 from sanitizer.torch_layer.hooks import RetireOrder, add_lend_hook, add_retire_hook
 from sanitizer.torch_layer.stale_use import check_not_stale
 from sanitizer.torch_layer.state import state
@@ -214,6 +216,9 @@ def on_lend(lease: Lease, view: torch.Tensor) -> None:
         lease.checksum = hooks.checksum(raw)
         return
     device = hooks.devices.device_of(raw)
+    if graph_capture.capturing(device):
+        graph_capture.skipped(f"the checksum of '{lease.name}'")
+        return
     checks = DEVICE_CHECKS
     with checks.lock:
         slot, reports = checks.take(lease, device)
@@ -241,6 +246,9 @@ def _check(lease: Lease, where: str, event: Optional[ReuseEvent]) -> bool:
             records.raise_or_record(BorrowCorruptedError(lease, expected, found, where, site, event), lease)
         return False
     device, slot = expected
+    if graph_capture.capturing(device):
+        graph_capture.skipped(f"the {where} check of '{lease.name}'")
+        return False
     checks = DEVICE_CHECKS
     with checks.lock:  # the tables are never replaced under a launch
         table = checks.tables[device]
@@ -290,6 +298,9 @@ def on_poison(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
         keep.append((event.start, event.end))
     keep = merge(keep)
     hooks = _kernels()
+    if hooks.devices.is_cuda(data) and graph_capture.capturing(hooks.devices.device_of(data)):
+        graph_capture.skipped(f"poisoning '{region.name}'")
+        return
     for start, end in subtract(spans, keep):
         stream = hooks.poison(data[start:end], opts["poison_byte"])
         if stream is not None:  # a fill queued on a CUDA stream: the buffer must outlive it
@@ -334,6 +345,9 @@ def synchronize(halt: Optional[bool] = None) -> None:
     first raises, ``halt`` as in :func:`~sanitizer.torch_layer.records.raise_or_record`)."""
     checks = DEVICE_CHECKS
     if not checks.tables:
+        return
+    if any(graph_capture.capturing(device) for device in list(checks.tables)):
+        graph_capture.skipped("reading the device checksum flags")  # a synchronisation would invalidate it
         return
     with checks.lock:
         reports = checks.drain()

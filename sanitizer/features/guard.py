@@ -25,7 +25,8 @@ from typing import Any, Dict, List
 
 from sanitizer.core import forking
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
-from sanitizer.torch_layer import runtime, storage_handles
+from cuda_hooks import devices
+from sanitizer.torch_layer import graph_capture, runtime, storage_handles
 from sanitizer.torch_layer.hooks import RetireOrder, add_enable_hook, add_retire_hook
 from sanitizer.torch_layer.state import state
 
@@ -59,6 +60,10 @@ def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
         storage = runtime.storage_of(lease)  # (whenever it was lent: the runtime keeps a weak handle)
         if storage is None or storage_handles.holders(storage) <= 0:
             continue  # nobody holds it: it dies now and nobody can read it
+        device = devices.storage_device(storage)
+        if device.type == "cuda" and graph_capture.capturing(device):
+            graph_capture.skipped(f"the tombstone of '{lease.name}'")  # (a new poison block would allocate and wait)
+            continue
         _entomb(lease, storage, fill)
 
 

@@ -24,8 +24,9 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
+from cuda_hooks import devices
 from sanitizer.features import aliases
-from sanitizer.torch_layer import records, runtime, storage_handles
+from sanitizer.torch_layer import graph_capture, records, runtime, storage_handles
 from sanitizer.torch_layer.hooks import RetireOrder, add_enable_hook, add_retire_hook
 from sanitizer.torch_layer.staging import buffer_bytes
 from sanitizer.torch_layer.state import state
@@ -75,8 +76,17 @@ def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
                        "lease": lease.to_dict(), "event": event.to_dict()})
             continue
         storage = runtime.storage_of(lease)  # None: already dead (or no weak handles in this torch)
-        if storage is not None:
+        if storage is not None and not _capturing(storage, lease):
             _rescue(lease, storage, event)
+
+
+def _capturing(storage: torch.UntypedStorage, lease: Lease) -> bool:
+    """A CUDA graph capture on the lease's device: the copy would run only at replay; it stays stale."""
+    device = devices.storage_device(storage)
+    if device.type == "cuda" and graph_capture.capturing(device):
+        graph_capture.skipped(f"rescuing '{lease.name}'")
+        return True
+    return False
 
 
 def _rescue(lease: Lease, storage: torch.UntypedStorage, event: ReuseEvent) -> None:
