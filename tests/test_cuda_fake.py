@@ -1,8 +1,8 @@
 """The sanitizer's CUDA paths on fake CUDA devices (tests/fake_cuda.py): no GPU needed.
 
-Each test names the behaviour a user relies on. Tests marked ``xfail(strict=True)``
-reproduce a defect of the CUDA paths found by a close read (issue 21): they fail
-with the code as it is; the commit that fixes a defect removes its marker.
+Each test names the behaviour a user relies on. The tests under "defects" reproduce
+the defects a close read of the CUDA paths found (issue 21): each was committed as a
+strict xfail, failing for its reason, before the commit that fixed it removed the marker.
 """
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from sanitizer import BorrowCorruptedError, StagingBuffer, StaleBorrowError
 from sanitizer.features import checksums, guard
 from tests.fake_cuda import CAPTURE_ERROR, FakeStream, fake_cuda  # noqa: F401  (the fixture)
 
-defect = pytest.mark.xfail(strict=True, reason="defect found by the close read of issue 21; fixed by a later commit")
 
 
 def _cpu_bytes(t: torch.Tensor) -> bytes:
@@ -387,7 +386,6 @@ def test_graph_capture_skips_device_work_with_one_warning(fake_cuda):
     del w, after
 
 
-@defect
 def test_a_missing_cuda_tool_chain_turns_device_checksums_off_with_one_warning(fake_cuda, monkeypatch):
     def no_nvvm() -> None:
         raise cuda_hooks.KernelsUnavailable("libNVVM cannot be found (fake)")
@@ -395,14 +393,29 @@ def test_a_missing_cuda_tool_chain_turns_device_checksums_off_with_one_warning(f
     monkeypatch.setattr(fake_cuda.gpu.inner, "warm", no_nvvm)
     buf = StagingBuffer(4096, device="cuda", name="r")
     cpu = StagingBuffer(4096, name="host")
-    with sanitizer.sanitize(checksum=1):
-        with pytest.warns(RuntimeWarning, match="libNVVM") as warned:
+    with pytest.warns(RuntimeWarning, match="checksums of CUDA tensors are off.*libNVVM") as warned:
+        with sanitizer.sanitize(checksum=1):  # (the kernels load at enable: CUDA is in use)
             w = buf.write(0, torch.ones(16), name="w")
             w2 = buf.write(1024, torch.ones(16), name="w2")
-        assert len(warned) == 1
-        assert sanitizer.lease_of(w).checksum is None
-        h = cpu.write(0, torch.ones(16), name="h")
-        cpu.tensor.numpy()[0] ^= 1
-        with pytest.raises(BorrowCorruptedError):  # host checksums still run
-            sanitizer.verify(h)
+            assert sanitizer.lease_of(w).checksum is None
+            h = cpu.write(0, torch.ones(16), name="h")
+            cpu.tensor.numpy()[0] ^= 1
+            with pytest.raises(BorrowCorruptedError):  # host checksums still run
+                sanitizer.verify(h)
+            buf.reuse(0, 4096, by="next")  # and nothing else breaks
+            sanitizer.synchronize()
+    assert len(warned) == 1
     del w, w2
+
+
+def test_the_kernels_load_at_enable_when_the_process_uses_cuda(fake_cuda):
+    with sanitizer.sanitize(checksum=1):
+        assert fake_cuda.gpu.module_loads == {0: 1}  # before any lend
+        buf = StagingBuffer(4096, device="cuda", name="r")
+        w = buf.write(0, torch.ones(16), name="w")
+        buf2 = StagingBuffer(4096, device="cuda:1", name="r1")
+        w1 = buf2.write(0, torch.ones(16), name="w1")
+        assert fake_cuda.gpu.module_loads == {0: 1, 1: 1}  # once per device
+    del w, w1
+
+

@@ -5,7 +5,7 @@ where it matters here (``kernel[blocks, threads, stream]`` builds a launch
 configuration, and numba warns while building one with fewer than 128 blocks;
 ``compile(sig)`` returns a kernel that answers the occupancy query). The data are
 host arrays exposing ``__cuda_array_interface__``, as a device array does.
-Tests marked ``xfail(strict=True)`` reproduce a defect (issue 21) fixed later.
+The first four tests reproduced defects of issue 21 (committed as strict xfails before their fix).
 """
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ try:  # numba-cuda warns with its own class, numba's built-in CUDA target with n
 except ImportError:
     from numba.core.errors import NumbaPerformanceWarning
 
-defect = pytest.mark.xfail(strict=True, reason="defect found by the close read of issue 21; fixed by a later commit")
 SMS = 132  # an H100/H200
 RESIDENT = 6  # blocks of 256 threads per SM that the occupancy query allows (39 registers per thread)
 LOW_OCCUPANCY = "Grid size {} will likely result in GPU under-utilization due to low occupancy."

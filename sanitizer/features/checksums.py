@@ -27,13 +27,14 @@ from __future__ import annotations
 import atexit
 import sys
 import threading
+import warnings
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 from sanitizer.core import forking
 from sanitizer.torch_layer import graph_capture, records, runtime
-from sanitizer.torch_layer.hooks import RetireOrder, add_lend_hook, add_retire_hook
+from sanitizer.torch_layer.hooks import RetireOrder, add_enable_hook, add_lend_hook, add_retire_hook
 from sanitizer.torch_layer.stale_use import check_not_stale
 from sanitizer.torch_layer.state import state
 from sanitizer.core.errors import BorrowCorruptedError
@@ -125,6 +126,28 @@ class DeviceChecks:
         self.streams: Dict[Tuple[int, int], Any] = {}  # (device index, handle) -> torch stream used since the last sync
         self.pending: Dict[Tuple[torch.device, int], Tuple[str, Optional[ReuseEvent], Any]] = {}
         self.kept: set = set()  # (region id, device index, stream handle) already recorded on the staging memory
+        self.loaded: set = set()  # device indices whose kernels are compiled and loaded
+        self.off: Optional[str] = None  # why CUDA checksums are off (the kernels cannot be built here)
+
+    def ready(self, device: torch.device) -> bool:
+        """Are the kernels loaded on ``device``? Loads them the first time; if that fails (no libNVVM, no
+        driver, a compile error), CUDA checksums turn off for the process with one warning saying what
+        to install, instead of an exception from inside a loader's lend."""
+        if device.index in self.loaded:
+            return True
+        if self.off is not None:
+            return False
+        try:
+            _kernels().warm(device)
+        except _kernels().KernelsUnavailable as exc:
+            with self.lock:
+                first, self.off = self.off is None, str(exc)
+            if first:
+                warnings.warn(f"ownership-sanitizer: checksums of CUDA tensors are off for this process: {exc}",
+                              RuntimeWarning, stacklevel=4)
+            return False
+        self.loaded.add(device.index)
+        return True
 
     def table(self, device: torch.device) -> _SlotTable:
         """(Under the lock.) ``device``'s slot table, made at its first lease."""
@@ -220,6 +243,8 @@ def on_lend(lease: Lease, view: torch.Tensor) -> None:
         graph_capture.skipped(f"the checksum of '{lease.name}'")
         return
     checks = DEVICE_CHECKS
+    if not checks.ready(device):
+        return
     with checks.lock:
         slot, reports = checks.take(lease, device)
         table = checks.tables[device]
@@ -384,8 +409,19 @@ def _synchronize_at_exit() -> None:
         print(f"ownership-sanitizer: device checksum flags unreadable at exit: {exc}", file=sys.stderr)
 
 
+def _on_enable(options: Dict[str, Any]) -> None:
+    """``enable(checksum=1)`` in a process already using CUDA: load the kernels on the current device now,
+    so the first lend does not pay for it and no graph captured later can see a module load."""
+    if not options.get("checksum") or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return  # (a process not using CUDA yet is left alone: initialising CUDA here would break a later fork)
+    device = torch.device("cuda", torch.cuda.current_device())
+    if not graph_capture.capturing(device):
+        DEVICE_CHECKS.ready(device)
+
+
 def install() -> None:
     """Plug the checks into lending and retirement (idempotent; cheap while the options are off)."""
+    add_enable_hook(_on_enable)
     add_lend_hook(on_lend)
     add_retire_hook(on_retire, RetireOrder.VERIFY)
     add_retire_hook(on_poison, RetireOrder.POISON)
