@@ -24,7 +24,8 @@ test may rely on:
   that work may still run.
 * **Streams.** A stream per ``(device, handle)``; the default stream has handle
   0 as in torch; ``torch.cuda.stream``/``device``/``current_stream``/
-  ``Stream``/``Event``/``synchronize`` behave as documented. Kernel launches
+  ``Stream``/``Event``/``synchronize`` behave as documented, the current device
+  and streams per thread as in torch. Kernel launches
   (the checksum/verify/poison kernels, through :class:`FakeGpu`) are queued on
   their stream and run at once, unless a test paused that stream
   (:meth:`FakeCuda.pause`): then they run when the stream is synchronised, an
@@ -292,9 +293,8 @@ class FakeCuda:
             raise ValueError(f"kernels must be 'twin' or 'simulator', got {kernels!r}")
         self.n = n
         self._lock = threading.RLock()
-        self._current_device = 0
+        self._tls = threading.local()  # torch's current device and streams are per thread
         self._streams: Dict[Tuple[int, int], FakeStream] = {}
-        self._current: Dict[int, FakeStream] = {}
         self._next_handle = 0x1000
         self._next_alloc = 0
         self._ticks = 0
@@ -309,7 +309,7 @@ class FakeCuda:
         self.record_streams: List[Tuple[int, int, bool]] = []  # (alloc id or -1, stream handle, effective)
         self.allocations: List[_Alloc] = []
         for d in range(n):
-            self._current[d] = self._stream(d, 0)
+            self._stream(d, 0)
         if kernels == "twin":
             inner: Any = TwinKernels()
         else:
@@ -321,6 +321,22 @@ class FakeCuda:
         self.gpu = FakeGpu(self, inner)
 
     # -- memory -------------------------------------------------------------------
+    @property
+    def _current_device(self) -> int:
+        return getattr(self._tls, "device", 0)
+
+    @_current_device.setter
+    def _current_device(self, index: int) -> None:
+        self._tls.device = index
+
+    @property
+    def _current(self) -> Dict[int, FakeStream]:
+        """This thread's current stream per device (the default stream unless set)."""
+        current = getattr(self._tls, "streams", None)
+        if current is None:
+            current = self._tls.streams = {d: self._stream(d, 0) for d in range(self.n)}
+        return current
+
     def _index(self, device: Any) -> int:
         if device is None:
             return self._current_device

@@ -419,3 +419,85 @@ def test_the_kernels_load_at_enable_when_the_process_uses_cuda(fake_cuda):
     del w, w1
 
 
+
+
+# -- the rest of the CUDA surface -----------------------------------------------------------------------
+def test_verify_wait_raises_a_cuda_corruption_at_once(fake_cuda):
+    buf = StagingBuffer(4096, device="cuda", name="r")
+    with sanitizer.sanitize(checksum=1):
+        w = buf.write(0, torch.arange(16.0), name="w")
+        assert checksums.expected_hash(sanitizer.lease_of(w)) == cuda_hooks.checksum(torch.arange(16.0))
+        sanitizer.verify(w, wait=True)  # unchanged: silent
+        buf.tensor.numpy()[5] ^= 1
+        with pytest.raises(BorrowCorruptedError, match="'w'.*checked at verify"):
+            sanitizer.verify(w, wait=True)
+    del w
+
+
+def test_flags_still_up_at_exit_are_recorded_not_raised(fake_cuda):
+    buf = StagingBuffer(4096, device="cuda", name="r")
+    with sanitizer.sanitize(checksum=1):
+        w = buf.write(0, torch.arange(16.0), name="w")
+        buf.tensor.numpy()[5] ^= 1
+        sanitizer.verify(w)
+        checksums._synchronize_at_exit()  # what atexit runs
+        assert _mismatches() == ["w"]
+    del w
+
+
+def test_lends_and_checks_from_threads_on_their_own_streams_are_exact(fake_cuda):
+    import threading
+
+    bufs = [StagingBuffer(1 << 16, device="cuda", name=f"r{k}") for k in range(2)]
+    failures: list = []
+
+    def load(k: int) -> None:
+        try:
+            with torch.cuda.stream(torch.cuda.Stream()):
+                kept = []
+                for i in range(100):  # enough lends to make the slot table grow and reclaim
+                    w = bufs[k].write(512 * (i % 100), torch.full((64,), float(i)), name=f"t{k}.{i}")
+                    sanitizer.verify(w)
+                    kept.append(w) if i % 3 == 0 else None
+        except Exception as exc:  # reported to the main thread
+            failures.append(exc)
+
+    with sanitizer.sanitize(checksum=1, poison=1, guard=0):
+        threads = [threading.Thread(target=load, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        sanitizer.synchronize()
+    assert failures == [] and sanitizer.errors() == [] and fake_cuda.hazards == []
+
+
+def test_bridge_caches_the_numba_arrays_of_long_lived_tensors_only_by_identity(fake_cuda):
+    import cuda_hooks.bridge as bridge
+
+    out = fake_cuda.zeros(4, torch.int64, torch.device("cuda", 0))
+    t = fake_cuda.tensor(torch.arange(64, dtype=torch.uint8))
+    cuda_hooks.checksum_into(t, out, 0)
+    a = bridge._arrays.get(fake_cuda.gpu, out, np.uint64)
+    assert bridge._arrays.get(fake_cuda.gpu, out, np.uint64) is a
+    assert bridge._arrays.get(fake_cuda.gpu, out[:], np.uint64) is not a  # another tensor object: converted anew
+    for _ in range(bridge._ArrayCache.LIMIT + 1):
+        bridge._arrays.get(fake_cuda.gpu, fake_cuda.zeros(1, torch.int64, torch.device("cuda", 0)), None)
+    assert len(bridge._arrays._entries) <= bridge._ArrayCache.LIMIT  # bounded: the oldest go first
+
+
+def test_bridge_refuses_to_load_kernels_inside_a_capture_and_warm_takes_any_cuda_device(fake_cuda):
+    t = fake_cuda.tensor(torch.arange(64, dtype=torch.uint8))
+    out = fake_cuda.zeros(1, torch.int64, torch.device("cuda", 0))
+    with fake_cuda.capture(torch.cuda.current_stream()):
+        with pytest.raises(RuntimeError, match="capturing a CUDA graph.*warm"):
+            cuda_hooks.checksum_into(t, out, 0)
+    cuda_hooks.warm()
+    cuda_hooks.warm(1)
+    cuda_hooks.warm("cuda:1")
+    assert fake_cuda.gpu.module_loads == {0: 1, 1: 1}
+    with pytest.raises(ValueError, match="needs a CUDA device, got 'cpu'"):
+        cuda_hooks.warm("cpu")
+    with fake_cuda.capture(torch.cuda.current_stream()) as graph:
+        cuda_hooks.checksum_into(t, out, 0)  # loaded: the launch is captured into the graph, as any kernel
+    assert [name for name, _, _ in graph] == ["checksum"]
