@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import ctypes
 import sys
 import threading
 import weakref
@@ -67,6 +68,23 @@ _REAL_ZEROS = torch.zeros
 _REAL_ZEROS_LIKE = torch.zeros_like
 _REAL_CAT = torch.cat
 _REAL_SWAP = torch.UntypedStorage._swap_data_ptr_
+_REAL_FILL = torch.Tensor.fill_
+_REAL_TENSOR_COPY = torch.Tensor.copy_
+
+
+def _contiguous(x: Any) -> bool:
+    return isinstance(x, torch.UntypedStorage) or x.is_contiguous()
+
+
+def _address_alias(x: Any) -> torch.Tensor:
+    """A tensor over the memory ``x`` has now (by address: no storage of ``x``'s, so no lease either)."""
+    if isinstance(x, torch.UntypedStorage):
+        nbytes, dtype, shape = x.nbytes(), torch.uint8, (x.nbytes(),)
+    else:
+        nbytes, dtype, shape = x.numel() * x.element_size(), x.dtype, tuple(x.shape)
+    raw = np.frombuffer((ctypes.c_char * nbytes).from_address(x.data_ptr()), dtype=np.uint8) if nbytes else \
+        np.empty(0, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
 
 CAPTURE_ERROR = "CUDA error: operation not permitted when stream is capturing"
 
@@ -102,6 +120,7 @@ class FakeStream:
         self.cuda_stream = handle
         self.paused = False
         self.queue: List[Tuple[str, Callable[[], None], List[_Alloc]]] = []
+        self.pins: List[list] = []  # per queued item: objects keeping its operands' memory allocated
         self.syncs = 0
         self.synced_at = -1  # tick of the last time the host waited for this stream
 
@@ -125,13 +144,15 @@ class FakeStream:
             return
         if self.paused:
             self.queue.append((name, work, allocs))
+            self.pins.append([])
         else:
             work()
 
     def flush(self) -> None:
         while self.queue:
-            _, work, _ = self.queue.pop(0)
+            _, work, _ = self.queue[0]
             work()
+            del self.queue[0], self.pins[0]  # (its pins are dropped only once it ran)
 
     def synchronize(self) -> None:
         self._fake._refuse_in_capture(f"synchronize {self!r}")
@@ -396,6 +417,17 @@ class FakeCuda:
                     self.hazards.append(f"{alloc!r} freed after work on {stream!r} that was neither recorded "
                                         f"(record_stream) nor waited for")
 
+    def _pin_queued(self, *storages: torch.UntypedStorage) -> None:
+        """After a data pointer swap: queued work on memory that now sits in one of ``storages`` keeps that
+        storage (so its memory) alive until it ran, as a GPU's queued work keeps using the memory it was
+        given (whether the memory may be *reused* meanwhile is the record_stream rule, checked apart)."""
+        for stream in self._streams.values():
+            for (_, _, allocs), pins in zip(stream.queue, stream.pins):
+                for storage in storages:
+                    found = self._find(storage.data_ptr())
+                    if found is not None and found in allocs:
+                        pins.append(storage)
+
     def _tick(self) -> int:
         with self._lock:
             self._ticks += 1
@@ -560,6 +592,7 @@ class FakeCuda:
 
         def swap(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
             _REAL_SWAP(a, b)
+            fake._pin_queued(a, b)
             with fake._lock:
                 ka, kb = a._cdata, b._cdata
                 oa, ob = fake._owners.pop(ka, None), fake._owners.pop(kb, None)
@@ -573,13 +606,30 @@ class FakeCuda:
         monkeypatch.setattr(torch.UntypedStorage, "_swap_data_ptr_", swap)
 
         def queued(real: Callable[..., Any], name: str) -> Callable[..., Any]:
-            """A torch op that, on fake device memory, is work on the current stream of its device."""
+            """A torch op that, on fake device memory, is work on the current stream of its device.
+
+            As a GPU does, the queued op works on the memory its operands had when it was issued: a
+            later data pointer swap (rescue, the guard) or a lease going stale does not change what it
+            reads or writes. So it runs on address aliases taken now (contiguous operands; others run
+            at once), holding the operands meanwhile so that their memory stays allocated."""
             def op(target: Any, *args: Any, **kw: Any) -> Any:
                 touched = [x for x in (target, *args) if isinstance(x, (torch.Tensor, torch.UntypedStorage))]
                 allocs = [a for a in (fake._find(x.data_ptr()) for x in touched) if a is not None]
                 if not allocs:
                     return real(target, *args, **kw)
-                fake.current_stream(allocs[0].device.index).launch(name, lambda: real(target, *args, **kw), allocs)
+                if not all(_contiguous(x) for x in touched):
+                    real(target, *args, **kw)
+                    fake.current_stream(allocs[0].device.index).launch(name, lambda: None, allocs)
+                    return target
+                frozen = [_address_alias(x) if isinstance(x, (torch.Tensor, torch.UntypedStorage)) else x
+                          for x in (target, *args)]
+                keep = touched
+
+                def work() -> None:
+                    keep  # noqa: B018  (the operands' memory stays allocated until the op ran)
+                    _REAL_TENSOR_COPY(frozen[0], frozen[1]) if name != "fill_" else _REAL_FILL(frozen[0], *frozen[1:])
+
+                fake.current_stream(allocs[0].device.index).launch(name, work, allocs)
                 return target
             return op
 
