@@ -126,7 +126,7 @@ def gpu(monkeypatch) -> Iterator[Any]:
         sanitizer.disable()
         gc.collect()
         return
-    if os.environ.get("OWNSAN_REQUIRE_CUDA"):
+    if os.environ.get("OWNSAN_REQUIRE_CUDA") == "1":
         pytest.fail("OWNSAN_REQUIRE_CUDA is set but torch sees no CUDA device")
 
     fake = FakeCuda(2).install(monkeypatch)
