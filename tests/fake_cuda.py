@@ -449,11 +449,16 @@ class FakeCuda:
         return t.untyped_storage()._cdata in self._owners
 
     # -- cuda_hooks.devices --------------------------------------------------------
+    @staticmethod
+    def _address(t: torch.Tensor) -> int:
+        """Where ``t``'s bytes are (torch says 0 for an empty tensor: then its storage's memory)."""
+        return t.data_ptr() or (t.untyped_storage().data_ptr() if t.numel() == 0 else 0)
+
     def is_cuda(self, t: torch.Tensor) -> bool:
-        return t.is_cuda or (t.device.type == "cpu" and self._find(t.data_ptr()) is not None)
+        return t.is_cuda or (t.device.type == "cpu" and self._find(self._address(t)) is not None)
 
     def device_of(self, t: torch.Tensor) -> torch.device:
-        alloc = self._find(t.data_ptr()) if t.device.type == "cpu" else None
+        alloc = self._find(self._address(t)) if t.device.type == "cpu" else None
         return alloc.device if alloc is not None else t.device
 
     def storage_device(self, storage: torch.UntypedStorage) -> torch.device:

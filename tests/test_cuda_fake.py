@@ -501,3 +501,16 @@ def test_bridge_refuses_to_load_kernels_inside_a_capture_and_warm_takes_any_cuda
     with fake_cuda.capture(torch.cuda.current_stream()) as graph:
         cuda_hooks.checksum_into(t, out, 0)  # loaded: the launch is captured into the graph, as any kernel
     assert [name for name, _, _ in graph] == ["checksum"]
+
+
+def test_empty_cuda_leases_take_no_device_slot(fake_cuda):
+    buf = StagingBuffer(4096, device="cuda", name="r")
+    with sanitizer.sanitize(checksum=1, poison=1):
+        e = buf.lend(64, (0, 7), torch.bfloat16, name="empty")
+        assert sanitizer.lease_of(e).checksum is None and not checksums.DEVICE_CHECKS.tables
+        w = buf.write(0, torch.ones(16), name="w")
+        assert checksums.DEVICE_CHECKS.tables  # a lease with bytes does
+        buf.reuse(0, 4096, by="all of it")
+        sanitizer.synchronize()
+    assert sanitizer.errors() == []
+    del e, w

@@ -238,6 +238,8 @@ def on_lend(lease: Lease, view: torch.Tensor) -> None:
     if not hooks.devices.is_cuda(raw):
         lease.checksum = hooks.checksum(raw)
         return
+    if raw.numel() == 0:
+        return  # no byte to change: no device slot, no launch
     device = hooks.devices.device_of(raw)
     if graph_capture.capturing(device):
         graph_capture.skipped(f"the checksum of '{lease.name}'")
