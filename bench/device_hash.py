@@ -147,7 +147,8 @@ def main(argv: List[str] | None = None) -> int:
           f"misaligned/aligned {f['misaligned_vs_aligned']:.3f}")
     print(f"  host cost per call on 4 KiB: checksum_into {f['host_checksum_into_s'] * 1e6:.1f} us, "
           f"verify_into {f['host_verify_into_s'] * 1e6:.1f} us (device time {f['small_device_s'] * 1e6:.1f} us); "
-          f"a 4 KiB CUDA lend {f['lend_checksum_s'] * 1e6:.1f} us with checksum=1, {f['lend_plain_s'] * 1e6:.1f} us off")
+          f"a 4 KiB CUDA lend {f['lend_checksum_s'] * 1e6:.1f} us with checksum=1, "
+          f"{f['lend_plain_s'] * 1e6:.1f} us off")
     print(f"  kernels: registers {info.get('registers')}, resident blocks {info.get('resident_blocks')}, "
           f"first use (s) {({k: round(v, 3) for k, v in info.get('compile_seconds', {}).items()})}")
     missed = 0

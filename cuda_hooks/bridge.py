@@ -20,6 +20,7 @@ converted once and cached.  Which tensors are CUDA tensors is asked of
 from __future__ import annotations
 
 import operator
+import os
 import threading
 import time
 from contextlib import contextmanager, nullcontext
@@ -165,6 +166,18 @@ class _ArrayCache:
 
 _arrays = _ArrayCache()
 _warm: set = set()  # device indices whose kernels are loaded
+
+
+def _after_fork_in_child() -> None:
+    """A forked child cannot use its parent's CUDA context: a fresh lock, and none of the parent's
+    device arrays, scratch or loaded kernels."""
+    global _lock, _arrays, _scratch, _warm
+    _lock = threading.Lock()
+    _arrays, _scratch, _warm = _ArrayCache(), {}, set()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _scratch_for(device: torch.device, stream: Any) -> torch.Tensor:

@@ -40,6 +40,7 @@ test harness treats such memory as device memory).
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import threading
 import time
@@ -243,6 +244,20 @@ _streams: Dict[Tuple[int, int], Any] = {}
 _launchers: Dict[Tuple[str, int, int], Tuple[Any, Any]] = {}  # (kernel, blocks, id(stream)) -> (launcher, stream)
 _MAX_LAUNCHERS = 4096
 
+
+
+def _after_fork_in_child() -> None:
+    """A fresh lock in a forked child (which cannot use its parent's CUDA context anyway)."""
+    global _lock
+    _lock = threading.Lock()
+    _warm_devices.clear()
+    _launchers.clear()
+    _streams.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
 # numba warns when a grid has fewer than 128 blocks; a 4 KiB tensor needs one. numba-cuda raises its
 # own class (numba.cuda.core.errors), the built-in target numba.core.errors': silence whichever exist.
 _LOW_OCCUPANCY = re.escape("will likely result in GPU under-utilization")
@@ -426,7 +441,8 @@ def kernel_info() -> Dict[str, Any]:
     """What a device check prints: numba's CUDA implementation, the NVVM version, and per kernel its
     registers per thread and resident blocks (after :func:`warm`)."""
     info: Dict[str, Any] = {"implementation": IMPLEMENTATION, "simulated": SIMULATED, "threads": THREADS,
-                            "registers": dict(_registers), "resident_blocks": {f"{k}@{d}": v for (k, d), v in _caps.items()},
+                            "registers": dict(_registers),
+                            "resident_blocks": {f"{k}@{d}": v for (k, d), v in _caps.items()},
                             "compile_seconds": compile_seconds()}
     if not SIMULATED:
         try:

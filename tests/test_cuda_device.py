@@ -149,7 +149,8 @@ def test_device_hash_equals_the_cpu_hash_at_4_gib_plus_13_bytes_at_offsets_0_to_
     n = gpu.big + 13
     dev = gpu.random_bytes(n + 4)
     host = _host(dev)
-    out = torch.zeros(5, dtype=torch.int64, device="cuda") if REAL else gpu.fake.zeros(5, torch.int64, torch.device("cuda", 0))
+    out = (torch.zeros(5, dtype=torch.int64, device="cuda") if REAL
+           else gpu.fake.zeros(5, torch.int64, torch.device("cuda", 0)))
     for offset in range(5):
         cuda_hooks.checksum_into(dev[offset:offset + n], out, offset)
     got = [cuda_hooks.to_unsigned(int(v)) for v in _host(out).tolist()]

@@ -514,3 +514,28 @@ def test_empty_cuda_leases_take_no_device_slot(fake_cuda):
         sanitizer.synchronize()
     assert sanitizer.errors() == []
     del e, w
+
+
+def test_a_forked_child_starts_with_no_device_state_and_fresh_locks(fake_cuda):
+    import os
+
+    import cuda_hooks.bridge as bridge
+    from sanitizer.torch_layer import storage_handles
+
+    buf = StagingBuffer(4096, device="cuda", name="r")
+    with sanitizer.sanitize(checksum=1):
+        w = buf.write(0, torch.ones(16), name="w")
+        buf.write(0, torch.ones(16), name="next")  # w retained: a tombstone, a poison block
+        assert checksums.DEVICE_CHECKS.tables and storage_handles.DEVICE_POISON.nbytes and bridge._scratch
+        checksums.DEVICE_CHECKS.lock.acquire()  # held at the fork, as by another thread
+        try:
+            pid = os.fork()
+            if pid == 0:  # the child: the parent's CUDA state is not usable here, and no lock is held
+                ok = (not checksums.DEVICE_CHECKS.tables and storage_handles.DEVICE_POISON.nbytes == 0
+                      and not bridge._scratch and checksums.DEVICE_CHECKS.lock.acquire(timeout=5))
+                os._exit(0 if ok else 1)
+        finally:
+            checksums.DEVICE_CHECKS.lock.release()
+        _, status = os.waitpid(pid, 0)
+        assert os.WEXITSTATUS(status) == 0
+    del w

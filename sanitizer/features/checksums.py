@@ -438,5 +438,5 @@ def _after_fork() -> None:
     DEVICE_CHECKS.__init__()
 
 
-__all__ = ["verify", "verify_queued", "synchronize", "expected_hash", "install", "on_lend", "on_retire", "on_poison", "DeviceChecks",
-           "DEVICE_CHECKS"]
+__all__ = ["verify", "verify_queued", "synchronize", "expected_hash", "install", "on_lend", "on_retire", "on_poison",
+           "DeviceChecks", "DEVICE_CHECKS"]

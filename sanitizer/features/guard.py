@@ -23,9 +23,9 @@ import threading
 import weakref
 from typing import Any, Dict, List
 
+from cuda_hooks import devices
 from sanitizer.core import forking
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
-from cuda_hooks import devices
 from sanitizer.torch_layer import graph_capture, runtime, storage_handles
 from sanitizer.torch_layer.hooks import RetireOrder, add_enable_hook, add_retire_hook
 from sanitizer.torch_layer.state import state

@@ -8,8 +8,9 @@ copies the bytes into fresh memory of the same size and swaps the storage's
 data pointer, so the lent tensor *and every view derived from it* now read the
 copy; then the lease is disowned (no longer a borrow: never stale, not counted
 live). On CUDA the copy is ordinary caching-allocator memory, queued on the
-current stream (see ``storage_handles.repoint``). A view nobody retained is already dead and costs nothing, so the copy is
-paid only for views that really were retained.
+current stream (see ``storage_handles.repoint``). A view nobody retained is
+already dead and costs nothing, so the copy is paid only for views that really
+were retained.
 
 Needs private storage APIs (weak storage handles, ``_swap_data_ptr_``,
 ``_storage_Use_Count``); without them every would-be rescue is reported
@@ -23,8 +24,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from cuda_hooks import devices
+from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.features import aliases
 from sanitizer.torch_layer import graph_capture, records, runtime, storage_handles
 from sanitizer.torch_layer.hooks import RetireOrder, add_enable_hook, add_retire_hook

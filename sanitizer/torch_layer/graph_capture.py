@@ -30,6 +30,8 @@ from typing import Optional
 
 import torch
 
+from sanitizer.core import forking
+
 __all__ = ["capturing", "skipped"]
 
 _lock = threading.Lock()
@@ -57,3 +59,9 @@ def skipped(what: str) -> None:
                   "rest of the sanitizer's device work (checksum, poison, rescue, guard, reading device flags) "
                   "skip the CUDA leases lent and retired during captures; stale uses are still reported "
                   "(said once)", RuntimeWarning, stacklevel=3)
+
+
+@forking.in_child
+def _after_fork() -> None:
+    global _lock
+    _lock = threading.Lock()

@@ -276,8 +276,9 @@ def _repoint_on_device(storage: torch.UntypedStorage, nbytes: int, device: torch
                        source: Optional[torch.Tensor]) -> Tuple[torch.UntypedStorage, Any]:
     """:func:`repoint` of CUDA memory.
 
-    A fill is a view of the shared :data:`DEVICE_POISON` block (no memory of its own). A copy goes into ordinary caching-allocator memory, allocated and filled on the current stream,
-    and the swap hands that memory to ``storage`` itself: a rescued view is then allocator memory
+    A fill is a view of the shared :data:`DEVICE_POISON` block (no memory of its own). A copy goes
+    into ordinary caching-allocator memory, allocated and written on the current stream, and the
+    swap hands that memory to ``storage`` itself: a rescued view is then allocator memory
     like any tensor (``record_stream``, CUDA IPC and ``resize_`` work on it), and ``storage`` is the
     keeper (torch keeps a storage's Python object as long as the storage lives). The copy reads
     the staging bytes on the current stream, so ``source`` (their owner) records that stream: the
