@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one command, bounded to under 5 minutes:
-#   1. the CUDA tests (tests/test_bridge.py's device half, the PTX check, InstantTensor on CUDA);
-#   2. the device checksum throughput against torch's int64 sum over the same bytes (target >= 0.85);
-#   3. a real InstantTensor load through the adapter (pip-installed if missing and reachable; else skipped);
-#   4. rescue=1 and, where the sanitizer has it, guard=1 on a CUDA staging buffer.
-# Each section prints PASS, FAIL or SKIP with its figures; the last lines are a summary.
+# The GPU check, in one prepared run (a few minutes on one H200, at most ~9; no network needed):
+#   1. the environment: python, torch and its CUDA, the GPUs, numba and its CUDA target (numba's built-in
+#      one or NVIDIA's numba-cuda), the CUDA toolkit found as tests/test_kernels_ptx.py finds it (exported
+#      as CUDA_HOME), the NVVM version, the kernels compiled and loaded (seconds, registers, resident blocks)
+#   2. InstantTensor installed offline from .whl/ (put there by bench/device_prepare.sh) into a temp dir
+#   3. the CUDA tests: tests/test_cuda_device.py on the GPU (OWNSAN_REQUIRE_CUDA=1: never the fake devices),
+#      the device half of tests/test_bridge.py, the PTX/ptxas check, the launch tests, InstantTensor on CUDA;
+#      a skip is a failure, except the multi-GPU case on a one-GPU machine and the ptxas check without ptxas
+#   4. the hash against the device's own memory bandwidth (bench/device_hash.py) and its verdicts
+#   5. a real InstantTensor load through the adapter with checksum=1: bit-exact, a retained view caught
+# Each section prints PASS, FAIL or SKIP with its figures; the summary comes last.
 # Usage: bench/device_check.sh [--cpu-ok]
-#   PYTHON=...   the interpreter (default: .venv/bin/python if present, else python3)
-#   --cpu-ok     without a CUDA device, run what can run and exit 0 (default: exit 2, nothing was checked)
+#   PYTHON=...  the interpreter (default: .venv/bin/python if present, else python3)
+#   --cpu-ok    without a CUDA device, run the CPU-safe parts instead (the PTX/ptxas check, the fake-device
+#               and simulator suites, the launch tests) and exit 0 if they pass (default: exit 2, since
+#               nothing was checked on a GPU)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -15,7 +22,7 @@ CPU_OK=0
 for arg in "$@"; do
   case "$arg" in
     --cpu-ok) CPU_OK=1 ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     *) echo "device_check: unknown argument '$arg' (known: --cpu-ok, --help)" >&2; exit 2 ;;
   esac
 done
@@ -24,22 +31,27 @@ if [ -z "$PY" ]; then
   if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the checkout, installed or not
-unset OWNERSHIP_SANITIZE OWNERSHIP_SANITIZE_OPTIONS
+unset OWNERSHIP_SANITIZE OWNERSHIP_SANITIZE_OPTIONS NUMBA_ENABLE_CUDASIM
 START=$SECONDS
 RESULTS=()
-LOG=$(mktemp "${TMPDIR:-/tmp}/device_check-XXXXXX")
-trap 'rm -f "$LOG"' EXIT
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/device_check-XXXXXX")
+LOG="$WORK/log"
+trap 'rm -rf "$WORK"' EXIT
 
 record() {  # record NAME STATUS DETAIL
-  RESULTS+=("$(printf '%-26s %-5s %s' "$1" "$2" "$3")")
+  RESULTS+=("$(printf '%-22s %-5s %s' "$1" "$2" "$3")")
   echo "== $1: $2 $3"
 }
 
 run_bounded() {  # run_bounded SECONDS CMD...: output to the terminal and $LOG; status 124 on time-out
   local limit=$1
   shift
-  timeout --kill-after=5 "$limit" "$@" 2>&1 | tee "$LOG"
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$LOG"
   return "${PIPESTATUS[0]}"
+}
+
+unexpected_skips() {  # unexpected_skips ALLOWED_REGEX: the pytest skip lines of $LOG that are not allowed
+  grep -E '^SKIPPED \[' "$LOG" | grep -vE "$1" || true
 }
 
 if ! "$PY" -c 'import torch' 2>/dev/null; then
@@ -47,85 +59,131 @@ if ! "$PY" -c 'import torch' 2>/dev/null; then
   exit 2
 fi
 CUDA=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))')
-"$PY" - <<'EOF'
-import platform, torch
-print(f"python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
-      f"device: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}")
-try:
-    import numba
-    print(f"numba {numba.__version__}")
-except ImportError:
-    print("numba: not installed (the checksum kernels need it)")
-EOF
-
-# 1. The CUDA tests: they skip without a device, so a skip here is a failure when there is one.
-t0=$SECONDS
-TESTS=(tests/test_bridge.py tests/test_kernels_ptx.py tests/test_adapters.py::test_instanttensor_real_on_cuda)
-run_bounded 110 "$PY" -m pytest -q -rs -p no:cacheprovider "${TESTS[@]}"
-code=$?
-summary=$(grep -E '^[0-9]+ (passed|failed)|passed|failed|error' "$LOG" | tail -n 1)
-cuda_skips=$(grep -c 'needs a CUDA device' "$LOG")
-if [ "$code" = 124 ]; then record "CUDA tests" FAIL "timed out after 110 s"
-elif [ "$code" != 0 ]; then record "CUDA tests" FAIL "$summary"
-elif [ "$CUDA" = 1 ] && [ "$cuda_skips" != 0 ]; then record "CUDA tests" FAIL "$summary; $cuda_skips skipped for want of a device"
-elif [ "$CUDA" = 1 ]; then record "CUDA tests" PASS "$summary ($((SECONDS - t0)) s)"
-else record "CUDA tests" SKIP "no CUDA device ($summary)"
+NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')
+if [ "$CUDA" != 1 ] && [ "$CPU_OK" != 1 ]; then
+  echo "device_check: torch sees no CUDA device: nothing can be checked on a GPU (--cpu-ok runs the CPU-safe parts)" >&2
+  exit 2
 fi
 
-# 2. Device checksum throughput vs torch.sum (bench/checksum.py's CUDA section).
+# 1. The environment, the toolkit, the kernels.
+t0=$SECONDS
+if TOOLKIT=$("$PY" tests/cuda_toolkit.py --export 2>"$WORK/toolkit"); then
+  eval "$TOOLKIT"
+fi
+echo "toolkit: $(cat "$WORK/toolkit")${CUDA_HOME:+ (CUDA_HOME=$CUDA_HOME)}"
+CUDA=$CUDA run_bounded 120 "$PY" - <<'EOF'
+import json, os, platform, time
+import torch
+print(f"python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda})")
+for i in range(torch.cuda.device_count()):
+    p = torch.cuda.get_device_properties(i)
+    print(f"cuda:{i} {p.name}, {p.multi_processor_count} SMs, {p.total_memory >> 30} GiB, cc {p.major}.{p.minor}")
+import numba
+from numba import cuda
+print(f"numba {numba.__version__}, CUDA target: {getattr(cuda, 'implementation', '?')}"
+      f"{'' if getattr(cuda, 'implementation', '') == 'NVIDIA' else ' (numba-cuda not installed)'}")
+try:
+    from numba.cuda.cudadrv import nvvm
+    print("NVVM", ".".join(map(str, nvvm.NVVM().get_version())))
+except Exception as exc:
+    print(f"NVVM unavailable: {type(exc).__name__}: {exc}")
+if os.environ["CUDA"] == "1":
+    import cuda_hooks
+    t0 = time.perf_counter()
+    cuda_hooks.warm()
+    info = cuda_hooks.kernel_info()
+    print(f"KERNELS warm in {time.perf_counter() - t0:.2f} s; registers {info['registers']}; resident blocks "
+          f"{info['resident_blocks']}; first use (s) {json.dumps({k: round(v, 3) for k, v in info['compile_seconds'].items()})}")
+EOF
+code=$?
+kernels=$(sed -n 's/^KERNELS //p' "$LOG")
+nvvm=$(grep -E '^NVVM' "$LOG" | head -n 1)
+impl=$(sed -n 's/.*CUDA target: \([^ ]*\).*/\1/p' "$LOG")
+if [ "$code" != 0 ]; then record "environment" FAIL "status $code: $(tail -n 1 "$LOG")"
+elif [ "$CUDA" = 1 ] && [ -z "$kernels" ]; then record "environment" FAIL "the kernels did not build: $nvvm"
+elif [ "$CUDA" = 1 ]; then record "environment" PASS "numba CUDA target $impl, $nvvm; $kernels ($((SECONDS - t0)) s)"
+else record "environment" SKIP "no CUDA device; numba CUDA target $impl, $nvvm"
+fi
+
+# 2. InstantTensor, offline.
+if [ "$CUDA" = 1 ]; then
+  if "$PY" -c 'import instanttensor' 2>/dev/null; then
+    record "InstantTensor wheel" PASS "already installed"
+  elif ls .whl/instanttensor-*.whl >/dev/null 2>&1 && \
+      "$PY" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --find-links .whl \
+        --target "$WORK/site" instanttensor >"$WORK/pip" 2>&1; then
+    export PYTHONPATH="$PYTHONPATH:$WORK/site"
+    record "InstantTensor wheel" PASS "$(ls "$WORK/site" | grep -m1 dist-info) from .whl/"
+  else
+    record "InstantTensor wheel" FAIL "not installable offline: run bench/device_prepare.sh first ($(tail -n 1 "$WORK/pip" 2>/dev/null))"
+  fi
+fi
+
+# 3. The tests. On a GPU nothing may skip but the multi-GPU case on a one-GPU machine.
 t0=$SECONDS
 if [ "$CUDA" = 1 ]; then
-  run_bounded 60 "$PY" -c '
-import argparse, sys
-sys.path.insert(0, "bench")
-import checksum
-checksum.bench_cuda_hash(argparse.Namespace(mib=512, repeats=7))'
-  code=$?
-  ratio=$(sed -n 's/.*ratio hash\/sum *\([0-9.]*\).*/\1/p' "$LOG" | tail -n 1)
-  rates="checksum_into $(awk '/checksum_into/ {print $2, $3}' "$LOG"), torch.sum $(awk '/torch int64 sum/ {print $4, $5}' "$LOG")"
-  if [ "$code" != 0 ] || [ -z "$ratio" ]; then record "checksum throughput" FAIL "status $code"
-  elif "$PY" -c "import sys; sys.exit(not float('$ratio') >= 0.85)"; then
-    record "checksum throughput" PASS "hash/sum $ratio >= 0.85: $rates ($((SECONDS - t0)) s)"
-  else
-    record "checksum throughput" FAIL "hash/sum $ratio < 0.85: $rates"
-  fi
+  TESTS=(tests/test_cuda_device.py tests/test_bridge.py tests/test_kernels_ptx.py tests/test_cuda_launch.py
+         tests/test_cuda_extras.py tests/test_adapters.py::test_instanttensor_real_on_cuda)
+  ALLOWED='ptxas is not on the PATH'  # (the kernels' registers are then read from the loaded module, section 1)
+  [ "$NGPU" -lt 2 ] && ALLOWED="$ALLOWED|needs 2 CUDA devices"
+  LIMIT=330
 else
-  record "checksum throughput" SKIP "no CUDA device"
+  TESTS=(tests/test_kernels_ptx.py tests/test_cuda_fake.py tests/test_cuda_device.py tests/test_cuda_launch.py
+         tests/test_cuda_extras.py tests/test_kernels_cuda_sim.py tests/test_cuda_fake_simulator.py tests/test_bridge.py)
+  ALLOWED='needs a CUDA device'
+  LIMIT=540
+fi
+OWNSAN_REQUIRE_CUDA=$CUDA run_bounded "$LIMIT" "$PY" -m pytest -q -rs -s -p no:cacheprovider "${TESTS[@]}"
+code=$?
+summary=$(grep -E '[0-9]+ (passed|failed|error)' "$LOG" | tail -n 1)
+skips=$(unexpected_skips "$ALLOWED")
+regs=$(grep -oE '(checksum|verify): [0-9]+ registers per thread on sm_90' "$LOG" | sed 's/ registers.*//' | tr '\n' ' ')
+if [ "$code" = 124 ] || [ "$code" = 137 ]; then record "tests" FAIL "timed out after $LIMIT s"
+elif [ "$code" != 0 ]; then record "tests" FAIL "$summary"
+elif [ -n "$skips" ]; then record "tests" FAIL "$summary; unexpected skips: $(echo "$skips" | tr '\n' ';')"
+else record "tests" PASS "$summary; sm_90 registers: ${regs:-?}($((SECONDS - t0)) s)"
 fi
 
-# 3. A real InstantTensor load through the adapter.
+# 4. The hash against the memory bandwidth.
 t0=$SECONDS
-if [ "$CUDA" != 1 ]; then
-  record "InstantTensor load" SKIP "no CUDA device (InstantTensor is CUDA only)"
-else
-  if ! "$PY" -c 'import instanttensor' 2>/dev/null; then
-    echo "instanttensor is not installed; trying pip (20 s at most; the machine may have no network)"
-    timeout 20 "$PY" -m pip install -q --timeout 5 --retries 0 instanttensor >/dev/null 2>&1
+if [ "$CUDA" = 1 ]; then
+  run_bounded 150 "$PY" bench/device_hash.py --mib 1024 --repeats 5
+  code=$?
+  verdicts=$(grep '^VERDICT' "$LOG" | sed 's/^VERDICT //' | tr '\n' ';')
+  figures=$(grep -E 'GB/s (read|of traffic)' "$LOG" | sed 's/^ *//; s/ GB\/s.*/ GB\/s/' | tr '\n' ';')
+  if [ "$code" = 0 ]; then record "hash throughput" PASS "$figures $verdicts ($((SECONDS - t0)) s)"
+  else record "hash throughput" FAIL "status $code: ${verdicts:-$(tail -n 1 "$LOG")}"
   fi
-  if ! "$PY" -c 'import instanttensor' 2>/dev/null; then
-    record "InstantTensor load" SKIP "instanttensor is not installed and could not be (pip install instanttensor)"
-  else
-    run_bounded 60 "$PY" - <<'EOF'
-import os, sys, tempfile, time
+else
+  record "hash throughput" SKIP "no CUDA device"
+fi
+
+# 5. A real InstantTensor load through the adapter, checksums on.
+t0=$SECONDS
+if [ "$CUDA" = 1 ]; then
+  run_bounded 90 "$PY" - <<'EOF'
+import os, tempfile, time
 import torch
 from safetensors.torch import save_file
-import instanttensor
 import sanitizer
 from sanitizer import adapters
 
 adapters.install_import_hooks()
-tensors = {f"layers.{i}.weight": torch.randn(1024, 1024, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
-           for i in range(16)}
+import instanttensor
+
+tensors = {f"layers.{i}.weight": torch.randn(1024, 1023, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+           for i in range(16)}  # odd row length: leases start at every 2-byte offset
 with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "model.safetensors")
     save_file(tensors, path)
-    with sanitizer.sanitize():
+    with sanitizer.sanitize(checksum=1):
         t0 = time.perf_counter()
         with instanttensor.safe_open([path], framework="pt", device=0, copy=False) as f:
             got = {k: t.cpu() for k, t in f.tensors()}  # a correct consumer: copies each one out
         seconds = time.perf_counter() - t0
+        sanitizer.synchronize()
         exact = set(got) == set(tensors) and all(torch.equal(got[k], tensors[k]) for k in tensors)
-        assert exact and sanitizer.errors() == [], "a correct consumer got a wrong tensor or an error"
+        assert exact and sanitizer.errors() == [], f"a correct consumer got a wrong tensor or an error: {sanitizer.errors()[:1]}"
         with instanttensor.safe_open([path], framework="pt", device=0, copy=False) as f:
             kept = dict(f.tensors())  # a retaining consumer
         try:
@@ -134,73 +192,20 @@ with tempfile.TemporaryDirectory() as tmp:
         except sanitizer.OwnershipError as exc:
             caught = type(exc).__name__
 nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-print(f"INSTANTTENSOR ok: {len(got)} tensors, {nbytes >> 20} MiB bit-exact in {seconds * 1e3:.1f} ms; "
+print(f"INSTANTTENSOR ok: {len(got)} tensors, {nbytes >> 20} MiB bit-exact with checksum=1 in {seconds * 1e3:.1f} ms; "
       f"a retained view raised {caught}")
 EOF
-    code=$?
-    line=$(grep '^INSTANTTENSOR ok' "$LOG" | sed 's/^INSTANTTENSOR ok: //')
-    if [ "$code" = 0 ] && [ -n "$line" ]; then record "InstantTensor load" PASS "$line"
-    else record "InstantTensor load" FAIL "status $code: $(tail -n 1 "$LOG")"
-    fi
+  code=$?
+  line=$(sed -n 's/^INSTANTTENSOR ok: //p' "$LOG")
+  if [ "$code" = 0 ] && [ -n "$line" ]; then record "InstantTensor load" PASS "$line ($((SECONDS - t0)) s)"
+  else record "InstantTensor load" FAIL "status $code: $(tail -n 1 "$LOG")"
   fi
-fi
-
-# 4. rescue=1 (and guard=1 where the sanitizer has it) on a CUDA staging buffer.
-t0=$SECONDS
-if [ "$CUDA" = 1 ]; then DEVICE=cuda; else DEVICE=cpu; fi
-DEVICE=$DEVICE run_bounded 40 "$PY" - <<'EOF'
-import os
-import torch
-import sanitizer
-
-device = os.environ["DEVICE"]
-src = torch.arange(4096, dtype=torch.float32, device=device)
-buf = sanitizer.StagingBuffer(1 << 16, device=device, name=f"{device}-staging")
-# rescue: a view kept past its reuse reads its own bytes, not the next tensor's
-with sanitizer.sanitize(rescue=1):
-    before = len(sanitizer.rescues())
-    w = buf.write(0, src, name="layers.0.weight")
-    kept = w[:1024]
-    del w
-    buf.write(0, torch.full((4096,), -1.0, device=device), name="layers.1.weight")  # overwrites those bytes
-    assert torch.equal(kept, src[:1024]), "rescue=1 did not keep the retained view's bytes"
-    assert not sanitizer.is_borrowed(kept), "a rescued view is still a borrow"
-    rescued = len(sanitizer.rescues()) - before
-    assert rescued == 1, f"expected one rescue, got {rescued}"
-    if device == "cuda":
-        torch.cuda.synchronize()
-print(f"RESCUE ok on {device}: the retained view kept its bytes (1 rescue)")
-# guard: another engineer's option; checked only where this sanitizer has it
-if "guard" in sanitizer.options():
-    with sanitizer.sanitize(guard=1):
-        w = buf.write(0, src, name="layers.2.weight")
-        out = w.clone()  # a correct consumer
-        kept = w[:16]
-        del w
-        buf.write(0, torch.zeros(4096, device=device), name="layers.3.weight")
-        assert torch.equal(out, src), "guard=1 changed what a correct consumer read"
-        try:
-            kept.sum()
-            raise AssertionError("guard=1: a stale read did not raise")
-        except sanitizer.OwnershipError as exc:
-            print(f"GUARD ok on {device}: a correct consumer is exact, a stale read raised {type(exc).__name__}")
-else:
-    print("GUARD skipped: this sanitizer has no 'guard' option")
-buf.close()
-EOF
-code=$?
-detail=$(grep -E '^(RESCUE|GUARD)' "$LOG" | tr '\n' ';' | sed 's/;$//; s/;/; /g')
-if [ "$code" != 0 ]; then record "rescue and guard" FAIL "status $code: $(tail -n 1 "$LOG")"
-elif [ "$CUDA" = 1 ]; then record "rescue and guard" PASS "$detail"
-else record "rescue and guard" SKIP "no CUDA device; on cpu: $detail"
+else
+  record "InstantTensor load" SKIP "no CUDA device (InstantTensor is CUDA only)"
 fi
 
 echo
-echo "device check summary ($((SECONDS - START)) s):"
+echo "device check summary ($((SECONDS - START)) s, $NGPU GPU(s)):"
 printf '  %s\n' "${RESULTS[@]}"
 if printf '%s\n' "${RESULTS[@]}" | grep -q ' FAIL '; then exit 1; fi
-if [ "$CUDA" != 1 ] && [ "$CPU_OK" != 1 ]; then
-  echo "no CUDA device: nothing was checked on a GPU (--cpu-ok to accept that)" >&2
-  exit 2
-fi
 exit 0

@@ -4,26 +4,36 @@ Why a package of its own: the sanitizer needs to hash and poison tensor bytes
 at memory speed on CPU and on CUDA, with one hash definition
 (:mod:`cuda_hooks.hashdef`) shared by both so a hash taken on one device can
 be checked on the other.  Importing this package does not import numba; the
-kernels are compiled (or loaded from numba's disk cache) on first use.
+kernels are compiled (or loaded from numba's disk cache) on first use, or
+ahead of it with :func:`warm`.
 
 Public API (see :mod:`cuda_hooks.bridge`): :func:`checksum`,
-:func:`checksum_into`, :func:`verify_into`, :func:`poison`,
-:func:`compile_seconds`, and the slot conversions :func:`to_signed` /
-:func:`to_unsigned`.
+:func:`checksum_into`, :func:`verify_into`, :func:`poison`, :func:`warm`,
+:func:`kernel_info`, :func:`compile_seconds`, the slot conversions
+:func:`to_signed` / :func:`to_unsigned`, and :class:`KernelsUnavailable`.
+Which tensors are CUDA tensors, and where device memory comes from, is
+:mod:`cuda_hooks.devices`.
 """
 
 from __future__ import annotations
 
-from .bridge import checksum, checksum_into, compile_seconds, poison, to_signed, to_unsigned, verify_into
+from . import devices
+from .bridge import (checksum, checksum_into, compile_seconds, kernel_info, poison, to_signed, to_unsigned,
+                     verify_into, warm)
+from .errors import KernelsUnavailable
 from .hashdef import HASH_VERSION
 
 __all__ = [
     "HASH_VERSION",
+    "KernelsUnavailable",
     "checksum",
     "checksum_into",
     "compile_seconds",
+    "devices",
+    "kernel_info",
     "poison",
     "to_signed",
     "to_unsigned",
     "verify_into",
+    "warm",
 ]

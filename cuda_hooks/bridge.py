@@ -3,30 +3,44 @@
 Why a separate layer: the kernels (``cpu.py``, ``gpu.py``) know only numpy
 and numba device arrays; this module validates torch tensors, takes their raw
 bytes without copying, picks the CPU or CUDA path and runs CUDA work on
-torch's current stream.  numba is imported on the first call that needs it,
-so importing ``cuda_hooks`` stays cheap.
+torch's current stream of the tensor's device.  numba is imported on the first
+call that needs it, so importing ``cuda_hooks`` stays cheap.
 
 Hash slots (``out``, ``expected``) are int64 tensors holding the uint64 hash
 bit patterns (torch has no general uint64 support); ``flags`` is int32.
+
+CUDA calls return the ``torch.cuda.Stream`` their work was queued on, so a
+caller can wait for exactly the streams it used.  Host cost per check: one
+``as_cuda_array`` conversion (the checked bytes); the numba arrays of the
+long-lived tensors (the per-stream scratch, the caller's slot tensors) are
+converted once and cached.  Which tensors are CUDA tensors is asked of
+:mod:`cuda_hooks.devices` (a test harness stands in for it without a GPU).
 """
 
 from __future__ import annotations
 
 import operator
+import os
+import threading
 import time
 from contextlib import contextmanager, nullcontext
 from types import ModuleType
-from typing import Any, Iterator
+from typing import Any, Callable, ContextManager, Dict, Iterator, Optional, Tuple
 
 import numpy as np
 import torch
 
-__all__ = ["checksum", "checksum_into", "verify_into", "poison", "compile_seconds", "to_signed", "to_unsigned"]
+from . import devices
+from .errors import KernelsUnavailable
+
+__all__ = ["checksum", "checksum_into", "verify_into", "poison", "warm", "kernel_info", "compile_seconds",
+           "to_signed", "to_unsigned", "KernelsUnavailable"]
 
 _U64 = 1 << 64
-_modules: dict[str, ModuleType] = {}
-_import_seconds: dict[str, float] = {}
-_scratch: dict[tuple[int, int], torch.Tensor] = {}
+_modules: Dict[str, ModuleType] = {}
+_import_seconds: Dict[str, float] = {}
+_scratch: Dict[Tuple[int, int], torch.Tensor] = {}
+_lock = threading.Lock()
 
 
 def to_signed(h: int) -> int:
@@ -59,10 +73,10 @@ def _gpu() -> ModuleType:
         t0 = time.perf_counter()
         try:
             from . import gpu as mod
-        except ImportError as exc:  # pragma: no cover - depends on the install
-            raise RuntimeError(
+        except ImportError as exc:
+            raise KernelsUnavailable(
                 "cuda_hooks needs numba's CUDA target for CUDA tensors "
-                f"(import failed: {exc}); with a numba that no longer bundles it, pip install numba-cuda"
+                f"(import failed: {exc}); pip install 'ownership-sanitizer[cuda12]' (or [cuda13]) for numba-cuda"
             ) from exc
         _import_seconds["numba_import_cuda"] = time.perf_counter() - t0
         _modules["gpu"] = mod
@@ -91,8 +105,9 @@ def _slot_tensor(v: Any, name: str, dtype: torch.dtype, device: torch.device, sl
     if not isinstance(v, torch.Tensor) or v.dtype != dtype or v.dim() != 1 or not v.is_contiguous():
         desc = f"{v.dtype} shape={tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
         raise ValueError(f"{name} must be a contiguous 1-D {dtype} tensor, got {desc}")
-    if v.device != device:
-        raise ValueError(f"{name} is on {v.device} but the tensor is on {device}")
+    where = devices.device_of(v) if devices.is_cuda(v) else v.device
+    if where != device:
+        raise ValueError(f"{name} is on {where} but the tensor is on {device}")
     if isinstance(slot, bool):
         raise ValueError(f"slot must be an int, got {slot!r}")
     try:
@@ -107,119 +122,208 @@ def _slot_tensor(v: Any, name: str, dtype: torch.dtype, device: torch.device, sl
 # --------------------------------------------------------------------------- CUDA plumbing
 
 
-def _on_device(t: torch.Tensor) -> tuple[Any, ModuleType, int]:
-    """(context selecting t's device for torch and numba, gpu module, current stream handle)."""
-    gpu = _gpu()
-    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    handle = torch.cuda.current_stream(idx).cuda_stream
-    if idx == torch.cuda.current_device():
-        return nullcontext(), gpu, handle
-    return _device_scope(gpu, idx), gpu, handle
+def _device_scope(gpu: ModuleType, index: int) -> ContextManager[None]:
+    """Make device ``index`` current for torch and numba (a no-op when it already is)."""
+    if index == torch.cuda.current_device():
+        return nullcontext()
+    return _both_devices(gpu, index)
 
 
 @contextmanager
-def _device_scope(gpu: ModuleType, idx: int) -> Iterator[None]:
-    """Make device ``idx`` current for torch and numba (tensor not on the current device)."""
-    with torch.cuda.device(idx), gpu.cuda.gpus[idx]:
+def _both_devices(gpu: ModuleType, index: int) -> Iterator[None]:
+    with torch.cuda.device(index), gpu.device_scope(index):
         yield
 
 
-def _scratch_for(device: torch.device, handle: int) -> torch.Tensor:
-    """Per-(device, stream) 2-word accumulator; the kernel leaves it zeroed."""
-    key = (device.index or 0, handle)
+class _ArrayCache:
+    """numba arrays of long-lived tensors (scratch, slot tables), converted once.
+
+    An entry holds its tensor (the array refers to its memory), so the cache is
+    bounded: the oldest entry goes first. A hit is the very same tensor object.
+    """
+
+    LIMIT = 64
+
+    def __init__(self) -> None:
+        self._entries: Dict[Tuple[int, Any], Tuple[torch.Tensor, Any]] = {}
+
+    def get(self, gpu: ModuleType, t: torch.Tensor, dtype: Any) -> Any:
+        key = (id(t), dtype)
+        hit = self._entries.get(key)
+        if hit is not None and hit[0] is t:
+            return hit[1]
+        arr = gpu.as_array(t, dtype)
+        with _lock:
+            if len(self._entries) >= self.LIMIT:
+                self._entries.pop(next(iter(self._entries)))
+            self._entries[key] = (t, arr)
+        return arr
+
+    def clear(self) -> None:
+        with _lock:
+            self._entries.clear()
+
+
+_arrays = _ArrayCache()
+_warm: set = set()  # device indices whose kernels are loaded
+
+
+def _after_fork_in_child() -> None:
+    """A forked child cannot use its parent's CUDA context: a fresh lock, and none of the parent's
+    device arrays, scratch or loaded kernels."""
+    global _lock, _arrays, _scratch, _warm
+    _lock = threading.Lock()
+    _arrays, _scratch, _warm = _ArrayCache(), {}, set()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _scratch_for(device: torch.device, stream: Any) -> torch.Tensor:
+    """Per-(device, stream) 2-word accumulator, zeroed on that stream; the kernel leaves it zeroed."""
+    key = (device.index or 0, stream.cuda_stream)
     s = _scratch.get(key)
     if s is None:
-        s = _scratch[key] = torch.zeros(2, dtype=torch.int64, device=device)  # memset on this stream
+        with torch.cuda.stream(stream):  # the memset must precede the kernels on their own stream
+            s = devices.zeros(2, torch.int64, device)
+        _scratch[key] = s
     return s
 
 
-def _as_numba(gpu: ModuleType, t: torch.Tensor, dtype: Any = None) -> Any:
-    arr = gpu.cuda.as_cuda_array(t, sync=False)
-    return arr if dtype is None else arr.view(dtype)
+def _warm_locked(gpu: ModuleType, index: int) -> None:
+    """(In device ``index``'s scope.) Load the kernels once; refuse while a graph capture is under way."""
+    if index in _warm:
+        return
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"cuda_hooks kernels are not loaded on cuda:{index} and the current stream is capturing a CUDA "
+            f"graph: loading a module now would invalidate the capture; call cuda_hooks.warm() before capturing")
+    gpu.warm()
+    _warm.add(index)
+
+
+def _enqueue(raw: torch.Tensor, device: torch.device, launch: Callable[..., None]) -> Any:
+    """The CUDA prologue of the hashing calls: on ``raw``'s device, hand ``launch(gpu, data, scratch,
+    stream, index)`` the bytes and the stream's scratch as numba arrays; returns torch's stream used."""
+    gpu = _gpu()
+    index = device.index or 0
+    stream = torch.cuda.current_stream(index)
+    with _device_scope(gpu, index):
+        _warm_locked(gpu, index)
+        scratch = _arrays.get(gpu, _scratch_for(device, stream), np.uint64)
+        launch(gpu, gpu.as_array(raw), scratch, gpu.stream_for(stream.cuda_stream, index), index)
+    return stream
 
 
 # --------------------------------------------------------------------------- public API
 
 
+def warm(device: Any = None) -> None:
+    """Compile (or load from numba's disk cache) and load the CUDA kernels on ``device`` (default: the
+    current one) now, so that no later check compiles or loads a module (e.g. during a graph capture).
+
+    Raises :class:`KernelsUnavailable`, saying what to install, when they cannot be.
+    """
+    gpu = _gpu()
+    index = _device_index(device)
+    with _device_scope(gpu, index):
+        _warm_locked(gpu, index)
+
+
+def _device_index(device: Any) -> int:
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, int) and not isinstance(device, bool):
+        return device
+    d = device if isinstance(device, torch.device) else torch.device(device)
+    if d.type != "cuda":
+        raise ValueError(f"warm() needs a CUDA device, got {device!r}")
+    return torch.cuda.current_device() if d.index is None else d.index
+
+
 def checksum(t: torch.Tensor) -> int:
     """Hash of ``t``'s raw bytes as an int in [0, 2**64), computed now.
 
-    For a CUDA tensor this launches the device kernel and then reads the result,
-    which synchronises; use :func:`checksum_into` on hot paths.
+    For a CUDA tensor this launches the device kernel and waits for it (a
+    host synchronisation); use :func:`checksum_into` on hot paths.
     """
     raw = _raw_bytes(t)
-    if raw.device.type == "cpu":
+    if not devices.is_cuda(raw):
         return _cpu().hash_bytes(raw.numpy())
-    out = torch.zeros(1, dtype=torch.int64, device=raw.device)
-    checksum_into(t, out, 0)
+    out = devices.zeros(1, torch.int64, devices.device_of(raw))
+    stream = checksum_into(raw, out, 0)
+    stream.synchronize()
     return to_unsigned(int(out.item()))
 
 
-def _enqueue_hash(raw: torch.Tensor, launch: Any) -> None:
-    """The CUDA prologue of the hashing calls: on ``raw``'s device, hand ``launch(gpu, data,
-    scratch, stream)`` the bytes and this stream's scratch as numba arrays, and torch's current
-    stream."""
-    ctx, gpu, handle = _on_device(raw)
-    with ctx:
-        launch(gpu, _as_numba(gpu, raw), _as_numba(gpu, _scratch_for(raw.device, handle), np.uint64),
-               gpu.stream_for(handle))
-
-
-def checksum_into(t: torch.Tensor, out: torch.Tensor, slot: int) -> None:
+def checksum_into(t: torch.Tensor, out: torch.Tensor, slot: int) -> Optional[Any]:
     """``out[slot] = hash(t)`` (int64 bit pattern), same device as ``t``.
 
-    CUDA: enqueued on torch's current stream, no host synchronisation.
-    CPU: computed now.
+    CUDA: enqueued on torch's current stream of ``t``'s device, no host
+    synchronisation; returns that stream. CPU: computed now; returns None.
     """
     raw = _raw_bytes(t)
-    slot = _slot_tensor(out, "out", torch.int64, raw.device, slot)
-    if raw.device.type == "cpu":
+    if not devices.is_cuda(raw):
+        slot = _slot_tensor(out, "out", torch.int64, raw.device, slot)
         out[slot] = to_signed(_cpu().hash_bytes(raw.numpy()))
-        return
-    _enqueue_hash(raw, lambda gpu, data, scratch, stream: gpu.checksum_async(
-        data, scratch, _as_numba(gpu, out, np.uint64), slot, stream))
+        return None
+    device = devices.device_of(raw)
+    slot = _slot_tensor(out, "out", torch.int64, device, slot)
+    return _enqueue(raw, device, lambda gpu, data, scratch, stream, index: gpu.checksum_async(
+        data, scratch, _arrays.get(gpu, out, np.uint64), slot, stream, device=index))
 
 
-def verify_into(t: torch.Tensor, expected: torch.Tensor, slot: int, flags: torch.Tensor) -> None:
+def verify_into(t: torch.Tensor, expected: torch.Tensor, slot: int, flags: torch.Tensor) -> Optional[Any]:
     """Set ``flags[slot] = 1`` if ``hash(t) != expected[slot]``; a match leaves it as is.
 
-    CUDA: compared on the device on torch's current stream, no host
-    synchronisation.  CPU: compared now.
+    CUDA: compared on the device on torch's current stream of ``t``'s device,
+    no host synchronisation; returns that stream. CPU: compared now; returns None.
     """
     raw = _raw_bytes(t)
-    slot = _slot_tensor(expected, "expected", torch.int64, raw.device, slot)
-    _slot_tensor(flags, "flags", torch.int32, raw.device, slot)
-    if raw.device.type == "cpu":
+    device = devices.device_of(raw) if devices.is_cuda(raw) else raw.device
+    slot = _slot_tensor(expected, "expected", torch.int64, device, slot)
+    _slot_tensor(flags, "flags", torch.int32, device, slot)
+    if device.type == "cpu":
         if to_signed(_cpu().hash_bytes(raw.numpy())) != int(expected[slot]):
             flags[slot] = 1
-        return
-    _enqueue_hash(raw, lambda gpu, data, scratch, stream: gpu.verify_async(
-        data, scratch, _as_numba(gpu, expected, np.uint64), slot, _as_numba(gpu, flags), stream))
+        return None
+    return _enqueue(raw, device, lambda gpu, data, scratch, stream, index: gpu.verify_async(
+        data, scratch, _arrays.get(gpu, expected, np.uint64), slot, _arrays.get(gpu, flags, None), stream,
+        device=index))
 
 
-def poison(t: torch.Tensor, byte: int) -> None:
+def poison(t: torch.Tensor, byte: int) -> Optional[Any]:
     """Fill ``t``'s bytes with ``byte`` (0..255) in place, on its own storage.
 
     CPU: ``numpy.fill`` (a memset), measured faster than torch's ``fill_``
     and than a numba prange fill on the 2-core dev machine (see
     ``bench/checksum.py``), followed by an empty in-place torch op so ``t``'s
     version counter moves as for any in-place write (autograd then refuses
-    to use a poisoned saved tensor).  CUDA: torch's ``fill_`` on a uint8 view,
-    a vectorised fill enqueued on the current stream with no JIT compile and
-    less launch overhead than the numba kernel (``gpu.poison_async``, kept for
-    raw numba device arrays).
+    to use a poisoned saved tensor); returns None.  CUDA: torch's ``fill_`` on
+    a uint8 view, a vectorised fill enqueued on the current stream with no JIT
+    compile and less launch overhead than the numba kernel
+    (``gpu.poison_async``, kept for raw numba device arrays); returns that stream.
     """
     if isinstance(byte, bool) or not isinstance(byte, int) or not 0 <= byte <= 255:
         raise ValueError(f"byte must be an int in 0..255, got {byte!r}")
     raw = _raw_bytes(t)
-    if raw.device.type == "cpu":
+    if not devices.is_cuda(raw):
         raw.numpy().fill(byte)
         raw[:0].fill_(byte)  # version-counter bump only
-    else:
-        raw.fill_(byte)
+        return None
+    index = devices.device_of(raw).index or 0
+    raw.fill_(byte)
+    return torch.cuda.current_stream(index)
 
 
-def compile_seconds() -> dict[str, float]:
+def kernel_info() -> Dict[str, Any]:
+    """numba's CUDA implementation, NVVM version, registers and resident blocks per kernel (after
+    :func:`warm`), and first-use seconds: what a device check prints."""
+    return _gpu().kernel_info()
+
+
+def compile_seconds() -> Dict[str, float]:
     """First-use seconds per kernel (compile, or load from numba's disk cache).
 
     Keys appear once the kernel has been used: ``cpu_hash_serial``,

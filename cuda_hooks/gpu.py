@@ -5,7 +5,7 @@ kernel writes its result into device memory (a hash slot, a mismatch flag)
 on the caller's stream and nothing here synchronises.
 
 The hash is one pass: each thread sums ``mix`` over a grid-stride set of
-words (four loads in flight per iteration to cover DRAM latency), blocks
+words (four words in flight per iteration to cover DRAM latency), blocks
 reduce in shared memory and add their partial atomically into a 2-word
 scratch ``[sum, blocks_done]``; the last block to finish (ticket counter,
 ``threadfence`` before it) takes the total, finalises it, writes the
@@ -13,30 +13,63 @@ result and resets the scratch to zero.  The scratch is therefore reusable by
 the next launch on the same stream (and under CUDA graph replay) with no
 memset in between.
 
+Every word is read with aligned 8-byte loads, whatever the tensor's address:
+the host splits the bytes into an unaligned head (``head`` bytes, 0..7), an
+8-byte aligned interior (``words``) and a tail.  When ``head`` is 0 hash word
+``i`` *is* ``words[i]``; otherwise it straddles two interior words and is
+``(words[i-1] >> (64 - 8*head)) | (words[i] << 8*head)`` (the neighbour's load
+hits the cache the neighbouring thread just filled).  Only the first word (the
+head bytes) and the last one or two (the tail) are assembled from bytes.
+
+Launch host cost is kept low: the kernels are compiled (or loaded from
+numba's disk cache) once per device by :func:`warm`, which also asks the
+driver how many blocks of :data:`THREADS` fit on the device at once (the
+occupancy query, so the grid matches the kernel's real register use), and
+each configured launch ``kernel[blocks, threads, stream]`` is built once
+and reused (grid sizes are powers of two below that cap, so there are few).
+Building one is the only place numba emits its low-occupancy
+``NumbaPerformanceWarning`` (small tensors need few blocks by design): it is
+silenced there and nowhere else.
+
 Importing this module imports numba; ``cuda_hooks.bridge`` imports it lazily.
-Under ``NUMBA_ENABLE_CUDASIM=1`` the same kernels run in numba's simulator.
+Under ``NUMBA_ENABLE_CUDASIM=1`` the same kernels run in numba's simulator,
+where :func:`as_array` wraps a CPU tensor's memory in place (the fake-device
+test harness treats such memory as device memory).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import threading
 import time
-from typing import Any
+import warnings
+from typing import Any, Dict, Iterator, Tuple
 
 import numpy as np
 from numba import config, cuda, int32, int64, uint8, uint64
 
 from . import hashdef
 from .cachedir import kernel_cache
+from .errors import KernelsUnavailable
 
 __all__ = [
     "THREADS",
     "SIMULATED",
+    "IMPLEMENTATION",
     "KERNEL_SIGNATURES",
+    "KernelsUnavailable",
+    "as_array",
     "stream_for",
+    "device_scope",
+    "warm",
+    "grid_cap",
     "checksum_async",
     "verify_async",
     "poison_async",
     "compile_seconds",
+    "kernel_info",
 ]
 
 #: True when numba's CUDA simulator is active (no external streams there).
@@ -44,6 +77,9 @@ SIMULATED: bool = bool(config.ENABLE_CUDASIM)
 #: Threads per block (a power of two; the shared-memory reduction is sized to
 #: it).  The simulator runs each thread as a Python thread, so it gets 64.
 THREADS = 64 if SIMULATED else 256
+#: ``"Built-in"`` (numba's own CUDA target) or ``"NVIDIA"`` (the numba-cuda package).
+IMPLEMENTATION: str = getattr(cuda, "implementation", "unknown")
+
 
 _mix = cuda.jit(device=True, inline=True)(hashdef.mix)
 _position_key = cuda.jit(device=True, inline=True)(hashdef.position_key)
@@ -57,13 +93,12 @@ _THREE = np.uint64(3)
 _FOUR = np.uint64(4)
 _SEVEN = np.uint64(7)
 _EIGHT = np.uint64(8)
+_SIXTY_FOUR = np.uint64(64)
 
 
 @cuda.jit(device=True, inline=True)
-def _load_word(words, data, nbytes, i):
-    """Word ``i``: a direct 8-byte load when aligned, else assembled from bytes."""
-    if i < np.uint64(words.size):
-        return words[i]
+def _byte_word(data, i, nbytes):
+    """Hash word ``i`` assembled from bytes (the head word and the tail words only)."""
     start = i * _EIGHT
     stop = start + _EIGHT
     if stop > nbytes:  # not min(): numba's vararg min() overload fails to compile for CUDA
@@ -72,34 +107,62 @@ def _load_word(words, data, nbytes, i):
 
 
 @cuda.jit(device=True)
-def _grid_hash(words, data, nbytes, scratch):
-    """Whole-grid hash; returns ``(True, hash)`` in exactly one thread, else ``(False, 0)``.
+def _grid_hash(words, data, head, scratch):
+    """Whole-grid hash of ``data``; returns ``(True, hash)`` in exactly one thread, else ``(False, 0)``.
 
+    ``words`` is the 8-byte aligned interior ``data[head : head + 8 * words.size]``.
     Indices are uint64 throughout: a signed index makes numba add
     negative-index wraparound code to every load, and each integer op counts
     (at HBM speed the mix alone uses a large share of the SMs' integer rate).
     """
-    nb = np.uint64(nbytes)
+    nb = np.uint64(data.size)
     nwords = (nb + _SEVEN) // _EIGHT
-    ndirect = np.uint64(words.size)
+    m = np.uint64(words.size)
+    h = np.uint64(head)
     stride = np.uint64(cuda.gridsize(1))
     i = np.uint64(cuda.grid(1))
     key = _position_key(i)
     kstride = _position_key(stride)  # keys step by addition, not a multiply per word
     s = _ZERO
-    while i + _THREE * stride < ndirect:
-        w0 = words[i]
-        w1 = words[i + stride]
-        w2 = words[i + _TWO * stride]
-        w3 = words[i + _THREE * stride]
-        k1 = key + kstride
-        k2 = k1 + kstride
-        k3 = k2 + kstride
-        s += _mix(w0, key) + _mix(w1, k1) + _mix(w2, k2) + _mix(w3, k3)
-        i += _FOUR * stride
-        key = k3 + kstride
-    while i < nwords:
-        s += _mix(_load_word(words, data, nb, i), key)
+    if h == _ZERO:  # aligned: hash word i is interior word i
+        while i + _THREE * stride < m:
+            k1 = key + kstride
+            k2 = k1 + kstride
+            k3 = k2 + kstride
+            s += (_mix(words[i], key) + _mix(words[i + stride], k1)
+                  + _mix(words[i + _TWO * stride], k2) + _mix(words[i + _THREE * stride], k3))
+            i += _FOUR * stride
+            key = k3 + kstride
+        while i < m:
+            s += _mix(words[i], key)
+            i += stride
+            key += kstride
+    else:  # word i straddles interior words i-1 and i
+        if i == _ZERO:  # word 0 holds the head bytes
+            s += _mix(_byte_word(data, i, nb), key)
+            i += stride
+            key += kstride
+        left = h * _EIGHT
+        right = _SIXTY_FOUR - left  # 8..56: never a shift by 64
+        while i + _THREE * stride < m:
+            i1 = i + stride
+            i2 = i1 + stride
+            i3 = i2 + stride
+            k1 = key + kstride
+            k2 = k1 + kstride
+            k3 = k2 + kstride
+            s += (_mix((words[i - _ONE] >> right) | (words[i] << left), key)
+                  + _mix((words[i1 - _ONE] >> right) | (words[i1] << left), k1)
+                  + _mix((words[i2 - _ONE] >> right) | (words[i2] << left), k2)
+                  + _mix((words[i3 - _ONE] >> right) | (words[i3] << left), k3))
+            i = i3 + stride
+            key = k3 + kstride
+        while i < m:
+            s += _mix((words[i - _ONE] >> right) | (words[i] << left), key)
+            i += stride
+            key += kstride
+    while i < nwords:  # the tail: the last partial word, and the words past the interior
+        s += _mix(_byte_word(data, i, nb), key)
         i += stride
         key += kstride
 
@@ -125,20 +188,20 @@ def _grid_hash(words, data, nbytes, scratch):
     return False, _ZERO
 
 
-def _build(defn: str) -> tuple[Any, Any, Any]:
+def _build(defn: str) -> Tuple[Any, Any, Any]:
     """Create the kernels; closing over ``defn`` keys numba's cache to hashdef.py."""
 
     @cuda.jit(cache=True)
-    def checksum_kernel(words, data, nbytes, scratch, out, slot):
+    def checksum_kernel(words, data, head, scratch, out, slot):
         defn  # noqa: B018  (cache key only, see hashdef.definition_digest)
-        done, h = _grid_hash(words, data, nbytes, scratch)
+        done, h = _grid_hash(words, data, head, scratch)
         if done:
             out[slot] = h
 
     @cuda.jit(cache=True)
-    def verify_kernel(words, data, nbytes, scratch, expected, slot, flags):
+    def verify_kernel(words, data, head, scratch, expected, slot, flags):
         defn  # noqa: B018
-        done, h = _grid_hash(words, data, nbytes, scratch)
+        done, h = _grid_hash(words, data, head, scratch)
         if done and h != expected[slot]:
             flags[slot] = 1
 
@@ -157,42 +220,165 @@ with kernel_cache():  # the on-disk cache goes to the user cache directory, not 
     _checksum_kernel, _verify_kernel, _poison_kernel = _build(hashdef.definition_digest())
 
 _U64 = uint64[::1]
-#: ``name -> (python function, argument types)``, for ahead-of-time PTX checks.
-KERNEL_SIGNATURES: dict[str, tuple[Any, tuple[Any, ...]]] = {
+#: ``name -> (python function, argument types)``, for ahead-of-time compiles and PTX checks.
+KERNEL_SIGNATURES: Dict[str, Tuple[Any, Tuple[Any, ...]]] = {
     "checksum": (_checksum_kernel.py_func, (_U64, uint8[::1], int64, _U64, _U64, int64)),
     "verify": (_verify_kernel.py_func, (_U64, uint8[::1], int64, _U64, _U64, int64, int32[::1])),
     "poison": (_poison_kernel.py_func, (uint8[::1], uint8)),
 }
+_DISPATCHERS = {"checksum": _checksum_kernel, "verify": _verify_kernel, "poison": _poison_kernel}
 
-_compile_seconds: dict[str, float] = {}
-_streams: dict[int, Any] = {}
-_max_blocks: dict[int, int] = {}
+_TOOLKIT_HINT = (
+    "numba could not compile or load the cuda_hooks kernels: it needs the CUDA driver and libNVVM "
+    "from a CUDA toolkit. Point CUDA_HOME at the toolkit root (the folder holding nvvm/), or put "
+    "libnvvm.so on the loader path, or install this package's CUDA extra "
+    "(pip install 'ownership-sanitizer[cuda12]' or '[cuda13]', which pulls numba-cuda with its NVVM)."
+)
+
+_lock = threading.Lock()  # warm-up and the launch cache (launches themselves take no lock)
+_compile_seconds: Dict[str, float] = {}
+_registers: Dict[str, int] = {}
+_caps: Dict[Tuple[str, int], int] = {}  # (kernel, device id) -> resident blocks of THREADS (occupancy)
+_warm_devices: set = set()
+_streams: Dict[Tuple[int, int], Any] = {}
+_launchers: Dict[Tuple[str, int, int], Tuple[Any, Any]] = {}  # (kernel, blocks, id(stream)) -> (launcher, stream)
+_MAX_LAUNCHERS = 4096
 
 
-def stream_for(handle: int) -> Any:
-    """numba stream wrapping an external ``cudaStream_t`` (torch's current stream).
+
+def _after_fork_in_child() -> None:
+    """A fresh lock in a forked child (which cannot use its parent's CUDA context anyway)."""
+    global _lock
+    _lock = threading.Lock()
+    _warm_devices.clear()
+    _launchers.clear()
+    _streams.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+# numba warns when a grid has fewer than 128 blocks; a 4 KiB tensor needs one. numba-cuda raises its
+# own class (numba.cuda.core.errors), the built-in target numba.core.errors': silence whichever exist.
+_LOW_OCCUPANCY = re.escape("will likely result in GPU under-utilization")
+_PERF_WARNINGS = []
+for _mod in ("numba.cuda.core.errors", "numba.core.errors"):
+    try:
+        _PERF_WARNINGS.append(__import__(_mod, fromlist=["NumbaPerformanceWarning"]).NumbaPerformanceWarning)
+    except (ImportError, AttributeError):
+        pass
+
+
+def as_array(t: Any, dtype: Any = None) -> Any:
+    """A numba device array over a contiguous tensor's memory (no copy, no synchronisation).
+
+    In the simulator the "device" memory is a CPU tensor's, wrapped in place.
+    """
+    if SIMULATED:
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        arr = FakeCUDAArray(t.numpy())
+    else:
+        arr = cuda.as_cuda_array(t, sync=False)
+    return arr if dtype is None else arr.view(dtype)
+
+
+def stream_for(handle: int, device: int = 0) -> Any:
+    """numba stream wrapping an external ``cudaStream_t`` (torch's current stream) of ``device``.
 
     The simulator has no external streams, so there it is 0 (the default stream).
     """
     if SIMULATED:
         return 0
-    stream = _streams.get(handle)
+    stream = _streams.get((device, handle))
     if stream is None:
-        stream = _streams[handle] = cuda.external_stream(handle)
+        stream = _streams[(device, handle)] = cuda.external_stream(handle)
     return stream
 
 
-def _grid(nitems: int, per_thread: int = 1) -> int:
-    """Blocks to launch: enough for the work, capped at ~2048 resident threads per SM."""
+@contextlib.contextmanager
+def device_scope(index: int) -> Iterator[None]:
+    """Make device ``index`` numba's current device (torch's is set by the caller)."""
     if SIMULATED:
-        cap = 2  # the simulator runs every thread as a Python thread
-    else:
-        dev = cuda.get_current_device()
-        cap = _max_blocks.get(dev.id)
-        if cap is None:
-            cap = _max_blocks[dev.id] = dev.MULTIPROCESSOR_COUNT * (2048 // THREADS)
+        yield
+        return
+    with cuda.gpus[index]:
+        yield
+
+
+def _device_id() -> int:
+    return 0 if SIMULATED else int(cuda.get_current_device().id)
+
+
+def warm() -> None:
+    """Compile (or load from the disk cache) every kernel for the current device, load its module
+    and query its occupancy, so that no later launch compiles, loads a module or sizes a grid.
+
+    Raises :class:`KernelsUnavailable` (with what to install) when that fails.
+    """
+    dev = _device_id()
+    if dev in _warm_devices:
+        return
+    with _lock:
+        if dev in _warm_devices:
+            return
+        if not SIMULATED:
+            for name, (_, sig) in KERNEL_SIGNATURES.items():
+                t0 = time.perf_counter()
+                try:
+                    kernel = _DISPATCHERS[name].compile(sig)
+                    cap = int(kernel.max_cooperative_grid_blocks(THREADS))  # loads the module: cuOccupancy*
+                except Exception as exc:  # CudaSupportError, NvvmSupportError (ImportError), NvvmError, OSError...
+                    raise KernelsUnavailable(f"{_TOOLKIT_HINT} ({type(exc).__name__}: {exc})") from exc
+                _compile_seconds.setdefault(f"cuda_{name}", time.perf_counter() - t0)
+                _registers[name] = int(getattr(kernel, "regs_per_thread", 0) or 0)
+                _caps[(name, dev)] = max(1, cap)
+        _warm_devices.add(dev)
+
+
+def grid_cap(name: str, device: int) -> int:
+    """Blocks of :data:`THREADS` of kernel ``name`` resident at once on ``device`` (the current one)."""
+    if SIMULATED:
+        return 2  # the simulator runs every thread as a Python thread
+    cap = _caps.get((name, device))
+    if cap is None:
+        warm()
+        cap = _caps[(name, _device_id())]
+    return cap
+
+
+def _grid(name: str, nitems: int, per_thread: int, device: int) -> int:
+    """Blocks to launch: enough for the work (rounded up to a power of two), at most the resident cap."""
     need = -(-nitems // (THREADS * per_thread))
-    return max(1, min(need, cap))
+    cap = grid_cap(name, device)
+    if need >= cap:
+        return cap
+    return 1 << max(0, need - 1).bit_length()  # 1, 2, 4, ...: few distinct launch configurations
+
+
+def _launcher(name: str, blocks: int, stream: Any) -> Any:
+    """``kernel[blocks, THREADS, stream]``, built once (building it is where numba would warn)."""
+    key = (name, blocks, id(stream))
+    hit = _launchers.get(key)
+    if hit is not None:
+        return hit[0]
+    with _lock, warnings.catch_warnings():
+        for category in _PERF_WARNINGS:
+            warnings.filterwarnings("ignore", message=f".*{_LOW_OCCUPANCY}", category=category)
+        launcher = _DISPATCHERS[name][blocks, THREADS, stream]
+        if len(_launchers) >= _MAX_LAUNCHERS:
+            _launchers.clear()
+        _launchers[key] = (launcher, stream)  # the stream is kept so that its id stays unique
+    return launcher
+
+
+def _launch(name: str, blocks: int, stream: Any, *args: Any) -> None:
+    if SIMULATED and f"cuda_{name}" not in _compile_seconds:
+        t0 = time.perf_counter()
+        _launcher(name, blocks, stream)(*args)
+        _compile_seconds[f"cuda_{name}"] = time.perf_counter() - t0
+        return
+    _launcher(name, blocks, stream)(*args)
 
 
 def _address(arr: Any) -> int:
@@ -202,76 +388,67 @@ def _address(arr: Any) -> int:
     return int(arr.__cuda_array_interface__["data"][0])
 
 
-def _split(data: Any, nbytes: int) -> Any:
-    """uint64 view of the whole words when 8-byte aligned, else an empty one.
-
-    With an empty view the kernel assembles every word from bytes (slower, but
-    a misaligned 8-byte load would fault).
-    """
-    nwords = nbytes // 8
-    if nwords and _address(data) % 8 == 0:
-        return data[: nwords * 8].view(np.uint64)
-    return data[:0].view(np.uint64)
-
-
-_TOOLKIT_HINT = (
-    "numba could not compile or load the cuda_hooks kernels: it needs the CUDA driver and libNVVM "
-    "from a CUDA toolkit. Point CUDA_HOME at the toolkit root (the folder holding nvvm/), or put "
-    "libnvvm.so on the loader path, or install numba-cuda with a CUDA extra."
-)
-
-
-def _launch(name: str, kernel: Any, blocks: int, stream: Any, *args: Any) -> None:
-    """Launch; the first call of each kernel (its compile or cache load) is timed."""
-    if name in _compile_seconds:
-        kernel[blocks, THREADS, stream](*args)
-        return
-    t0 = time.perf_counter()
-    try:
-        kernel[blocks, THREADS, stream](*args)
-    except ImportError as exc:  # numba's CudaSupportError and NvvmSupportError subclass it
-        raise RuntimeError(f"{_TOOLKIT_HINT} ({type(exc).__name__}: {exc})") from exc
-    _compile_seconds[name] = time.perf_counter() - t0
-
-
-def _launch_hash(name: str, kernel: Any, data: Any, scratch: Any, blocks: int | None, stream: Any,
-                 *rest: Any) -> None:
-    """The hashing kernels' shared prologue: size the grid (unless ``blocks`` is given), split
-    off the aligned words, and launch ``kernel(words, data, nbytes, scratch, *rest)``."""
+def _split(data: Any) -> Tuple[Any, int]:
+    """``(words, head)``: the 8-byte aligned interior of ``data`` as uint64 and the bytes before it."""
     nbytes = data.size
-    blocks = blocks or _grid((nbytes + 7) // 8, 4)
-    _launch(name, kernel, blocks, stream, _split(data, nbytes), data, nbytes, scratch, *rest)
+    head = min((-_address(data)) % 8, nbytes)
+    nwords = (nbytes - head) // 8
+    return data[head: head + 8 * nwords].view(np.uint64), head
 
 
-def checksum_async(
-    data: Any, scratch: Any, out: Any, slot: int, stream: Any, blocks: int | None = None
-) -> None:
+def _launch_hash(name: str, data: Any, scratch: Any, blocks: Any, stream: Any, device: int, *rest: Any) -> None:
+    """The hashing kernels' shared prologue: size the grid (unless ``blocks`` is given), split the
+    bytes into head and aligned interior, and launch ``kernel(words, data, head, scratch, *rest)``."""
+    words, head = _split(data)
+    blocks = blocks or _grid(name, (data.size + 7) // 8, 4, device)
+    _launch(name, blocks, stream, words, data, head, scratch, *rest)
+
+
+def checksum_async(data: Any, scratch: Any, out: Any, slot: int, stream: Any, blocks: Any = None,
+                   device: int = 0) -> None:
     """Enqueue ``out[slot] = hash(data)`` on ``stream``.
 
     ``data``: contiguous 1-D uint8 device array; ``scratch``: 2-element uint64
     device array, zero before the first use and left zero after each launch
     (one per stream); ``out``: uint64 device array.  ``blocks`` overrides the
-    grid size (tests use it to reach every code path on small inputs).
+    grid size (tests use it to reach every code path on small inputs);
+    ``device`` is the current device's index (the caller made it current).
     """
-    _launch_hash("cuda_checksum", _checksum_kernel, data, scratch, blocks, stream, out, slot)
+    _launch_hash("checksum", data, scratch, blocks, stream, device, out, slot)
 
 
-def verify_async(
-    data: Any, scratch: Any, expected: Any, slot: int, flags: Any, stream: Any, blocks: int | None = None
-) -> None:
+def verify_async(data: Any, scratch: Any, expected: Any, slot: int, flags: Any, stream: Any,
+                 blocks: Any = None, device: int = 0) -> None:
     """Enqueue ``if hash(data) != expected[slot]: flags[slot] = 1`` on ``stream``.
 
     ``flags`` is an int32 device array; a match leaves the flag unchanged, so a
     flag once raised stays raised until the caller clears it.
     """
-    _launch_hash("cuda_verify", _verify_kernel, data, scratch, blocks, stream, expected, slot, flags)
+    _launch_hash("verify", data, scratch, blocks, stream, device, expected, slot, flags)
 
 
-def poison_async(data: Any, byte: int, stream: Any) -> None:
+def poison_async(data: Any, byte: int, stream: Any, device: int = 0) -> None:
     """Enqueue ``data[:] = byte`` (uint8 device array) on ``stream``."""
-    _launch("cuda_poison", _poison_kernel, _grid(data.size, 4), stream, data, np.uint8(byte))
+    _launch("poison", _grid("poison", data.size, 4, device), stream, data, np.uint8(byte))
 
 
-def compile_seconds() -> dict[str, float]:
-    """First-launch (compile or cache load) seconds per CUDA kernel launched so far."""
+def compile_seconds() -> Dict[str, float]:
+    """First-use (compile or disk-cache load, module load, occupancy query) seconds per CUDA kernel."""
     return dict(_compile_seconds)
+
+
+def kernel_info() -> Dict[str, Any]:
+    """What a device check prints: numba's CUDA implementation, the NVVM version, and per kernel its
+    registers per thread and resident blocks (after :func:`warm`)."""
+    info: Dict[str, Any] = {"implementation": IMPLEMENTATION, "simulated": SIMULATED, "threads": THREADS,
+                            "registers": dict(_registers),
+                            "resident_blocks": {f"{k}@{d}": v for (k, d), v in _caps.items()},
+                            "compile_seconds": compile_seconds()}
+    if not SIMULATED:
+        try:
+            from numba.cuda.cudadrv import nvvm
+
+            info["nvvm"] = ".".join(map(str, nvvm.NVVM().get_version()))
+        except Exception as exc:  # no libNVVM: say so, do not fail the caller
+            info["nvvm"] = f"unavailable ({type(exc).__name__}: {exc})"
+    return info

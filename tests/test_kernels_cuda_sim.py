@@ -5,7 +5,7 @@ kernels run in a child interpreter that prints one JSON report; the tests
 below read it.  The simulator runs every CUDA thread as a Python thread
 (~1 MB/s), hence KB-size inputs and 64-thread blocks (``gpu.THREADS``), with
 the grid size forced where needed to reach the multi-block and the
-four-loads-in-flight code paths.
+four-words-in-flight code paths, at every misalignment of the first byte.
 
 The child runs with ``-W error`` except for numpy's "overflow encountered in
 scalar ..." RuntimeWarning: the simulator evaluates the uint64 device code on
@@ -41,8 +41,8 @@ def hash_on_device(buf, offset, blocks=None, scratch=None):
     return int(o[1]), [int(o[0]), int(o[2])], scratch.copy_to_host().tolist()
 
 cases = [(n, 0, None) for n in (0, 1, 7, 8, 9, 15, 16, 63, 100, 1021)]
-cases += [(n, off, None) for n in (9, 100, 1021) for off in (1, 3)]   # misaligned: byte-assembled words
-cases += [(1000, 0, 3), (4099, 0, 2), (4101, 0, 1), (4101, 2, 1)]  # multi-block; 1 block of 64 threads: 4-load path
+cases += [(n, off, None) for n in (1, 5, 9, 15, 16, 17, 100, 1021) for off in range(1, 8)]  # misaligned heads
+cases += [(1000, 0, 3), (4099, 0, 2), (4101, 0, 1), (4101, 2, 1), (4101, 5, 1), (4100, 7, 2)]  # 1 block: 4-word path
 shared = cuda.to_device(np.zeros(2, np.uint64))
 for n, off, blocks in cases:
     buf = rng.integers(0, 256, n, dtype=np.uint8)
@@ -71,6 +71,16 @@ gpu.poison_async(base[7:1207], 0xA5, 0)
 host = base.copy_to_host()
 report["poison"] = {"inside": sorted(set(host[7:1207].tolist())),
                     "outside_kept": bool((host[:7] == orig[:7]).all() and (host[1207:] == orig[1207:]).all())}
+# a misaligned lease: how many words are assembled from single bytes (head and tail only, not every word)
+import itertools
+calls = itertools.count()
+byte_word = gpu._tail_word
+gpu._tail_word = lambda *a: (next(calls), byte_word(*a))[1]
+buf = rng.integers(0, 256, 1021, dtype=np.uint8)
+h, _, _ = hash_on_device(buf, 3, 2)
+gpu._tail_word = byte_word
+report["byte_words"] = {"count": next(calls), "exact": h == cpu.hash_bytes(buf)}
+
 report["compile_seconds"] = gpu.compile_seconds()
 from cuda_hooks import hashdef
 report["digest_in_cache_key"] = all(
@@ -89,11 +99,16 @@ def report() -> dict:
 
 
 def test_simulated_hash_is_bit_identical_to_cpu(report: dict) -> None:
-    assert len(report["hash"]) == 20
+    assert len(report["hash"]) == 72
     for case in report["hash"]:
         assert case["gpu"] == case["cpu"], case
         if case["bytes"] is not None:
             assert case["gpu"] == ref_hash(bytes.fromhex(case["bytes"])), case
+
+
+def test_a_misaligned_lease_assembles_only_its_head_and_tail_words_from_bytes(report: dict) -> None:
+    assert report["byte_words"]["exact"] is True
+    assert report["byte_words"]["count"] <= 3, report["byte_words"]  # 1021 bytes at offset 3: 128 words
 
 
 def test_only_the_requested_slot_is_written_and_scratch_is_left_zero(report: dict) -> None:

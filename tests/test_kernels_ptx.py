@@ -2,10 +2,11 @@
 
 No GPU is needed: ``numba.cuda.compile_ptx`` only needs libNVVM and libdevice.
 numba finds libNVVM under ``$CUDA_HOME/nvvm/lib64`` or via the system loader;
-toolkits laid out otherwise (e.g. pip-style ``<root>/lib/libnvvm.so``) are
-found here by probing the usual roots, then passed to the child as
-``CUDA_HOME`` (for libdevice) plus ``LD_LIBRARY_PATH`` (for libNVVM).  The
-test is skipped, saying why, when no libNVVM exists on the machine.
+``tests/cuda_toolkit.py`` finds toolkits laid out otherwise (the device check
+uses it too) and the child gets ``CUDA_HOME`` plus ``LD_LIBRARY_PATH``.  The
+test is skipped, saying why, when no libNVVM exists on the machine.  Where
+``ptxas`` is on the PATH the PTX is assembled for sm_90 too and the register
+count checked: it decides how many blocks fit on an SM.
 
 numba's built-in CUDA target compiles the device functions a kernel calls
 for the *current device's* compute capability, even inside ``compile_ptx``,
@@ -17,43 +18,17 @@ own lookup is right).
 
 from __future__ import annotations
 
-import ctypes.util
-import glob
 import json
 import os
 import shutil
-from pathlib import Path
+import subprocess
+import tempfile
 
 import pytest
 from _support import run_python
+from cuda_toolkit import find_toolkit
 
 CCS = [(8, 0), (9, 0)]
-
-
-def _toolkit_roots() -> list[Path]:
-    roots = [os.environ.get(v) for v in ("CUDA_HOME", "CUDA_PATH")]
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        roots.append(str(Path(nvcc).resolve().parent.parent))
-    roots += ["/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"), reverse=True), "/opt/cuda", "/usr"]
-    return [Path(r) for r in dict.fromkeys(filter(None, roots))]
-
-
-def find_toolkit() -> tuple[dict[str, str], str] | None:
-    """(extra child env, description) for a toolkit with libNVVM and libdevice, or None."""
-    for root in _toolkit_roots():
-        libdevice = root / "nvvm" / "libdevice" / "libdevice.10.bc"
-        if not libdevice.is_file():
-            continue
-        for libdir in (root / "nvvm" / "lib64", root / "nvvm" / "lib", root / "lib64", root / "lib"):
-            if any(libdir.glob("libnvvm.so*")):
-                env = {"CUDA_HOME": str(root)}
-                if libdir != root / "nvvm" / "lib64":
-                    env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(libdir), os.environ.get("LD_LIBRARY_PATH")]))
-                return env, f"libnvvm in {libdir}, libdevice in {libdevice.parent}"
-    if ctypes.util.find_library("nvvm"):  # on the loader path but no toolkit root found: let numba search
-        return {}, f"libnvvm via the system loader ({ctypes.util.find_library('nvvm')})"
-    return None
 
 
 TOOLKIT = find_toolkit()
@@ -111,3 +86,25 @@ def test_hash_kernels_stay_in_uint64_integer_arithmetic(ptx: dict[str, str], nam
     assert "atom.global.add.u64" in code, "block partials must be added atomically as uint64"
     assert ".f64" not in code and ".f32" not in code, "a signed/unsigned mix promoted to float"
     assert "mul.lo.s64" in code or "mul.lo.u64" in code
+
+
+def _ptxas_registers(code: str, arch: str) -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(code)
+        proc = subprocess.run(["ptxas", f"-arch={arch}", "-v", path, "-o", os.devnull],
+                              capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = next(l for l in proc.stderr.splitlines() if "registers" in l)
+    return int(line.split("Used ")[1].split(" registers")[0])
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas is not on the PATH")
+@pytest.mark.parametrize("name", ["checksum", "verify"])
+def test_hash_kernels_fit_at_least_half_an_sm_of_threads(ptx: dict[str, str], name: str) -> None:
+    regs = _ptxas_registers(ptx[f"{name}:sm_90"], "sm_90")
+    print(f"{name}: {regs} registers per thread on sm_90")
+    # 65536 registers per SM: at <= 64 per thread, 4 blocks of 256 (half the SM's 2048 threads) fit;
+    # the occupancy query in gpu.warm() sizes the grid from the real count (40 today: 6 blocks)
+    assert regs <= 64, f"{name} uses {regs} registers per thread"

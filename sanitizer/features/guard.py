@@ -13,8 +13,9 @@ now reads NaN. The lease stays stale, so the mode still reports any aten read.
 A tombstone lives exactly as long as the lease's storage (it is that storage's
 memory now) and is counted in :func:`stats`. On CPU (Linux) every tombstone is a
 copy-on-write mapping of one shared poison file, so tombstones cost one ``mmap``
-each and, together, the memory of the largest; on CUDA each is a poison-filled
-allocation of its size.
+each and, together, the memory of the largest; on CUDA every tombstone is a view
+of one shared poison block per device (``storage_handles.DEVICE_POISON``), so
+together they cost the largest one's memory, rounded up to a power of two.
 """
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ import threading
 import weakref
 from typing import Any, Dict, List
 
+from cuda_hooks import devices
 from sanitizer.core import forking
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
-from sanitizer.torch_layer import runtime, storage_handles
+from sanitizer.torch_layer import graph_capture, runtime, storage_handles
 from sanitizer.torch_layer.hooks import RetireOrder, add_enable_hook, add_retire_hook
 from sanitizer.torch_layer.state import state
 
@@ -58,6 +60,10 @@ def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
         storage = runtime.storage_of(lease)  # (whenever it was lent: the runtime keeps a weak handle)
         if storage is None or storage_handles.holders(storage) <= 0:
             continue  # nobody holds it: it dies now and nobody can read it
+        device = devices.storage_device(storage)
+        if device.type == "cuda" and graph_capture.capturing(device):
+            graph_capture.skipped(f"the tombstone of '{lease.name}'")  # (a new poison block would allocate and wait)
+            continue
         _entomb(lease, storage, fill)
 
 
@@ -82,9 +88,12 @@ def _buried(nbytes: int) -> None:
 
 def stats() -> Dict[str, int]:
     """Tombstones made in all and alive now, with their bytes (as views see them), and the memory
-    they really share on CPU (one poison file, the size of the largest)."""
+    they really share: on CPU one poison file (the size of the largest), on CUDA one poison block
+    per device (``device_poison_bytes``, all devices together)."""
     with _lock:
-        return dict(_counts, shared_poison_bytes=storage_handles.POISON.nbytes)
+        counts = dict(_counts)
+    return dict(counts, shared_poison_bytes=storage_handles.POISON.nbytes,
+                device_poison_bytes=storage_handles.DEVICE_POISON.nbytes)
 
 
 

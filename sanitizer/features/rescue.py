@@ -7,8 +7,10 @@ someone (a tensor or storage referencing the lease's storage). For each, it
 copies the bytes into fresh memory of the same size and swaps the storage's
 data pointer, so the lent tensor *and every view derived from it* now read the
 copy; then the lease is disowned (no longer a borrow: never stale, not counted
-live). A view nobody retained is already dead and costs nothing, so the copy is
-paid only for views that really were retained.
+live). On CUDA the copy is ordinary caching-allocator memory, queued on the
+current stream (see ``storage_handles.repoint``). A view nobody retained is
+already dead and costs nothing, so the copy is paid only for views that really
+were retained.
 
 Needs private storage APIs (weak storage handles, ``_swap_data_ptr_``,
 ``_storage_Use_Count``); without them every would-be rescue is reported
@@ -22,10 +24,12 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from cuda_hooks import devices
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.features import aliases
-from sanitizer.torch_layer import records, runtime, storage_handles
+from sanitizer.torch_layer import graph_capture, records, runtime, storage_handles
 from sanitizer.torch_layer.hooks import RetireOrder, add_enable_hook, add_retire_hook
+from sanitizer.torch_layer.staging import buffer_bytes
 from sanitizer.torch_layer.state import state
 
 ORDER = RetireOrder.RESCUE  # after checksum verification, before triage and poison
@@ -73,15 +77,26 @@ def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
                        "lease": lease.to_dict(), "event": event.to_dict()})
             continue
         storage = runtime.storage_of(lease)  # None: already dead (or no weak handles in this torch)
-        if storage is not None:
+        if storage is not None and not _capturing(storage, lease):
             _rescue(lease, storage, event)
+
+
+def _capturing(storage: torch.UntypedStorage, lease: Lease) -> bool:
+    """A CUDA graph capture on the lease's device: the copy would run only at replay; it stays stale."""
+    device = devices.storage_device(storage)
+    if device.type == "cuda" and graph_capture.capturing(device):
+        graph_capture.skipped(f"rescuing '{lease.name}'")
+        return True
+    return False
 
 
 def _rescue(lease: Lease, storage: torch.UntypedStorage, event: ReuseEvent) -> None:
     holders = storage_handles.holders(storage)
     if holders <= 0:
         return  # nobody holds it: it dies now, nothing to keep correct
-    previous, keeper = storage_handles.repoint(storage)  # the lease's storage (and its views) now own a copy
+    # the lease's storage (and its views) now own a copy; on CUDA the copy is queued on the current stream,
+    # which the staging memory records, so that freeing the buffer meanwhile cannot hand its bytes to another
+    previous, keeper = storage_handles.repoint(storage, source=buffer_bytes(lease.region_id))
     runtime.disown(lease)  # before `previous` (now holding the staging alias) dies
     runtime.rebind_lease(lease, keeper)  # its death is now the copy's: release hooks see the true end
     del previous

@@ -15,11 +15,12 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 import torch
 
+from cuda_hooks import devices
 from sanitizer.core import forking
 from sanitizer.torch_layer.aliasing import alias_view, host_array
 
@@ -187,16 +188,71 @@ class PoisonFile:
 POISON = PoisonFile()
 
 
-def repoint(storage: torch.UntypedStorage, fill: Optional[int] = None) -> Tuple[torch.UntypedStorage, Any]:
+class DevicePoison:
+    """One block of poison bytes per CUDA device and fill byte, that every CUDA tombstone aliases.
+
+    A tombstone is a view of the block at offset 0 with a storage of its own, whose deleter keeps
+    the block alive: a thousand retained stale views (a consumer keeping a layer's weights) cost the
+    memory of the largest one, not their sum. The block is allocated and filled on the current
+    stream and waited for when it is made (so a view read on any stream sees poison), and it only
+    grows, to the next power of two and at least doubling, so that happens a few times per process;
+    an outgrown block is freed with its last tombstone. The current block is kept for the next
+    tombstones (:attr:`nbytes` says how much that is).
+
+    Why not CUDA's virtual memory API (one physical granule mapped many times): it would cost 2 MiB
+    whatever the sizes, but needs the driver API in the deleter of every tombstone, and is not
+    reachable from torch; and like the block it is shared memory. In both, a write into a tombstone
+    (a stale write, which the dispatch mode reports) lands in the shared bytes: other tombstones then
+    read what was written, never a live tensor's bytes.
+    """
+
+    MIN_BYTES = 1 << 16
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._blocks: Dict[Tuple[int, int], torch.Tensor] = {}  # (device index, fill) -> uint8 block
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory the current blocks hold (outgrown blocks still aliased by tombstones aside)."""
+        with self._lock:
+            return sum(b.numel() for b in self._blocks.values())
+
+    def view(self, nbytes: int, fill: int, device: torch.device) -> Tuple[torch.Tensor, Any]:
+        """``nbytes`` poison bytes on ``device``: a uint8 view of the block with a storage of its own,
+        and the object its deleter keeps (weak-referenceable, it dies with the view's storage)."""
+        key = (device.index or 0, fill)
+        with self._lock:
+            block = self._blocks.get(key)
+            if block is None or block.numel() < nbytes:
+                size = max(self.MIN_BYTES, 1 << max(0, nbytes - 1).bit_length(),
+                           2 * block.numel() if block is not None else 0)
+                block = devices.empty(size, device)
+                block.fill_(fill)
+                torch.cuda.current_stream(key[0]).synchronize()  # poisoned before any stream reads a view
+                self._blocks[key] = block
+        return alias_view(block, host_array(block), 0, nbytes, (nbytes,), torch.uint8)
+
+
+DEVICE_POISON = DevicePoison()
+
+
+def repoint(storage: torch.UntypedStorage, fill: Optional[int] = None, *,
+            source: Optional[torch.Tensor] = None) -> Tuple[torch.UntypedStorage, Any]:
     """Give ``storage`` fresh memory of its size: a copy of its bytes, or ``fill`` in every byte.
 
     Returns ``(previous, keeper)``: ``previous`` is a storage that now holds the memory ``storage``
     had (drop it once the lease's bookkeeping is done: dropping it releases the staging alias), and
     ``keeper`` is the object the new memory's deleter keeps (weak-referenceable: it dies with
     ``storage``). A CPU fill maps the shared :data:`POISON` file (no descriptor kept), or allocates
-    the poison past the map limit.
+    the poison past the map limit. CUDA memory: see :func:`_repoint_on_device`; ``source`` is the
+    tensor owning the bytes being copied (the staging buffer's own memory), told about the stream the
+    copy is queued on.
     """
     nbytes = storage.nbytes()
+    device = devices.storage_device(storage)
+    if device.type == "cuda":
+        return _repoint_on_device(storage, nbytes, device, fill, source)
     keeper = None
     if fill is not None and nbytes and storage.device.type == "cpu" and PoisonFile.AVAILABLE:
         keeper = POISON.map(nbytes, fill)
@@ -216,11 +272,37 @@ def repoint(storage: torch.UntypedStorage, fill: Optional[int] = None) -> Tuple[
     return previous, keeper
 
 
+def _repoint_on_device(storage: torch.UntypedStorage, nbytes: int, device: torch.device, fill: Optional[int],
+                       source: Optional[torch.Tensor]) -> Tuple[torch.UntypedStorage, Any]:
+    """:func:`repoint` of CUDA memory.
+
+    A fill is a view of the shared :data:`DEVICE_POISON` block (no memory of its own). A copy goes
+    into ordinary caching-allocator memory, allocated and written on the current stream, and the
+    swap hands that memory to ``storage`` itself: a rescued view is then allocator memory
+    like any tensor (``record_stream``, CUDA IPC and ``resize_`` work on it), and ``storage`` is the
+    keeper (torch keeps a storage's Python object as long as the storage lives). The copy reads
+    the staging bytes on the current stream, so ``source`` (their owner) records that stream: the
+    buffer freed meanwhile, even to another stream's pool, is not reused before the copy ran.
+    """
+    if fill is not None:  # a tombstone: a view of the shared poison block
+        view, keeper = DEVICE_POISON.view(nbytes, fill, device)
+        fresh = view.untyped_storage()
+        storage._swap_data_ptr_(fresh)
+        return fresh, keeper
+    stream = torch.cuda.current_stream(device.index)
+    fresh = devices.empty(nbytes, device).untyped_storage()
+    fresh.copy_(storage)
+    if source is not None:
+        source.record_stream(stream)
+    storage._swap_data_ptr_(fresh)  # ``storage`` owns the allocator memory now; ``fresh`` the staging alias
+    return fresh, storage
+
 
 @forking.in_child
 def _after_fork() -> None:
     POISON._lock = threading.RLock()  # (the poison file itself is shared: every mapping is private)
+    DEVICE_POISON.__init__()  # the blocks are the parent's CUDA memory, which a forked child cannot use
 
 
-__all__ = ["AVAILABLE", "UNAVAILABLE_REASON", "upgrade", "free_weak_handle", "PoisonFile", "POISON", "holders",
-           "repoint"]
+__all__ = ["AVAILABLE", "UNAVAILABLE_REASON", "upgrade", "free_weak_handle", "PoisonFile", "POISON", "DevicePoison",
+           "DEVICE_POISON", "holders", "repoint"]

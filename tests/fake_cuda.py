@@ -1,0 +1,743 @@
+"""A CPU stand-in for CUDA devices: the sanitizer's CUDA paths, exercised without a GPU.
+
+torch cannot make a CPU tensor report ``device.type == "cuda"``, so the
+sanitizer asks :mod:`cuda_hooks.devices` which tensors are CUDA tensors and
+where device memory comes from; this harness answers for it, and stands in
+for the ``torch.cuda`` calls the sanitizer makes. What is faked, and what a
+test may rely on:
+
+* **Memory.** :meth:`FakeCuda.alloc` (and ``torch.empty/zeros(..., device="cuda")``,
+  so ``StagingBuffer(n, device="cuda")`` works; ``zeros_like`` and ``cat`` of
+  device tensors) hands out ordinary CPU memory
+  and files it as memory of ``cuda:N``, allocated on that device's current
+  stream. A tensor whose bytes lie in filed memory is a CUDA tensor: views,
+  leases (storages of their own aliasing the memory), tombstones, rescued copies.
+* **The caching allocator's stream rule.** Memory belongs to the storage that
+  allocated it (``_swap_data_ptr_`` moves it along, as in torch).
+  ``record_stream`` on a tensor of that storage is recorded; on any other
+  storage aliasing the memory (a lease, a ``from_blob``) it does nothing, as in
+  torch. Work on memory from a stream other than its allocation stream (the
+  kernels, and ``fill_``/``copy_`` issued while that stream is current) is a
+  *use*; when the memory is freed, a use on a stream that was neither recorded
+  nor synchronised since is a :attr:`FakeCuda.hazards` entry: the real allocator
+  would hand the bytes to the next allocation on the allocation stream while
+  that work may still run.
+* **Streams.** A stream per ``(device, handle)``; the default stream has handle
+  0 as in torch; ``torch.cuda.stream``/``device``/``current_stream``/
+  ``Stream``/``Event``/``synchronize`` behave as documented, the current device
+  and streams per thread as in torch. Kernel launches
+  (the checksum/verify/poison kernels, through :class:`FakeGpu`) are queued on
+  their stream and run at once, unless a test paused that stream
+  (:meth:`FakeCuda.pause`): then they run when the stream is synchronised, an
+  event recorded on it is synchronised, or another stream waits on it.
+  ``fill_`` and ``copy_`` on fake device memory (the sanitizer's poison fills
+  and rescue copies) are queued the same way; every other torch op runs at
+  once on the CPU, so a test pauses only streams other than the one the host
+  reads results on.
+* **Graph capture.** Inside :meth:`FakeCuda.capture`,
+  ``torch.cuda.is_current_stream_capturing()`` is True on the capturing stream;
+  any synchronisation or module load (the kernels' first launch on a device)
+  raises as CUDA does and is a hazard, launches are recorded in
+  :attr:`FakeCuda.graph` instead of running, and allocations are logged.
+* **Kernels.** By default a CPU twin (``cuda_hooks.cpu``'s hash of the same
+  bytes, slots and flags written as the device kernels write them). In a child
+  started with ``NUMBA_ENABLE_CUDASIM=1``, ``FakeCuda(kernels="simulator")``
+  runs the real kernels of ``cuda_hooks.gpu`` in numba's simulator over the
+  same memory.
+
+``install(monkeypatch)`` patches for one test and resets the sanitizer's
+device state (slot tables, poison blocks, the bridge's caches) before and
+after, so no fake tensor outlives the test.
+"""
+from __future__ import annotations
+
+import bisect
+import contextlib
+import ctypes
+import sys
+import threading
+import weakref
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+_ACTIVE: Optional["FakeCuda"] = None
+_REAL_EMPTY = torch.empty
+_REAL_ZEROS = torch.zeros
+_REAL_ZEROS_LIKE = torch.zeros_like
+_REAL_CAT = torch.cat
+_REAL_SWAP = torch.UntypedStorage._swap_data_ptr_
+_REAL_FILL = torch.Tensor.fill_
+_REAL_TENSOR_COPY = torch.Tensor.copy_
+
+
+def _contiguous(x: Any) -> bool:
+    return isinstance(x, torch.UntypedStorage) or x.is_contiguous()
+
+
+def _address_alias(x: Any) -> torch.Tensor:
+    """A tensor over the memory ``x`` has now (by address: no storage of ``x``'s, so no lease either)."""
+    if isinstance(x, torch.UntypedStorage):
+        nbytes, dtype, shape = x.nbytes(), torch.uint8, (x.nbytes(),)
+    else:
+        nbytes, dtype, shape = x.numel() * x.element_size(), x.dtype, tuple(x.shape)
+    raw = np.frombuffer((ctypes.c_char * nbytes).from_address(x.data_ptr()), dtype=np.uint8) if nbytes else \
+        np.empty(0, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
+
+CAPTURE_ERROR = "CUDA error: operation not permitted when stream is capturing"
+
+
+def _fake() -> "FakeCuda":
+    if _ACTIVE is None:
+        raise RuntimeError("no FakeCuda installed")
+    return _ACTIVE
+
+
+class _Alloc:
+    """One fake device allocation: ``nbytes`` at ``base`` on ``device``, allocated on ``stream``."""
+
+    __slots__ = ("id", "base", "nbytes", "device", "stream", "recorded", "uses", "freed", "during_capture")
+
+    def __init__(self, id: int, base: int, nbytes: int, device: torch.device, stream: "FakeStream", capture: bool):
+        self.id, self.base, self.nbytes, self.device, self.stream = id, base, nbytes, device, stream
+        self.recorded: set = set()
+        self.uses: Dict["FakeStream", int] = {}  # stream -> tick of its last work on this memory
+        self.freed = False
+        self.during_capture = capture
+
+    def __repr__(self) -> str:
+        return f"<alloc {self.id} {self.nbytes} B on {self.device} stream {self.stream.cuda_stream}>"
+
+
+class FakeStream:
+    """A CUDA stream of the fake: a queue of launches that runs at once unless paused."""
+
+    def __init__(self, fake: "FakeCuda", device: torch.device, handle: int):
+        self._fake = fake
+        self.device = device
+        self.cuda_stream = handle
+        self.paused = False
+        self.queue: List[Tuple[str, Callable[[], None], List[_Alloc]]] = []
+        self.pins: List[list] = []  # per queued item: objects keeping its operands' memory allocated
+        self.syncs = 0
+        self.synced_at = -1  # tick of the last time the host waited for this stream
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FakeStream) and (other.device, other.cuda_stream) == (self.device, self.cuda_stream)
+
+    def __hash__(self) -> int:
+        return hash((self.device.index, self.cuda_stream))
+
+    def __repr__(self) -> str:
+        return f"<FakeStream cuda:{self.device.index} handle={self.cuda_stream}{' paused' if self.paused else ''}>"
+
+    def launch(self, name: str, work: Callable[[], None], allocs: List[_Alloc]) -> None:
+        fake = self._fake
+        fake.launches.append((name, self.device.index, self.cuda_stream))
+        tick = fake._tick()
+        for alloc in allocs:
+            alloc.uses[self] = tick
+        if fake.capturing is self:
+            fake.graph.append((name, self.device.index, self.cuda_stream))
+            return
+        if self.paused:
+            self.queue.append((name, work, allocs))
+            self.pins.append([])
+        else:
+            work()
+
+    def flush(self) -> None:
+        while self.queue:
+            _, work, _ = self.queue[0]
+            work()
+            del self.queue[0], self.pins[0]  # (its pins are dropped only once it ran)
+
+    def synchronize(self) -> None:
+        self._fake._refuse_in_capture(f"synchronize {self!r}")
+        self.syncs += 1
+        self.flush()
+        self.synced_at = self._fake._tick()
+
+    def query(self) -> bool:
+        return not self.queue
+
+    def wait_stream(self, other: "FakeStream") -> None:
+        other.flush()  # later work on self sees other's work done (ordering, approximated by running it)
+
+    def record_event(self, event: Optional["FakeEvent"] = None) -> "FakeEvent":
+        event = event or FakeEvent()
+        event.record(self)
+        return event
+
+    def wait_event(self, event: "FakeEvent") -> None:
+        event.wait(self)
+
+
+class FakeEvent:
+    """``torch.cuda.Event``: remembers the stream it was recorded on."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        self._stream: Optional[FakeStream] = None
+
+    def record(self, stream: Optional[FakeStream] = None) -> None:
+        self._stream = stream or _fake().current_stream()
+
+    def synchronize(self) -> None:
+        if self._stream is not None:
+            _fake()._refuse_in_capture("event synchronize")
+            self._stream.flush()
+            self._stream.synced_at = _fake()._tick()
+
+    def wait(self, stream: Optional[FakeStream] = None) -> None:
+        if self._stream is not None:
+            self._stream.flush()
+
+    def query(self) -> bool:
+        return self._stream is None or not self._stream.queue
+
+
+class TwinKernels:
+    """CPU twin of :mod:`cuda_hooks.gpu`: the same results from ``cuda_hooks.cpu``'s hash, at once."""
+
+    SIMULATED = False
+    THREADS = 256
+    IMPLEMENTATION = "fake (CPU twin)"
+
+    def as_array(self, t: torch.Tensor, dtype: Any = None) -> np.ndarray:
+        arr = t.numpy()
+        return arr if dtype is None else arr.view(dtype)
+
+    def warm(self) -> None:
+        pass
+
+    def checksum_async(self, data, scratch, out, slot, stream, blocks=None, device=0) -> None:
+        from cuda_hooks import cpu
+
+        out[slot] = np.uint64(cpu.hash_bytes(data))
+
+    def verify_async(self, data, scratch, expected, slot, flags, stream, blocks=None, device=0) -> None:
+        from cuda_hooks import cpu
+
+        if np.uint64(cpu.hash_bytes(data)) != expected[slot]:
+            flags[slot] = 1
+
+    def poison_async(self, data, byte, stream, device=0) -> None:
+        data[:] = byte
+
+    def compile_seconds(self) -> Dict[str, float]:
+        return {}
+
+    def kernel_info(self) -> Dict[str, Any]:
+        return {"implementation": self.IMPLEMENTATION, "simulated": False, "threads": self.THREADS}
+
+
+class FakeGpu:
+    """What the bridge sees as ``cuda_hooks.gpu``: launches go to the fake's streams, then to the
+    twin or to the real kernels under numba's simulator."""
+
+    def __init__(self, fake: "FakeCuda", inner: Any):
+        self._fake = fake
+        self.inner = inner
+        self.SIMULATED = inner.SIMULATED
+        self.THREADS = inner.THREADS
+        self.module_loads: Dict[int, int] = {}
+
+    def __getattr__(self, name: str) -> Any:  # anything else the bridge reads: the inner module's
+        return getattr(self.inner, name)
+
+    def as_array(self, t: torch.Tensor, dtype: Any = None) -> Any:
+        if not self._fake.is_cuda(t):
+            raise ValueError(f"as_array of memory that is not device memory: {t.data_ptr():#x}")
+        return self.inner.as_array(t, dtype)
+
+    def stream_for(self, handle: int, device: int = 0) -> FakeStream:
+        return self._fake._stream(device, handle)
+
+    @contextlib.contextmanager
+    def device_scope(self, index: int) -> Iterator[None]:
+        if self._fake.current_device() != index:
+            raise AssertionError(f"numba device {index} made current while torch's is {self._fake.current_device()}")
+        yield
+
+    def warm(self) -> None:
+        fake = self._fake
+        device = fake.current_device()
+        fake._refuse_in_capture(f"module load on cuda:{device}")
+        self.module_loads[device] = self.module_loads.get(device, 0) + 1
+        self.inner.warm()
+
+    def _allocs(self, *arrays: Any) -> List[_Alloc]:
+        found = []
+        for a in arrays:
+            alloc = self._fake._find(int(a.ctypes.data)) if a is not None else None
+            if alloc is not None:
+                found.append(alloc)
+        return found
+
+    def checksum_async(self, data, scratch, out, slot, stream, blocks=None, device=0) -> None:
+        inner = self.inner
+        stream.launch("checksum", lambda: inner.checksum_async(data, scratch, out, slot, 0, blocks, device),
+                      self._allocs(data, scratch, out))
+
+    def verify_async(self, data, scratch, expected, slot, flags, stream, blocks=None, device=0) -> None:
+        inner = self.inner
+        stream.launch("verify", lambda: inner.verify_async(data, scratch, expected, slot, flags, 0, blocks, device),
+                      self._allocs(data, scratch, expected, flags))
+
+    def poison_async(self, data, byte, stream, device=0) -> None:
+        inner = self.inner
+        stream.launch("poison", lambda: inner.poison_async(data, byte, 0, device), self._allocs(data))
+
+
+class _DeviceContext:
+    """``torch.cuda.device(i)``."""
+
+    def __init__(self, device: Any):
+        self.index = _fake()._index(device)
+
+    def __enter__(self) -> None:
+        fake = _fake()
+        self.before = fake._current_device
+        fake._current_device = self.index
+
+    def __exit__(self, *exc: Any) -> None:
+        _fake()._current_device = self.before
+
+
+class FakeCuda:
+    """``n`` fake CUDA devices. Use :meth:`install` (a test's monkeypatch) or the ``fake_cuda`` fixture."""
+
+    def __init__(self, n: int = 2, kernels: str = "twin"):
+        if kernels not in ("twin", "simulator"):
+            raise ValueError(f"kernels must be 'twin' or 'simulator', got {kernels!r}")
+        self.n = n
+        self._lock = threading.RLock()
+        self._tls = threading.local()  # torch's current device and streams are per thread
+        self._streams: Dict[Tuple[int, int], FakeStream] = {}
+        self._next_handle = 0x1000
+        self._next_alloc = 0
+        self._ticks = 0
+        self._bases: List[int] = []
+        self._allocs: List[_Alloc] = []
+        self._owners: Dict[int, _Alloc] = {}  # StorageImpl address -> the allocation it owns
+        self._watched: set = set()
+        self.capturing: Optional[FakeStream] = None
+        self.graph: List[Tuple[str, int, int]] = []
+        self.launches: List[Tuple[str, int, int]] = []
+        self.hazards: List[str] = []
+        self.record_streams: List[Tuple[int, int, bool]] = []  # (alloc id or -1, stream handle, effective)
+        self.allocations: List[_Alloc] = []
+        for d in range(n):
+            self._stream(d, 0)
+        if kernels == "twin":
+            inner: Any = TwinKernels()
+        else:
+            from cuda_hooks import gpu
+
+            if not gpu.SIMULATED:
+                raise RuntimeError("kernels='simulator' needs NUMBA_ENABLE_CUDASIM=1 before numba is imported")
+            inner = gpu
+        self.gpu = FakeGpu(self, inner)
+
+    # -- memory -------------------------------------------------------------------
+    @property
+    def _current_device(self) -> int:
+        return getattr(self._tls, "device", 0)
+
+    @_current_device.setter
+    def _current_device(self, index: int) -> None:
+        self._tls.device = index
+
+    @property
+    def _current(self) -> Dict[int, FakeStream]:
+        """This thread's current stream per device (the default stream unless set)."""
+        current = getattr(self._tls, "streams", None)
+        if current is None:
+            current = self._tls.streams = {d: self._stream(d, 0) for d in range(self.n)}
+        return current
+
+    def _index(self, device: Any) -> int:
+        if device is None:
+            return self._current_device
+        if isinstance(device, int):
+            return device
+        if isinstance(device, FakeStream):
+            return device.device.index
+        d = torch.device(device)
+        return self._current_device if d.index is None else d.index
+
+    def alloc(self, nbytes: int, device: Any = None) -> torch.Tensor:
+        """``nbytes`` (uint8) of fake device memory, allocated on the device's current stream."""
+        index = self._index(device)
+        if not 0 <= index < self.n:
+            raise RuntimeError(f"CUDA error: invalid device ordinal {index} (the fake has {self.n})")
+        t = _REAL_EMPTY(nbytes, dtype=torch.uint8)
+        if nbytes == 0:
+            return t
+        with self._lock:
+            alloc = _Alloc(self._next_alloc, t.data_ptr(), nbytes, torch.device("cuda", index),
+                           self._current[index], self.capturing is not None)
+            self._next_alloc += 1
+            at = bisect.bisect(self._bases, alloc.base)
+            self._bases.insert(at, alloc.base)
+            self._allocs.insert(at, alloc)
+            self.allocations.append(alloc)
+            storage = t.untyped_storage()
+            self._owners[storage._cdata] = alloc
+            self._watch(storage)
+        return t
+
+    def tensor(self, src: torch.Tensor, device: Any = None) -> torch.Tensor:
+        """A fake device copy of CPU tensor ``src`` (same dtype and shape)."""
+        src = src.contiguous()
+        raw = self.alloc(src.numel() * src.element_size(), device)
+        out = raw.view(src.dtype).view(src.shape)
+        out.copy_(src)
+        return out
+
+    def _watch(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        if key not in self._watched:
+            self._watched.add(key)
+            weakref.finalize(storage, self._storage_died, key)
+
+    def _storage_died(self, key: int) -> None:
+        with self._lock:
+            self._watched.discard(key)
+            alloc = self._owners.pop(key, None)
+            if alloc is None:
+                return
+            alloc.freed = True
+            at = self._allocs.index(alloc)
+            del self._allocs[at], self._bases[at]
+            for stream, tick in alloc.uses.items():
+                if stream != alloc.stream and stream not in alloc.recorded and stream.synced_at < tick:
+                    self.hazards.append(f"{alloc!r} freed after work on {stream!r} that was neither recorded "
+                                        f"(record_stream) nor waited for")
+
+    def _pin_queued(self, *storages: torch.UntypedStorage) -> None:
+        """After a data pointer swap: queued work on memory that now sits in one of ``storages`` keeps that
+        storage (so its memory) alive until it ran, as a GPU's queued work keeps using the memory it was
+        given (whether the memory may be *reused* meanwhile is the record_stream rule, checked apart)."""
+        for stream in self._streams.values():
+            for (_, _, allocs), pins in zip(stream.queue, stream.pins):
+                for storage in storages:
+                    found = self._find(storage.data_ptr())
+                    if found is not None and found in allocs:
+                        pins.append(storage)
+
+    def _tick(self) -> int:
+        with self._lock:
+            self._ticks += 1
+            return self._ticks
+
+    def _find(self, ptr: int) -> Optional[_Alloc]:
+        at = bisect.bisect_right(self._bases, ptr) - 1
+        if at >= 0:
+            alloc = self._allocs[at]
+            if ptr < alloc.base + alloc.nbytes:
+                return alloc
+        return None
+
+    def alloc_of(self, t: torch.Tensor) -> Optional[_Alloc]:
+        return self._find(t.data_ptr())
+
+    def owns(self, t: torch.Tensor) -> bool:
+        """Is ``t``'s storage the one that owns its memory (caching-allocator memory, not an alias)?"""
+        return t.untyped_storage()._cdata in self._owners
+
+    # -- cuda_hooks.devices --------------------------------------------------------
+    @staticmethod
+    def _address(t: torch.Tensor) -> int:
+        """Where ``t``'s bytes are (torch says 0 for an empty tensor: then its storage's memory)."""
+        return t.data_ptr() or (t.untyped_storage().data_ptr() if t.numel() == 0 else 0)
+
+    def is_cuda(self, t: torch.Tensor) -> bool:
+        return t.is_cuda or (t.device.type == "cpu" and self._find(self._address(t)) is not None)
+
+    def device_of(self, t: torch.Tensor) -> torch.device:
+        alloc = self._find(self._address(t)) if t.device.type == "cpu" else None
+        return alloc.device if alloc is not None else t.device
+
+    def storage_device(self, storage: torch.UntypedStorage) -> torch.device:
+        alloc = self._find(storage.data_ptr()) if storage.device.type == "cpu" else None
+        return alloc.device if alloc is not None else storage.device
+
+    def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        if torch.device(device).type != "cuda":
+            return _REAL_EMPTY(nbytes, dtype=torch.uint8, device=device)
+        return self.alloc(nbytes, device)
+
+    def zeros(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if torch.device(device).type != "cuda":
+            return _REAL_ZEROS(n, dtype=dtype, device=device)
+        t = self.alloc(n * dtype.itemsize, device).view(dtype)
+        t.zero_()
+        return t
+
+    def empty_like(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.is_cuda(t):
+            return torch.empty_like(t, memory_format=torch.contiguous_format)
+        return self.alloc(t.numel() * t.element_size(), self.device_of(t)).view(t.dtype).view(t.shape)
+
+    # -- torch.cuda ---------------------------------------------------------------
+    def _stream(self, device: int, handle: int) -> FakeStream:
+        key = (device, handle)
+        s = self._streams.get(key)
+        if s is None:
+            s = self._streams[key] = FakeStream(self, torch.device("cuda", device), handle)
+        return s
+
+    def new_stream(self, device: Any = None, priority: int = 0, **_: Any) -> FakeStream:
+        with self._lock:
+            handle = self._next_handle
+            self._next_handle += 0x10
+        return self._stream(self._index(device), handle)
+
+    def current_device(self) -> int:
+        return self._current_device
+
+    def current_stream(self, device: Any = None) -> FakeStream:
+        return self._current[self._index(device)]
+
+    def default_stream(self, device: Any = None) -> FakeStream:
+        return self._stream(self._index(device), 0)
+
+    @contextlib.contextmanager
+    def stream(self, s: Optional[FakeStream]) -> Iterator[None]:
+        if s is None:
+            yield
+            return
+        index = s.device.index
+        before_device, before = self._current_device, self._current[index]
+        self._current_device, self._current[index] = index, s
+        try:
+            yield
+        finally:
+            self._current[index], self._current_device = before, before_device
+
+    def synchronize(self, device: Any = None) -> None:
+        self._refuse_in_capture("torch.cuda.synchronize")
+        index = self._index(device)
+        for (d, _), s in list(self._streams.items()):
+            if d == index:
+                s.syncs += 1
+                s.flush()
+                s.synced_at = self._tick()
+
+    def pause(self, stream: FakeStream) -> None:
+        """Hold ``stream``'s launches back until it is synchronised (a slow stream)."""
+        stream.paused = True
+
+    def resume(self, stream: FakeStream) -> None:
+        stream.paused = False
+        stream.flush()
+
+    @contextlib.contextmanager
+    def capture(self, stream: Optional[FakeStream] = None) -> Iterator[List[Tuple[str, int, int]]]:
+        """A graph capture on ``stream`` (default: a new side stream, made current, as ``torch.cuda.graph`` does)."""
+        stream = stream or self.new_stream()
+        self.graph = []
+        with self.stream(stream):
+            self.capturing = stream
+            try:
+                yield self.graph
+            finally:
+                self.capturing = None
+
+    def is_current_stream_capturing(self) -> bool:
+        return self.capturing is not None and self.capturing is self.current_stream()
+
+    def _refuse_in_capture(self, what: str) -> None:
+        if self.capturing is not None:
+            self.hazards.append(f"{what} during a graph capture")
+            raise RuntimeError(f"{CAPTURE_ERROR} ({what})")
+
+    def record_stream(self, t: torch.Tensor, stream: FakeStream) -> None:
+        if not self.is_cuda(t):
+            raise RuntimeError("record_stream of a tensor that is not in (fake) device memory")
+        if not isinstance(stream, FakeStream):
+            raise TypeError(f"record_stream expects a stream, got {type(stream).__name__}")
+        alloc = self._owners.get(t.untyped_storage()._cdata)
+        if alloc is not None and stream != alloc.stream:
+            alloc.recorded.add(stream)
+        self.record_streams.append((alloc.id if alloc is not None else -1, stream.cuda_stream, alloc is not None))
+
+    def recorded(self, t: torch.Tensor) -> List[int]:
+        """Handles of the streams recorded on ``t``'s allocation (effective record_stream calls)."""
+        alloc = self._find(t.data_ptr())
+        return sorted(s.cuda_stream for s in alloc.recorded) if alloc is not None else []
+
+    # -- installation ---------------------------------------------------------------
+    def install(self, monkeypatch: Any) -> "FakeCuda":
+        import cuda_hooks.bridge as bridge
+        from cuda_hooks import devices
+
+        fake = self
+        _reset_device_state(monkeypatch)
+        for name in ("is_cuda", "device_of", "storage_device", "empty", "zeros", "empty_like"):
+            monkeypatch.setattr(devices, name, getattr(self, name))
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "is_available", lambda: True)
+        monkeypatch.setattr(cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(cuda, "device_count", lambda: self.n)
+        monkeypatch.setattr(cuda, "current_device", self.current_device)
+        monkeypatch.setattr(cuda, "set_device", lambda d: setattr(self, "_current_device", self._index(d)))
+        monkeypatch.setattr(cuda, "device", _DeviceContext)
+        monkeypatch.setattr(cuda, "current_stream", self.current_stream)
+        monkeypatch.setattr(cuda, "default_stream", self.default_stream)
+        monkeypatch.setattr(cuda, "Stream", self.new_stream)
+        monkeypatch.setattr(cuda, "stream", self.stream)
+        monkeypatch.setattr(cuda, "Event", FakeEvent)
+        monkeypatch.setattr(cuda, "synchronize", self.synchronize)
+        monkeypatch.setattr(cuda, "is_current_stream_capturing", self.is_current_stream_capturing)
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: fake.record_stream(t, s), raising=False)
+
+        def swap(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
+            _REAL_SWAP(a, b)
+            fake._pin_queued(a, b)
+            with fake._lock:
+                ka, kb = a._cdata, b._cdata
+                oa, ob = fake._owners.pop(ka, None), fake._owners.pop(kb, None)
+                if ob is not None:
+                    fake._owners[ka] = ob
+                if oa is not None:
+                    fake._owners[kb] = oa
+                fake._watch(a)
+                fake._watch(b)
+
+        monkeypatch.setattr(torch.UntypedStorage, "_swap_data_ptr_", swap)
+
+        def queued(real: Callable[..., Any], name: str) -> Callable[..., Any]:
+            """A torch op that, on fake device memory, is work on the current stream of its device.
+
+            As a GPU does, the queued op works on the memory its operands had when it was issued: a
+            later data pointer swap (rescue, the guard) or a lease going stale does not change what it
+            reads or writes. So it runs on address aliases taken now (contiguous operands; others run
+            at once), holding the operands meanwhile so that their memory stays allocated."""
+            def op(target: Any, *args: Any, **kw: Any) -> Any:
+                touched = [x for x in (target, *args) if isinstance(x, (torch.Tensor, torch.UntypedStorage))]
+                allocs = [a for a in (fake._find(x.data_ptr()) for x in touched) if a is not None]
+                if not allocs:
+                    return real(target, *args, **kw)
+                if not all(_contiguous(x) for x in touched):
+                    real(target, *args, **kw)
+                    fake.current_stream(allocs[0].device.index).launch(name, lambda: None, allocs)
+                    return target
+                frozen = [_address_alias(x) if isinstance(x, (torch.Tensor, torch.UntypedStorage)) else x
+                          for x in (target, *args)]
+                keep = touched
+
+                def work() -> None:
+                    keep  # noqa: B018  (the operands' memory stays allocated until the op ran)
+                    _REAL_TENSOR_COPY(frozen[0], frozen[1]) if name != "fill_" else _REAL_FILL(frozen[0], *frozen[1:])
+
+                fake.current_stream(allocs[0].device.index).launch(name, work, allocs)
+                return target
+            return op
+
+        monkeypatch.setattr(torch.Tensor, "fill_", queued(torch.Tensor.fill_, "fill_"))
+        monkeypatch.setattr(torch.Tensor, "copy_", queued(torch.Tensor.copy_, "copy_"))
+        monkeypatch.setattr(torch.UntypedStorage, "copy_", queued(torch.UntypedStorage.copy_, "storage.copy_"))
+
+        def on_device(device: Any) -> bool:
+            return device is not None and torch.device(device).type == "cuda"
+
+        def empty(*size: Any, dtype: Any = None, device: Any = None, **kw: Any) -> torch.Tensor:
+            if not on_device(device):
+                return _REAL_EMPTY(*size, dtype=dtype, device=device, **kw)
+            shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
+            dtype = dtype or torch.float32
+            n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            return fake.alloc(n * dtype.itemsize, device).view(dtype).view(shape)
+
+        def zeros(*size: Any, dtype: Any = None, device: Any = None, **kw: Any) -> torch.Tensor:
+            if not on_device(device):
+                return _REAL_ZEROS(*size, dtype=dtype, device=device, **kw)
+            return empty(*size, dtype=dtype, device=device).zero_()
+
+        def zeros_like(t: torch.Tensor, **kw: Any) -> torch.Tensor:
+            if not fake.is_cuda(t):
+                return _REAL_ZEROS_LIKE(t, **kw)
+            return fake.zeros(t.numel(), t.dtype, fake.device_of(t)).view(t.shape)
+
+        def cat(tensors: Any, dim: int = 0, **kw: Any) -> torch.Tensor:
+            tensors = list(tensors)
+            if not tensors or not all(fake.is_cuda(t) for t in tensors):
+                return _REAL_CAT(tensors, dim=dim, **kw)
+            joined = _REAL_CAT(tensors, dim=dim, **kw)  # computed on the CPU at once, like every fake op
+            out = fake.alloc(joined.numel() * joined.element_size(), fake.device_of(tensors[0]))
+            out = out.view(joined.dtype).view(joined.shape)
+            out.copy_(joined)
+            return out
+
+        monkeypatch.setattr(torch, "empty", empty)
+        monkeypatch.setattr(torch, "zeros", zeros)
+        monkeypatch.setattr(torch, "zeros_like", zeros_like)
+        monkeypatch.setattr(torch, "cat", cat)
+        monkeypatch.setitem(bridge._modules, "gpu", self.gpu)
+        monkeypatch.setattr(sys.modules[__name__], "_ACTIVE", self)
+        return self
+
+    def settle(self) -> None:
+        """Run every queued launch (the end of a test)."""
+        for s in list(self._streams.values()):
+            s.paused = False
+            s.flush()
+
+
+def _reset_device_state(monkeypatch: Any) -> None:
+    """Give the sanitizer's device state fresh objects for one test (restored after it)."""
+    import cuda_hooks.bridge as bridge
+    from sanitizer.features import checksums
+    from sanitizer.torch_layer import storage_handles
+
+    try:
+        from sanitizer.torch_layer import graph_capture
+
+        monkeypatch.setattr(graph_capture, "_warned", False)  # its warning is once per process: once per test here
+    except ImportError:  # the first version had none
+        pass
+    monkeypatch.setattr(bridge, "_scratch", {})
+    monkeypatch.setattr(bridge, "_arrays", bridge._ArrayCache())
+    monkeypatch.setattr(bridge, "_warm", set())
+    for module, name, factory in _DEVICE_STATE(checksums, storage_handles):
+        monkeypatch.setattr(module, name, factory())
+
+
+def _DEVICE_STATE(checksums: Any, storage_handles: Any) -> List[Tuple[Any, str, Callable[[], Any]]]:
+    """(module, attribute, fresh value) of each piece of device state the sanitizer keeps."""
+    state: List[Tuple[Any, str, Callable[[], Any]]] = []
+    if hasattr(checksums, "DEVICE_CHECKS"):
+        state.append((checksums, "DEVICE_CHECKS", type(checksums.DEVICE_CHECKS)))
+    else:  # the module-level tables of the first version
+        state.append((checksums, "_slots", dict))
+        state.append((checksums, "_pending_events", dict))
+    if hasattr(storage_handles, "DEVICE_POISON"):
+        state.append((storage_handles, "DEVICE_POISON", type(storage_handles.DEVICE_POISON)))
+    return state
+
+
+try:  # the fixture, for test modules that import it
+    import pytest
+
+    @pytest.fixture
+    def fake_cuda(monkeypatch: Any) -> Iterator[FakeCuda]:
+        """Two fake CUDA devices for one test; queued work is run and the device state reset after it."""
+        fake = FakeCuda(2).install(monkeypatch)
+        try:
+            yield fake
+        finally:
+            fake.settle()
+            import gc
+
+            import sanitizer
+
+            sanitizer.disable()
+            gc.collect()
+except ImportError:  # pragma: no cover - the simulator child imports this module without pytest
+    pass
+
+__all__ = ["FakeCuda", "FakeStream", "FakeEvent", "FakeGpu", "TwinKernels", "CAPTURE_ERROR", "fake_cuda"]

@@ -1,0 +1,49 @@
+"""The CUDA extras exist, the errors that recommend them name them right, and the device check scripts parse."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _extras() -> dict:
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]["optional-dependencies"]
+
+
+def test_cuda_extras_pull_numba_cuda_with_the_nvvm_of_their_cuda_major():
+    extras = _extras()
+    for extra, cu in (("cuda12", "cu12"), ("cuda13", "cu13")):
+        (req,) = extras[extra]
+        assert req.startswith(f"numba-cuda[{cu}]"), req
+
+
+def test_the_messages_recommending_an_extra_name_existing_ones():
+    extras = set(_extras())
+    for source in ("cuda_hooks/gpu.py", "cuda_hooks/bridge.py"):
+        named = set(re.findall(r"ownership-sanitizer\[(\w+)\]", (ROOT / source).read_text()))
+        named |= set(re.findall(r"or \[(cuda\d+)\]", (ROOT / source).read_text()))
+        assert named and named <= extras, (source, named - extras)
+
+
+def test_the_device_check_scripts_parse_and_never_pass_without_a_gpu():
+    import shutil
+    import subprocess
+
+    import torch
+
+    bash = shutil.which("bash")
+    if bash is None:
+        pytest.skip("no bash")
+    for script in ("bench/device_check.sh", "bench/device_prepare.sh"):
+        proc = subprocess.run([bash, "-n", str(ROOT / script)], capture_output=True, text=True)
+        assert proc.returncode == 0, (script, proc.stderr)
+    if torch.cuda.is_available():
+        return
+    proc = subprocess.run([bash, str(ROOT / "bench/device_check.sh")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "nothing can be checked on a GPU" in proc.stderr, proc.stderr
