@@ -77,7 +77,7 @@ def run_report(tmp_path_factory):
     (tmp / "consumer.py").write_text(PROGRAM)
     env = {k: v for k, v in os.environ.items() if not k.startswith("OWNERSHIP_SANITIZE")}
     env["PYTHONPATH"] = ROOT
-    out = subprocess.run([sys.executable, "-m", "sanitizer", "run", "-q", "-o", "safetensors_ring=8192",
+    out = subprocess.run([sys.executable, "-m", "sanitizer", "run", "-q", "-o", "safetensors_ring=8192:safetensors_strict=1",
                           "--report", "ownsan-report.json", "--", sys.executable, "consumer.py", "ckpt.safetensors"],
                          cwd=str(tmp), env=env, capture_output=True, text=True, timeout=180)
     assert out.returncode == 1, out.stderr  # the run itself saw the retentions
