@@ -1,4 +1,4 @@
-"""Stress programs for mode placement: exits with threads, workers, and the user's own modes.
+"""Stress programs for mode placement: exits with threads, workers, the user's own modes, op look-ups.
 
 Shared by ``bench/stress.py`` (hundreds of runs) and the CI tests (a few), so the
 numbers in a note and the tests come from the same code. Each check returns a
@@ -46,6 +46,169 @@ def run_pool_exits(runs: int, parallel: int = 4, root: Optional[str] = None,
             if proc.returncode != 0 or "ok" not in proc.stdout:
                 failures.append(f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}")
     return {"runs": runs, "abnormal": len(failures), "failures": failures[:5]}
+
+
+LOOKUP_RACE_PROGRAM = r"""
+import os, sys, threading
+import torch
+
+VARIANT = sys.argv[1]  # sanitizer | bare-skip | bare-default | bare-skip-serialized | bare-default-serialized
+if VARIANT == "sanitizer":
+    import sanitizer  # OWNERSHIP_SANITIZE=1 in the environment: enabled at import
+    assert sanitizer.enabled(), "the sanitizer did not enable"
+else:
+    from torch.utils._python_dispatch import TorchDispatchMode
+    if VARIANT.endswith("-serialized"):
+        from sanitizer.torch_layer import op_lookup
+        op_lookup.serialize_op_lookups()
+
+    class DoNothing(TorchDispatchMode):
+        if VARIANT.startswith("bare-skip"):
+            @classmethod
+            def _should_skip_dynamo(cls):  # as BorrowCheckMode: no dynamo-disable shim
+                return False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+built = []  # every OpOverload object torch.ops makes: one op built twice means one was freed
+_init = torch._ops.OpOverload.__init__
+def _counting_init(self, *args, **kwargs):
+    _init(self, *args, **kwargs)
+    built.append(self._name)
+torch._ops.OpOverload.__init__ = _counting_init
+
+base = torch.arange(64 * 1024, dtype=torch.float32)
+storage = base.untyped_storage()
+x = torch.rand(8, 8) + 0.5
+pairs = torch.rand(8, 2)
+# Ops a Python mode sees that ``import torch`` leaves unbuilt in torch.ops: their first dispatch
+# under a mode builds their Python object (safetensors' get_tensor: asarray(storage slice) ->
+# set_.source_Storage). Each thread runs them all, all threads at once.
+FRESH = {
+    ("set_", "source_Storage"): None,
+    ("_conj_physical", "default"): lambda: torch._conj_physical(x),
+    ("_standard_gamma_grad", "default"): lambda: torch._standard_gamma_grad(x, x),
+    ("view_as_complex_copy", "default"): lambda: torch.view_as_complex_copy(pairs),
+    ("allclose", "default"): lambda: torch.allclose(x, x),
+}
+fresh = sum(1 for op, ov in FRESH if ov not in getattr(torch.ops.aten.__dict__.get(op), "__dict__", {}))
+expected = {key: f() for key, f in FRESH.items() if f is not None}  # no mode here: builds nothing
+errors = []
+threading.excepthook = lambda a: errors.append(f"{a.thread.name}: {a.exc_type.__name__}: {a.exc_value}")
+barrier = threading.Barrier(4)
+
+def same(a, b):
+    return bool(torch.equal(a, b)) if isinstance(a, torch.Tensor) else a == b
+
+def load(i):
+    a = (i % 32) * 1024
+    t = torch.asarray(storage[a:a + 4096], dtype=torch.float32)  # safetensors' get_tensor
+    assert torch.equal(t, base[a // 4:a // 4 + 1024]), "asarray read the wrong bytes"
+
+def worker():
+    if VARIANT != "sanitizer":  # placed as ModeController places ours: raw, at the stack's bottom
+        torch._C._push_on_torch_dispatch_stack(DoNothing())
+    try:
+        for key, f in FRESH.items():  # every thread's first call of each op, all at the same moment
+            barrier.wait()
+            load(0) if f is None else f()
+        for i in range(100):  # then use what was cached: a freed op object is read here
+            load(i)
+            for key, f in FRESH.items():
+                if f is not None:
+                    assert same(f(), expected[key]), f"{key} changed its result"
+    finally:
+        if VARIANT != "sanitizer":
+            torch._C._pop_torch_dispatch_stack(None)
+
+sys.setswitchinterval(1e-6)  # as safetensors' test: a thread switch at almost every bytecode
+threads = [threading.Thread(target=worker) for _ in range(4)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+twice = sorted({name for name in built if built.count(name) > 1})
+tree = os.path.dirname(os.path.dirname(sys.modules["sanitizer"].__file__)) if "sanitizer" in sys.modules else "-"
+print(f"tree={tree} fresh={fresh} raised={len(errors)} built_twice={len(twice)}",
+      "ok" if not (errors or twice) else "FAILED")
+for line in errors:
+    print("  raised:", line)
+if twice:
+    print("  built twice (the first freed while torch's C++ cache may point to it):", twice)
+sys.exit(3 if errors or twice else 0)
+"""
+"""Four threads make torch.ops build an op's Python object at the same moment under a Python mode
+(the pattern that crashed safetensors' own multithreaded test, issue 17); prints how many of its
+ops were still unbuilt at the start (``fresh=``: 0 would test nothing) and exits 0 when every
+thread finished with the right results and no op's object was built twice. A second build is
+the race itself, caught whether or not the freed first object was read before the process ended:
+the crash is only its most visible outcome."""
+
+LOOKUP_RACE_VARIANTS = ("sanitizer", "bare-skip", "bare-default", "bare-skip-serialized",
+                        "bare-default-serialized")
+
+
+def run_lookup_race(runs: int, variant: str = "sanitizer", parallel: int = 4,
+                    root: Optional[str] = None, timeout: float = 180) -> Dict[str, object]:
+    """Run :data:`LOOKUP_RACE_PROGRAM` ``runs`` times in fresh processes; count how they ended.
+
+    ``variant``: ``sanitizer`` (enabled by ``OWNERSHIP_SANITIZE=1``, its own mode placed by
+    ModeController), or a do-nothing mode pushed raw with (``bare-skip``) or without
+    (``bare-default``) torch's dynamo-disable shim, optionally with the sanitizer's op look-up
+    lock (``-serialized``). ``root``: the source tree to import ``sanitizer`` from (another
+    checkout gives the figures of older code). A run whose ops were all built already
+    (``fresh=0``) is counted apart: it could not race.
+    """
+    if variant not in LOOKUP_RACE_VARIANTS:
+        raise ValueError(f"run_lookup_race: variant must be one of {LOOKUP_RACE_VARIANTS}, got {variant!r}")
+    if runs < 1:
+        raise ValueError(f"run_lookup_race: runs must be at least 1, got {runs!r}")
+    root = os.path.realpath(root or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OWNERSHIP_SANITIZE")}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")  # with cwd=root: before an editable install
+    if variant == "sanitizer":
+        env["OWNERSHIP_SANITIZE"] = "1"
+
+    imports_ours = variant == "sanitizer" or variant.endswith("-serialized")
+
+    def one(_: int) -> subprocess.CompletedProcess:
+        try:
+            return subprocess.run([sys.executable, "-X", "faulthandler", "-c", LOOKUP_RACE_PROGRAM, variant],
+                                  env=env, cwd=root, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            return subprocess.CompletedProcess(exc.cmd, -999, "", f"timed out after {timeout} s (a deadlock?)")
+
+    counts = dict.fromkeys(LOOKUP_RACE_OUTCOMES, 0)
+    failures: List[str] = []
+    with ThreadPoolExecutor(parallel) as pool:
+        for fut in as_completed([pool.submit(one, i) for i in range(runs)]):
+            proc = fut.result()
+            outcome = _race_outcome(proc, f"tree={root} " if imports_ours else None)
+            counts[outcome] += 1
+            if outcome != "ok":
+                text = (proc.stdout + proc.stderr).strip()
+                where = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("File ")][:2]
+                failures.append(f"{outcome}, exit {proc.returncode}: {text.splitlines()[0][:200] if text else ''} "
+                                f"{' <- '.join(where)}")
+    return {"variant": variant, "runs": runs, **counts, "failures": failures[:5]}
+
+
+LOOKUP_RACE_OUTCOMES = ("ok", "crashed", "raced", "errors", "hung", "nothing_to_race")
+"""How a run of :data:`LOOKUP_RACE_PROGRAM` ended: ``raced``: an op's object was built twice (no
+crash, this time); ``errors``: a thread raised, or the run imported another checkout than asked."""
+
+
+def _race_outcome(proc: subprocess.CompletedProcess, tree_mark: Optional[str]) -> str:
+    if proc.returncode == -999:
+        return "hung"
+    if proc.returncode < 0 or proc.returncode == 139:
+        return "crashed"
+    if tree_mark is not None and tree_mark not in proc.stdout:
+        return "errors"
+    if proc.returncode == 0:
+        return "nothing_to_race" if " fresh=0 " in proc.stdout else "ok"
+    if proc.returncode == 3 and " raised=0 " in proc.stdout:
+        return "raced"  # built twice, and every thread finished right
+    return "errors"
 
 
 def worker_drops_last_lease_then_reads_stale(rounds: int) -> Dict[str, int]:
@@ -187,5 +350,7 @@ def compile_with_lease_alive() -> Dict[str, object]:
     return {"compiled": compiled, "same_result": same, "stack_unchanged": foreign_stack() == before, "stale_read_caught": caught}
 
 
-__all__ = ["POOL_PROGRAM", "run_pool_exits", "worker_drops_last_lease_then_reads_stale",
+__all__ = ["POOL_PROGRAM", "run_pool_exits", "LOOKUP_RACE_PROGRAM", "LOOKUP_RACE_VARIANTS", "LOOKUP_RACE_OUTCOMES",
+           "run_lookup_race",
+           "worker_drops_last_lease_then_reads_stale",
            "lends_inside_and_outside_user_modes", "compile_with_lease_alive", "foreign_stack"]

@@ -33,6 +33,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sanitizer.core import thread_reach
+from sanitizer.torch_layer import op_lookup
 
 _aten = torch.ops.aten
 
@@ -105,8 +106,11 @@ class BorrowCheckMode(TorchDispatchMode):
     def _should_skip_dynamo(cls) -> bool:
         """No dynamo-disable shim around ``__torch_dispatch__`` (torch adds one by default): its two
         extra frames cost ~2.5 µs per op, and in a kept error's traceback they hold the op's
-        arguments, so a caught-and-kept StaleBorrowError kept the stale view alive. Compilation
-        never traces into the mode anyway (see :meth:`ignore_compile_internals`)."""
+        arguments, so a caught-and-kept StaleBorrowError kept the stale view alive; and its first
+        call imports torch._dynamo (seconds). Compilation never traces into the mode anyway (see
+        :meth:`ignore_compile_internals`). Dropping it once seemed to crash threaded programs
+        (issue 17); the crash was torch's op look-up race, which that import only happened to hide
+        for some ops: op_lookup closes it for every op."""
         return False
 
     @classmethod
@@ -236,6 +240,9 @@ class ModeController:
         """Insert a mode beneath this thread's user modes (no-op when one is there)."""
         if getattr(self._tls, "mode", None) is not None:
             return
+        # A Python mode makes libtorch_python look up and cache each op's Python object; two
+        # threads doing that first look-up at once could free the cached one (see op_lookup).
+        op_lookup.serialize_op_lookups()
         mode = BorrowCheckMode(self._stale if self._armed else _NOTHING_STALE, self._on_stale)
         _insert_at_bottom(mode)
         self._tls.mode = mode
