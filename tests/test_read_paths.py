@@ -68,6 +68,11 @@ READS = {
     "copy a storage from it": lambda w: torch.UntypedStorage(32).copy_(w.untyped_storage()),
     "write into its storage": lambda w: w.untyped_storage().fill_(0),
     "assign into its storage": lambda w: w.untyped_storage().__setitem__(0, 1),
+    # written through a metadata factory's out= (its inputs are metadata, its out tensor is written)
+    "ones_like out= into it": lambda w: torch.ops.aten.ones_like.out(torch.ones(8), out=w),
+    # a sparse tensor over the lease keeps its storage as its values
+    "a sparse tensor over it": lambda w: (torch.sparse_coo_tensor(torch.tensor([[0, 3]]), w[:2], (8,),
+                                                                  check_invariants=False) * 2).to_dense(),
 }
 
 

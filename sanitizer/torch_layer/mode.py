@@ -24,7 +24,6 @@ import ctypes
 import re
 import sys
 import threading
-import traceback
 import weakref
 from types import MappingProxyType
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
@@ -63,9 +62,11 @@ def _plan(func: Any) -> CheckPlan:
     schema = getattr(func, "_schema", None)
     if schema is None:
         return True
-    if _FACTORY.match(schema.name.split("::")[-1]):
-        return False
     tensor_args = [(i, a) for i, a in enumerate(schema.arguments) if _holds_tensors(a)]
+    if _FACTORY.match(schema.name.split("::")[-1]):
+        # A metadata factory reads no data of its inputs, but its out= variant writes its out tensor.
+        out = tuple((i, a.name) for i, a in tensor_args if a.alias_info is not None and a.alias_info.is_write)
+        return out or False
     written = [a for _, a in tensor_args if a.alias_info is not None and a.alias_info.is_write]
     if (schema.returns and not written and not any(_holds_tensors(r) for r in schema.returns)
             and not (_DATA_DEPENDENT is not None and _DATA_DEPENDENT in getattr(func, "tags", ()))):
@@ -133,11 +134,13 @@ class BorrowCheckMode(TorchDispatchMode):
                     else:
                         self._scan_some(func, plan, args, kwargs)
                 except Exception as err:
-                    # A caught error must not keep the stale view alive: drop the tensor
-                    # references of our finished frames (and this one's) before it travels.
-                    traceback.clear_frames(err.__traceback__)
+                    # The traceback starts here, at the op the user called (our plumbing below is
+                    # nobody's business), and a caught error must not keep the stale view alive: the
+                    # finished frames go with their traceback, and this frame drops its references.
+                    __tracebackhide__ = True  # noqa: F841  (pytest)
+                    err.__traceback__ = None
                     args = kwargs = None  # noqa: F841
-                    raise
+                    raise err
         try:
             if kwargs:
                 return func(*args, **kwargs)
@@ -168,13 +171,34 @@ class BorrowCheckMode(TorchDispatchMode):
             for inner in _inner_tensors(t):
                 self._test(func, inner, stale)
             return
+        if t.layout is not torch.strided:
+            # A sparse tensor built over a lease keeps the lease's storage as its values (or indices):
+            # it has no storage of its own to look up.
+            for part in _sparse_parts(t):
+                self._test(func, part, stale)
+            return
         try:
             key = t.untyped_storage()._cdata
-        except (RuntimeError, NotImplementedError):  # sparse, nested, storage-less subclasses
+        except (RuntimeError, NotImplementedError):  # nested, storage-less subclasses
             return
         lease = stale.get(key)
         if lease is not None:
             self._on_stale(lease, func, t)
+
+
+def _sparse_parts(t: torch.Tensor) -> List[torch.Tensor]:
+    """The dense tensors a sparse tensor is made of (values and indices), [] for other layouts."""
+    layout = t.layout
+    try:
+        if layout is torch.sparse_coo:
+            return [t._values(), t._indices()]
+        if layout in (torch.sparse_csr, torch.sparse_bsr):
+            return [t.values(), t.crow_indices(), t.col_indices()]
+        if layout in (torch.sparse_csc, torch.sparse_bsc):
+            return [t.values(), t.ccol_indices(), t.row_indices()]
+    except (RuntimeError, NotImplementedError):
+        return []
+    return []
 
 
 def _inner_tensors(t: torch.Tensor) -> List[torch.Tensor]:
