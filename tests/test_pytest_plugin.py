@@ -165,3 +165,5 @@ def test_every_failing_sanitized_test_gets_a_section_without_internal_frames(pyt
         assert not any(frame in line for line in traceback), (frame, traceback)
     used_at = halting[halting.rindex("used at (thread"):]  # the captured use site stops at the test, not in the harness
     assert "test_halting_error_traceback" in used_at and "pluggy" not in used_at and "_pytest" not in used_at
+    lent_at = halting[halting.rindex("lent at (generation"):halting.rindex("used at (thread")]
+    assert "test_failing.py" in lent_at and "pluggy" not in lent_at and "_pytest" not in lent_at  # every stack alike

@@ -122,13 +122,23 @@ def line_of(code: CodeType, lasti: int) -> int:
     return line
 
 
+def _shown(site: Site) -> Site:
+    """The frames of ``site`` a person reads: our own plumbing (and any prefix added as internal, such as
+    pytest's and pluggy's under the plugin) is left out wherever it is, as it is at the top by
+    :func:`capture` (which keeps the lend path cheap by filtering only there)."""
+    prefixes, user = _INTERNAL_PREFIXES, _USER_PREFIX
+    kept = tuple((code, lasti) for code, lasti in site
+                 if not code.co_filename.startswith(prefixes) or code.co_filename.startswith(user))
+    return kept or site[:1]
+
+
 def to_records(site: Optional[Site]) -> list:
-    """JSON-ready frames: ``[{"file", "line", "function"}, ...]``, innermost first."""
+    """JSON-ready frames: ``[{"file", "line", "function"}, ...]``, innermost first (our own frames left out)."""
     if not site:
         return []
     return [
         {"file": code.co_filename, "line": line_of(code, lasti), "function": code.co_name}
-        for code, lasti in site
+        for code, lasti in _shown(site)
     ]
 
 
@@ -175,7 +185,7 @@ def format_site(site: Optional[Site], indent: str = "    ") -> str:
     if not site:
         return f"{indent}<no stack captured (stack_depth=0 or captured outside user code)>"
     lines = []
-    for i, (code, lasti) in enumerate(site):
+    for i, (code, lasti) in enumerate(_shown(site)):
         lines.append(f"{indent}#{i} {code.co_name} {code.co_filename}:{line_of(code, lasti)}")
     return "\n".join(lines)
 
