@@ -42,27 +42,31 @@ class Holder:
             out["counted"] = True
         return out
 
-    def store_target(self) -> Optional[Tuple[str, str]]:
+    def store_target(self) -> Optional[Tuple[str, str, bool]]:
         """What the storing statement writes into (see :mod:`sanitizer.features.store_site`): the first
-        attribute or name of the path, or the function a partial wraps; None when the path says neither."""
+        attribute or name of the path, or the function a partial wraps, and whether the view sits in a
+        container below it (then the store is an ``append`` or an item assignment, not the binding of the
+        name); None when the path says neither."""
+        steps = tuple(seg for seg in (self.pattern[1] if self.pattern else ()) if seg[0] != "al")
         if self.kind in ("frame", "generator") and self.local:
-            return ("name", self.local)
-        for seg in (self.pattern[1] if self.pattern else ()):
+            return ("name", self.local, bool(steps))
+        for i, seg in enumerate(steps):
             if seg[0] in ("a", "ca"):
-                return ("attr", seg[1])
+                return ("attr", seg[1], i + 1 < len(steps))
             if seg[0] in ("g", "l"):
-                return ("name", seg[1])
+                return ("name", seg[1], i + 1 < len(steps))
             if seg[0] in ("pa", "pk", "cl", "df"):
                 break
         if self.kind == "partial" and self.path.startswith("partial(") and ")" in self.path:
-            return ("partial", self.path[len("partial("):self.path.index(")")].rsplit(".", 1)[-1])
+            return ("partial", self.path[len("partial("):self.path.index(")")].rsplit(".", 1)[-1], False)
         found = _CLOSURE_VARIABLE.search(self.path) if self.kind == "closure" else None
         if found:
-            return ("name", found.group(1))
+            return ("name", found.group(1), self.path.rstrip(")").endswith("]"))
         if self.kind in ("object", "class", "global"):
             found = _FIRST_ATTR.match(self.path)
             if found:
-                return ("attr" if self.kind != "global" else "name", found.group(1))
+                rest = self.path[found.end(1):]
+                return ("attr" if self.kind != "global" else "name", found.group(1), rest.startswith(("[", ".")))
         return None
 
 
