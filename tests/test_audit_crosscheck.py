@@ -148,4 +148,4 @@ def test_a_report_that_is_not_one_is_a_usage_error(tmp_path, capsys):
         load_report(str(tmp_path / "r.json"))
     assert cli.main(["audit", "--report", str(tmp_path / "r.json"), str(tmp_path / "m.py")]) == 2
     assert cli.main(["audit", "--report", str(tmp_path / "none.json"), str(tmp_path / "m.py")]) == 2
-    assert "cannot read it" in capsys.readouterr().err
+    assert "cannot read report" in capsys.readouterr().err

@@ -19,15 +19,14 @@ sanitizer itself is not imported.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from sanitizer.audit.engine import AuditResult
+from sanitizer.core import report_file
 from sanitizer.audit.findings import Finding
 
-REPORT_FORMAT = "ownership-sanitizer-report"
 _FRAME_KINDS = ("frame", "generator", "closure", "partial")
 _ATTR = re.compile(r"\.([A-Za-z_]\w*)")
 
@@ -37,18 +36,11 @@ class ReportError(ValueError):
 
 
 def load_report(path: str) -> Dict[str, Any]:
+    """The report of a sanitized run (read as ``ownsan triage`` reads it), errors prefixed ``--report``."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            doc = json.load(fh)
-    except OSError as exc:
-        raise ReportError(f"--report {path}: cannot read it ({exc.strerror or exc})") from None
-    except json.JSONDecodeError as exc:
-        raise ReportError(f"--report {path}: not JSON ({exc.msg} at line {exc.lineno})") from None
-    if not isinstance(doc, dict) or doc.get("format") != REPORT_FORMAT:
-        raise ReportError(f"--report {path}: not an ownership-sanitizer report (format "
-                          f"{doc.get('format') if isinstance(doc, dict) else type(doc).__name__!r}, "
-                          f"expected {REPORT_FORMAT!r})")
-    return doc
+        return report_file.load(path)
+    except report_file.ReportFileError as exc:
+        raise ReportError(f"--report: {exc}") from None
 
 
 def _lease_id(rec: Dict[str, Any]) -> Any:

@@ -20,14 +20,13 @@ import sys
 from typing import Any, Dict, Iterable, List, Optional, Set
 
 from sanitizer.core import forking
+from sanitizer.core.report_file import FORMAT, VERSION, load
 from sanitizer.core.describe import fix_hint
 from sanitizer.core.sites import frame_text, site_text
 from sanitizer.core.units import format_bytes
 from sanitizer.torch_layer import records, runtime
 from sanitizer.torch_layer.hooks import add_enable_hook
 
-FORMAT = "ownership-sanitizer-report"
-VERSION = 2
 SCHEMA_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "report_schema.json")
 
 
@@ -251,23 +250,6 @@ def write_report(path: str, final: bool = False) -> str:
         fh.write("\n")
     os.replace(tmp, target)  # a reader never sees half a report
     return target
-
-
-def load(path: str) -> Dict[str, Any]:
-    """Read a report file, with a clear error when it is not one."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except OSError as exc:
-        raise ValueError(f"cannot read report {path!r}: {exc.strerror or exc}") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path!r} is not JSON ({exc.msg} at line {exc.lineno})") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ValueError(f"{path!r} is not an ownership-sanitizer report (format field is "
-                         f"{data.get('format') if isinstance(data, dict) else type(data).__name__!r})")
-    if data.get("version") != VERSION:
-        raise ValueError(f"{path!r} is report version {data.get('version')!r}; this ownsan reads version {VERSION}")
-    return data
 
 
 def schema() -> Dict[str, Any]:
