@@ -9,11 +9,23 @@ must run at memory bandwidth.  What makes it fast (measured, see
   slowdown);
 * the position key is stepped by addition (``hashdef.position_key`` is
   linear), leaving two multiplies per word (~10% faster in cache);
+* the words go in blocks of :data:`BLOCK_WORDS`, each summed by a fixed-length
+  loop LLVM vectorises (the mix is integer-only, so no fastmath is needed),
+  and before each block the cache lines :data:`PREFETCH_WORDS` ahead are
+  prefetched.  The hash does ~2x the ALU work of a sum per word, so the
+  out-of-order window holds fewer loads in flight than a sum's and the plain
+  loop reads DRAM at ~0.8x of a plain sum's rate per thread; with the
+  prefetch it reads at the sum's rate (in cache it costs ~5%).  Splitting a
+  chunk into 2-8 interleaved streams instead gained less and not reliably
+  (streams a power of two apart meet in the same cache sets);
 * a few large chunks per thread (at least :data:`MIN_CHUNK_WORDS`), each
-  summed into one partial by a loop LLVM vectorises (the mix is
-  integer-only, so no fastmath is needed);
+  summed into one partial;
 * inputs below :data:`PARALLEL_MIN_BYTES` take a serial kernel, skipping the
   thread-pool dispatch that dominates for small tensors.
+
+The sum of mixed words is associative, so any split into blocks, chunks and
+threads gives the same total: every variant is bit-identical to the
+definition in :mod:`cuda_hooks.hashdef`.
 
 Fork safety: numba's default (GNU OpenMP) thread pool cannot be used in a
 child forked after the parent started it (numba aborts the child:
@@ -30,14 +42,25 @@ import os
 import time
 from typing import Any
 
+import llvmlite.ir as llvm_ir
 import numba
 import numpy as np
 from numba import prange
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
 from . import hashdef
 from .cachedir import kernel_cache
 
-__all__ = ["hash_bytes", "compile_seconds", "MIN_CHUNK_WORDS", "CHUNKS_PER_THREAD", "PARALLEL_MIN_BYTES"]
+__all__ = [
+    "hash_bytes",
+    "compile_seconds",
+    "MIN_CHUNK_WORDS",
+    "CHUNKS_PER_THREAD",
+    "PARALLEL_MIN_BYTES",
+    "BLOCK_WORDS",
+    "PREFETCH_WORDS",
+]
 
 #: Smallest parallel work item in words (256 KiB); above that, each thread
 #: gets :data:`CHUNKS_PER_THREAD` items summed into one partial each.
@@ -49,12 +72,73 @@ CHUNKS_PER_THREAD = 4
 #: ~15 ms for a 2 MiB hash that the serial kernel does in 0.02-0.2 ms. A
 #: loader's tensors are mostly below this size and often still in cache.
 PARALLEL_MIN_BYTES = 32 << 20
+#: Words per block (1 KiB): one vectorised fixed-length loop between two prefetch groups.
+BLOCK_WORDS = 128
+#: Prefetch distance in words (4 KiB ahead of the block being hashed).
+PREFETCH_WORDS = 512
+_LINE_WORDS = 8  # 64-byte cache lines: one prefetch per line
 
 _njit_inline = numba.njit(inline="always")
 _mix = _njit_inline(hashdef.mix)
 _position_key = _njit_inline(hashdef.position_key)
 _tail_word = _njit_inline(hashdef.tail_word)
 _finalize = _njit_inline(hashdef.finalize)
+
+
+@intrinsic
+def _prefetch(typingctx: Any, arr: Any, index: Any) -> Any:
+    """Hint the CPU to fetch the cache line of ``arr[index]`` (``llvm.prefetch``: read, keep in all levels).
+
+    A prefetch never faults and never changes a result; callers still keep ``index`` in bounds.
+    """
+    if not isinstance(arr, types.Array) or not isinstance(index, types.Integer):
+        return None
+    sig = types.void(arr, index)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        i8p = llvm_ir.IntType(8).as_pointer()
+        i32 = llvm_ir.IntType(32)
+        fnty = llvm_ir.FunctionType(llvm_ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+        ptr = builder.bitcast(builder.gep(ary.data, [args[1]]), i8p)
+        # rw=0 (read), locality=3 (keep in every cache level), cache type=1 (data)
+        builder.call(fn, [ptr, llvm_ir.Constant(i32, 0), llvm_ir.Constant(i32, 3), llvm_ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@_njit_inline
+def _sum_words(words, lo, hi):  # pragma: no cover - compiled
+    """Sum of ``mix(words[i], position_key(i))`` for ``i`` in ``[lo, hi)`` (uint64 bounds), mod 2**64.
+
+    Blocks of ``BLOCK_WORDS``; before each, the lines ``PREFETCH_WORDS`` ahead are prefetched
+    while they stay inside ``[lo, hi)``; the last partial block goes word by word.
+    """
+    block = np.uint64(BLOCK_WORDS)
+    ahead = np.uint64(PREFETCH_WORDS)
+    line = np.uint64(_LINE_WORDS)
+    nblocks = (hi - lo) // block
+    # blocks whose prefetch target [i + ahead, i + ahead + block) lies inside [lo, hi)
+    prefetched = (hi - lo - ahead) // block if hi - lo >= ahead + block else np.uint64(0)
+    total = np.uint64(0)
+    key = _position_key(lo)
+    i = lo
+    for b in range(np.uint64(0), nblocks):
+        if b < prefetched:
+            for q in range(np.uint64(0), block, line):
+                _prefetch(words, i + ahead + q)
+        s = np.uint64(0)
+        for j in range(np.uint64(0), block):
+            s += _mix(words[i + j], key)
+            key += hashdef.K_POS
+        total += s
+        i += block
+    for k in range(i, hi):
+        total += _mix(words[k], key)
+        key += hashdef.K_POS
+    return total
 
 
 def _build(defn: str) -> tuple[Any, Any]:
@@ -64,11 +148,7 @@ def _build(defn: str) -> tuple[Any, Any]:
     def hash_serial(words, tail, nbytes):
         defn  # noqa: B018  (cache key only, see hashdef.definition_digest)
         n = np.uint64(words.size)
-        total = np.uint64(0)
-        key = np.uint64(0)
-        for i in range(np.uint64(0), n):
-            total += _mix(words[i], key)
-            key += hashdef.K_POS
+        total = _sum_words(words, np.uint64(0), n)
         if tail.size > 0:
             total += _mix(_tail_word(tail, 0, tail.size), _position_key(n))
         return _finalize(total, np.uint64(nbytes))
@@ -80,14 +160,7 @@ def _build(defn: str) -> tuple[Any, Any]:
         nchunks = (n + chunk - 1) // chunk
         parts = np.zeros(nchunks, dtype=np.uint64)
         for c in prange(nchunks):
-            lo = np.uint64(c * chunk)
-            hi = np.uint64(min((c + 1) * chunk, n))
-            s = np.uint64(0)
-            key = _position_key(lo)
-            for i in range(lo, hi):
-                s += _mix(words[i], key)
-                key += hashdef.K_POS
-            parts[c] = s
+            parts[c] = _sum_words(words, np.uint64(c * chunk), np.uint64(min((c + 1) * chunk, n)))
         total = np.uint64(0)
         for c in range(nchunks):
             total += parts[c]

@@ -1,4 +1,10 @@
-"""CPU hash kernel tested directly: spec conformance, determinism, corruption detection."""
+"""CPU hash kernel tested directly: spec conformance, determinism, corruption detection.
+
+The kernels sum blocks of ``cpu.BLOCK_WORDS`` words with a prefetch
+``cpu.PREFETCH_WORDS`` ahead, split into parallel chunks; the property tests
+draw sizes, ranges and offsets around those boundaries and compare every
+split with a plain word-by-word reference.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,7 @@ import os
 
 import numpy as np
 import pytest
-from _support import ref_hash, ref_hash_np, run_python
+from _support import ref_hash, ref_hash_np, ref_mix, run_python
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -188,3 +194,82 @@ def test_property_any_single_byte_change_is_detected(data: bytes, draw: st.DataO
     h = cpu.hash_bytes(buf)
     buf[pos] ^= np.uint8(delta)
     assert cpu.hash_bytes(buf) != h
+
+
+# -- the blocked, prefetching kernel against a straightforward reference -----------------------
+
+
+def _ref_partial(words: np.ndarray, lo: int, hi: int) -> int:
+    """``sum(mix(words[i], i) for i in [lo, hi)) mod 2**64``, one word at a time with Python ints."""
+    return sum(ref_mix(int(words[i]), i) for i in range(lo, hi)) % (1 << 64)
+
+
+# word counts that cross the block, prefetch-distance and chunk boundaries (and stay small)
+_SPAN = 3 * (cpu.PREFETCH_WORDS + cpu.BLOCK_WORDS) + 17
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, _SPAN), st.data())
+def test_property_block_sum_of_any_range_matches_a_plain_loop(nwords: int, draw: st.DataObject) -> None:
+    """``_sum_words`` over any ``[lo, hi)``: full blocks, prefetched or not, and the word-by-word rest."""
+    words = np.random.default_rng(nwords).integers(0, 2**64, nwords, dtype=np.uint64)
+    lo = draw.draw(st.integers(0, nwords))
+    hi = draw.draw(st.integers(lo, nwords))
+    got = int(cpu._sum_words(words, np.uint64(lo), np.uint64(hi)))
+    assert got == _ref_partial(words, lo, hi), (nwords, lo, hi)
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.integers(0, 8 * _SPAN + 7), st.integers(0, 7), st.integers(1, 2 * _SPAN), st.integers(0, 2**32))
+def test_property_both_kernels_match_the_oracle_at_any_size_offset_and_chunking(
+    n: int, offset: int, chunk: int, seed: int
+) -> None:
+    """Serial, parallel (any chunk size: many uneven chunks or one) and the dispatcher agree with the spec,
+    for a buffer starting ``offset`` bytes past an aligned address (unaligned word loads)."""
+    buf = _buf(n, seed=seed, offset=offset)
+    words, tail = cpu._split(buf)
+    want = ref_hash_np(buf)
+    assert int(cpu._hash_serial(words, tail, buf.size)) == want
+    assert int(cpu._hash_parallel(words, tail, buf.size, chunk)) == want
+    assert cpu.hash_bytes(buf) == want
+
+
+# -- which kernel runs ---------------------------------------------------------------------------
+
+
+class _Spy:
+    """Records which kernel ``hash_bytes`` called, then runs it."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[str] = []
+        serial, parallel = cpu._hash_serial, cpu._hash_parallel
+        cpu.hash_bytes(np.zeros(1, dtype=np.uint8))  # warm up with the real kernels first
+        monkeypatch.setattr(cpu, "_hash_serial", lambda *a: (self.calls.append("serial"), serial(*a))[1])
+        monkeypatch.setattr(cpu, "_hash_parallel", lambda *a: (self.calls.append("parallel"), parallel(*a))[1])
+
+
+def test_serial_below_the_threshold_parallel_from_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    spy = _Spy(monkeypatch)
+    buf = np.zeros(cpu.PARALLEL_MIN_BYTES, dtype=np.uint8)
+    want = ref_hash_np(buf[:-1]), ref_hash_np(buf)
+    assert cpu.hash_bytes(buf[:-1]) == want[0]
+    assert cpu.hash_bytes(buf) == want[1]
+    assert spy.calls == ["serial", "parallel"]
+
+
+def test_forked_child_uses_only_the_serial_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    spy = _Spy(monkeypatch)
+    monkeypatch.setattr(cpu, "_forked", True)
+    buf = np.zeros(cpu.PARALLEL_MIN_BYTES + 8, dtype=np.uint8)
+    assert cpu.hash_bytes(buf) == ref_hash_np(buf)
+    assert spy.calls == ["serial"]
+
+
+def test_parallel_chunks_are_large_and_few_per_thread() -> None:
+    """At least MIN_CHUNK_WORDS per chunk; CHUNKS_PER_THREAD chunks per numba thread once inputs are big."""
+    import numba
+
+    threads = numba.get_num_threads()
+    assert cpu._chunk_words(10) == cpu.MIN_CHUNK_WORDS
+    big = 64 * cpu.MIN_CHUNK_WORDS * threads
+    assert -(-big // cpu._chunk_words(big)) == cpu.CHUNKS_PER_THREAD * threads
