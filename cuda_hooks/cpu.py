@@ -39,8 +39,10 @@ Importing this module imports numba; ``cuda_hooks.bridge`` imports it lazily.
 from __future__ import annotations
 
 import os
+import sys
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import llvmlite.ir as llvm_ir
 import numba
@@ -212,6 +214,24 @@ def _chunk_words(nwords: int) -> int:
     return max(MIN_CHUNK_WORDS, -(-nwords // (CHUNKS_PER_THREAD * numba.get_num_threads())))
 
 
+@contextmanager
+def _torch_threads_kept() -> Iterator[None]:
+    """Around the first parallel call: keep torch's intra-op thread count as the user set it.
+
+    numba's OpenMP pool sets the OpenMP thread count once, when it starts; where that reaches
+    the runtime torch uses (seen here once torch had run parallel work), a program's
+    ``torch.set_num_threads(1)`` silently became numba's thread count at the sanitizer's first
+    hash.  torch is only looked up, never imported.
+    """
+    torch = sys.modules.get("torch")
+    saved = torch.get_num_threads() if torch is not None else None
+    try:
+        yield
+    finally:
+        if torch is not None and torch.get_num_threads() != saved:
+            torch.set_num_threads(saved)
+
+
 def _warm_up() -> None:
     """Compile or load both kernels, timing each, then check the known answers.
 
@@ -224,7 +244,8 @@ def _warm_up() -> None:
     _hash_serial(*_split(probe), probe.size)
     _compile_seconds["cpu_hash_serial"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    _hash_parallel(*_split(probe), probe.size, MIN_CHUNK_WORDS)
+    with _torch_threads_kept():
+        _hash_parallel(*_split(probe), probe.size, MIN_CHUNK_WORDS)
     _compile_seconds["cpu_hash_parallel"] = time.perf_counter() - t0
     for attempt in range(2):
         bad = [n for n, want in hashdef.GOLDEN.items() if _known_answer(n) != want]

@@ -172,6 +172,22 @@ def test_forked_child_hashes_after_the_parent_used_the_parallel_kernel() -> None
     assert proc.stdout.strip() == "0", proc.stdout + proc.stderr
 
 
+def test_first_hash_keeps_the_programs_torch_thread_count() -> None:
+    """Starting numba's OpenMP pool used to reset torch.set_num_threads(1) to numba's thread count."""
+    code = (
+        "import numpy as np, torch\n"
+        "torch.set_num_threads(1)\n"
+        "torch.zeros(1 << 20).sum()  # torch's OpenMP runtime has run work: then numba's start reached it\n"
+        "from cuda_hooks import cpu\n"
+        "cpu.hash_bytes(np.zeros(64, dtype=np.uint8))\n"
+        "cpu.hash_bytes(np.zeros(cpu.PARALLEL_MIN_BYTES, dtype=np.uint8))\n"
+        "print(torch.get_num_threads())\n"
+    )
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "1", proc.stdout + proc.stderr
+
+
 def test_compile_seconds_reports_both_kernels() -> None:
     cpu.hash_bytes(np.zeros(1, dtype=np.uint8))
     times = cpu.compile_seconds()
