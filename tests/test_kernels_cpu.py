@@ -289,3 +289,17 @@ def test_parallel_chunks_are_large_and_few_per_thread() -> None:
     assert cpu._chunk_words(10) == cpu.MIN_CHUNK_WORDS
     big = 64 * cpu.MIN_CHUNK_WORDS * threads
     assert -(-big // cpu._chunk_words(big)) == cpu.CHUNKS_PER_THREAD * threads
+
+
+def test_checksum_host_is_checksum_of_the_same_bytes() -> None:
+    """The lend hook's entry point (a numpy byte array) gives the hash of the tensor path."""
+    import torch
+
+    import cuda_hooks
+
+    t = torch.arange(1000, dtype=torch.float32)
+    raw = t.view(torch.uint8).numpy()
+    assert cuda_hooks.checksum_host(raw) == cuda_hooks.checksum(t) == ref_hash_np(raw)
+    assert cuda_hooks.checksum_host(raw[3:101]) == cuda_hooks.checksum(t.view(torch.uint8)[3:101])
+    with pytest.raises(ValueError, match="uint8"):
+        cuda_hooks.checksum_host(t.numpy())
