@@ -179,14 +179,18 @@ def bench_cpu_hash(args: argparse.Namespace) -> None:
             "torch int64 sum": lambda: words_t.sum(),
             f"numba sum, {cpu.numba.get_num_threads()} threads": lambda: sum_parallel(words, chunk),
             "numba sum, 1 thread": lambda: sum_serial(words),
+            f"hash parallel kernel, {cpu.numba.get_num_threads()} thr": lambda: cpu._hash_parallel(
+                words, tail, nbytes, chunk),
             "hash serial kernel, 1 thread": lambda: cpu._hash_serial(words, tail, nbytes),
         }
         for fn in fns.values():  # compile/load and fault the pages in, outside the timing
             fn()
         assert int(sum_serial(words)) == int(sum_parallel(words, chunk)) == int(words_t.sum()) % (1 << 64)
         assert cuda_hooks.checksum(t) == int(cpu._hash_serial(words, tail, nbytes))
+        runs0 = cpu.kernel_runs()
         with CpuShare() as share:
             times = interleaved(fns, args.repeats)
+        runs = {k: v - runs0[k] for k, v in cpu.kernel_runs().items()}
         reads = [name for name in fns if "sum" in name]
         ref = max(_gbps(nbytes, min(times[name])) for name in reads)
         ref_name = max(reads, key=lambda name: _gbps(nbytes, min(times[name])))
@@ -202,6 +206,8 @@ def bench_cpu_hash(args: argparse.Namespace) -> None:
         print(f"  ratio hash/sum       {h / s:7.3f} best, {medians:.3f} of the medians, "
               f"{_median(paired):.3f} median of per-round ratios   (target >= 0.9)")
         print(f"  ratio hash/read ref  {h / ref:7.3f} best")
+        print(f"  cuda_hooks.checksum ran the parallel kernel {runs['parallel']} times, the serial one "
+              f"{runs['serial']} times (the faster lately, see cuda_hooks/kernel_choice.py)")
         del t, words_t, raw, words, tail, fns
 
 

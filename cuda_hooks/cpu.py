@@ -21,7 +21,10 @@ must run at memory bandwidth.  What makes it fast (measured, see
 * a few large chunks per thread (at least :data:`MIN_CHUNK_WORDS`), each
   summed into one partial;
 * inputs below :data:`PARALLEL_MIN_BYTES` take a serial kernel, skipping the
-  thread-pool dispatch that dominates for small tensors.
+  thread-pool dispatch that dominates for small tensors; above it the kernel
+  that hashed faster lately runs (:mod:`cuda_hooks.kernel_choice`): on an
+  oversubscribed machine the parallel kernel's fork-join stalls for tens of
+  milliseconds.
 
 The sum of mixed words is associative, so any split into blocks, chunks and
 threads gives the same total: every variant is bit-identical to the
@@ -53,10 +56,12 @@ from numba.extending import intrinsic
 
 from . import hashdef
 from .cachedir import kernel_cache
+from .kernel_choice import PARALLEL, KernelChoice
 
 __all__ = [
     "hash_bytes",
     "compile_seconds",
+    "kernel_runs",
     "MIN_CHUNK_WORDS",
     "CHUNKS_PER_THREAD",
     "PARALLEL_MIN_BYTES",
@@ -68,11 +73,16 @@ __all__ = [
 #: gets :data:`CHUNKS_PER_THREAD` items summed into one partial each.
 MIN_CHUNK_WORDS = 1 << 15
 CHUNKS_PER_THREAD = 4
-#: Below this size the serial kernel is used. Waking numba's thread pool is a
-#: fork-join: on a busy machine (torch's own pool, other processes) one
-#: descheduled worker stalls the join for a scheduler tick, measured here at
-#: ~15 ms for a 2 MiB hash that the serial kernel does in 0.02-0.2 ms. A
-#: loader's tensors are mostly below this size and often still in cache.
+#: Below this size the serial kernel is used, always. Waking numba's thread
+#: pool is a fork-join: on a busy machine (torch's own pool, other processes)
+#: a descheduled worker stalls the join for one or more scheduler ticks.
+#: Re-measured on the 2-core dev machine (serial / parallel, best and median
+#: of 21 interleaved calls): at its quietest the parallel kernel wins from
+#: 2 MiB (16 MiB 0.21 / 0.11 ms, 32 MiB 0.61 / 0.33 ms), but at load average
+#: 5.5 its median was 3-30 ms at every size from 1 to 128 MiB (serial 0.03-3.5
+#: ms). Below 32 MiB the best gain is under 0.3 ms, not worth a stall (nor a
+#: probe by :class:`~cuda_hooks.kernel_choice.KernelChoice`, which decides
+#: above); a loader's tensors are mostly below and often still in cache.
 PARALLEL_MIN_BYTES = 32 << 20
 #: Words per block (1 KiB): one vectorised fixed-length loop between two prefetch groups.
 BLOCK_WORDS = 128
@@ -177,6 +187,7 @@ with kernel_cache():  # the on-disk cache goes to the user cache directory, not 
     _hash_serial, _hash_parallel = _build(hashdef.definition_digest())
 _compile_seconds: dict[str, float] = {}
 _forked = False
+_choice = KernelChoice()  # serial or parallel above PARALLEL_MIN_BYTES: see kernel_choice.py
 
 
 def _after_fork_in_child() -> None:
@@ -206,7 +217,19 @@ def hash_bytes(buf: np.ndarray) -> int:
     words, tail = _split(buf)
     if buf.size < PARALLEL_MIN_BYTES or _forked:
         return int(_hash_serial(words, tail, buf.size))
-    return int(_hash_parallel(words, tail, buf.size, _chunk_words(words.size)))
+    kernel, probe = _choice.pick()
+    t0 = time.perf_counter()
+    if kernel == PARALLEL:
+        h = _hash_parallel(words, tail, buf.size, _chunk_words(words.size))
+    else:
+        h = _hash_serial(words, tail, buf.size)
+    _choice.record(kernel, (time.perf_counter() - t0) / buf.size, probe)
+    return int(h)
+
+
+def kernel_runs() -> dict[str, int]:
+    """How many inputs of :data:`PARALLEL_MIN_BYTES` or more each kernel hashed in this process."""
+    return dict(_choice.runs)
 
 
 def _chunk_words(nwords: int) -> int:

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cuda_hooks import cpu, hashdef
+from cuda_hooks.kernel_choice import KernelChoice
 
 
 def _buf(n: int, seed: int = 0, offset: int = 0) -> np.ndarray:
@@ -262,15 +263,22 @@ class _Spy:
         cpu.hash_bytes(np.zeros(1, dtype=np.uint8))  # warm up with the real kernels first
         monkeypatch.setattr(cpu, "_hash_serial", lambda *a: (self.calls.append("serial"), serial(*a))[1])
         monkeypatch.setattr(cpu, "_hash_parallel", lambda *a: (self.calls.append("parallel"), parallel(*a))[1])
+        monkeypatch.setattr(cpu, "_choice", KernelChoice())  # no timings from earlier tests
 
 
-def test_serial_below_the_threshold_parallel_from_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_serial_below_the_threshold_measured_choice_from_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below PARALLEL_MIN_BYTES always serial; from it each kernel is timed (which then runs: test_kernel_choice)."""
     spy = _Spy(monkeypatch)
     buf = np.zeros(cpu.PARALLEL_MIN_BYTES, dtype=np.uint8)
     want = ref_hash_np(buf[:-1]), ref_hash_np(buf)
     assert cpu.hash_bytes(buf[:-1]) == want[0]
-    assert cpu.hash_bytes(buf) == want[1]
-    assert spy.calls == ["serial", "parallel"]
+    assert spy.calls == ["serial"]
+    assert cpu.kernel_runs() == {"serial": 0, "parallel": 0}
+    for _ in range(4):
+        assert cpu.hash_bytes(buf) == want[1]
+    assert spy.calls[1:3] == ["parallel", "serial"]
+    assert cpu.kernel_runs()["serial"] + cpu.kernel_runs()["parallel"] == 4
+    assert cpu._choice.estimate("serial") < float("inf") and cpu._choice.estimate("parallel") < float("inf")
 
 
 def test_forked_child_uses_only_the_serial_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
