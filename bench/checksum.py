@@ -323,8 +323,10 @@ def _ring_rounds(args: argparse.Namespace, data: bytes, tensor_bytes: int) -> No
     """The timed rounds of :func:`bench_debug_load` and its table."""
     total = len(data)
     warm = data[: 64 << 20]
+    threads = torch.get_num_threads()
     for opts in RING_CONFIGS.values():  # warm up on 64 MiB: compile/load the kernels, start the pools
         _ring_load(warm, tensor_bytes, 16 << 20, opts)
+    torch.set_num_threads(threads)  # starting numba's pool reset it before cuda_hooks kept it (older checkouts)
     load = lambda o: _ring_load(data, tensor_bytes, 16 << 20, o)  # noqa: E731
     wall: dict[str, list[float]] = {name: [] for name in RING_CONFIGS}
     cpu_s: dict[str, list[float]] = {name: [] for name in RING_CONFIGS}
