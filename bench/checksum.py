@@ -2,12 +2,20 @@
 
 Why a sum as the yardstick: summing int64 words is the cheapest full read of a
 buffer torch offers, i.e. roughly memory bandwidth; the hash (a sum of mixed
-words) should get close to it (targets: 0.9x on CPU, 0.85x on CUDA).
+words) should get close to it (targets: 0.9x on CPU, 0.85x on CUDA).  The CPU
+section also prints the physical reference: the best read bandwidth measured
+in the same rounds (torch's sum, and a plain numba sum over the same chunks
+with numba's threads and with one thread).  The ring-load section prints what
+``checksum=1`` costs a loader end to end (target: 1.15x of the sanitizer off).
 
-Each section is its own function taking the parsed arguments and printing its
-lines; ``main()`` runs them in order, so another section can be appended.
+Every comparison is measured in interleaved rounds (each function once per
+round, in turn) so they share the machine's noise; the best and the median of
+the rounds are printed, with how busy the machine was.  Each section is its
+own function taking the parsed arguments and printing its lines; ``main()``
+runs them in order, so another section can be appended.
 
-Usage: ``python bench/checksum.py [--mib 256] [--repeats 9]``  (run on an otherwise idle machine)
+Usage: ``python bench/checksum.py [--sizes 256,2048] [--repeats 15] [--ring-mib 2048] [--ring-repeats 5]``
+(run on an otherwise idle machine; ``--sizes`` and ``--ring-mib`` in MiB)
 """
 
 from __future__ import annotations
@@ -116,21 +124,93 @@ class CpuShare:
         return f"other processes used {self.others:.0%} of the CPUs, host steal {self.steal:.0%}"
 
 
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def _load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load average {one:.2f} (1 min) {five:.2f} (5 min) on {os.cpu_count()} CPUs"
+
+
+def _read_kernels() -> tuple[Callable, Callable]:
+    """Plain numba sums (parallel over the hash's chunks, and serial): the same reads as the hash, no mix."""
+    import numba
+    import numpy as np
+
+    @numba.njit(nogil=True)
+    def sum_serial(words):
+        s = np.uint64(0)
+        for i in range(np.uint64(0), np.uint64(words.size)):
+            s += words[i]
+        return s
+
+    @numba.njit(parallel=True, nogil=True)
+    def sum_parallel(words, chunk):
+        n = words.size
+        nchunks = (n + chunk - 1) // chunk
+        parts = np.zeros(nchunks, dtype=np.uint64)
+        for c in numba.prange(nchunks):
+            s = np.uint64(0)
+            for i in range(np.uint64(c * chunk), np.uint64(min((c + 1) * chunk, n))):
+                s += words[i]
+            parts[c] = s
+        return parts.sum()
+
+    return sum_serial, sum_parallel
+
+
 def bench_cpu_hash(args: argparse.Namespace) -> None:
-    """CPU hash vs ``t.view(torch.int64).sum()`` over one buffer, best of interleaved repeats."""
-    nbytes = args.mib << 20
-    t = torch.randint(-(2**62), 2**62, (nbytes // 8,), dtype=torch.int64).view(torch.uint8)
-    words = t.view(torch.int64)
-    cuda_hooks.checksum(t[:4096])  # compile/load outside the timing
-    cuda_hooks.checksum(t)
-    with CpuShare() as share:
-        times = interleaved({"hash": lambda: cuda_hooks.checksum(t), "sum": lambda: words.sum()}, args.repeats)
-    h, s = _gbps(nbytes, min(times["hash"])), _gbps(nbytes, min(times["sum"]))
-    paired = sorted(ts / th for th, ts in zip(times["hash"], times["sum"]))
-    print(f"CPU {args.mib} MiB, {torch.get_num_threads()} torch threads, best of {args.repeats} ({share}):")
-    print(f"  cuda_hooks.checksum  {h:7.2f} GB/s")
-    print(f"  torch int64 sum      {s:7.2f} GB/s")
-    print(f"  ratio hash/sum       {h / s:7.3f}   (target >= 0.9; median of per-round ratios {paired[len(paired) // 2]:.3f})")
+    """CPU hash vs ``t.view(torch.int64).sum()`` and plain numba sums over one buffer per size, interleaved."""
+    import numpy as np
+    from cuda_hooks import cpu
+
+    sum_serial, sum_parallel = _read_kernels()
+    for mib in args.sizes:
+        nbytes = mib << 20
+        t = torch.randint(-(2**62), 2**62, (nbytes // 8,), dtype=torch.int64).view(torch.uint8)
+        words_t = t.view(torch.int64)
+        raw = t.numpy()
+        words, tail = cpu._split(raw)
+        chunk = cpu._chunk_words(words.size)
+        reads = {  # plain reads of the same bytes: the physical reference is the best of them
+            "torch int64 sum": lambda: words_t.sum(),
+            f"numba sum, {cpu.numba.get_num_threads()} threads": lambda: sum_parallel(words, chunk),
+            "numba sum, 1 thread": lambda: sum_serial(words),
+        }
+        fns = {
+            "cuda_hooks.checksum": lambda: cuda_hooks.checksum(t),
+            **reads,
+            f"hash parallel kernel, {cpu.numba.get_num_threads()} thr": lambda: cpu._hash_parallel(
+                words, tail, nbytes, chunk),
+            "hash serial kernel, 1 thread": lambda: cpu._hash_serial(words, tail, nbytes),
+        }
+        for fn in fns.values():  # compile/load and fault the pages in, outside the timing
+            fn()
+        assert int(sum_serial(words)) == int(sum_parallel(words, chunk)) == int(words_t.sum()) % (1 << 64)
+        assert cuda_hooks.checksum(t) == int(cpu._hash_serial(words, tail, nbytes))
+        runs0 = cpu.kernel_runs()
+        with CpuShare() as share:
+            times = interleaved(fns, args.repeats)
+        runs = {k: v - runs0[k] for k, v in cpu.kernel_runs().items()}
+        ref_name = min(reads, key=lambda name: min(times[name]))
+        ref = _gbps(nbytes, min(times[ref_name]))
+        print(f"CPU hash of {mib} MiB, {torch.get_num_threads()} torch threads, {args.repeats} interleaved rounds "
+              f"({share}; {_load()}):")
+        print(f"  {'':30s} {'best GB/s':>10s} {'median GB/s':>12s}")
+        for name, ts in times.items():
+            print(f"  {name:30s} {_gbps(nbytes, min(ts)):10.2f} {_gbps(nbytes, _median(ts)):12.2f}")
+        print(f"  {'read reference (best read)':30s} {ref:10.2f}   ({ref_name})")
+        h, s = _gbps(nbytes, min(times["cuda_hooks.checksum"])), _gbps(nbytes, min(times["torch int64 sum"]))
+        paired = [ts / th for th, ts in zip(times["cuda_hooks.checksum"], times["torch int64 sum"])]
+        medians = _median(times["torch int64 sum"]) / _median(times["cuda_hooks.checksum"])
+        print(f"  ratio hash/sum       {h / s:7.3f} best, {medians:.3f} of the medians, "
+              f"{_median(paired):.3f} median of per-round ratios   (target >= 0.9)")
+        print(f"  ratio hash/read ref  {h / ref:7.3f} best")
+        print(f"  cuda_hooks.checksum ran the parallel kernel {runs['parallel']} times, the serial one "
+              f"{runs['serial']} times (the faster lately, see cuda_hooks/kernel_choice.py)")
+        del t, words_t, raw, words, tail, fns, reads
 
 
 def bench_cpu_poison(args: argparse.Namespace) -> None:
@@ -179,11 +259,13 @@ def bench_cuda_hash(args: argparse.Namespace) -> None:
     print(f"  ratio hash/sum       {h / s:7.3f}   (target >= 0.85)")
 
 
-def _ring_load(data: bytes, tensor_bytes: int, ring_bytes: int, options: dict | None) -> float:
+def _ring_load(data: bytes, tensor_bytes: int, ring_bytes: int, options: dict | None) -> tuple[float, float, list[float]]:
     """Stream ``data`` through a StagingRing from a file object, consuming each tensor with a copy.
 
     This is the loop of a fast loader plus a correct consumer: ``readinto`` the ring, lend, copy
-    out, move on. ``options`` None runs it with the sanitizer off; a dict runs it enabled.
+    out (into fresh memory, as a loader's parameters are), move on. ``options`` None runs it with the
+    sanitizer off; a dict runs it enabled. Returns (wall seconds, CPU seconds of this process, the wall
+    seconds of each tensor's put + copy).
     """
     import io
 
@@ -197,53 +279,122 @@ def _ring_load(data: bytes, tensor_bytes: int, ring_bytes: int, options: dict | 
     if ctx is not None:
         ctx.__enter__()
     try:
-        t0 = time.perf_counter()
+        each = [0.0] * n
+        c0, t0 = time.process_time(), time.perf_counter()
+        t = t0
         for i in range(n):
             w = ring.put(f"layers.{i}.weight", src, shape=(tensor_bytes // 2,), dtype=torch.bfloat16)
             dst[i].copy_(w)
             del w
-        return time.perf_counter() - t0
+            each[i], t = time.perf_counter() - t, time.perf_counter()
+        return time.perf_counter() - t0, time.process_time() - c0, each
     finally:
         if ctx is not None:
             ctx.__exit__(None, None, None)
         ring.close()
 
 
+RING_CONFIGS: dict[str, dict | None] = {
+    "off": None,
+    "generations only": {},
+    "checksum=1": {"checksum": 1},
+    "checksum=1:poison=1": {"checksum": 1, "poison": 1},
+}
+RING_TARGETS = {"checksum=1": 1.15, "checksum=1:poison=1": 1.3}
+
+
 def bench_debug_load(args: argparse.Namespace) -> None:
-    """Whole cost of a debug-mode ring load: off vs generation tracking vs checksum=1:poison=1."""
+    """Whole cost of a debug-mode ring load: off vs generation tracking vs checksum=1 (and with poison=1)."""
     import numpy as np
 
-    total = min(args.mib, 128) << 20
+    total = args.ring_mib << 20
     tensor_bytes = 2 << 20
-    data = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8).tobytes()
-    configs = {"off": None, "generations only": {}, "checksum=1:poison=1": {"checksum": 1, "poison": 1}}
-    for opts in configs.values():  # warm up: compile/load kernels, fault pages in
-        _ring_load(data, tensor_bytes, 16 << 20, opts)
-    best = best_of_interleaved(
-        {k: (lambda o=o: _ring_load(data, tensor_bytes, 16 << 20, o)) for k, o in configs.items()}, args.repeats)
-    off = best["off"]
+    data = np.random.default_rng(0).bytes(total)
+    saved_threads = torch.get_num_threads()
+    if args.ring_torch_threads > 0:
+        torch.set_num_threads(args.ring_torch_threads)
+    try:
+        _ring_rounds(args, data, tensor_bytes)
+    finally:
+        torch.set_num_threads(saved_threads)
+
+
+def _ring_rounds(args: argparse.Namespace, data: bytes, tensor_bytes: int) -> None:
+    """The timed rounds of :func:`bench_debug_load` and its table."""
+    total = len(data)
+    warm = data[: 64 << 20]
+    threads = torch.get_num_threads()
+    for opts in RING_CONFIGS.values():  # warm up on 64 MiB: compile/load the kernels, start the pools
+        _ring_load(warm, tensor_bytes, 16 << 20, opts)
+    torch.set_num_threads(threads)  # starting numba's pool reset it before cuda_hooks kept it (older checkouts)
+    load = lambda o: _ring_load(data, tensor_bytes, 16 << 20, o)  # noqa: E731
+    wall: dict[str, list[float]] = {name: [] for name in RING_CONFIGS}
+    cpu_s: dict[str, list[float]] = {name: [] for name in RING_CONFIGS}
+    floor: dict[str, list[float]] = {}  # per tensor: its best put + copy over the rounds
+    with CpuShare() as share:
+        for _ in range(args.ring_repeats):
+            for name, opts in RING_CONFIGS.items():
+                w, c, each = load(opts)
+                wall[name].append(w)
+                cpu_s[name].append(c)
+                floor[name] = [min(a, b) for a, b in zip(floor[name], each)] if name in floor else each
     print(f"ring load of {total >> 20} MiB in {tensor_bytes >> 20} MiB tensors through a 16 MiB ring "
-          f"(readinto + copy out), best of {args.repeats}:")
-    for name in configs:
-        print(f"  {name:<22} {best[name] * 1e3:8.1f} ms  {_gbps(total, best[name]):6.2f} GB/s  {best[name] / off:5.2f}x")
-    print("  (targets: checksum=1:poison=1 <= 1.3x of off; ASan's published slowdown is ~1.7-2x)")
+          f"(readinto + copy out), {torch.get_num_threads()} torch threads, {args.ring_repeats} interleaved rounds "
+          f"({share}; {_load()}):")
+    print(f"  {'':22s} {'best ms':>8s} {'median ms':>9s} {'GB/s':>6s} {'ratio':>6s} {'per-round':>9s} "
+          f"{'floor ms':>9s} {'ratio':>6s} {'CPU s':>6s} {'ratio':>6s}")
+    off, off_cpu, off_floor = min(wall["off"]), min(cpu_s["off"]), sum(floor["off"])
+    for name in RING_CONFIGS:
+        paired = _median([a / b for a, b in zip(wall[name], wall["off"])])
+        target = f"  (target <= {RING_TARGETS[name]}x)" if name in RING_TARGETS else ""
+        print(f"  {name:<22s} {min(wall[name]) * 1e3:8.1f} {_median(wall[name]) * 1e3:9.1f} "
+              f"{_gbps(total, min(wall[name])):6.2f} {min(wall[name]) / off:5.2f}x {paired:8.2f}x "
+              f"{sum(floor[name]) * 1e3:9.1f} {sum(floor[name]) / off_floor:5.2f}x "
+              f"{min(cpu_s[name]):6.2f} {min(cpu_s[name]) / off_cpu:5.2f}x{target}")
+    print("  (best/median: the whole load's wall time, ratio to the best off; per-round: median of each round's "
+          "ratio to that round's off; floor: the sum over tensors of each tensor's best time in the rounds, "
+          "i.e. the load without the other processes' preemptions; CPU: this process's CPU seconds, best; "
+          "ASan's published slowdown is ~1.7-2x)")
 
 
 SECTIONS: list[Callable[[argparse.Namespace], None]] = [
     bench_compile, bench_cpu_hash, bench_cpu_poison, bench_cuda_hash, bench_debug_load]
 
 
+def _mib_list(text: str) -> list[int]:
+    try:
+        sizes = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated MiB counts, got {text!r}") from None
+    if not sizes or min(sizes) <= 0:
+        raise argparse.ArgumentTypeError(f"sizes must be positive MiB counts, got {text!r}")
+    return sizes
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", type=int, default=256, help="buffer size in MiB (default 256)")
-    parser.add_argument("--repeats", type=int, default=9, help="interleaved repeats, best kept (default 9)")
+    parser.add_argument("--sizes", type=_mib_list, default=[256, 2048],
+                        help="CPU hash buffer sizes in MiB, comma-separated (default 256,2048)")
+    parser.add_argument("--mib", type=int, default=256, help="buffer size of the fill and CUDA sections (default 256)")
+    parser.add_argument("--repeats", type=int, default=15, help="interleaved rounds of the kernel sections (default 15)")
+    parser.add_argument("--ring-mib", type=int, default=2048, help="bytes streamed by the ring load, MiB (default 2048)")
+    parser.add_argument("--ring-repeats", type=int, default=5, help="interleaved rounds of the ring load (default 5)")
+    parser.add_argument("--ring-torch-threads", type=int, default=0,
+                        help="torch threads during the ring load (default 0: torch's own choice); 1 keeps the "
+                             "consumer's copy out of torch's fork-join, which stalls on a shared machine")
+    parser.add_argument("--only", default="", help="comma-separated section names to run (default: all), e.g. cpu_hash,debug_load")
     parser.add_argument("--probe-compile", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.probe_compile:
         _probe_compile()
         return
+    chosen = {v.strip() for v in args.only.split(",") if v.strip()}
+    known = {section.__name__.removeprefix("bench_") for section in SECTIONS}
+    if chosen - known:
+        parser.error(f"unknown section(s) {sorted(chosen - known)}; known: {sorted(known)}")
     for section in SECTIONS:
-        section(args)
+        if not chosen or section.__name__.removeprefix("bench_") in chosen:
+            section(args)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ kernels are compiled (or loaded from numba's disk cache) on first use, or
 ahead of it with :func:`warm`.
 
 Public API (see :mod:`cuda_hooks.bridge`): :func:`checksum`,
-:func:`checksum_into`, :func:`verify_into`, :func:`poison`, :func:`warm`,
+:func:`checksum_host` (a host numpy byte array), :func:`checksum_into`,
+:func:`verify_into`, :func:`poison`, :func:`warm`,
 :func:`kernel_info`, :func:`compile_seconds`, the slot conversions
 :func:`to_signed` / :func:`to_unsigned`, and :class:`KernelsUnavailable`.
 Which tensors are CUDA tensors, and where device memory comes from, is
@@ -18,8 +19,8 @@ Which tensors are CUDA tensors, and where device memory comes from, is
 from __future__ import annotations
 
 from . import devices
-from .bridge import (checksum, checksum_into, compile_seconds, kernel_info, poison, to_signed, to_unsigned,
-                     verify_into, warm)
+from .bridge import (checksum, checksum_host, checksum_into, compile_seconds, kernel_info, poison, to_signed,
+                     to_unsigned, verify_into, warm)
 from .errors import KernelsUnavailable
 from .hashdef import HASH_VERSION
 
@@ -27,6 +28,7 @@ __all__ = [
     "HASH_VERSION",
     "KernelsUnavailable",
     "checksum",
+    "checksum_host",
     "checksum_into",
     "compile_seconds",
     "devices",

@@ -9,11 +9,26 @@ must run at memory bandwidth.  What makes it fast (measured, see
   slowdown);
 * the position key is stepped by addition (``hashdef.position_key`` is
   linear), leaving two multiplies per word (~10% faster in cache);
+* the words go in blocks of :data:`BLOCK_WORDS`, each summed by a fixed-length
+  loop LLVM vectorises (the mix is integer-only, so no fastmath is needed),
+  and before each block the cache lines :data:`PREFETCH_WORDS` ahead are
+  prefetched.  The hash does ~2x the ALU work of a sum per word, so the
+  out-of-order window holds fewer loads in flight than a sum's and the plain
+  loop reads DRAM at ~0.8x of a plain sum's rate per thread; with the
+  prefetch it reads at the sum's rate (in cache it costs ~5%).  Splitting a
+  chunk into 2-8 interleaved streams instead gained less and not reliably
+  (streams a power of two apart meet in the same cache sets);
 * a few large chunks per thread (at least :data:`MIN_CHUNK_WORDS`), each
-  summed into one partial by a loop LLVM vectorises (the mix is
-  integer-only, so no fastmath is needed);
+  summed into one partial;
 * inputs below :data:`PARALLEL_MIN_BYTES` take a serial kernel, skipping the
-  thread-pool dispatch that dominates for small tensors.
+  thread-pool dispatch that dominates for small tensors; above it the kernel
+  that hashed faster lately runs (:mod:`cuda_hooks.kernel_choice`): on an
+  oversubscribed machine the parallel kernel's fork-join stalls for tens of
+  milliseconds.
+
+The sum of mixed words is associative, so any split into blocks, chunks and
+threads gives the same total: every variant is bit-identical to the
+definition in :mod:`cuda_hooks.hashdef`.
 
 Fork safety: numba's default (GNU OpenMP) thread pool cannot be used in a
 child forked after the parent started it (numba aborts the child:
@@ -27,34 +42,115 @@ Importing this module imports numba; ``cuda_hooks.bridge`` imports it lazily.
 from __future__ import annotations
 
 import os
+import sys
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
+import llvmlite.ir as llvm_ir
 import numba
 import numpy as np
 from numba import prange
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
 from . import hashdef
 from .cachedir import kernel_cache
+from .kernel_choice import PARALLEL, KernelChoice
 
-__all__ = ["hash_bytes", "compile_seconds", "MIN_CHUNK_WORDS", "CHUNKS_PER_THREAD", "PARALLEL_MIN_BYTES"]
+__all__ = [
+    "hash_bytes",
+    "compile_seconds",
+    "kernel_runs",
+    "MIN_CHUNK_WORDS",
+    "CHUNKS_PER_THREAD",
+    "PARALLEL_MIN_BYTES",
+    "BLOCK_WORDS",
+    "PREFETCH_WORDS",
+]
 
 #: Smallest parallel work item in words (256 KiB); above that, each thread
 #: gets :data:`CHUNKS_PER_THREAD` items summed into one partial each.
 MIN_CHUNK_WORDS = 1 << 15
 CHUNKS_PER_THREAD = 4
-#: Below this size the serial kernel is used. Waking numba's thread pool is a
-#: fork-join: on a busy machine (torch's own pool, other processes) one
-#: descheduled worker stalls the join for a scheduler tick, measured here at
-#: ~15 ms for a 2 MiB hash that the serial kernel does in 0.02-0.2 ms. A
-#: loader's tensors are mostly below this size and often still in cache.
+#: Below this size the serial kernel is used, always. Waking numba's thread
+#: pool is a fork-join: on a busy machine (torch's own pool, other processes)
+#: a descheduled worker stalls the join for one or more scheduler ticks.
+#: Re-measured on the 2-core dev machine (serial / parallel, best and median
+#: of 21 interleaved calls): at its quietest the parallel kernel wins from
+#: 2 MiB (16 MiB 0.21 / 0.11 ms, 32 MiB 0.61 / 0.33 ms), but at load average
+#: 5.5 its median was 3-30 ms at every size from 1 to 128 MiB (serial 0.03-3.5
+#: ms). Below 32 MiB the best gain is under 0.3 ms, not worth a stall (nor a
+#: probe by :class:`~cuda_hooks.kernel_choice.KernelChoice`, which decides
+#: above); a loader's tensors are mostly below and often still in cache.
 PARALLEL_MIN_BYTES = 32 << 20
+#: Words per block (1 KiB): one vectorised fixed-length loop between two prefetch groups.
+BLOCK_WORDS = 128
+#: Prefetch distance in words (4 KiB ahead of the block being hashed).
+PREFETCH_WORDS = 512
+_LINE_WORDS = 8  # 64-byte cache lines: one prefetch per line
 
 _njit_inline = numba.njit(inline="always")
 _mix = _njit_inline(hashdef.mix)
 _position_key = _njit_inline(hashdef.position_key)
 _tail_word = _njit_inline(hashdef.tail_word)
 _finalize = _njit_inline(hashdef.finalize)
+
+
+@intrinsic
+def _prefetch(typingctx: Any, arr: Any, index: Any) -> Any:
+    """Hint the CPU to fetch the cache line of ``arr[index]`` (``llvm.prefetch``: read, keep in all levels).
+
+    A prefetch never faults and never changes a result; callers still keep ``index`` in bounds.
+    """
+    if not isinstance(arr, types.Array) or not isinstance(index, types.Integer):
+        return None
+    sig = types.void(arr, index)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        i8p = llvm_ir.IntType(8).as_pointer()
+        i32 = llvm_ir.IntType(32)
+        fnty = llvm_ir.FunctionType(llvm_ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+        ptr = builder.bitcast(builder.gep(ary.data, [args[1]]), i8p)
+        # rw=0 (read), locality=3 (keep in every cache level), cache type=1 (data)
+        builder.call(fn, [ptr, llvm_ir.Constant(i32, 0), llvm_ir.Constant(i32, 3), llvm_ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@_njit_inline
+def _sum_words(words, lo, hi):  # pragma: no cover - compiled
+    """Sum of ``mix(words[i], position_key(i))`` for ``i`` in ``[lo, hi)`` (uint64 bounds), mod 2**64.
+
+    Blocks of ``BLOCK_WORDS``; before each, the lines ``PREFETCH_WORDS`` ahead are prefetched
+    while they stay inside ``[lo, hi)``; the last partial block goes word by word.
+    """
+    block = np.uint64(BLOCK_WORDS)
+    ahead = np.uint64(PREFETCH_WORDS)
+    line = np.uint64(_LINE_WORDS)
+    nblocks = (hi - lo) // block
+    # blocks whose prefetch target [i + ahead, i + ahead + block) lies inside [lo, hi)
+    prefetched = (hi - lo - ahead) // block if hi - lo >= ahead + block else np.uint64(0)
+    total = np.uint64(0)
+    key = _position_key(lo)
+    i = lo
+    for b in range(np.uint64(0), nblocks):
+        if b < prefetched:
+            for q in range(np.uint64(0), block, line):
+                _prefetch(words, i + ahead + q)
+        s = np.uint64(0)
+        for j in range(np.uint64(0), block):
+            s += _mix(words[i + j], key)
+            key += hashdef.K_POS
+        total += s
+        i += block
+    for k in range(i, hi):
+        total += _mix(words[k], key)
+        key += hashdef.K_POS
+    return total
 
 
 def _build(defn: str) -> tuple[Any, Any]:
@@ -64,11 +160,7 @@ def _build(defn: str) -> tuple[Any, Any]:
     def hash_serial(words, tail, nbytes):
         defn  # noqa: B018  (cache key only, see hashdef.definition_digest)
         n = np.uint64(words.size)
-        total = np.uint64(0)
-        key = np.uint64(0)
-        for i in range(np.uint64(0), n):
-            total += _mix(words[i], key)
-            key += hashdef.K_POS
+        total = _sum_words(words, np.uint64(0), n)
         if tail.size > 0:
             total += _mix(_tail_word(tail, 0, tail.size), _position_key(n))
         return _finalize(total, np.uint64(nbytes))
@@ -80,14 +172,7 @@ def _build(defn: str) -> tuple[Any, Any]:
         nchunks = (n + chunk - 1) // chunk
         parts = np.zeros(nchunks, dtype=np.uint64)
         for c in prange(nchunks):
-            lo = np.uint64(c * chunk)
-            hi = np.uint64(min((c + 1) * chunk, n))
-            s = np.uint64(0)
-            key = _position_key(lo)
-            for i in range(lo, hi):
-                s += _mix(words[i], key)
-                key += hashdef.K_POS
-            parts[c] = s
+            parts[c] = _sum_words(words, np.uint64(c * chunk), np.uint64(min((c + 1) * chunk, n)))
         total = np.uint64(0)
         for c in range(nchunks):
             total += parts[c]
@@ -102,6 +187,7 @@ with kernel_cache():  # the on-disk cache goes to the user cache directory, not 
     _hash_serial, _hash_parallel = _build(hashdef.definition_digest())
 _compile_seconds: dict[str, float] = {}
 _forked = False
+_choice = KernelChoice()  # serial or parallel above PARALLEL_MIN_BYTES: see kernel_choice.py
 
 
 def _after_fork_in_child() -> None:
@@ -131,12 +217,42 @@ def hash_bytes(buf: np.ndarray) -> int:
     words, tail = _split(buf)
     if buf.size < PARALLEL_MIN_BYTES or _forked:
         return int(_hash_serial(words, tail, buf.size))
-    return int(_hash_parallel(words, tail, buf.size, _chunk_words(words.size)))
+    kernel, probe = _choice.pick()
+    t0 = time.perf_counter()
+    if kernel == PARALLEL:
+        h = _hash_parallel(words, tail, buf.size, _chunk_words(words.size))
+    else:
+        h = _hash_serial(words, tail, buf.size)
+    _choice.record(kernel, (time.perf_counter() - t0) / buf.size, probe)
+    return int(h)
+
+
+def kernel_runs() -> dict[str, int]:
+    """How many inputs of :data:`PARALLEL_MIN_BYTES` or more each kernel hashed in this process."""
+    return dict(_choice.runs)
 
 
 def _chunk_words(nwords: int) -> int:
     """Words per parallel work item for the current numba thread count."""
     return max(MIN_CHUNK_WORDS, -(-nwords // (CHUNKS_PER_THREAD * numba.get_num_threads())))
+
+
+@contextmanager
+def _torch_threads_kept() -> Iterator[None]:
+    """Around the first parallel call: keep torch's intra-op thread count as the user set it.
+
+    numba's OpenMP pool sets the OpenMP thread count once, when it starts; where that reaches
+    the runtime torch uses (seen here once torch had run parallel work), a program's
+    ``torch.set_num_threads(1)`` silently became numba's thread count at the sanitizer's first
+    hash.  torch is only looked up, never imported.
+    """
+    torch = sys.modules.get("torch")
+    saved = torch.get_num_threads() if torch is not None else None
+    try:
+        yield
+    finally:
+        if torch is not None and torch.get_num_threads() != saved:
+            torch.set_num_threads(saved)
 
 
 def _warm_up() -> None:
@@ -151,7 +267,8 @@ def _warm_up() -> None:
     _hash_serial(*_split(probe), probe.size)
     _compile_seconds["cpu_hash_serial"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    _hash_parallel(*_split(probe), probe.size, MIN_CHUNK_WORDS)
+    with _torch_threads_kept():
+        _hash_parallel(*_split(probe), probe.size, MIN_CHUNK_WORDS)
     _compile_seconds["cpu_hash_parallel"] = time.perf_counter() - t0
     for attempt in range(2):
         bad = [n for n, want in hashdef.GOLDEN.items() if _known_answer(n) != want]

@@ -1,4 +1,10 @@
-"""CPU hash kernel tested directly: spec conformance, determinism, corruption detection."""
+"""CPU hash kernel tested directly: spec conformance, determinism, corruption detection.
+
+The kernels sum blocks of ``cpu.BLOCK_WORDS`` words with a prefetch
+``cpu.PREFETCH_WORDS`` ahead, split into parallel chunks; the property tests
+draw sizes, ranges and offsets around those boundaries and compare every
+split with a plain word-by-word reference.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +12,12 @@ import os
 
 import numpy as np
 import pytest
-from _support import ref_hash, ref_hash_np, run_python
+from _support import ref_hash, ref_hash_np, ref_mix, run_python
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cuda_hooks import cpu, hashdef
+from cuda_hooks.kernel_choice import KernelChoice
 
 
 def _buf(n: int, seed: int = 0, offset: int = 0) -> np.ndarray:
@@ -166,6 +173,22 @@ def test_forked_child_hashes_after_the_parent_used_the_parallel_kernel() -> None
     assert proc.stdout.strip() == "0", proc.stdout + proc.stderr
 
 
+def test_first_hash_keeps_the_programs_torch_thread_count() -> None:
+    """Starting numba's OpenMP pool used to reset torch.set_num_threads(1) to numba's thread count."""
+    code = (
+        "import numpy as np, torch\n"
+        "torch.set_num_threads(1)\n"
+        "torch.zeros(1 << 20).sum()  # torch's OpenMP runtime has run work: then numba's start reached it\n"
+        "from cuda_hooks import cpu\n"
+        "cpu.hash_bytes(np.zeros(64, dtype=np.uint8))\n"
+        "cpu.hash_bytes(np.zeros(cpu.PARALLEL_MIN_BYTES, dtype=np.uint8))\n"
+        "print(torch.get_num_threads())\n"
+    )
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "1", proc.stdout + proc.stderr
+
+
 def test_compile_seconds_reports_both_kernels() -> None:
     cpu.hash_bytes(np.zeros(1, dtype=np.uint8))
     times = cpu.compile_seconds()
@@ -188,3 +211,103 @@ def test_property_any_single_byte_change_is_detected(data: bytes, draw: st.DataO
     h = cpu.hash_bytes(buf)
     buf[pos] ^= np.uint8(delta)
     assert cpu.hash_bytes(buf) != h
+
+
+# -- the blocked, prefetching kernel against a straightforward reference -----------------------
+
+
+def _ref_partial(words: np.ndarray, lo: int, hi: int) -> int:
+    """``sum(mix(words[i], i) for i in [lo, hi)) mod 2**64``, one word at a time with Python ints."""
+    return sum(ref_mix(int(words[i]), i) for i in range(lo, hi)) % (1 << 64)
+
+
+# word counts that cross the block, prefetch-distance and chunk boundaries (and stay small)
+_SPAN = 3 * (cpu.PREFETCH_WORDS + cpu.BLOCK_WORDS) + 17
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, _SPAN), st.data())
+def test_property_block_sum_of_any_range_matches_a_plain_loop(nwords: int, draw: st.DataObject) -> None:
+    """``_sum_words`` over any ``[lo, hi)``: full blocks, prefetched or not, and the word-by-word rest."""
+    words = np.random.default_rng(nwords).integers(0, 2**64, nwords, dtype=np.uint64)
+    lo = draw.draw(st.integers(0, nwords))
+    hi = draw.draw(st.integers(lo, nwords))
+    got = int(cpu._sum_words(words, np.uint64(lo), np.uint64(hi)))
+    assert got == _ref_partial(words, lo, hi), (nwords, lo, hi)
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.integers(0, 8 * _SPAN + 7), st.integers(0, 7), st.integers(1, 2 * _SPAN), st.integers(0, 2**32))
+def test_property_both_kernels_match_the_oracle_at_any_size_offset_and_chunking(
+    n: int, offset: int, chunk: int, seed: int
+) -> None:
+    """Serial, parallel (any chunk size: many uneven chunks or one) and the dispatcher agree with the spec,
+    for a buffer starting ``offset`` bytes past an aligned address (unaligned word loads)."""
+    buf = _buf(n, seed=seed, offset=offset)
+    words, tail = cpu._split(buf)
+    want = ref_hash_np(buf)
+    assert int(cpu._hash_serial(words, tail, buf.size)) == want
+    assert int(cpu._hash_parallel(words, tail, buf.size, chunk)) == want
+    assert cpu.hash_bytes(buf) == want
+
+
+# -- which kernel runs ---------------------------------------------------------------------------
+
+
+class _Spy:
+    """Records which kernel ``hash_bytes`` called, then runs it."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[str] = []
+        serial, parallel = cpu._hash_serial, cpu._hash_parallel
+        cpu.hash_bytes(np.zeros(1, dtype=np.uint8))  # warm up with the real kernels first
+        monkeypatch.setattr(cpu, "_hash_serial", lambda *a: (self.calls.append("serial"), serial(*a))[1])
+        monkeypatch.setattr(cpu, "_hash_parallel", lambda *a: (self.calls.append("parallel"), parallel(*a))[1])
+        monkeypatch.setattr(cpu, "_choice", KernelChoice())  # no timings from earlier tests
+
+
+def test_serial_below_the_threshold_measured_choice_from_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below PARALLEL_MIN_BYTES always serial; from it each kernel is timed (which then runs: test_kernel_choice)."""
+    spy = _Spy(monkeypatch)
+    buf = np.zeros(cpu.PARALLEL_MIN_BYTES, dtype=np.uint8)
+    want = ref_hash_np(buf[:-1]), ref_hash_np(buf)
+    assert cpu.hash_bytes(buf[:-1]) == want[0]
+    assert spy.calls == ["serial"]
+    assert cpu.kernel_runs() == {"serial": 0, "parallel": 0}
+    for _ in range(4):
+        assert cpu.hash_bytes(buf) == want[1]
+    assert spy.calls[1:3] == ["parallel", "serial"]
+    assert cpu.kernel_runs()["serial"] + cpu.kernel_runs()["parallel"] == 4
+    assert cpu._choice.estimate("serial") < float("inf") and cpu._choice.estimate("parallel") < float("inf")
+
+
+def test_forked_child_uses_only_the_serial_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    spy = _Spy(monkeypatch)
+    monkeypatch.setattr(cpu, "_forked", True)
+    buf = np.zeros(cpu.PARALLEL_MIN_BYTES + 8, dtype=np.uint8)
+    assert cpu.hash_bytes(buf) == ref_hash_np(buf)
+    assert spy.calls == ["serial"]
+
+
+def test_parallel_chunks_are_large_and_few_per_thread() -> None:
+    """At least MIN_CHUNK_WORDS per chunk; CHUNKS_PER_THREAD chunks per numba thread once inputs are big."""
+    import numba
+
+    threads = numba.get_num_threads()
+    assert cpu._chunk_words(10) == cpu.MIN_CHUNK_WORDS
+    big = 64 * cpu.MIN_CHUNK_WORDS * threads
+    assert -(-big // cpu._chunk_words(big)) == cpu.CHUNKS_PER_THREAD * threads
+
+
+def test_checksum_host_is_checksum_of_the_same_bytes() -> None:
+    """The lend hook's entry point (a numpy byte array) gives the hash of the tensor path."""
+    import torch
+
+    import cuda_hooks
+
+    t = torch.arange(1000, dtype=torch.float32)
+    raw = t.view(torch.uint8).numpy()
+    assert cuda_hooks.checksum_host(raw) == cuda_hooks.checksum(t) == ref_hash_np(raw)
+    assert cuda_hooks.checksum_host(raw[3:101]) == cuda_hooks.checksum(t.view(torch.uint8)[3:101])
+    with pytest.raises(ValueError, match="uint8"):
+        cuda_hooks.checksum_host(t.numpy())

@@ -236,7 +236,7 @@ def on_lend(lease: Lease, view: torch.Tensor) -> None:
         return
     hooks = _kernels()
     if not hooks.devices.is_cuda(raw):
-        lease.checksum = hooks.checksum(raw)
+        lease.checksum = hooks.checksum_host(raw.numpy())  # no tensor checks: ~4 of the ~7 us around the kernel
         return
     if raw.numel() == 0:
         return  # no byte to change: no device slot, no launch
@@ -268,7 +268,7 @@ def _check(lease: Lease, where: str, event: Optional[ReuseEvent]) -> bool:
     hooks = _kernels()
     site = capture(state.options["stack_depth"])
     if isinstance(expected, int):
-        found = hooks.checksum(raw)
+        found = hooks.checksum_host(raw.numpy())
         if found != expected:
             records.raise_or_record(BorrowCorruptedError(lease, expected, found, where, site, event), lease)
         return False
