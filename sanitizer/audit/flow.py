@@ -441,6 +441,12 @@ class Flow:
                  "free": "an enclosing scope", "param": "a container the caller passed in"}.get(place, "")
         message = (f"{self._what(val)} is stored in `{self.snip(root.node)}`"
                    + (f" ({where})" if where else "") + ", which outlives the loader's step")
+        self._store_found(code, stmt, val, pattern, message, place, index)
+
+    def _store_found(self, code: str, stmt: ast.AST, val: Val, pattern: str, message: str, place: str,
+                     index: Optional[int]) -> None:
+        """Report a store, or, inside a helper being summarised, note that it stores into its caller's
+        argument (a parameter, or the object ``__init__`` builds) for the caller to report."""
         last = f"`{self.snip(stmt, 60)}`"
         if self.summary_param is not None and place == "param" and index is not None and index != val.seed:
             self._into_param(index, code, stmt, val, pattern, message, last)
@@ -485,13 +491,7 @@ class Flow:
         else:
             pattern = "attribute alias of a view"
         message = f"{self._what(val)} is stored in the attribute `{text}`, which outlives the loader's step"
-        last = f"`{self.snip(stmt, 60)}`"
-        if self.summary_param is not None and place == "param" and index is not None and index != val.seed:
-            self._into_param(index, code, stmt, val, pattern, message, last)
-        elif self.summary_param is not None and place == "self" and self.info.name == "__init__":
-            self._into_param(0, code, stmt, val, pattern, message, last)
-        else:
-            self.report(code, stmt, val, pattern, message, last)
+        self._store_found(code, stmt, val, pattern, message, place, index)
 
     def subscript_store(self, target: ast.Subscript, val: Optional[Val], stmt: ast.AST) -> None:
         base = self.ev(target.value)
