@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from sanitizer.audit import vocabulary as V
 from sanitizer.audit.codes import CODES
 from sanitizer.audit.findings import Finding, Link
-from sanitizer.audit.index import FunctionInfo, FunctionNode, annotation_text, dotted
+from sanitizer.audit.index import FunctionInfo, annotation_text, dotted
 from sanitizer.audit.lifetimes import LoopLifetimes
 from sanitizer.audit.snippets import Snippets
 from sanitizer.audit.targets import (binding_kind, is_fresh_container, method_base_is_tensor, root_of,
