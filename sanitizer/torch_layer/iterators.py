@@ -66,10 +66,18 @@ class _Window:
 
 
 class _Entry:
-    __slots__ = ("lease", "window", "start", "end", "expire_at")
+    """A lease waiting for its lifetime to end (``expire_at``, in advances).
 
-    def __init__(self, lease: Lease, window: Any, start: int, end: int, expire_at: int):
-        self.lease, self.window, self.start, self.end, self.expire_at = lease, window, start, end, expire_at
+    Where its bytes live is one of two things, kept apart: ``window``, the adopted loader buffer an
+    adopting iterator lent it from (None for another lender's lease), or ``segment``, the index of the
+    ring segment a ring iterator copied it into."""
+
+    __slots__ = ("lease", "window", "segment", "start", "end", "expire_at")
+
+    def __init__(self, lease: Lease, start: int, end: int, expire_at: int,
+                 window: Optional["_Window"] = None, segment: Optional[int] = None):
+        self.lease, self.start, self.end, self.expire_at = lease, start, end, expire_at
+        self.window, self.segment = window, segment
 
 
 class _LeasingIterator:
@@ -313,11 +321,11 @@ class BorrowedIterator(_LeasingIterator):
             # closed): adopting it again would track the same bytes twice, and our window would keep the
             # inner lease alive. Shorten its life instead: it ends at this iterator's expiry too.
             if lease.alive and lease.stale_by is None and not lease.rescued:
-                self._entries.append(_Entry(lease, None, lease.start, lease.end, index + self.lifetime))
+                self._entries.append(_Entry(lease, lease.start, lease.end, index + self.lifetime))
             return tensor
         view, window, start, end = self._loans.lend(name, tensor, close_idle=True)
         if window is not None:
-            self._entries.append(_Entry(runtime.lease_of(view), window, start, end, index + self.lifetime))
+            self._entries.append(_Entry(runtime.lease_of(view), start, end, index + self.lifetime, window=window))
         return view
 
     def _retire(self, entry: _Entry) -> None:
@@ -416,14 +424,14 @@ class EmulatedBorrowing(_LeasingIterator):
         view = self.ring.put(name if isinstance(name, str) else str(name), source)
         if self.lifetime is not None:
             lease = runtime.lease_of(view)
-            self._entries.append(_Entry(lease, self.ring.segment, 0, 0, index + self.lifetime))
+            self._entries.append(_Entry(lease, 0, 0, index + self.lifetime, segment=self.ring.segment))
         return view
 
     def _retire(self, entry: _Entry) -> None:
         lease, ring = entry.lease, self.ring
         if ring is None or lease is None or not lease.alive or lease.stale_by is not None or lease.rescued:
             return  # dropped, or the ring already reused its bytes
-        segment = ring.segments[entry.window]
+        segment = ring.segments[entry.segment]
         if not segment.closed:
             segment.retire(lease.start, lease.end - lease.start)
 
