@@ -46,11 +46,15 @@ _aten = torch.ops.aten
 # may thus still be viewed and asked its shape, as with JAX's deleted arrays.
 _FACTORY = re.compile(r"(new_.*|.*_like)$")
 _DATA_DEPENDENT = getattr(torch.Tag, "data_dependent_output", None)
-_TO_COPY = {_aten._to_copy.default}  # .to("meta") copies nothing: decided per call
+_TO_COPY = _aten._to_copy.default  # .to("meta") copies nothing: decided per call
 
 CheckPlan = Union[bool, Tuple[Tuple[int, str], ...]]
 """True: every tensor argument; False: none; else (position, name) of the arguments to check."""
-_PLANS: Dict[Any, CheckPlan] = {}
+_PLANS: Dict[int, Tuple[Any, CheckPlan]] = {}
+"""id(op) -> (op, its plan). Keyed by id because an OpOverload's ``__hash__`` is Python code (~60 ns a
+look-up, on every op while a lease is stale); the op is kept beside its plan, so the id cannot be reused
+by another op while the entry exists, and an entry whose op is not ``func`` is simply rebuilt."""
+_Tensor = torch.Tensor
 
 
 def _holds_tensors(arg: Any) -> bool:
@@ -122,10 +126,11 @@ class BorrowCheckMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.stale:
-            plan = _PLANS.get(func)
-            if plan is None:
-                plan = _PLANS[func] = _plan(func)
-            if plan and not (func in _TO_COPY and kwargs and _is_meta(kwargs.get("device"))):
+            entry = _PLANS.get(id(func))
+            if entry is None or entry[0] is not func:
+                entry = _PLANS[id(func)] = (func, _plan(func))
+            plan = entry[1]
+            if plan and not (func is _TO_COPY and kwargs and _is_meta(kwargs.get("device"))):
                 try:
                     if plan is True:
                         self._scan(func, args)
@@ -151,13 +156,32 @@ class BorrowCheckMode(TorchDispatchMode):
             raise
 
     def _scan(self, func: Any, values) -> None:
+        # The common argument, a plain dense tensor, is looked up inline (no call per tensor: this
+        # runs for every tensor argument of every op while a lease is stale); subclasses, and the
+        # layouts without a storage of their own (their storage access raises), go to _test.
         stale = self.stale
         for a in values:
-            if isinstance(a, torch.Tensor):
+            if type(a) is _Tensor:
+                try:
+                    lease = stale.get(a.untyped_storage()._cdata)
+                except (RuntimeError, NotImplementedError):  # sparse, mkldnn: no storage of their own
+                    self._test(func, a, stale)
+                    continue
+                if lease is not None:
+                    self._on_stale(lease, func, a)
+            elif isinstance(a, _Tensor):
                 self._test(func, a, stale)
             elif isinstance(a, (list, tuple)):
                 for x in a:
-                    if isinstance(x, torch.Tensor):
+                    if type(x) is _Tensor:
+                        try:
+                            lease = stale.get(x.untyped_storage()._cdata)
+                        except (RuntimeError, NotImplementedError):  # sparse, mkldnn: no storage of their own
+                            self._test(func, x, stale)
+                            continue
+                        if lease is not None:
+                            self._on_stale(lease, func, x)
+                    elif isinstance(x, _Tensor):
                         self._test(func, x, stale)
 
     def _scan_some(self, func: Any, plan: Tuple[Tuple[int, str], ...], args: tuple, kwargs: Optional[dict]) -> None:
