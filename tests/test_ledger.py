@@ -154,6 +154,90 @@ def test_threads_lend_reuse_and_release_without_losing_an_event():
     assert led.live_count == 0 and all(r.alive == 0 for r in regions)
 
 
+def _switch_often():
+    """Thread switches every microsecond: the lock-free release then interleaves with folds."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    return before
+
+
+def test_lock_free_releases_racing_reuses_never_lose_a_stale_lease():
+    # Releases pop pending leases without the ledger's lock while reuses fold them into the index:
+    # a lease still alive when a reuse covers it must be its victim, a released one must leave no
+    # trace in any index, and the counts must come back to zero.
+    led = Ledger()
+    r = led.add_region("ring", "cpu", 0, 1 << 16)
+    held, errors, done = [], [], threading.Event()
+
+    def churn(lane):  # lend and drop at once: the loader's common case, all through `pending`
+        try:
+            for i in range(3000):
+                at = lane * 8192 + (i * 64) % 8000
+                led.release(led.lend(r.region_id, at, at + 64, f"c{lane}.{i}", "uint8", (64,)).lease_id)
+                if i % 50 == 0:  # and some that stay alive across reuses
+                    held.append(led.lend(r.region_id, at, at + 64, f"h{lane}.{i}", "uint8", (64,)))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    def reuser():
+        try:
+            while not done.is_set():
+                _, victims = led.reuse(r.region_id, 0, 1 << 16)
+                assert all(v.stale_by is not None for v in victims)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    before = _switch_often()
+    try:
+        workers = [threading.Thread(target=churn, args=(lane,)) for lane in range(4)]
+        rt = threading.Thread(target=reuser)
+        rt.start()
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+        done.set()
+        rt.join()
+    finally:
+        sys.setswitchinterval(before)
+    assert not errors
+    _, last = led.reuse(r.region_id, 0, 1 << 16)  # whatever no concurrent reuse took is taken now
+    assert all(h.stale_by is not None for h in held) and set(last) <= set(held)
+    assert led.live_count == len(held) and r.alive == len(held) and not r.fresh and not r.pending
+    assert sorted(l.lease_id for l in led.leases_of(r.region_id)) == sorted(h.lease_id for h in held)
+    for h in held:
+        led.release(h.lease_id)
+    assert led.live_count == 0 and r.alive == 0 and not r.stale and led.leases_of(r.region_id) == []
+
+
+@pytest.mark.parametrize("end", ["close", "orphan"])
+def test_lock_free_releases_racing_the_end_of_a_region_forget_it_once(end):
+    led = Ledger()
+    before = _switch_often()
+    try:
+        for round_ in range(40):
+            r = led.add_region(f"r{round_}", "cpu", 0, 4096)
+            leases = [led.lend(r.region_id, i * 16, i * 16 + 16, f"x{i}", "uint8", (16,)) for i in range(200)]
+            errors = []
+
+            def release_all():
+                try:
+                    for lease in leases:
+                        led.release(lease.lease_id)
+                except Exception as exc:  # pragma: no cover - reported below
+                    errors.append(exc)
+
+            t = threading.Thread(target=release_all)
+            t.start()
+            (led.close if end == "close" else led.orphan)(r.region_id)
+            t.join()
+            assert not errors
+            assert led.regions() == [] and led.region_containing("cpu", 0) is None
+            assert led.live_count == 0 and r.alive == 0
+    finally:
+        sys.setswitchinterval(before)
+
+
 def test_closed_regions_are_forgotten_once_no_lease_reaches_them():
     led = Ledger()
     empty = led.add_region("empty", "cpu", 0, 100)

@@ -147,6 +147,11 @@ class Region:
     fresh: IntervalIndex = field(default_factory=IntervalIndex)  # alive leases not yet stale, by bytes
     stale: IntervalIndex = field(default_factory=IntervalIndex)  # alive leases already stale (retained)
     orphaned: bool = False  # its owner is gone, its views are not: found by address until the last one dies
+    # Fresh leases lent since the last look at ``fresh``, in lend order (lease id -> lease). Most leases
+    # die before any reuse touches their bytes (a loader's consumer copies each tensor and drops it):
+    # such a lease is lent and released through this dict alone, and never costs an index insertion
+    # and removal. Everything that reads ``fresh`` calls :meth:`_fold` first (under the ledger's lock).
+    pending: Dict[int, "Lease"] = field(default_factory=dict)
 
     @property
     def end(self) -> int:
@@ -155,10 +160,26 @@ class Region:
     @property
     def alive(self) -> int:
         """Alive leases (fresh or stale): a closed region is forgotten once none is left."""
-        return len(self.fresh) + len(self.stale)
+        return len(self.pending) + len(self.fresh) + len(self.stale)
+
+    def _fold(self) -> None:
+        """(Under the ledger's lock.) Move the pending fresh leases into the fresh index, in lend order.
+
+        :meth:`Ledger.release` pops pending entries without the lock: each entry is taken by one atomic
+        pop, here or there, and the snapshot (``list`` of a dict is one C call) never iterates a dict
+        that another thread changes."""
+        pending = self.pending
+        if pending:
+            add = self.fresh.add
+            take = pending.pop
+            for lease in list(pending.values()):
+                if take(lease.lease_id, None) is not None:
+                    add(lease, lease.start, lease.end)
 
     def _unfile(self, lease: Lease) -> None:
         """Take an alive lease out of the index its staleness puts it in (it died or was rescued)."""
+        if self.pending.pop(lease.lease_id, None) is not None:
+            return
         (self.fresh if lease.stale_by is None else self.stale).remove(lease, lease.start, lease.end)
 
 
@@ -253,28 +274,48 @@ class Ledger:
                     f"lease '{name}' bytes [{start}, {end}) fall outside staging buffer "
                     f"'{region.name}' of {region.nbytes} bytes"
                 )
-            lease = Lease(next(self._ids), region_id, region.name, start, end, region.generation, name, dtype,
-                          shape if type(shape) is tuple else tuple(shape), site, handle=handle)
-            region.fresh.add(lease, start, end)
-            self._live[lease.lease_id] = lease
+            lease_id = next(self._ids)
+            lease = Lease(lease_id, region_id, region.name, start, end, region.generation, name, dtype,
+                          shape if type(shape) is tuple else tuple(shape), site, True, None, handle)
+            region.pending[lease_id] = lease  # indexed only when something looks (see Region.pending)
+            self._live[lease_id] = lease
             became_live = len(self._live) == 1
         if became_live and self.on_live_change is not None:
             self.on_live_change(1)
         return lease
 
     def release(self, lease_id: int) -> Optional[Lease]:
-        """The lease's memory is no longer reachable (its storage died)."""
-        with self._lock:
-            lease = self._live.pop(lease_id, None)
-            if lease is None:
-                return None
-            lease.alive = False
-            region = self._regions[lease.region_id]
-            region._unfile(lease)
-            if region.closed and not region.alive:
-                self._drop(region)
-            now_idle = not self._live
-        if now_idle and self.on_live_change is not None:
+        """The lease's memory is no longer reachable (its storage died).
+
+        Runs at every death (in a weakref callback), so the common case takes no lock: a lease that
+        died before anything looked at its region's fresh leases is still pending, and two atomic dict
+        pops forget it. Whoever pops an entry owns it: the live entry makes this call the release, and
+        a pending entry that :meth:`Region._fold` took first (under the lock) is in an index by the time
+        the lock is ours, so it is removed from there. A reuse or close that runs meanwhile either folds
+        the lease first (it goes stale, and is then unfiled from the stale index here) or never sees it
+        (it died before its bytes were reused: not a borrow any more). The closed flag is read after
+        the pop, so a close that counted the region's alive leases before the pop is seen here, and
+        the region is dropped exactly once (by whoever holds the lock and still finds it registered).
+
+        ``on_live_change(0)`` is called by each release that finds no live lease left, so two
+        concurrent last releases may both call it (it must be idempotent, as it must tolerate a
+        concurrent lend's ``on_live_change(1)`` arriving in either order)."""
+        lease = self._live.pop(lease_id, None)
+        if lease is None:
+            return None
+        lease.alive = False
+        region = self._regions.get(lease.region_id)
+        pending = region is not None and region.pending.pop(lease_id, None) is not None
+        if not pending or region.closed:
+            with self._lock:
+                if region is None:
+                    region = self._regions.get(lease.region_id)
+                if region is not None:
+                    if not pending:
+                        region._unfile(lease)
+                    if region.closed and not region.alive and self._regions.get(region.region_id) is region:
+                        self._drop(region)  # (an orphan() or close() that ran after our pop may have)
+        if not self._live and self.on_live_change is not None:
             self.on_live_change(0)
         return lease
 
@@ -336,14 +377,15 @@ class Ledger:
 
     def stale_alive(self) -> List[Lease]:
         """Leases that are stale yet still reachable: each one is a retained borrow."""
-        with self._lock:
-            return [lease for lease in self._live.values() if lease.stale]
+        with self._lock:  # (a snapshot first: releases pop live entries without the lock)
+            return [lease for lease in list(self._live.values()) if lease.stale_by is not None]
 
     def overlapping(self, region_id: int, start: int, end: int, include_stale: bool = False) -> List[Lease]:
         """Alive leases of a region whose bytes intersect ``[start, end)`` (fresh ones only unless
         ``include_stale``), in lend order."""
         with self._lock:
             region = self.region(region_id)
+            region._fold()
             hits = region.fresh.overlapping(start, end)
             if include_stale:
                 hits += region.stale.overlapping(start, end)
@@ -355,6 +397,7 @@ class Ledger:
             region = self._regions.get(region_id)
             if region is None:
                 return []
+            region._fold()
             return _in_lend_order(region.fresh.items() + region.stale.items())
 
     def is_stale(self, lease_id: int) -> bool:
@@ -396,6 +439,7 @@ class Ledger:
             region.generation += 1
             event = ReuseEvent(next(self._ids), region_id, region.name, start, end,
                                before, region.generation, by, site, kind, thread)
+            region._fold()
             victims = region.fresh.pop_overlapping(start, end)
             stale = region.stale
             for lease in victims:
@@ -412,7 +456,10 @@ class Ledger:
         lo, hi = region.base + start, region.base + end
         out: List[Lease] = []
         for other in (index.overlapping(lo, hi) if index is not None else ()):
-            if other is region or not other.fresh:
+            if other is region:
+                continue
+            other._fold()
+            if not other.fresh:
                 continue
             rel_start, rel_end = max(lo, other.base) - other.base, min(hi, other.end) - other.base
             hit = other.fresh.pop_overlapping(rel_start, rel_end)
@@ -433,6 +480,7 @@ class Ledger:
             region.closed = True
             event = ReuseEvent(next(self._ids), region_id, region.name, 0, region.nbytes,
                                region.generation, None, None, site, "close", thread)
+            region._fold()
             fresh = region.fresh.take_all()
             victims = _in_lend_order(fresh.items())
             for lease in victims:

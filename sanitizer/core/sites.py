@@ -54,35 +54,61 @@ def capture(depth: int, skip: int = 1) -> Site:
     Our own frames at the top are skipped so that a site starts at the code
     that called the public API, which is what a person needs to find. This
     runs on every lend and reuse, so the walk below is as plain as it gets.
+
+    A loader lends from one loop: the same few sites over and over. Each site is
+    interned (stored once: a lease then costs a pointer, not ~100-200 bytes of
+    tuples) under the *identities* of its code objects and their offsets. Hashing
+    a code object hashes its bytecode, constants and names at every call (a
+    module's code: microseconds); its ``id`` is an int, and it cannot be reused
+    while the interned site, which holds the code, is kept.
     """
     if depth <= 0:
         return ()
     frame = sys._getframe(skip)
     prefixes, user = _INTERNAL_PREFIXES, _USER_PREFIX
     while frame is not None:  # inlined _internal(): this runs on every lend
-        filename = frame.f_code.co_filename
+        code = frame.f_code
+        filename = code.co_filename
         if not filename.startswith(prefixes) or filename.startswith(user):
             break
         frame = frame.f_back
+    if frame is None:
+        return ()
+    if depth == 1:  # the sanitizer off keeps one frame: no list, one small key
+        code = frame.f_code
+        lasti = frame.f_lasti
+        key = (id(code), lasti)
+        site = _INTERNED.get(key)
+        if site is None:
+            site = _intern(key, ((code, lasti),))
+        return site
     out = []
+    ids = []
     for _ in range(depth):
         if frame is None:
             break
-        out.append((frame.f_code, frame.f_lasti))
+        code = frame.f_code
+        lasti = frame.f_lasti
+        out.append((code, lasti))
+        ids.append(id(code))
+        ids.append(lasti)
         frame = frame.f_back
-    site = tuple(out)
-    # A loader lends from one loop: the same few sites over and over. Interned, each is stored once
-    # (a lease then costs a pointer, not ~100-200 bytes of tuples).
-    known = _INTERNED.get(site)
-    if known is not None:
-        return known
-    if len(_INTERNED) >= _INTERNED_MAX:
-        _INTERNED.clear()
-    _INTERNED[site] = site
+    key = tuple(ids)
+    site = _INTERNED.get(key)
+    if site is None:
+        site = _intern(key, tuple(out))
     return site
 
 
-_INTERNED: dict = {}
+def _intern(key: tuple, site: Site) -> Site:
+    """Keep ``site`` under ``key`` (the ids of its code objects, which the kept site holds alive)."""
+    if len(_INTERNED) >= _INTERNED_MAX:
+        _INTERNED.clear()
+    _INTERNED[key] = site
+    return site
+
+
+_INTERNED: dict = {}  # (id(code), lasti, ...) -> the site tuple, which keeps those code objects alive
 _INTERNED_MAX = 4096
 
 

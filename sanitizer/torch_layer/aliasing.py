@@ -29,15 +29,16 @@ _NUMPY_SAME = {
     torch.float64: np.float64, torch.complex64: np.complex64, torch.complex128: np.complex128,
 }
 _NUMPY_BY_SIZE = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64, 16: np.complex128}
-_HOST_VIEW: Dict[torch.dtype, Tuple[np.dtype, bool]] = {}  # dtype -> (numpy dtype, needs a torch .view(dtype))
+HOST_VIEWS: Dict[torch.dtype, Tuple[np.dtype, bool]] = {}  # dtype -> (numpy dtype, needs a torch .view(dtype))
 
 
-def _host_view(dtype: torch.dtype) -> Tuple[np.dtype, bool]:
-    hit = _HOST_VIEW.get(dtype)
+def host_view(dtype: torch.dtype) -> Tuple[np.dtype, bool]:
+    """``(numpy dtype, needs a torch .view(dtype))`` of a CPU lease of ``dtype`` (cached in ``HOST_VIEWS``)."""
+    hit = HOST_VIEWS.get(dtype)
     if hit is None:
         same = _NUMPY_SAME.get(dtype)
         hit = (np.dtype(same), False) if same is not None else (np.dtype(_NUMPY_BY_SIZE[dtype.itemsize]), True)
-        _HOST_VIEW[dtype] = hit
+        HOST_VIEWS[dtype] = hit
     return hit
 
 
@@ -87,7 +88,7 @@ def alias_view(
     so every view derived from it) is gone.
     """
     if host is not None:
-        np_dtype, retype = _HOST_VIEW.get(dtype) or _host_view(dtype)
+        np_dtype, retype = HOST_VIEWS.get(dtype) or host_view(dtype)
         piece = np.ndarray(shape, np_dtype, host, offset)  # one call: cheaper than slice+view+reshape
         view = torch.from_numpy(piece)
         return (view.view(dtype) if retype else view), piece
@@ -127,4 +128,4 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-__all__ = ["alias_view", "storage_key", "byte_extent", "device_key", "dtype_name", "host_array", "check_device"]
+__all__ = ["alias_view", "host_view", "storage_key", "byte_extent", "device_key", "dtype_name", "host_array", "check_device"]

@@ -35,22 +35,33 @@ def track_lease(region: Region, start: int, nbytes: int, view: torch.Tensor, pie
                 name: Optional[str], dtype: torch.dtype, shape: tuple) -> Lease:
     """Record a lend whose tensor ``view`` has a storage of its own (see aliasing.py).
 
-    While the sanitizer is off only the immediate call site is kept: lending
-    is on every loader's hot path and must stay within 2x a plain slice.
+    This is on every loader's hot path and must stay within 1.5x a plain slice: while the sanitizer
+    is off only the immediate call site is kept, and the ledger files the lease in O(1) (see
+    ``Region.pending``). ``lease.lent`` (the borrowed marker's answer) is set here too.
     """
     depth = state.options["stack_depth"]
-    if not state.enabled and depth > 1:
-        depth = 1
-    site = capture(depth, skip=3) if depth else ()  # 3: past capture, track_lease and lend
+    enabled = state.enabled
+    if depth:
+        site = capture(depth if enabled or depth == 1 else 1, 3)  # 3: past capture, track_lease and lend
+    else:
+        site = ()
     storage = view.untyped_storage()
     key = storage._cdata
     lease = state.ledger.lend(region.region_id, start, start + nbytes, name,
-                              _DTYPE_NAMES.get(dtype) or dtype_name(dtype), shape, site, handle=key)
+                              _DTYPE_NAMES.get(dtype) or dtype_name(dtype), shape, site, key)
     state.by_storage[key] = lease
-    state.tokens[lease.lease_id] = _token(piece, lease, storage._weak_ref() if _WEAK_HANDLES else None)
-    if len(_dead_handles) > 256:
-        _free_dead_handles()
-    if state.enabled:
+    if _STORAGE_TOKENS:
+        ref = _LeaseRef(storage, _lease_died)  # the storage's own Python object: its weak handle too
+        ref.weak = None
+    else:
+        ref = _LeaseRef(piece, _lease_died)
+        ref.weak = storage._weak_ref() if _WEAK_HANDLES else None
+        if len(_dead_handles) > 256:
+            _free_dead_handles()
+    ref.lease = lease
+    state.tokens[lease.lease_id] = ref
+    lease.lent = weakref.ref(view)  # BORROWED_MARKER answers True for this object (see staging._BorrowedMarker)
+    if enabled:
         interception.on_lend()
         for hook in HOOKS.lend:
             hook(lease, view)
@@ -58,32 +69,69 @@ def track_lease(region: Region, start: int, nbytes: int, view: torch.Tensor, pie
 
 
 class _LeaseRef(weakref.ref):
-    """A lease's token: a weak reference to the object its memory's deleter keeps (its callback ends the
-    lease), with the lease and the weak handle on its storage. One per alive lease, in ``state.tokens``:
-    a death is found in O(1), and a rebind (the guard, a rescue) simply replaces it."""
+    """A lease's token: a weak reference whose callback ends the lease, with the lease. One per alive
+    lease, in ``state.tokens`` (keyed by lease id): a death is found in O(1).
 
-    __slots__ = ("lease_id", "lease", "weak")
+    What it watches: the lease's storage itself where torch keeps a storage's Python object exactly
+    as long as the storage lives (:data:`_STORAGE_TOKENS`, torch 2.1+). Then the token is also the
+    weak handle that rescue and the guard reach the storage through (:func:`storage_of`), and a
+    re-pointed storage (the guard's tombstone, rescue's copy) keeps its token. Elsewhere it watches
+    the object the memory's deleter keeps (``piece``), holds a C weak handle on the storage
+    (``weak``), and a re-pointing replaces it (:func:`rebind_lease`)."""
+
+    __slots__ = ("lease", "weak")
+
+
+def _storage_objects_preserved() -> bool:
+    """Does this torch keep a storage's Python object alive as long as the storage (PyObject
+    preservation), so that a weak reference to it dies exactly with the storage?"""
+    try:
+        t = torch.empty(1)
+        s = t.untyped_storage()
+        ref = weakref.ref(s)
+        del s
+        return ref() is not None and t.untyped_storage() is ref()
+    except TypeError:  # storages not weak-referenceable
+        return False
+
+
+_STORAGE_TOKENS: bool = _storage_objects_preserved()
 
 
 def _token(piece: Any, lease: Lease, weak: Optional[int]) -> _LeaseRef:
     ref = _LeaseRef(piece, _lease_died)
-    ref.lease_id, ref.lease, ref.weak = lease.lease_id, lease, weak
+    ref.lease, ref.weak = lease, weak
     return ref
 
 
 def _lease_died(ref: _LeaseRef) -> None:
     """A lease's storage is gone (weakref callback): it is no longer alive. Runs wherever the last
     reference went, possibly inside the GC: dict operations only."""
-    if state.tokens.get(ref.lease_id) is not ref:
+    tokens = state.tokens
+    lease = ref.lease
+    lease_id = lease.lease_id
+    if tokens.get(lease_id) is not ref:
         return  # rebound meanwhile: the lease now ends with its new memory
-    state.tokens.pop(ref.lease_id, None)
+    tokens.pop(lease_id, None)
     if ref.weak is not None:
         _dead_handles.append(ref.weak)  # freed under _handles_lock, never while storage_of may read it
-    lease = ref.lease
-    _unfile(lease)
-    state.ledger.release(lease.lease_id)
+    key = lease.handle
+    if state.by_storage.get(key) is lease:
+        del state.by_storage[key]
+    ledger = state.ledger
+    ledger.release(lease_id)
     lease.alive = False  # a rescued lease too (disowned, it is no longer in the ledger's live set)
-    interception.lease_died_or_disowned()
+    # After the release (which set ``alive``): a reuse in another thread may have made the lease
+    # stale just before it died; _mark_stale re-reads ``alive`` after it files a victim, so one of
+    # the two always takes a dead lease out of the stale set (a storage address is reused: a dead
+    # lease left there would report someone else's tensor).
+    stale = state.stale
+    if stale and stale.get(key) is lease:
+        stale.pop(key, None)
+        if not stale:
+            interception.sync()
+    if not ledger.live_count:
+        interception.lease_died_or_disowned()
     for hook in HOOKS.release:
         hook(lease)
 
@@ -91,15 +139,19 @@ def _lease_died(ref: _LeaseRef) -> None:
 def rebind_lease(lease: Lease, piece: Any) -> None:
     """``lease``'s storage now holds other memory, whose deleter keeps ``piece``: from now on its
     death is what ends the lease (the guard's tombstones, rescue's copies). Call before the old memory
-    is dropped. O(1): the lease's one token is replaced (its storage, and so its weak handle, is the same)."""
+    is dropped. O(1): with storage tokens nothing changes (the storage, whose death ends the lease, is
+    the same); otherwise the lease's one token is replaced (its weak handle is the same)."""
+    if _STORAGE_TOKENS:
+        return
     entry = state.tokens.get(lease.lease_id)
     state.tokens[lease.lease_id] = _token(piece, lease, entry.weak if entry is not None else None)
 
 
 # -- a lease's storage, weakly ---------------------------------------------------------
 # The runtime keeps one weak handle on each alive lease's storage (taken at every lend, the
-# sanitizer on or off: ~0.1 us), so that rescue and the guard reach the storage of a lease
-# retired while something holds it, whenever it was lent. A weak handle is a C pointer: the
+# sanitizer on or off), so that rescue and the guard reach the storage of a lease retired while
+# something holds it, whenever it was lent. With storage tokens it is the token itself (a Python
+# weak reference to the storage object). Otherwise it is a C pointer (``_weak_ref()``, ~0.1 us): the
 # death path (a weakref callback, possibly inside the GC) only queues it, and it is freed under
 # the lock that storage_of() reads handles under, so a handle is never read after it was freed.
 _WEAK_HANDLES = storage_handles.AVAILABLE
@@ -127,6 +179,9 @@ def _free_queued() -> None:
 def storage_of(lease: Lease) -> Optional[torch.UntypedStorage]:
     """The storage of an alive lease (a strong reference: keep it only as long as needed), or None
     when it died or this torch lacks weak storage handles."""
+    if _STORAGE_TOKENS:
+        entry = state.tokens.get(lease.lease_id)
+        return None if entry is None else entry()
     with _handles_lock:
         _free_queued()
         entry = state.tokens.get(lease.lease_id)
@@ -194,9 +249,13 @@ def _run_retire_hooks(region: Region, event: ReuseEvent, victims: List[Lease]) -
 def _mark_stale(victims: List[Lease]) -> None:
     """Victims still borrowed (alive, not rescued) are what the dispatch mode refuses from now on."""
     marked = False
+    stale = state.stale
     for lease in victims:
         if lease.handle is not None and lease.alive and not lease.rescued:
-            state.stale[lease.handle] = lease
+            stale[lease.handle] = lease
+            if not lease.alive and stale.get(lease.handle) is lease:
+                stale.pop(lease.handle, None)  # it died meanwhile (see _lease_died)
+                continue
             marked = True
     if marked:
         interception.stale_marked()
