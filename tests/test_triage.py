@@ -585,3 +585,26 @@ def test_a_settle_names_a_whole_consumers_retentions_in_one_walk(monkeypatch):
     assert len(rets) == 39
     assert sum(walks) >= 1 and len(walks) <= 4  # the first few walked one by one at most, the rest together
     assert all(r["holder"]["consumer"] == f"{__name__}._KEPT[*]" for r in rets)
+
+
+def test_other_entries_of_the_same_dict_are_not_named_as_also_holding_a_view():
+    """runai's own suite: ``our[name] = tensor`` for names that differ by more than digits
+    ('tensor1.bfloat16', 'tensor1.int64'): each view is held by its own entry, and the report must not
+    say it is "also held by" the entries of the others (they hold other tensors)."""
+    buf = sanitizer.StagingBuffer(4096, name="ring-dtypes")
+    our = {}
+    names = ["tensor1.bfloat16", "tensor1.int64", "tensor2.float32", "tensor3.bfloat16", "tensor3.int64",
+             "tensor4.float32"]
+    with sanitizer.sanitize(triage=1, triage_budget_ms=10000):
+        for name in names:
+            our[name] = _lend(buf, name)
+            _next(buf, f"after {name}")
+        rep = sanitizer.report(final=True)
+    retained = [e for e in rep["events"] if e.get("kind") == "retention"]
+    assert len(retained) == len(names)
+    for event, name in zip(retained, names):
+        assert f"'{name}'" in event["summary"]
+        holder = event["holder"]
+        assert holder["path"].endswith(f"[{name!r}]"), (name, holder["path"])
+        assert [o["path"] for o in holder.get("also", [])] == [], name  # nothing else holds this view
+    del our

@@ -76,4 +76,15 @@ def consumer_key(path: str) -> str:
     return _NUMBER.sub("*", path)
 
 
-__all__ = ["Holder", "consumer_key"]
+_SUBSCRIPT = re.compile(r"\[[^\[\]]*\]")
+
+
+def container_key(path: str) -> str:
+    """The container a holder path ends in, its subscripts dropped: ``our['tensor1.int64']`` and
+    ``our['tensor1.bfloat16']`` are two entries of one dict (``our``), which ``consumer_key`` keeps apart
+    (they differ by more than digits). Entries of one container hold different tensors: one entry's
+    holding a view says nothing about another's."""
+    return _SUBSCRIPT.sub("", path)
+
+
+__all__ = ["Holder", "consumer_key", "container_key"]

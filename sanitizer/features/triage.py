@@ -48,7 +48,7 @@ from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.core.sites import site_text, to_records
 from sanitizer.features import aliases as _aliases
 from sanitizer.features import holders as _holders
-from sanitizer.features.holder import Holder, consumer_key
+from sanitizer.features.holder import Holder, consumer_key, container_key
 from sanitizer.features.holders import find_holders
 from sanitizer.features.store_site import stored_at
 from sanitizer.features.timeline_log import TimelineLog
@@ -315,11 +315,16 @@ class Triage:
         start = time.perf_counter()
         found = _holders.replay({key}).holders.get(key) or []
         if found:  # the known path of one consumer; the others seen at these sites hold it the same way
-            others = [h for h in (site.holder, *site.others.values()) if h is not None]
+            # (but not the other entries of a container found holding it: they hold other tensors)
+            mine = {container_key(h.path) for h in found}
+            others = [h for h in (site.holder, *site.others.values())
+                      if h is not None and container_key(h.path) not in mine]
             return found + others, {"when": "known-path", "ms": _ms(start), "tensors": len(found),
                                     "truncated": False}
         if site.same >= SAME_HOLDER and site.holder is not None:
-            return [site.holder, *site.others.values()], {"when": "counted", "ms": _ms(start), "tensors": 0,
+            mine = container_key(site.holder.path)
+            others = [h for h in site.others.values() if container_key(h.path) != mine]
+            return [site.holder, *others], {"when": "counted", "ms": _ms(start), "tensors": 0,
                                                           "truncated": False, "like": site.same}
         return None
 
