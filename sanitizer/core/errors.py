@@ -169,7 +169,9 @@ class StaleBorrowError(OwnershipError):
         )
         self._used_lines = format_site(used_at)
         holder = self.holder or {}
-        self.fix = fix_hint(holder.get("kind"), holder.get("consumer") or holder.get("path") or "",
+        # (one view: its own holder path, not the consumer's wildcarded group, which names
+        # test_S*_MOCK()['tensor*.int*'] where the code says test_S3_MOCK()['tensor1.int64'])
+        self.fix = fix_hint(holder.get("kind"), holder.get("path") or holder.get("consumer") or "",
                             site_text(holder.get("stored_at") or holder.get("site")))
         self.record["fix"] = self.fix
         self._finish()
