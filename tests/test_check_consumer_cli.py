@@ -165,3 +165,28 @@ def test_the_shipped_examples_catch_the_retaining_loader_and_pass_its_fix(name, 
     assert holder in out and "fix: own the tensor where" in out and "replay: check_consumer(" in out
     for test in passing:
         assert f"FAILED examples/{name}::{test}" not in out
+
+
+def test_progress_ends_at_the_results_count_when_the_last_ticks_are_still_on_their_way(monkeypatch):
+    """With -j N the workers' ticks travel apart from their results: a run whose last ticks had not
+    arrived ended its progress at 19/20 (seen in CI). The last line is the results' count."""
+    import argparse
+    import io
+
+    from sanitizer.testing import consumer_cli
+    from sanitizer.testing.progress import ProgressLine
+
+    class _Results(list):
+        def close(self) -> None:
+            pass
+
+    def no_ticks(fn, calls, jobs, on_tick=None):  # every result in, only one tick of 3 examples arrived
+        on_tick(3)
+        return _Results({"examples": call[2], "failure": None} for call in calls)
+
+    monkeypatch.setattr(consumer_cli, "in_processes", no_ticks)
+    args = argparse.Namespace(deadline=None, jobs=2, examples=20, consumer="m:f", weights="w", seed=0)
+    err = io.StringIO()
+    done, failure = consumer_cli._in_processes(args, ProgressLine(err, noun="examples"))
+    assert (done, failure) == (20, None)
+    assert err.getvalue().splitlines()[-1].startswith("fuzz: 20/20 examples, 0 failures")

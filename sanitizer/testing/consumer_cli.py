@@ -128,6 +128,12 @@ def _in_processes(args: argparse.Namespace, progress: Optional[ProgressLine]) ->
                 if progress is not None:
                     progress(min(state["done"], args.examples), args.examples, 1)
                 break  # the other workers' results are not waited for
+        else:
+            if progress is not None and state["done"] < done:
+                # The workers' ticks travel apart from their results: the last ones can still be on their
+                # way when the last result is in. The results' count is the true one: show it last.
+                state["done"] = done
+                progress(min(done, args.examples), args.examples, state["failures"])
     finally:
         results.close()
     return done, failure
