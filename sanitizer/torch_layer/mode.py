@@ -171,18 +171,8 @@ class BorrowCheckMode(TorchDispatchMode):
                     self._on_stale(lease, func, a)
             elif isinstance(a, _Tensor):
                 self._test(func, a, stale)
-            elif isinstance(a, (list, tuple)):
-                for x in a:
-                    if type(x) is _Tensor:
-                        try:
-                            lease = stale.get(x.untyped_storage()._cdata)
-                        except (RuntimeError, NotImplementedError):  # sparse, mkldnn: no storage of their own
-                            self._test(func, x, stale)
-                            continue
-                        if lease is not None:
-                            self._on_stale(lease, func, x)
-                    elif isinstance(x, _Tensor):
-                        self._test(func, x, stale)
+            elif isinstance(a, (list, tuple)):  # a Tensor[] argument: one call per list, not per tensor
+                self._scan(func, a)
 
     def _scan_some(self, func: Any, plan: Tuple[Tuple[int, str], ...], args: tuple, kwargs: Optional[dict]) -> None:
         picked = [args[i] if i < len(args) else (kwargs or {}).get(name) for i, name in plan]
