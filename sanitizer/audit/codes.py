@@ -48,6 +48,11 @@ CODES: Dict[str, Code] = {c.code: c for c in (
     Code("OWN106", "global-store",
          "a yielded tensor is stored in a global, class-level or enclosing-scope (`nonlocal`) name",
          OWN_FIX),
+    Code("OWN107", "conditional-retention",
+         "stored where it outlives the step (as OWN101/OWN102/OWN106) through a conversion that is a no-op when "
+         "nothing needs converting (`.contiguous()`, `.to(dtype)`, `.cuda()`): a retention when the loaded "
+         "tensor is already in place, a copy otherwise",
+         "own it where it is kept, or make the copy explicit: `sanitizer.own(t)` or `t.clone()`"),
     Code("OWN120", "inplace-write",
          "an in-place write into a yielded tensor (`t.mul_()`, `t.copy_(x)`, `t[...] = x`, `t += x`, "
          "`out=t`): with a borrowing loader that writes into the loader's staging buffer",

@@ -26,6 +26,8 @@ from sanitizer.audit.findings import Link
 from sanitizer.audit.index import FunctionInfo, _own_scope, annotation_text, dotted
 from sanitizer.audit.values import ELEM_PAIR, HOLDER, ITER, PAIR, TENSOR, Val
 
+MAPPING, PAIRS = "mapping", "pairs"  # seed kinds: a per-step dict of weights; a list of pairs held for the call
+_DICT_METHODS = frozenset({"items", "keys", "values", "get", "pop"})
 _ITER_USERS = V.MATERIALISERS | V.TEE | V.LAZY_WRAPPERS | {"next"}
 
 
@@ -86,6 +88,35 @@ def _indexed_names(info: FunctionInfo) -> set:
     return out
 
 
+def _key_like(index: ast.AST) -> bool:
+    """A key a dict of weights is read by: a string, an f-string, a name's attribute (``self.weight_name``),
+    an element of a list of names, a variable called like a name or key."""
+    if isinstance(index, ast.Constant):
+        return isinstance(index.value, str)
+    if isinstance(index, (ast.JoinedStr, ast.Attribute, ast.Subscript, ast.BinOp)):
+        return not isinstance(index, ast.Subscript) or not isinstance(index.slice, ast.Slice)
+    if isinstance(index, ast.Name):
+        low = index.id.lower()
+        return "name" in low or "key" in low or low in ("k", "n", "w1", "w2", "w3", "o", "q", "wk", "wv", "wq")
+    return False
+
+
+def _mapping_names(info: FunctionInfo) -> Dict[str, str]:
+    """Names used as a dict of tensors by name in the body: ``k in X``, ``X.items()``, ``X["a.weight"]``."""
+    used: Dict[str, str] = {}
+    for node in ast.walk(info.node):
+        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
+            for comp in node.comparators:
+                if isinstance(comp, ast.Name):
+                    used.setdefault(comp.id, "tested with `in`")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                node.func.attr in _DICT_METHODS and isinstance(node.func.value, ast.Name):
+            used.setdefault(node.func.value.id, f"`.{node.func.attr}()`")
+        elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and _key_like(node.slice):
+            used.setdefault(node.value.id, "read by key")
+    return used
+
+
 def _looks_like_loader(name: str) -> bool:
     return bool(V.LOADER_FUNCTION.search(name)) or "weight_loader" in name
 
@@ -94,6 +125,7 @@ def seeds_of(info: FunctionInfo) -> List[Seed]:
     """The weight-carrying parameters of ``info`` (empty: not a weight consumer by its signature)."""
     seeds: List[Seed] = []
     used: Optional[Dict[str, str]] = None
+    mapping: Optional[Dict[str, str]] = None
     params = info.params[1:] if info.is_method else info.params
     loader = _looks_like_loader(info.name)
     for i, arg in enumerate(params):
@@ -102,6 +134,20 @@ def seeds_of(info: FunctionInfo) -> List[Seed]:
         if ann and V.ITER_ANNOTATION.search(ann) and V.TENSOR_ANNOTATION.search(ann) and not V.MAPPING_ANNOTATION.match(ann):
             seeds.append(Seed(name, ITER, f"annotated {ann}"))
             continue
+        if ann and V.MAPPING_OF_TENSORS.match(ann):
+            seeds.append(Seed(name, MAPPING, f"a dict of weights by name, annotated {ann}"))
+            continue
+        if ann and V.LIST_OF_PAIRS.match(ann):
+            seeds.append(Seed(name, PAIRS, f"(name, tensor) pairs the caller holds for the call, annotated {ann}"))
+            continue
+        if not ann and name in V.MAPPING_PARAM_NAMES and V.MAPPING_FUNCTION.search(info.name.lower()):
+            if mapping is None:
+                mapping = _mapping_names(info)
+            if used is None:
+                used = _iterated_names(info)
+            if name in mapping and name not in used:
+                seeds.append(Seed(name, MAPPING, f"a dict of weights by name ({name}, {mapping[name]})"))
+                continue
         if name in V.TENSOR_PARAM_NAMES:
             seeds.append(Seed(name, TENSOR, f"a per-tensor weight ({name})"))
             continue
@@ -139,9 +185,13 @@ def seed_value(info: FunctionInfo, seed: Seed) -> Val:
         return Val(ITER, 0, (link,), consumer, elem=ELEM_PAIR, label=f"`{seed.param}`")
     if seed.kind == HOLDER:
         return Val(HOLDER, id(node), (link,), consumer, label=f"`*{seed.param}`")
+    if seed.kind == MAPPING:  # valid for the call (one file's dict): its step is the call
+        return Val(HOLDER, id(node), (link,), consumer, label=f"`{seed.param}`", mapping=True)
+    if seed.kind == PAIRS:
+        return Val(HOLDER, id(node), (link,), consumer, elem=ELEM_PAIR, label=f"`{seed.param}`")
     if seed.kind == PAIR:
         return Val(PAIR, id(node), (link,), consumer, elem=ELEM_PAIR, label=f"`{seed.param}`")
     return Val(TENSOR, id(node), (link,), consumer, label=f"`{seed.param}`")
 
 
-__all__ = ["Seed", "seeds_of", "seed_value", "uses_producer"]
+__all__ = ["MAPPING", "PAIRS", "Seed", "seeds_of", "seed_value", "uses_producer"]

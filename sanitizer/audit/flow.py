@@ -39,6 +39,7 @@ _ACCESSORS = (ast.Attribute, ast.Subscript, ast.Call)  # values that may alias a
 _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 _MATERIALISING_COMPS = {ast.ListComp: "list comprehension", ast.SetComp: "set comprehension",
                         ast.DictComp: "dict comprehension"}
+_CONDITIONAL = frozenset({"OWN101", "OWN102", "OWN106"})  # stores that a no-op conversion makes retentions
 _VALUE_ARG = {"append": 0, "add": 0, "appendleft": 0, "put": 0, "put_nowait": 0, "push": 0, "extend": 0,
               "extendleft": 0, "update": 0, "insert": 1, "setdefault": 1, "__setitem__": 1}
 
@@ -148,6 +149,11 @@ class Flow:
     def report(self, code: str, node: ast.AST, val: Val, pattern: str, message: str, last: str) -> None:
         if val.reported:
             return
+        if val.convert and code in _CONDITIONAL:
+            code = "OWN107"
+            pattern = f"conditional: {pattern}"
+            message = (f"{message}, if `{val.convert}` is a no-op (the tensor is already contiguous, of that "
+                       f"dtype, on that device: a GPU-resident loader's normal case); otherwise it is a copy")
         key = (getattr(node, "lineno", 0), getattr(node, "col_offset", 0), code)
         if key in self._seen:
             return
@@ -275,8 +281,8 @@ class Flow:
 
     def item_of(self, it: Optional[Val], step_id: int, node: ast.AST) -> Optional[Val]:
         """One item of what a loop iterates, stamped with the loop's step when it is a fresh iteration."""
-        if it is None or it.kind == SOURCE:
-            return None
+        if it is None or it.kind == SOURCE or it.mapping:
+            return None  # a dict of weights yields its names
         link = Link(node.lineno, self.fn, f"`{self.snip(node.target)}` yielded by `{self.snip(node.iter)}`")  # type: ignore
         if it.kind == ITER:
             item = element_of(it, link)
@@ -425,6 +431,9 @@ class Flow:
         if val.reported or not val.holds_tensor:
             return
         root = root_of(container)
+        held_by = self.state.env.get(root.name) if root.name and not root.through_attribute else None
+        if held_by is not None and held_by.mapping and held_by.step == val.step:
+            return  # `weights[q_name] = qkv[:q]`: into the step's own dict of weights, which dies with the step
         place, index = self._place(root.name)
         if place == "local":
             slot = self.state.slots[root.name]  # type: ignore[index]
@@ -547,11 +556,17 @@ class Flow:
         self.state.slots[name] = Slot(True, self._loops_t, "unknown")
 
     def _captured(self, node: ast.AST) -> Optional[Val]:
-        """The first tainted name of this scope that a nested function or lambda reads (a captured cell);
+        """The first tainted name of this scope that a nested function or lambda reads (a captured cell),
+        or a tainted default argument (``lambda w=w: ...``, ``def later(t=w)``: evaluated once, when the
+        function is made, and kept by it: the usual way to bind a loop variable in a deferred call);
         names it binds itself (its parameters, its own assignments) are its own, not captures."""
         if not self.state.env:
             return None
         args = node.args  # type: ignore[attr-defined]
+        for default in list(args.defaults) + [d for d in args.kw_defaults if d is not None]:
+            val = self.ev(default)
+            if val is not None and val.holds_tensor:
+                return val
         own = {a.arg for a in args.posonlyargs + args.args + args.kwonlyargs}
         own |= {a.arg for a in (args.vararg, args.kwarg) if a is not None}
         body = [node.body] if isinstance(node, ast.Lambda) else node.body  # type: ignore[attr-defined]
@@ -659,6 +674,9 @@ class Flow:
                 i = index.value
                 if -len(base.parts) <= i < len(base.parts):
                     return base.parts[i]
+            if base.mapping:  # `weights["lm_head.weight"]`: name the tensor, not the dict
+                return replace(element_of(base, Link(node.lineno, self.fn, f"`{self.snip(node, 40)}`")),
+                               label=f"`{self.snip(node, 40)}`")
             return element_of(base)
         if base.kind == ITER and base.reported:
             return element_of(base)
@@ -790,14 +808,18 @@ class Flow:
             if meth.endswith("_") and not meth.endswith("__") and meth not in V.METADATA_INPLACE:
                 self.inplace(node, base, f"in-place `.{meth}()`", f"`{self.snip(node, 50)}`")
                 return True, base.then(TENSOR, link)
+            if meth in V.CONVERSION_METHODS and not base.convert:
+                return True, base.then(TENSOR, link, convert=f"{self.snip(node, 40)}")
             if meth in V.ALIAS_METHODS:
                 return True, base.then(TENSOR, link)
             return True, None
         if base.kind == HOLDER:
             if meth in ("items",):
-                return True, base.then(HOLDER, elem=ELEM_PAIR)
+                return True, base.then(HOLDER, elem=ELEM_PAIR, mapping=False)
             if meth in ("values", "copy", "__iter__"):
-                return True, base.then(HOLDER)
+                return True, base.then(HOLDER, mapping=False)
+            if meth == "keys" and base.mapping:
+                return True, None
             if meth in ("pop", "get", "popitem", "popleft", "__getitem__"):
                 return True, element_of(base, link)
             if meth in V.STORE_METHODS:
@@ -895,7 +917,7 @@ class Flow:
         if V.ITERATOR_FACTORY.search(name):
             return Val(ITER, 0, (Link(node.lineno, self.fn, f"yielded by `{self.snip(node, 40)}`"),), self.fn,
                        elem=ELEM_PAIR, label=f"`{self.snip(node, 40)}`")
-        if name in V.PURE_BUILTINS:
+        if name in V.PURE_BUILTINS or V.NON_TENSOR_CALLS.search(name):
             return None
         if self.resolve_call is not None and (any(v is not None for v in args) or
                                               any(v is not None for v in kwargs.values())):

@@ -42,8 +42,50 @@ def _binds(stmt: ast.stmt, name: str) -> bool:
         return _block_binds(stmt.body, name) and all(_block_binds(h.body, name) for h in stmt.handlers)
     if isinstance(stmt, ast.Delete):
         return any(isinstance(t, ast.Name) and t.id == name for t in stmt.targets)
-    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
-        return False
+    return _walrus_before(stmt, name, _AFTER)
+
+
+class _After(ast.AST):
+    """A position after every statement (for "does this earlier statement bind the name with ``:=``")."""
+
+    lineno = 1 << 30
+    col_offset = 0
+
+
+_AFTER = _After()
+
+
+_HEADER_FIELDS = ("test", "iter", "value", "subject", "items", "targets", "target", "context_expr", "exc", "msg")
+_DEFERRED = (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp, ast.BoolOp, ast.IfExp)
+
+
+def _walrus_before(stmt: ast.AST, name: str, use: ast.AST) -> bool:
+    """Does ``stmt``'s own header (an ``if``'s test, an assignment's value...) bind ``name`` with ``:=``
+    on every path, before ``use`` (a read later in the same expression, or in the statement's body)?
+    A walrus under ``and``/``or``, a conditional expression or a comprehension may not run: not counted
+    (except as the first operand of ``and``/``or``, which always runs)."""
+    stack: list = []
+    for field in _HEADER_FIELDS:
+        value = getattr(stmt, field, None)
+        if isinstance(value, list):
+            stack.extend(v for v in value if isinstance(v, ast.AST))
+        elif isinstance(value, ast.AST):
+            stack.append(value)
+    where = _position(use)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.NamedExpr) and isinstance(node.target, ast.Name) and node.target.id == name:
+            if _end(node) <= where:
+                return True
+        if isinstance(node, (ast.stmt, ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            continue
+        if isinstance(node, ast.BoolOp):
+            stack.append(node.values[0])
+            continue
+        if isinstance(node, ast.IfExp):
+            stack.append(node.test)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
     return False
 
 
@@ -117,6 +159,8 @@ class LoopLifetimes:
             parent, block = self.parent.get(id(cur), (None, None))
             if parent is None:
                 return False
+            if parent is not loop and isinstance(parent, ast.stmt) and _walrus_before(parent, name, use):
+                return True  # `if (t := w.t()) is not None: use(t)`: bound in the same step, before the read
             if block is not None and cur is not None:
                 if parent is loop and block is not getattr(loop, "body", None):
                     return True  # the loop's else: runs once, after the last step (a read after the loop)

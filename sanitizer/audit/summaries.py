@@ -49,7 +49,7 @@ class ModuleAnalysis:
         self.snippets = snippets
         self.project = project
         self.index = index
-        self._memo: Dict[Tuple[int, int, str, str, bool], Outcome] = {}
+        self._memo: Dict[Tuple[int, int, str, str, bool, bool, bool], Outcome] = {}
         self._busy: set = set()
         self.depth = 0
 
@@ -125,7 +125,7 @@ class ModuleAnalysis:
 
     # -- summaries -------------------------------------------------------------------------------------------
     def summary(self, callee: FunctionInfo, index: int, seed: Val) -> Outcome:
-        key = (id(callee.node), index, seed.kind, seed.elem, seed.capture is not None)
+        key = (id(callee.node), index, seed.kind, seed.elem, seed.capture is not None, seed.mapping, bool(seed.convert))
         done = self._memo.get(key)
         if done is not None:
             return done
@@ -136,7 +136,7 @@ class ModuleAnalysis:
         start = Val(seed.kind, 0 if seed.kind == ITER else id(callee.node),
                     (Link(callee.node.lineno, callee.qualname, f"`{name}` (parameter of `{callee.qualname}`)"),),
                     callee.qualname, elem=seed.elem, capture=seed.capture, seed=index,
-                    parameter=seed.parameter, label=f"`{name}`")
+                    parameter=seed.parameter, label=f"`{name}`", mapping=seed.mapping, convert=seed.convert)
         self._busy.add(key)
         self.depth += 1
         try:
@@ -193,7 +193,8 @@ class ModuleAnalysis:
                 if ret.parts is not None:  # `return name, w`: keep which element is the tensor
                     parts = tuple(val.then(p.kind, link, elem=p.elem) if p is not None else None for p in ret.parts)
                 result = val.then(ret.kind, link, elem=ret.elem, capture=ret.capture or val.capture, seed=val.seed,
-                                  parts=parts, reported=ret.reported or val.reported)
+                                  parts=parts, reported=ret.reported or val.reported,
+                                  convert=val.convert or ret.convert, mapping=False)
             if result is None and target.constructor and constructor_result(outcome):
                 result = val.then(HOLDER, Link(node.lineno, flow.fn, f"kept by the new `{callee.qualname.split('.')[0]}`"))
             if result is None and val.kind == ITER and callee.is_generator and outcome.yields is not None:

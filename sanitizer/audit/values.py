@@ -40,6 +40,8 @@ class Val:
     parameter: bool = False  # its chain passed through nn.Parameter (for the finding's pattern)
     label: str = ""  # how a message names it: "`loaded_weight`"
     maybe: bool = False  # tainted on some paths only (an in-place write is reported only when it is certain)
+    mapping: bool = False  # HOLDER only: the step's own dict of weights (a file's ``Dict[str, Tensor]``)
+    convert: str = ""  # the chain passed a conversion that copies unless it is a no-op (``.to(dtype)``)
 
     def then(self, kind: Optional[str] = None, link: Optional[Link] = None, **changes) -> "Val":
         """This value after one more step of the chain (a view, a store, a call). A copy of the fields,
@@ -64,7 +66,7 @@ def element_of(val: Val, link: Optional[Link] = None) -> Val:
     kind = PAIR if val.elem in (ELEM_PAIR,) else TENSOR
     if val.elem in (ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR):
         kind = HOLDER  # (index, item): unpacked by the loop target
-    return val.then(kind, link, elem=val.elem)
+    return val.then(kind, link, elem=val.elem, mapping=False)
 
 
 __all__ = ["Val", "element_of", "ITER", "PAIR", "TENSOR", "HOLDER", "SOURCE",

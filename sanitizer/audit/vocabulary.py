@@ -21,6 +21,10 @@ ALIAS_METHODS = frozenset({
     "share_memory_", "__getitem__", "mT", "align_to", "rename", "refine_names", "resolve_conj", "resolve_neg",
     "untyped_storage", "storage", "_typed_storage", "as_subclass", "real", "imag", "__array__",
 })
+# Conversions that return ``self`` when nothing needs converting and a copy otherwise: a store of their
+# result is a retention only when the loaded tensor is already in place (a GPU-resident loader's case).
+CONVERSION_METHODS = frozenset({"contiguous", "to", "cuda", "cpu", "type", "float", "half", "bfloat16", "double",
+                                "int", "long", "short", "char", "byte", "bool", "type_as"})
 SPLIT_METHODS = frozenset({"split", "chunk", "unbind", "tensor_split", "hsplit", "vsplit", "dsplit",
                            "split_with_sizes", "unsafe_split", "unsafe_chunk"})
 ALIAS_ATTRIBUTES = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
@@ -78,6 +82,12 @@ PURE_BUILTINS = frozenset({
     "assert_", "torch.equal", "torch.allclose", "torch.isnan", "torch.isinf",
 })
 
+# Calls into modules that deal in paths, text and numbers: whatever they are given, they return no
+# tensor (``os.fspath(weights)`` of a path-or-iterator argument, ``sorted(os.listdir(path))``).
+NON_TENSOR_CALLS = re.compile(r"^(os|os\.path|posixpath|ntpath|pathlib|shutil|glob|fnmatch|json|re|math|time|"
+                              r"logging|warnings|string|textwrap|hashlib|struct)\.|^(Path|PurePath|open|fspath|"
+                              r"str|repr|format|isinstance)$")
+
 # -- where borrowed tensors come from -------------------------------------------------------------
 # A call to one of these opens a source; ``source.get_tensor(k)`` and friends then yield tensors.
 SOURCE_FACTORIES = re.compile(
@@ -110,6 +120,16 @@ TENSOR_ANNOTATION = re.compile(r"\b(torch\.)?(Tensor|Parameter|nn\.Parameter)\b"
 ITER_ANNOTATION = re.compile(r"\b(Iterable|Iterator|Generator|AsyncIterator|AsyncIterable)\s*\[.*\bstr\b")
 PAIR_ANNOTATION = re.compile(r"^\s*(tuple|Tuple)\[\s*str\s*,\s*(torch\.)?(Tensor|nn\.Parameter|Parameter)\s*\]\s*$")
 TENSOR_ARG_NAME = re.compile(r"^(w|weight|weights?_\w+|\w+_weight|tensor|\w+_tensor|data|value|val|t|x|loaded\w*)$")
+# A dict of weights by name (one file's tensors, handed to each layer): ``Dict[str, torch.Tensor]``.
+MAPPING_OF_TENSORS = re.compile(r"^\s*(dict|Dict|Mapping|MutableMapping|OrderedDict)\s*\[\s*str\s*,\s*"
+                                r"(torch\.)?(Tensor|nn\.Parameter|Parameter)\s*\]\s*$")
+# A list of (name, tensor) pairs already materialised by the caller (one update bucket).
+LIST_OF_PAIRS = re.compile(r"^\s*(list|List|Sequence|tuple|Tuple)\s*\[\s*(tuple|Tuple)\[\s*str\s*,\s*(torch\.)?"
+                           r"(Tensor|nn\.Parameter|Parameter)\s*\]")
+# Unannotated names a per-step dict of weights goes by (with dict use in the body: ``name in weights``).
+MAPPING_PARAM_NAMES = frozenset({"weights", "weight_dict", "weights_dict", "state_dict", "hf_weights", "tensors",
+                                 "sd", "checkpoint", "ckpt", "weight_map", "loaded_weights", "tensor_dict"})
+MAPPING_FUNCTION = re.compile(r"load|weight")
 MAPPING_ANNOTATION = re.compile(r"^\s*(dict|Dict|Mapping|MutableMapping|OrderedDict|defaultdict|list|List|set|"
                                 r"Set|deque)\b")
 

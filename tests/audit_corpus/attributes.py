@@ -11,7 +11,7 @@ class KeepAttributes(nn.Module):
         params = dict(self.named_parameters())
         for name, w in weights:
             if name == "score.bias":
-                self.score.bias = nn.Parameter(w.to(self.score.weight.dtype))  # expect: OWN102
+                self.score.bias = nn.Parameter(w.to(self.score.weight.dtype))  # expect: OWN107
             elif name == "lm_head.weight":
                 self.lm_head_weight = w  # expect: OWN102
             elif name in params:

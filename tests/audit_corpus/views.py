@@ -25,9 +25,9 @@ def keep_views(weights: Iterable[tuple[str, torch.Tensor]]):
         elif name.endswith(".g"):
             kept.append(w.view(torch.int8))  # expect: OWN101
         elif name.endswith(".h"):
-            kept.append(w.contiguous())  # expect: OWN101
+            kept.append(w.contiguous())  # expect: OWN107
         elif name.endswith(".i"):
-            kept.append(w.to(torch.bfloat16))  # expect: OWN101
+            kept.append(w.to(torch.bfloat16))  # expect: OWN107
         elif name.endswith(".j"):
             kept.append(w.T.unsqueeze(0).squeeze(0))  # expect: OWN101
         elif name.endswith(".k"):
