@@ -110,3 +110,28 @@ def safe_pass_through_generator(weights: Iterable[tuple[str, torch.Tensor]]):
             yield name.replace("qkv", "v"), v
         else:
             yield name, w.t()
+
+
+def keep_default_argument_lambda(weights: Iterable[tuple[str, torch.Tensor]]):
+    """``lambda w=w: ...`` binds the loop variable by a default argument: the lambda keeps it."""
+    deferred = []
+    for name, w in weights:
+        deferred.append(lambda w=w: w.sum())  # expect: OWN104
+    return [f() for f in deferred]
+
+
+def keep_default_argument_def(weights: Iterable[tuple[str, torch.Tensor]]):
+    later_calls = []
+    for name, w in weights:
+        def later(t=w):
+            return t.sum()
+        later_calls.append(later)  # expect: OWN104
+    return later_calls
+
+
+def safe_default_argument_called_in_step(weights: Iterable[tuple[str, torch.Tensor]]):
+    total = 0
+    for name, w in weights:
+        f = lambda w=w: w.sum()  # noqa: E731
+        total += f()
+    return total

@@ -64,3 +64,18 @@ class SafeVariables(nn.Module):
             last_shape = w.shape  # metadata
             self.get_parameter(name).data.copy_(w)
         return last_shape
+
+
+def safe_walrus_read_in_the_same_step(weights: Iterable[tuple[str, torch.Tensor]], params):
+    for name, w in weights:
+        if (t := w.t()) is not None:
+            params[name].copy_(t)
+        if (u := w[0]) is not None and u.sum() > 0:
+            params[name].copy_(u)
+
+
+def keep_walrus_bound_on_some_steps(weights: Iterable[tuple[str, torch.Tensor]], params):
+    for name, w in weights:
+        if name.endswith("b") and (t := w) is not None:  # expect: OWN105
+            pass
+        params[name].copy_(t)
