@@ -23,7 +23,7 @@ def build_parser(prog: str = "ownsan audit") -> argparse.ArgumentParser:
         description="Find, without running it, every statement of a code base that keeps a tensor a weight "
                     "loader yielded (or a view of it) past the loader's step. Reads the source with ast; "
                     "never imports it, never imports torch.")
-    p.add_argument("paths", nargs="+", metavar="PATH", help="Python files or directories")
+    p.add_argument("paths", nargs="*", metavar="PATH", help="Python files or directories")
     p.add_argument("--format", choices=("text", "concise", "json", "sarif"), default="text",
                    help="text (default: each finding with its chain and fix), concise (one line each), "
                         "json (findings_schema.json), sarif (SARIF 2.1.0, for code scanning)")
@@ -35,6 +35,12 @@ def build_parser(prog: str = "ownsan audit") -> argparse.ArgumentParser:
                    help="an ownsan run report (ownsan-report.json): mark the findings the run confirmed and "
                         "list the retentions it saw that the audit missed")
     p.add_argument("--exit-zero", action="store_true", help="exit 0 even when something is found")
+    p.add_argument("--config", metavar="PYPROJECT", default=None,
+                   help="read [tool.ownsan] from this file (default: the nearest pyproject.toml that has one, "
+                        "above the first PATH)")
+    p.add_argument("--show-settings", action="store_true",
+                   help="print the settings in effect (the file read, producers, consumers, per-path ignores) "
+                        "and exit")
     return p
 
 
@@ -49,6 +55,20 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "ownsan audit") -> in
     except CodeSelectionError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
+    from sanitizer.audit.settings import SettingsError, resolve
+
+    try:
+        settings = resolve(args.paths or ["."], args.config)
+    except SettingsError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    if args.show_settings:
+        sys.stdout.write(settings.describe())
+        return 0
+    if not args.paths:
+        parser.print_usage(sys.stderr)
+        print(f"{prog}: error: the following arguments are required: PATH", file=sys.stderr)
+        return 2
     from sanitizer.audit import crosscheck as cc
     from sanitizer.audit.engine import audit_paths
     from sanitizer.audit.formats import render
@@ -62,7 +82,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "ownsan audit") -> in
             print(f"{prog}: {exc}", file=sys.stderr)
             return 2
     try:
-        result = audit_paths(args.paths, args.select, args.ignore)
+        result = audit_paths(args.paths, args.select, args.ignore, settings)
     except AuditInputError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2

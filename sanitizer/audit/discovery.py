@@ -23,6 +23,7 @@ from typing import Dict, List, Optional
 
 from sanitizer.audit import vocabulary as V
 from sanitizer.audit.findings import Link
+from sanitizer.audit.settings import Settings
 from sanitizer.audit.index import FunctionInfo, _own_scope, annotation_text, dotted
 from sanitizer.audit.values import ELEM_PAIR, HOLDER, ITER, PAIR, TENSOR, Val
 
@@ -121,9 +122,20 @@ def _looks_like_loader(name: str) -> bool:
     return bool(V.LOADER_FUNCTION.search(name)) or "weight_loader" in name
 
 
-def seeds_of(info: FunctionInfo) -> List[Seed]:
-    """The weight-carrying parameters of ``info`` (empty: not a weight consumer by its signature)."""
+_CONFIGURED_KIND = {"tensor": TENSOR, "iterator": ITER, "dict": MAPPING, "pairs": PAIRS}
+
+
+def seeds_of(info: FunctionInfo, settings: Optional[Settings] = None) -> List[Seed]:
+    """The weight-carrying parameters of ``info`` (empty: not a weight consumer by its signature); a
+    consumer entry point of the project's settings (``[tool.ownsan] consumers``) comes first."""
     seeds: List[Seed] = []
+    if settings is not None and settings.consumers:
+        names = {a.arg for a in info.params} | {a.arg for a in (info.vararg, info.kwarg) if a is not None}
+        for c in settings.consumer_params(info.qualname):
+            if c.param in names:
+                seeds.append(Seed(c.param, _CONFIGURED_KIND[c.kind], f"a configured consumer ({c.qualname}:{c.param})"))
+        if seeds:
+            return seeds
     used: Optional[Dict[str, str]] = None
     mapping: Optional[Dict[str, str]] = None
     params = info.params[1:] if info.is_method else info.params
@@ -170,9 +182,10 @@ def seeds_of(info: FunctionInfo) -> List[Seed]:
     return seeds
 
 
-def uses_producer(info: FunctionInfo) -> bool:
+def uses_producer(info: FunctionInfo, settings: Optional[Settings] = None) -> bool:
     """Does the body call a known producer of borrowed tensors (so the flow must look at it)?"""
-    return any(V.SOURCE_FACTORIES.search(c) or V.ITERATOR_FACTORY.search(c) for c in info.calls)
+    return any(V.SOURCE_FACTORIES.search(c) or V.ITERATOR_FACTORY.search(c)
+               or (settings is not None and settings.is_producer(c)) for c in info.calls)
 
 
 def seed_value(info: FunctionInfo, seed: Seed) -> Val:

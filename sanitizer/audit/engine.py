@@ -16,6 +16,7 @@ from sanitizer.audit.findings import Finding
 from sanitizer.audit.flow import Flow
 from sanitizer.audit.index import FunctionInfo, build_index
 from sanitizer.audit.project import Project
+from sanitizer.audit.settings import Settings
 from sanitizer.audit.sources import AuditInputError, Source, parse, python_files, read
 from sanitizer.audit.snippets import Snippets
 from sanitizer.audit.summaries import ModuleAnalysis
@@ -63,20 +64,22 @@ def _inherited(info: FunctionInfo, seeds_by_fn: Dict[int, List[Seed]]) -> List[S
     return out
 
 
-def analyse(source: Source, project: Optional[Project] = None) -> Tuple[List[Finding], List[Consumer]]:
+def analyse(source: Source, project: Optional[Project] = None,
+            settings: Optional[Settings] = None) -> Tuple[List[Finding], List[Consumer]]:
     """Every finding in one parsed module (before suppression and selection), and its consumers."""
     index = build_index(source.path, source.tree)
     snippets = Snippets(source.text)
-    analysis = ModuleAnalysis(source.path, index, snippets, project)
-    producers = bool(PRODUCER_HINT.search(source.text))
+    analysis = ModuleAnalysis(source.path, index, snippets, project, settings)
+    producers = bool(PRODUCER_HINT.search(source.text)) or bool(
+        settings is not None and any(p.rpartition(".")[2].strip("*") in source.text for p in settings.producers))
     roots = []
     seeds_by_fn: Dict[int, List[Seed]] = {}
     for info in index.functions:
-        seeds = seeds_of(info)
+        seeds = seeds_of(info, settings)
         if info.parent is not None:
             seeds = seeds + _inherited(info, seeds_by_fn)
         seeds_by_fn[id(info)] = seeds
-        if seeds or (producers and uses_producer(info)):
+        if seeds or (producers and uses_producer(info, settings)):
             roots.append((0 if any(s.kind == ITER for s in seeds) else 1, info, seeds))
     roots.sort(key=lambda r: r[0])  # iterator consumers first: their chains are the informative ones
     found: Dict[Tuple[str, int, int, str], Finding] = {}
@@ -85,7 +88,7 @@ def analyse(source: Source, project: Optional[Project] = None) -> Tuple[List[Fin
         why = "; ".join(s.why for s in seeds) or "calls a known producer"
         consumers.append(Consumer(source.path, info.node.lineno, info.qualname, why))  # type: ignore[attr-defined]
         flow = Flow(source.path, info, {s.param: seed_value(info, s) for s in seeds}, index.globals, snippets,
-                    analysis.resolve, module_aliases=index.module_aliases)
+                    analysis.resolve, module_aliases=index.module_aliases, is_producer=analysis.is_producer)
         for finding in flow.run().findings:
             if finding.key in found:
                 found[finding.key].merge(finding)
@@ -95,11 +98,14 @@ def analyse(source: Source, project: Optional[Project] = None) -> Tuple[List[Fin
     return sorted(found.values(), key=lambda f: (f.line, f.col, f.code)), consumers
 
 
-def _audit_one(source: Source, codes: set, result: AuditResult, project: Optional[Project] = None) -> None:
-    findings, consumers = analyse(source, project)
+def _audit_one(source: Source, codes: set, result: AuditResult, project: Optional[Project] = None,
+               settings: Optional[Settings] = None) -> None:
+    findings, consumers = analyse(source, project, settings)
     texts = dict(project.texts) if project is not None else {}
     texts[source.path] = source.text
     kept = suppression.apply(findings, texts)
+    if settings is not None and settings.per_path_ignores:  # [tool.ownsan.per-path-ignores]
+        kept = [f for f in kept if f.code not in settings.ignored_codes(f.path)]
     result.suppressed += len(findings) - len(kept)
     result.findings.extend(f for f in kept if f.code in codes)
     result.consumers.extend(consumers)
@@ -109,16 +115,16 @@ def _audit_one(source: Source, codes: set, result: AuditResult, project: Optiona
 
 
 def audit_sources(sources: Iterable[Source], select: Optional[Sequence[str]] = None,
-                  ignore: Optional[Sequence[str]] = None) -> AuditResult:
+                  ignore: Optional[Sequence[str]] = None, settings: Optional[Settings] = None) -> AuditResult:
     codes = set(selected_codes(select, ignore))
     result = AuditResult()
     for source in sources:
-        _audit_one(source, codes, result)
+        _audit_one(source, codes, result, settings=settings)
     return result
 
 
 def audit_paths(paths: Sequence[str], select: Optional[Sequence[str]] = None,
-                ignore: Optional[Sequence[str]] = None) -> AuditResult:
+                ignore: Optional[Sequence[str]] = None, settings: Optional[Settings] = None) -> AuditResult:
     """Audit files and directories. A path that does not exist raises :class:`AuditInputError`; a file
     that cannot be read or parsed is named in ``errors`` and the rest are audited.
 
@@ -126,7 +132,7 @@ def audit_paths(paths: Sequence[str], select: Optional[Sequence[str]] = None,
     once makes the garbage collector's full passes, and so parsing, several times slower)."""
     codes = set(selected_codes(select, ignore))
     with _collector_paused():
-        return _audit_files(python_files(paths), codes)
+        return _audit_files(python_files(paths), codes, settings)
 
 
 @contextmanager
@@ -144,7 +150,7 @@ def _collector_paused():
             gc.enable()
 
 
-def _audit_files(files: List[str], codes: set) -> AuditResult:
+def _audit_files(files: List[str], codes: set, settings: Optional[Settings] = None) -> AuditResult:
     result = AuditResult()
     project = Project(files)
     seen: Dict[Tuple[str, int, int, str], Finding] = {}
@@ -155,7 +161,7 @@ def _audit_files(files: List[str], codes: set) -> AuditResult:
             result.errors.append(str(exc))
             continue
         before = len(result.findings)
-        _audit_one(source, codes, result, project)
+        _audit_one(source, codes, result, project, settings)
         fresh = []
         for f in result.findings[before:]:  # a helper's statement, found from callers in two modules
             if f.key in seen:
@@ -170,9 +176,9 @@ def _audit_files(files: List[str], codes: set) -> AuditResult:
 
 
 def audit_text(text: str, path: str = "<string>", select: Optional[Sequence[str]] = None,
-               ignore: Optional[Sequence[str]] = None) -> AuditResult:
+               ignore: Optional[Sequence[str]] = None, settings: Optional[Settings] = None) -> AuditResult:
     """Audit one module given as text (tests, editors)."""
-    return audit_sources([parse(path, text)], select, ignore)
+    return audit_sources([parse(path, text)], select, ignore, settings)
 
 
 __all__ = ["AuditResult", "Consumer", "analyse", "audit_sources", "audit_paths", "audit_text"]

@@ -108,8 +108,10 @@ class Flow:
 
     def __init__(self, path: str, info: FunctionInfo, seeds: Dict[str, Val], module_globals: Sequence[str],
                  snippets: Snippets, resolve_call: Optional[Resolver] = None, summary_param: Optional[int] = None,
-                 module_aliases: Sequence[str] = ("torch", "np", "numpy")):
+                 module_aliases: Sequence[str] = ("torch", "np", "numpy"),
+                 is_producer: Optional[Callable[[str], bool]] = None):
         self.path = path
+        self.is_producer = is_producer
         self.module_aliases = set(module_aliases)
         self.snip = snippets
         self.info = info
@@ -914,7 +916,7 @@ class Flow:
             return None
         if V.SOURCE_FACTORIES.search(name):
             return Val(SOURCE, 0, (Link(node.lineno, self.fn, f"opened by `{self.snip(node, 40)}`"),), self.fn)
-        if V.ITERATOR_FACTORY.search(name):
+        if V.ITERATOR_FACTORY.search(name) or (self.is_producer is not None and self.is_producer(name)):
             return Val(ITER, 0, (Link(node.lineno, self.fn, f"yielded by `{self.snip(node, 40)}`"),), self.fn,
                        elem=ELEM_PAIR, label=f"`{self.snip(node, 40)}`")
         if name in V.PURE_BUILTINS or V.NON_TENSOR_CALLS.search(name):

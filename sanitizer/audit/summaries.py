@@ -26,6 +26,7 @@ from sanitizer.audit.findings import Finding, Link
 from sanitizer.audit.flow import _UNRESOLVED, Flow, IntoParam, Outcome
 from sanitizer.audit.index import ClassInfo, FunctionInfo, ModuleIndex, build_index
 from sanitizer.audit.project import Project
+from sanitizer.audit.settings import Settings
 from sanitizer.audit.snippets import Snippets
 from sanitizer.audit.targets import root_of
 from sanitizer.audit.values import HOLDER, ITER, SOURCE, Val
@@ -44,8 +45,11 @@ class Callee:
 class ModuleAnalysis:
     """The summaries of one module's functions, computed on demand and memoised."""
 
-    def __init__(self, path: str, index: ModuleIndex, snippets: Snippets, project: Optional[Project] = None):
+    def __init__(self, path: str, index: ModuleIndex, snippets: Snippets, project: Optional[Project] = None,
+                 settings: Optional[Settings] = None):
         self.path = path
+        self.settings = settings
+        self.is_producer = settings.is_producer if settings is not None and settings.producers else None
         self.snippets = snippets
         self.project = project
         self.index = index
@@ -117,7 +121,7 @@ class ModuleAnalysis:
         if path is None or path == self.path:
             return None
         other = self.project.module(path, lambda source: ModuleAnalysis(
-            source.path, build_index(source.path, source.tree), Snippets(source.text), self.project))
+            source.path, build_index(source.path, source.tree), Snippets(source.text), self.project, self.settings))
         if not isinstance(other, ModuleAnalysis):
             return None
         info = other.index.top_functions.get(original)
@@ -141,7 +145,8 @@ class ModuleAnalysis:
         self.depth += 1
         try:
             out = Flow(self.path, callee, {name: start}, self.index.globals, self.snippets, self.resolve,
-                       summary_param=index, module_aliases=self.index.module_aliases).run()
+                       summary_param=index, module_aliases=self.index.module_aliases,
+                       is_producer=self.is_producer).run()
         finally:
             self.depth -= 1
             self._busy.discard(key)

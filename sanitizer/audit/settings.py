@@ -1,0 +1,200 @@
+"""Project settings for the audit: ``[tool.ownsan]`` in ``pyproject.toml``, as ruff and mypy users expect,
+so that a code base with its own loader names is audited without changing its code.
+
+```toml
+[tool.ownsan]
+# calls that yield (name, tensor) pairs, one step per item (a dotted suffix or a glob: fnmatch)
+producers = ["_checkpoint_engine.parameters", "my_loader.stream"]
+# functions whose parameter receives weights: "Qualified.name:param" (a per-tensor weight whose
+# step is the call), or with "=iterator", "=dict" (a dict of weights by name) or "=pairs"
+consumers = ["LayerContainer.set_dependency:dep_value", "Layer.load:weights=dict"]
+
+[tool.ownsan.per-path-ignores]
+"tests/*" = ["OWN101", "OWN105"]
+"scripts/convert_*.py" = ["OWN1"]
+```
+
+The file is the nearest ``pyproject.toml`` with a ``[tool.ownsan]`` table above the first audited path
+(or the current directory), or the one given with ``--config``. Read with ``tomllib`` (Python 3.11+)
+or ``tomli`` when installed; on 3.10 without ``tomli`` a file that has a ``[tool.ownsan]`` table is an
+error that says so (never a silent default), a file without one is ignored.
+"""
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from sanitizer.audit.codes import CodeSelectionError, selected_codes
+
+CONSUMER_KINDS = ("tensor", "iterator", "dict", "pairs")
+_KEYS = frozenset({"producers", "consumers", "per-path-ignores"})
+
+
+class SettingsError(Exception):
+    """A ``[tool.ownsan]`` table that cannot be used: named, with the value (exit status 2)."""
+
+
+@dataclass(frozen=True)
+class Consumer:
+    qualname: str
+    param: str
+    kind: str = "tensor"
+
+
+@dataclass
+class Settings:
+    path: Optional[str] = None  # the pyproject.toml read (None: defaults)
+    producers: Tuple[str, ...] = ()
+    consumers: Tuple[Consumer, ...] = ()
+    per_path_ignores: Dict[str, Tuple[str, ...]] = field(default_factory=dict)
+    _producer_res: Optional[List["re.Pattern[str]"]] = None
+
+    def is_producer(self, call_name: str) -> bool:
+        """``call_name`` (dotted, as written) is a configured producer: equal, a dotted suffix, or a glob."""
+        if not self.producers or not call_name:
+            return False
+        if self._producer_res is None:
+            self._producer_res = [re.compile(fnmatch.translate(p)) for p in self.producers]
+        for p, rx in zip(self.producers, self._producer_res):
+            if call_name == p or call_name.endswith("." + p) or rx.match(call_name):
+                return True
+        return False
+
+    def consumer_params(self, qualname: str) -> List[Consumer]:
+        return [c for c in self.consumers if c.qualname == qualname or qualname.endswith("." + c.qualname)]
+
+    def ignored_codes(self, path: str) -> Tuple[str, ...]:
+        """Codes ignored for ``path`` (matched relative to the settings file's directory, and as given)."""
+        if not self.per_path_ignores:
+            return ()
+        candidates = {path.replace(os.sep, "/")}
+        if self.path is not None:
+            rel = os.path.relpath(os.path.abspath(path), os.path.dirname(os.path.abspath(self.path)))
+            candidates.add(rel.replace(os.sep, "/"))
+        out: List[str] = []
+        for pattern, codes in self.per_path_ignores.items():
+            if any(fnmatch.fnmatch(c, pattern) or c.startswith(pattern.rstrip("/") + "/") for c in candidates):
+                out.extend(codes)
+        return tuple(out)
+
+    def describe(self) -> str:
+        """What ``--show-settings`` prints."""
+        lines = [f"settings: {self.path or '(none found: defaults)'}"]
+        lines.append("producers: " + (", ".join(self.producers) or "(none beyond the built-in ones)"))
+        lines.append("consumers: " + (", ".join(f"{c.qualname}:{c.param}={c.kind}" for c in self.consumers)
+                                      or "(none beyond the discovered ones)"))
+        if self.per_path_ignores:
+            lines.append("per-path-ignores:")
+            lines.extend(f"  {p}: {', '.join(c)}" for p, c in self.per_path_ignores.items())
+        else:
+            lines.append("per-path-ignores: (none)")
+        return "\n".join(lines) + "\n"
+
+
+def _toml_loads(text: str, path: str) -> dict:
+    try:
+        import tomllib  # type: ignore[import-not-found]
+    except ModuleNotFoundError:
+        try:
+            import tomli as tomllib  # type: ignore[import-not-found,no-redef]
+        except ModuleNotFoundError:
+            raise SettingsError(f"{path}: has a [tool.ownsan] table, but reading TOML needs Python 3.11 or the "
+                                f"'tomli' package") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"{path}: not valid TOML ({exc})") from None
+
+
+def _strings(value: object, what: str, path: str) -> Tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+        raise SettingsError(f"{path}: [tool.ownsan] {what} must be a list of non-empty strings, got {value!r:.80}")
+    return tuple(v.strip() for v in value)
+
+
+def _consumer(spec: str, path: str) -> Consumer:
+    name, sep, rest = spec.partition(":")
+    param, _, kind = rest.partition("=")
+    kind = kind.strip() or "tensor"
+    if not sep or not name.strip() or not param.strip().isidentifier() or kind not in CONSUMER_KINDS:
+        raise SettingsError(f"{path}: [tool.ownsan] consumers entry {spec!r}: expected 'Qualified.name:param' "
+                            f"with an optional '={'|'.join(CONSUMER_KINDS)}'")
+    return Consumer(name.strip(), param.strip(), kind)
+
+
+def parse(table: dict, path: str) -> Settings:
+    unknown = sorted(set(table) - _KEYS)
+    if unknown:
+        raise SettingsError(f"{path}: [tool.ownsan] has unknown key {unknown[0]!r} (known: {', '.join(sorted(_KEYS))})")
+    producers = _strings(table.get("producers", []), "producers", path)
+    consumers = tuple(_consumer(s, path) for s in _strings(table.get("consumers", []), "consumers", path))
+    ignores: Dict[str, Tuple[str, ...]] = {}
+    raw = table.get("per-path-ignores", {})
+    if not isinstance(raw, dict):
+        raise SettingsError(f"{path}: [tool.ownsan] per-path-ignores must be a table of glob = [codes], got {raw!r:.80}")
+    for pattern, codes in raw.items():
+        names = _strings(codes, f"per-path-ignores {pattern!r}", path)
+        try:
+            ignores[pattern] = selected_codes(list(names))
+        except CodeSelectionError as exc:
+            raise SettingsError(f"{path}: [tool.ownsan] per-path-ignores {pattern!r}: {exc}".replace("--select ", "")) \
+                from None
+    return Settings(path, producers, consumers, ignores)
+
+
+def load(path: str) -> Settings:
+    """The settings of one ``pyproject.toml`` (defaults when it has no ``[tool.ownsan]`` table)."""
+    try:
+        with open(path, "rb") as fh:
+            text = fh.read().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"{path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+    if not re.search(r"^\s*\[\s*tool\s*\.\s*ownsan\b", text, re.M):
+        return Settings()
+    data = _toml_loads(text, path)
+    table = data.get("tool", {}).get("ownsan")
+    if table is None:
+        return Settings()
+    if not isinstance(table, dict):
+        raise SettingsError(f"{path}: [tool.ownsan] must be a table")
+    return parse(table, path)
+
+
+def find(paths: Sequence[str]) -> Optional[str]:
+    """The nearest ``pyproject.toml`` with a ``[tool.ownsan]`` table above the first path (or the cwd)."""
+    start = os.path.abspath(paths[0]) if paths else os.getcwd()
+    cur = start if os.path.isdir(start) else os.path.dirname(start)
+    while True:
+        candidate = os.path.join(cur, "pyproject.toml")
+        if os.path.isfile(candidate):
+            try:
+                with open(candidate, "rb") as fh:
+                    if re.search(rb"^\s*\[\s*tool\s*\.\s*ownsan\b", fh.read(), re.M):
+                        return candidate
+            except OSError:
+                pass
+        parent = os.path.dirname(cur)
+        if parent == cur:
+            return None
+        cur = parent
+
+
+def resolve(paths: Sequence[str], config: Optional[str] = None) -> Settings:
+    """``--config FILE`` when given, else the nearest project's settings, else defaults."""
+    if config is not None:
+        if not os.path.isfile(config):
+            raise SettingsError(f"--config {config!r}: no such file")
+        settings = load(config)
+        return settings if settings.path else Settings(config)
+    found = find(paths)
+    return load(found) if found else Settings()
+
+
+DEFAULT = Settings()
+
+__all__ = ["Settings", "Consumer", "SettingsError", "load", "find", "resolve", "parse", "DEFAULT", "CONSUMER_KINDS"]
