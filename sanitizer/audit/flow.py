@@ -124,6 +124,7 @@ class Flow:
         self._loops_t: Tuple[int, ...] = (self.func_step,)  # tuple(self.loops), kept for every binding's Slot
         self._declared_global, self._declared_nonlocal = info.declared
         self.loop_nodes: Dict[int, ast.AST] = {}
+        self._comp_steps: set = set()  # the steps that are comprehensions' (not statement loops)
         self.state = State()
         self.out = Outcome()
         self._seen: Dict[Tuple[int, int, str], Finding] = {}
@@ -717,6 +718,7 @@ class Flow:
         iterates_stream = False
         stream: Optional[Val] = None
         step_id = id(node)
+        self._comp_steps.add(step_id)
         self._push_loop(step_id)
         try:
             for gen in node.generators:  # type: ignore[attr-defined]
@@ -833,7 +835,9 @@ class Flow:
             return True, None
         if base.kind == SOURCE:
             if meth in V.SOURCE_TENSOR_METHODS:
-                step = self.loops[-1]
+                # the innermost statement loop's step: `{k: f.get_tensor(k) for k in f.keys()}` builds the
+                # step's dict of one file's tensors, which lives as long as that file's step
+                step = next((x for x in reversed(self.loops) if x not in self._comp_steps), self.func_step)
                 return True, Val(TENSOR, step, base.chain + (link,), self.fn, label=f"`{self.snip(node, 40)}`")
             if meth in V.SOURCE_ITER_METHODS:
                 return True, base.then(ITER, link, elem=ELEM_PAIR)

@@ -93,9 +93,10 @@ class ModuleAnalysis:
         cls = self._class_of(flow.info)
         if isinstance(base, ast.Name):
             if cls is not None and base.id in (flow._self_name(), "cls", "self"):
-                m = index.method(cls, func.attr)
-                if m is not None:
-                    return Callee(m, 0 if m.is_static else 1, False)
+                found = self.find_method(cls, func.attr, set())
+                if found is not None:
+                    m, where = found
+                    return Callee(m, 0 if m.is_static else 1, False, where if where is not self else None)
                 return None
             other = index.classes.get(base.id)
             if other is not None:
@@ -110,6 +111,50 @@ class ModuleAnalysis:
                 if m is not None:
                     return Callee(m, 0 if m.is_static else 1, False)
         return None
+
+    def find_method(self, cls: ClassInfo, name: str, seen: set) -> Optional[Tuple[FunctionInfo, "ModuleAnalysis"]]:
+        """``cls.name`` through the class, its same-module bases, and bases imported from other audited
+        modules (``class MMWeightTpl(BaseWeightTpl)`` with ``BaseWeightTpl`` from ``.base_weight``)."""
+        m = self.index.method(cls, name)
+        if m is not None:
+            return m, self
+        if cls.qualname in seen or len(seen) > 8:
+            return None
+        seen.add(cls.qualname)
+        for base in cls.bases:
+            short = base.rpartition(".")[2]
+            local = self.index.classes.get(short)
+            if local is not None:
+                found = self.find_method(local, name, seen)
+            else:
+                found = None
+                where, wanted = self, short
+                for _ in range(3):  # through re-exports: `from .layer_weights import PreAndPostLayerWeight`
+                    other = where._module_of(wanted)
+                    if other is None:
+                        break
+                    wanted = where.index.imports[wanted][2]
+                    other_cls = other.index.classes.get(wanted)
+                    if other_cls is not None:
+                        found = other.find_method(other_cls, name, seen)
+                        break
+                    where = other
+            if found is not None:
+                return found
+        return None
+
+    def _module_of(self, name: str) -> Optional["ModuleAnalysis"]:
+        """The analysis of the audited module that ``name`` (imported at module level) comes from."""
+        imp = self.index.imports.get(name)
+        if imp is None or self.project is None:
+            return None
+        module, level, _ = imp
+        path = self.project.locate(self.path, module, level)
+        if path is None or path == self.path:
+            return None
+        other = self.project.module(path, lambda source: ModuleAnalysis(
+            source.path, build_index(source.path, source.tree), Snippets(source.text), self.project, self.settings))
+        return other if isinstance(other, ModuleAnalysis) else None
 
     def _imported(self, name: str) -> Optional[Callee]:
         """A module-level function imported from another audited module (``from .x import f``)."""
