@@ -188,7 +188,7 @@ def resolve(paths: Sequence[str], config: Optional[str] = None) -> Settings:
     """``--config FILE`` when given, else the nearest project's settings, else defaults."""
     if config is not None:
         if not os.path.isfile(config):
-            raise SettingsError(f"--config {config!r}: no such file")
+            raise SettingsError(f"--config {config!r}: not a file (give the path of a pyproject.toml)")
         settings = load(config)
         return settings if settings.path else Settings(config)
     found = find(paths)
