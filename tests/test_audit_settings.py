@@ -1,0 +1,97 @@
+"""``[tool.ownsan]`` in pyproject.toml: producers, consumer entry points, per-path ignores, --show-settings,
+and bad settings named in one line with exit status 2."""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from sanitizer.audit import audit_paths
+from sanitizer.audit.cli import main
+from sanitizer.audit.settings import SettingsError, resolve
+
+
+@pytest.fixture(autouse=True)
+def _clean_sanitizer():
+    """The audit never touches the sanitizer's runtime."""
+    yield
+
+
+CODE = textwrap.dedent('''
+    class Container:
+        def set_dependency(self, dep_name, dep_value):
+            setattr(self.param, dep_name, dep_value)
+
+    class Policy:
+        def populate(self):
+            kept = []
+            for name, p in self._checkpoint_engine.parameters():
+                kept.append(p)
+            return kept
+''')
+CONFIG = textwrap.dedent('''
+    [project]
+    name = "x"
+
+    [tool.ownsan]
+    producers = ["_checkpoint_engine.parameters"]
+    consumers = ["Container.set_dependency:dep_value"]
+
+    [tool.ownsan.per-path-ignores]
+    "src/vendored_*.py" = ["OWN102"]
+''')
+
+
+def _project(tmp_path, config=CONFIG):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "m.py").write_text(CODE)
+    (tmp_path / "src" / "vendored_m.py").write_text(CODE)
+    (tmp_path / "pyproject.toml").write_text(config)
+    return tmp_path
+
+
+def test_without_settings_the_project_loader_names_mean_nothing(tmp_path):
+    root = _project(tmp_path, "[project]\nname = 'x'\n")
+    assert audit_paths([str(root / "src")], settings=resolve([str(root / "src")])).findings == []
+
+
+def test_configured_producers_consumers_and_per_path_ignores(tmp_path):
+    root = _project(tmp_path)
+    result = audit_paths([str(root / "src")], settings=resolve([str(root / "src")]))
+    got = sorted((p.rsplit("/", 1)[1], f.line, f.code) for f in result.findings for p in [f.path])
+    assert got == [("m.py", 4, "OWN102"), ("m.py", 10, "OWN101"), ("vendored_m.py", 10, "OWN101")]
+    assert result.suppressed == 1
+
+
+def test_show_settings_and_cli_use_the_nearest_pyproject(tmp_path, capsys, monkeypatch):
+    root = _project(tmp_path)
+    monkeypatch.chdir(root)
+    assert main(["--show-settings", "src"]) == 0
+    out = capsys.readouterr().out
+    assert "pyproject.toml" in out and "_checkpoint_engine.parameters" in out
+    assert "Container.set_dependency:dep_value=tensor" in out and "src/vendored_*.py: OWN102" in out
+    assert main(["--format", "concise", "src"]) == 1
+    assert "src/m.py:4:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("table, needle", [
+    ('producers = "x"\nconsumers = ["NoColon"]', "consumers entry 'NoColon'"),
+    ('consumers = ["A.f:w=blob"]', "consumers entry 'A.f:w=blob'"),
+    ('colour = 1', "unknown key 'colour'"),
+    ('[tool.ownsan.per-path-ignores]\n"a/*" = ["OWN999"]', "'OWN999'"),
+    ('producers = [', "not valid TOML"),
+])
+def test_bad_settings_are_one_named_line_and_exit_2(tmp_path, capsys, table, needle):
+    (tmp_path / "m.py").write_text("x = 1\n")
+    (tmp_path / "pyproject.toml").write_text(f"[tool.ownsan]\n{table}\n")
+    with pytest.raises(SettingsError):
+        resolve([str(tmp_path / "m.py")])
+    assert main([str(tmp_path / "m.py")]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_config_option_names_a_missing_file(tmp_path, capsys):
+    (tmp_path / "m.py").write_text("x = 1\n")
+    assert main(["--config", str(tmp_path / "nope.toml"), str(tmp_path / "m.py")]) == 2
+    assert "nope.toml" in capsys.readouterr().err
