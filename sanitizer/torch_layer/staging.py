@@ -137,6 +137,14 @@ def _forget_region_at_gc(region: Region) -> None:
 class StagingBuffer:
     """One contiguous byte buffer on a device whose lent views are tracked as leases."""
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> "StagingBuffer":
+        """With ``trap`` on, memory allocated here is a trap buffer (see torch_layer/trap.py)."""
+        if cls is StagingBuffer and runtime.state.enabled and runtime.state.options["trap"] != "0":
+            from sanitizer.torch_layer.trap import buffer_class
+
+            cls = buffer_class(args, kwargs) or cls
+        return object.__new__(cls)
+
     def __init__(self, nbytes: int, device: Any = "cpu", name: Optional[str] = None, *, pin_memory: bool = False):
         nbytes = _index(nbytes, "nbytes")
         if nbytes < 0:
