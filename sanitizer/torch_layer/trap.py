@@ -398,6 +398,11 @@ def buffer_class(args: tuple, kwargs: dict) -> Optional[type]:
     return TrapStagingBuffer
 
 
+def arm() -> None:
+    """Let ``StagingBuffer(nbytes)`` make trap buffers while ``trap`` is on (idempotent)."""
+    _staging.trap_buffer_class = buffer_class
+
+
 @forking.in_child
 def _after_fork() -> None:
     global _lock
@@ -405,4 +410,4 @@ def _after_fork() -> None:
 
 
 __all__ = ["TrapMemory", "TrapStagingBuffer", "lease_at", "covers", "rescue_in_place", "stats", "buffer_class",
-           "AVAILABLE", "UNAVAILABLE_REASON", "MODES"]
+           "arm", "AVAILABLE", "UNAVAILABLE_REASON", "MODES"]
