@@ -255,3 +255,29 @@ def test_safetensors_ring_emulation_traps_a_kept_numpy_alias(tmp_path):
             assert np.isnan(kept).all()  # never w1's ones
     finally:
         adapters.uninstall_import_hooks()
+
+
+def test_a_forked_child_writes_its_own_copy_never_the_parents_buffer():
+    import os
+
+    sanitizer.enable(trap="poison", rescue=True)
+    buf = StagingBuffer(8192)
+    w = buf.write(0, FIRST, "w")
+    r = buf.write(4096, FIRST, "r")
+    arr_r = r.numpy()
+    buf.reuse(4096, 32, by="x")  # r is rescued onto its own pages (held by arr_r)
+    pid = os.fork()
+    if pid == 0:  # the child writes everywhere it can
+        try:
+            buf.tensor[:64].fill_(1)
+            w.numpy()[:] = 5.0
+            arr_r[:] = 6.0
+            # the loader's mapping and w's window are one copy in the child: bytes past w keep the fill
+            ok = (buf.tensor[40].item() == 1 and buf.tensor[:4].view(torch.float32).item() == 5.0
+                  and w[0].item() == 5.0 and arr_r[0] == 6.0)
+        finally:
+            os._exit(0 if ok else 3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0  # the child saw its own writes
+    assert torch.equal(w, FIRST) and arr_r.tolist() == FIRST.tolist()  # the parent's bytes are untouched
+    assert buf.tensor[:32].view(torch.float32).tolist() == FIRST.tolist()

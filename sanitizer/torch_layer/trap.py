@@ -86,11 +86,12 @@ class _Writer:
 class _Window(_Writer):
     """One lease's own mapping of the pages that hold it. States: fresh, trapped, rescued."""
 
-    __slots__ = ("state",)
+    __slots__ = ("state", "offset")
 
-    def __init__(self, address: int, length: int):
+    def __init__(self, address: int, length: int, offset: int):
         super().__init__(address, length)
         self.state = "fresh"
+        self.offset = offset  # where its pages start in the buffer's memfd
 
     def __del__(self) -> None:  # may run inside the GC: dict operations and a syscall only
         _forget(self.address)
@@ -169,6 +170,7 @@ class TrapMemory:
         self._fd: Optional[int] = os.memfd_create("ownsan-trap", os.MFD_CLOEXEC)
         os.ftruncate(self._fd, self.length)
         writer = _Writer(pages.map_file(self._fd, 0, self.length, pages.PROT_READ | pages.PROT_WRITE), self.length)
+        self._writer = weakref.ref(writer)
         self.data = torch.from_numpy(np.asarray(writer))[:nbytes]
         self._windows: Dict[int, "weakref.ref[_Window]"] = {}  # lease id -> its window
 
@@ -190,7 +192,7 @@ class TrapMemory:
         except OSError as exc:
             _fall_back(f"mmap failed ({exc})")
             return None
-        window = _Window(address, length)
+        window = _Window(address, length, first)
         with _lock:
             _counts["windows"] += 1
             _counts["peak"] = max(_counts["peak"], _counts["windows"])
@@ -228,21 +230,74 @@ class TrapMemory:
 
     def rescue(self, lease: Lease, window: _Window) -> None:
         """Replace the window, in place, by a private copy of its pages (read before the reuse writes)."""
-        fd = os.memfd_create("ownsan-trap-rescue", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(fd, window.length)
-            data = memoryview(np.asarray(window))
-            at = 0
-            while at < window.length:
-                at += os.pwrite(fd, data[at:], at)
-            pages.map_file(fd, 0, window.length, pages.PROT_READ | pages.PROT_WRITE, at=window.address)
-        finally:
-            os.close(fd)
+        _copy_in_place(window)
         window.state = "rescued"
         with _lock:
             _counts["rescued"] += 1
             _counts["rescued_bytes"] += window.length
-        self._windows.pop(lease.lease_id, None)
+
+    def after_fork_in_child(self) -> None:
+        """A forked child must not share the parent's buffer (``MAP_SHARED`` survives ``fork``, where
+        the memory of a plain buffer is copy-on-write): move the loader's mapping and every fresh window
+        onto a copy of the file, and every rescued window onto a copy of its own, all in place."""
+        writer = self._writer()
+        if self._fd is None or writer is None:
+            for window in self._live_windows():
+                if window.state in ("fresh", "rescued"):
+                    _copy_in_place(window)
+            return
+        fd = _copy_to_memfd(writer.address, writer.length)
+        pages.map_file(fd, 0, writer.length, pages.PROT_READ | pages.PROT_WRITE, at=writer.address)
+        for window in self._live_windows():
+            if window.state == "fresh":
+                pages.map_file(fd, window.offset, window.length, pages.PROT_READ | pages.PROT_WRITE,
+                               at=window.address)
+            elif window.state == "rescued":
+                _copy_in_place(window)
+            # trapped: poison is a private read-only mapping, fault maps nothing readable: nothing shared
+        os.close(self._fd)
+        self._fd = fd
+
+    def _live_windows(self) -> List[_Window]:
+        return [w for w in (ref() for ref in list(self._windows.values())) if w is not None]
+
+
+def _copy_to_memfd(address: int, length: int) -> int:
+    """A new memfd holding a copy of the ``length`` bytes mapped at ``address``."""
+    fd = os.memfd_create("ownsan-trap-copy", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, length)
+        data = memoryview(np.asarray(_View().set(address, length)))
+        at = 0
+        while at < length:
+            at += os.pwrite(fd, data[at:], at)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class _View:
+    """A plain array interface over mapped bytes (owns nothing, unmaps nothing)."""
+
+    __slots__ = ("address", "length")
+
+    def set(self, address: int, length: int) -> "_View":
+        self.address, self.length = address, length
+        return self
+
+    @property
+    def __array_interface__(self) -> dict:
+        return {"data": (self.address, False), "shape": (self.length,), "typestr": "|u1", "version": 3}
+
+
+def _copy_in_place(window: _Window) -> None:
+    """Replace ``window``'s pages, in place, by a private copy of their bytes (a memfd of its own)."""
+    fd = _copy_to_memfd(window.address, window.length)
+    try:
+        pages.map_file(fd, 0, window.length, pages.PROT_READ | pages.PROT_WRITE, at=window.address)
+    finally:
+        os.close(fd)
 
 
 def _describe(lease: Lease, event: ReuseEvent, buffer: str) -> str:
@@ -407,6 +462,12 @@ def arm() -> None:
 def _after_fork() -> None:
     global _lock
     _lock = threading.RLock()
+    for memory in list(_MEMORY.values()):
+        try:
+            memory.after_fork_in_child()
+        except OSError as exc:  # no descriptor or memory left: say so, never fail the fork
+            warnings.warn(f"ownership-sanitizer: trap buffer '{memory.name}' could not be copied into the forked "
+                          f"child ({exc}); its writes there reach the parent's buffer", RuntimeWarning)
 
 
 __all__ = ["TrapMemory", "TrapStagingBuffer", "lease_at", "covers", "rescue_in_place", "stats", "buffer_class",
