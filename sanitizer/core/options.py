@@ -77,6 +77,17 @@ def _byte(v: int) -> Optional[str]:
     return None if 0 <= v <= 255 else "must be a byte, 0..255 (0x00..0xff)"
 
 
+def _trap_mode(v: str) -> Optional[str]:
+    if v not in ("0", "poison", "fault"):
+        return "must be poison, fault or 0"
+    if v != "0":
+        from sanitizer.core import pages  # (only when asked for: ctypes stays unimported otherwise)
+
+        if not pages.AVAILABLE:
+            return f"trap mode is unavailable here: it {pages.UNAVAILABLE_REASON}"
+    return None
+
+
 OPTIONS: Dict[str, Option] = {
     o.name: o
     for o in [
@@ -104,6 +115,12 @@ OPTIONS: Dict[str, Option] = {
                "re-point its storage to a tombstone filled with poison_byte, so a read the dispatch mode cannot see "
                "(ctypes, a C extension, DLPack, a thread started before enable) reads NaN, never the next tensor's "
                "bytes. The tombstone is freed with the lease; stats() counts them."),
+        Option("trap", str, "0",
+               "Trap mode for memory the sanitizer allocates (StagingBuffer(nbytes), rings, safetensors_ring; CPU, "
+               "Linux): each lease gets its own page mapping of the buffer, and a retire replaces it in place, so "
+               "every alias made while fresh (numpy, memoryview, DLPack, frombuffer, ctypes) hits it too. poison: "
+               "reads poison_byte (NaN); fault: the first access prints one report and exits 1. With rescue=1 the "
+               "mapping becomes a private copy, so every alias keeps the right bytes. 0: off.", _trap_mode),
         Option("quarantine", int, 0,
                "StagingRing: retire each tensor when the next one is put (strict lifetime) and keep the N most "
                "recently retired regions out of reuse (growing the ring if it must), so stale reads keep hitting "

@@ -43,8 +43,15 @@ def install() -> None:
     add_enable_hook(_on_enable)
 
 
+_trap: Any = None  # sanitizer.torch_layer.trap, once trap mode was asked for
+
+
 def _on_enable(options: Dict[str, Any]) -> None:
-    global _installed
+    global _installed, _trap
+    if options.get("trap", "0") != "0" and _trap is None:
+        from sanitizer.torch_layer import trap as _trap_module
+
+        _trap = _trap_module
     if options.get("guard") and storage_handles.AVAILABLE and not _installed:
         add_retire_hook(_on_retire, ORDER)
         _installed = True
@@ -55,8 +62,8 @@ def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
         return
     fill = state.options["poison_byte"]
     for lease in victims:
-        if not lease.alive or lease.rescued:
-            continue
+        if not lease.alive or lease.rescued or (_trap is not None and _trap.covers(lease)):
+            continue  # (trap mode already replaced this lease's pages in place)
         storage = runtime.storage_of(lease)  # (whenever it was lent: the runtime keeps a weak handle)
         if storage is None or storage_handles.holders(storage) <= 0:
             continue  # nobody holds it: it dies now and nobody can read it

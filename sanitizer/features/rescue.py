@@ -96,21 +96,35 @@ def _rescue(lease: Lease, storage: torch.UntypedStorage, event: ReuseEvent) -> N
         return  # nobody holds it: it dies now, nothing to keep correct
     # the lease's storage (and its views) now own a copy; on CUDA the copy is queued on the current stream,
     # which the staging memory records, so that freeing the buffer meanwhile cannot hand its bytes to another
-    previous, keeper = storage_handles.repoint(storage, source=buffer_bytes(lease.region_id))
+    in_place = _trap_rescue(lease)  # trap mode: the lease's own pages become the copy, aliases and all
+    if not in_place:
+        previous, keeper = storage_handles.repoint(storage, source=buffer_bytes(lease.region_id))
     runtime.disown(lease)  # before `previous` (now holding the staging alias) dies
-    runtime.rebind_lease(lease, keeper)  # its death is now the copy's: release hooks see the true end
-    del previous
     nbytes = storage.nbytes()
-    from sanitizer.features.ownership import account_copy
+    if not in_place:
+        runtime.rebind_lease(lease, keeper)  # its death is now the copy's: release hooks see the true end
+        del previous
+        from sanitizer.features.ownership import account_copy
 
-    account_copy("rescue", nbytes, keeper)
+        account_copy("rescue", nbytes, keeper)
     record = {"kind": "rescue", "rescued": True, "nbytes": nbytes, "holders": holders,
               "lease": lease.to_dict(), "event": event.to_dict(),
               "thread": threading.current_thread().name, "pid": os.getpid()}
+    if in_place:
+        record["in_place"] = True  # (trap mode: every alias reads the copy too)
     exported = aliases.records_of(lease.lease_id)
-    if exported:  # they point at the staging bytes, not at the storage: the copy does not reach them
+    if exported and not in_place:  # they point at the staging bytes, not at the storage: the copy misses them
         record["aliases_not_rescued"] = exported
     _remember(record)
+
+
+def _trap_rescue(lease: Lease) -> bool:
+    """Rescue at page level when the lease lives on a trap window (trap mode), else False."""
+    if state.options.get("trap", "0") == "0":
+        return False
+    from sanitizer.torch_layer import trap
+
+    return trap.rescue_in_place(lease)
 
 
 def _remember(record: dict) -> None:

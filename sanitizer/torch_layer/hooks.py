@@ -38,6 +38,7 @@ class RetireOrder(enum.IntEnum):
     VERIFY = 100  # checksums: verify the borrowed bytes before anything else
     RESCUE = 200  # rescue: copy victims out before the producer writes
     TRIAGE = 300  # triage: record who still holds the victims
+    TRAP = 340  # trap mode: remap what is still alive in place (poison or no access)
     GUARD = 350  # guard: re-point what is still held to a poison tombstone
     POISON = 400  # checksums: poison what is left stale
 

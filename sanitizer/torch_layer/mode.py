@@ -93,6 +93,10 @@ which drops the text of an exception raised from Python inside a scripted call).
 
 StaleHandler = Callable[[Any, Any, torch.Tensor], None]  # (lease, func, tensor)
 
+address_lookup: Optional[Callable[[torch.Tensor], Any]] = None
+"""Set by trap mode only while a trapped lease exists: the lease whose window holds a tensor whose
+storage the stale set does not know (``from_dlpack``/``from_numpy``/``frombuffer`` of a lease)."""
+
 
 class BorrowCheckMode(TorchDispatchMode):
     """Raises (through ``on_stale``) before any op touches a stale lease's storage.
@@ -169,6 +173,10 @@ class BorrowCheckMode(TorchDispatchMode):
                     continue
                 if lease is not None:
                     self._on_stale(lease, func, a)
+                elif address_lookup is not None:
+                    lease = address_lookup(a)
+                    if lease is not None:
+                        self._on_stale(lease, func, a)
             elif isinstance(a, _Tensor):
                 self._test(func, a, stale)
             elif isinstance(a, (list, tuple)):  # a Tensor[] argument: one call per list, not per tensor
@@ -196,6 +204,8 @@ class BorrowCheckMode(TorchDispatchMode):
         except (RuntimeError, NotImplementedError):  # nested, storage-less subclasses
             return
         lease = stale.get(key)
+        if lease is None and address_lookup is not None:
+            lease = address_lookup(t)
         if lease is not None:
             self._on_stale(lease, func, t)
 

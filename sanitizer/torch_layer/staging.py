@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import operator
 import weakref
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -93,6 +93,10 @@ def _install_marker() -> bool:
             _MARKER_ON_CLASS = isinstance(present, _BorrowedMarker)
     return _MARKER_ON_CLASS
 
+trap_buffer_class: Optional[Callable[[tuple, dict], Optional[type]]] = None
+"""Set by torch_layer/trap.py once ``enable(trap=...)`` asked for trap mode: the class that
+``StagingBuffer(*args, **kwargs)`` makes then (None: a plain buffer)."""
+
 _BUFFERS: "weakref.WeakValueDictionary[int, StagingBuffer]" = weakref.WeakValueDictionary()
 
 
@@ -136,6 +140,13 @@ def _forget_region_at_gc(region: Region) -> None:
 
 class StagingBuffer:
     """One contiguous byte buffer on a device whose lent views are tracked as leases."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "StagingBuffer":
+        """With ``trap`` on, memory allocated here is a trap buffer (see torch_layer/trap.py)."""
+        if cls is StagingBuffer and trap_buffer_class is not None and runtime.state.enabled \
+                and runtime.state.options["trap"] != "0":
+            cls = trap_buffer_class(args, kwargs) or cls
+        return object.__new__(cls)
 
     def __init__(self, nbytes: int, device: Any = "cpu", name: Optional[str] = None, *, pin_memory: bool = False):
         nbytes = _index(nbytes, "nbytes")

@@ -17,6 +17,7 @@ import torch
 from sanitizer.core.errors import StaleBorrowError
 from sanitizer.core.ledger import Lease
 from sanitizer.core.sites import capture_excluding, torch_dir
+from sanitizer.torch_layer import mode as _mode
 from sanitizer.torch_layer.aliasing import storage_key
 from sanitizer.torch_layer.hooks import HOOKS, StaleUse
 from sanitizer.torch_layer.records import raise_or_record
@@ -63,6 +64,8 @@ def check_not_stale(tensor: torch.Tensor, where: str) -> bool:
         lease = state.stale.get(storage_key(tensor))
     except (RuntimeError, NotImplementedError):  # sparse, nested, storage-less subclasses
         return False
+    if lease is None and _mode.address_lookup is not None:
+        lease = _mode.address_lookup(tensor)  # an alias of a trapped lease (trap mode)
     if lease is None:
         return False
     report_stale_use(lease, where, tensor)

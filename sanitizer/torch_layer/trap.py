@@ -1,0 +1,474 @@
+"""``trap=poison|fault``: every alias of a retired lease hits the tombstone, not the next tensor.
+
+The guard re-points a retired lease's *storage* to poison; an alias made while the lease was fresh
+(``w.numpy()``, a memoryview of it, ``torch.from_dlpack(w)``, ``torch.frombuffer``, a ctypes pointer,
+a C extension's pointer) does not follow a storage, it points at the memory. So in trap mode the
+memory itself moves, as Electric Fence and GWP-ASan do for heap chunks:
+
+* **A mapping per lease.** A trap buffer's bytes are a ``memfd``; the loader writes through one
+  shared mapping of it (the buffer's ``tensor``); each lend maps the pages that hold the lease a
+  second time, on its own (:class:`_Window`), and builds the lease's tensor there. Every alias made
+  from the lease points into that window. Two leases that share a page have two windows.
+* **Retire remaps in place** (``MAP_FIXED``, atomic: no hole). ``trap=poison``: the window becomes a
+  read-only private mapping of a shared poison file (``poison_byte``, 0xFF: NaN in fp16/bf16/fp32);
+  ``trap=fault``: ``PROT_NONE``, and the first access from any path ends the process with one report
+  (:mod:`sanitizer.core.fault_report`). The loader's writes go through the buffer's own mapping and
+  never see any of this.
+* **Rescue at page level.** With ``rescue=1`` a held lease's window is replaced by a private copy of
+  its pages (a memfd of its own), so the tensor *and every alias* keep reading the right bytes.
+* **Torch aliases the mode sees.** ``from_dlpack``/``from_numpy``/``frombuffer`` of a lease make a
+  storage of their own; while a trapped lease exists the dispatch mode looks a storage it does not
+  know up by address among the trapped windows (:func:`lease_at`) and reports the lease.
+* **Limits.** A window is unmapped when its lease's storage (the last alias with it) dies. Windows
+  count against ``vm.max_map_count``: past half of it a lend falls back to a plain view (the guard
+  covers it), with one warning naming the limit and the count.
+
+CPU only (``docs/cuda.md`` has the CUDA design); memory the sanitizer allocates only (adopted loader
+memory is never remapped). A buffer made in trap mode keeps it for its life.
+"""
+from __future__ import annotations
+
+import bisect
+import os
+import threading
+import warnings
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from sanitizer.core import fault_report, forking, pages
+from sanitizer.core.ledger import Lease, Region, ReuseEvent
+from sanitizer.torch_layer import mode as _mode
+from sanitizer.torch_layer import runtime
+from sanitizer.torch_layer.aliasing import HOST_VIEWS, alias_view, host_view
+from sanitizer.torch_layer.hooks import RetireOrder, add_retire_hook
+from sanitizer.core.sites import format_site
+from sanitizer.torch_layer import staging as _staging
+from sanitizer.torch_layer.staging import BORROWED_MARKER, StagingBuffer, _index
+from sanitizer.torch_layer.state import state
+
+MODES = ("poison", "fault")
+AVAILABLE = pages.AVAILABLE
+UNAVAILABLE_REASON = pages.UNAVAILABLE_REASON
+
+_lock = threading.RLock()  # re-entrant: a window's __del__ may run in a GC inside a locked section
+_counts = {"windows": 0, "peak": 0, "fallbacks": 0, "trapped": 0, "rescued": 0, "rescued_bytes": 0}
+_limits: Dict[str, Optional[int]] = {"max_map_count": None, "max_windows": None}  # tests lower max_windows
+_warned = False
+
+# address index of trapped windows (for the mode): start -> (end, lease); sorted starts cached
+_trapped: Dict[int, Tuple[int, Lease]] = {}
+_starts: List[int] = []
+_starts_dirty = False
+
+
+class _Writer:
+    """The buffer's own mapping of the memfd (the loader writes here); unmapped when its last view dies."""
+
+    __slots__ = ("address", "length", "__weakref__")
+
+    def __init__(self, address: int, length: int):
+        self.address, self.length = address, length
+
+    @property
+    def __array_interface__(self) -> dict:
+        return {"data": (self.address, False), "shape": (self.length,), "typestr": "|u1", "version": 3}
+
+    def __del__(self) -> None:
+        try:
+            pages.unmap(self.address, self.length)
+        except Exception:  # interpreter shutdown: the maps go with the process
+            pass
+
+
+class _Window(_Writer):
+    """One lease's own mapping of the pages that hold it. States: fresh, trapped, rescued."""
+
+    __slots__ = ("state", "offset")
+
+    def __init__(self, address: int, length: int, offset: int):
+        super().__init__(address, length)
+        self.state = "fresh"
+        self.offset = offset  # where its pages start in the buffer's memfd
+
+    def __del__(self) -> None:  # may run inside the GC: dict operations and a syscall only
+        _forget(self.address)
+        try:
+            pages.unmap(self.address, self.length)
+        except Exception:
+            pass
+        with _lock:
+            _counts["windows"] -= 1
+
+
+def _forget(address: int) -> None:
+    global _starts_dirty
+    if _trapped.pop(address, None) is not None:
+        _starts_dirty = True
+        if not _trapped:
+            _mode.address_lookup = None
+    fault_report.remove(address)
+
+
+def lease_at(t: torch.Tensor) -> Optional[Lease]:
+    """The trapped lease whose window holds ``t``'s first byte (any storage: an alias), or None."""
+    global _starts, _starts_dirty
+    if not _trapped:
+        return None
+    try:
+        ptr = t.data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    if _starts_dirty:
+        _starts, _starts_dirty = sorted(_trapped), False
+    i = bisect.bisect_right(_starts, ptr) - 1
+    if i < 0:
+        return None
+    hit = _trapped.get(_starts[i])
+    if hit is None or ptr >= hit[0]:
+        return None
+    lease = hit[1]
+    return lease if lease.alive and not lease.rescued and lease.stale_by is not None else None
+
+
+class _PoisonPages:
+    """One memfd of ``fill`` bytes per fill value that every trapped window maps read-only (private)."""
+
+    def __init__(self) -> None:
+        self._files: Dict[int, Tuple[int, int]] = {}  # fill -> (fd, size)
+
+    def fd_for(self, length: int, fill: int) -> int:
+        with _lock:
+            fd, size = self._files.get(fill, (-1, 0))
+            if fd < 0:
+                fd = os.memfd_create("ownsan-trap-poison", os.MFD_CLOEXEC)
+            if size < length:
+                new = max(length, 2 * size)
+                os.ftruncate(fd, new)
+                chunk = bytes([fill]) * min(1 << 20, new)
+                at = size
+                while at < new:
+                    at += os.pwrite(fd, chunk[: new - at], at)
+                size = new
+            self._files[fill] = (fd, size)
+            return fd
+
+
+_POISON = _PoisonPages()
+
+
+class TrapMemory:
+    """A trap buffer's memory: the memfd, the loader's mapping, and the windows lent from it."""
+
+    def __init__(self, nbytes: int, mode: str, fill: int, name: str):
+        if mode not in MODES:
+            raise ValueError(f"trap mode must be one of {MODES}, got {mode!r}")
+        self.mode, self.fill, self.name = mode, fill, name
+        self.length = pages.round_up(max(nbytes, 1))
+        self._fd: Optional[int] = os.memfd_create("ownsan-trap", os.MFD_CLOEXEC)
+        os.ftruncate(self._fd, self.length)
+        writer = _Writer(pages.map_file(self._fd, 0, self.length, pages.PROT_READ | pages.PROT_WRITE), self.length)
+        self._writer = weakref.ref(writer)
+        self.data = torch.from_numpy(np.asarray(writer))[:nbytes]
+        self._windows: Dict[int, "weakref.ref[_Window]"] = {}  # lease id -> its window
+
+    def close(self) -> None:
+        """No more lends: the descriptor goes (the mappings keep the file alive)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def lend_view(self, offset: int, nbytes: int, shape: tuple, dtype: torch.dtype
+                  ) -> Optional[Tuple[torch.Tensor, Any, _Window]]:
+        """``(tensor, piece, window)`` of a lease on a window of its own; None past the map limit."""
+        if self._fd is None or not _room():
+            return None
+        first = offset // pages.PAGE * pages.PAGE
+        length = pages.round_up(offset + max(nbytes, 1)) - first
+        try:
+            address = pages.map_file(self._fd, first, length, pages.PROT_READ | pages.PROT_WRITE)
+        except OSError as exc:
+            _fall_back(f"mmap failed ({exc})")
+            return None
+        window = _Window(address, length, first)
+        with _lock:
+            _counts["windows"] += 1
+            _counts["peak"] = max(_counts["peak"], _counts["windows"])
+        np_dtype, retype = HOST_VIEWS.get(dtype) or host_view(dtype)
+        piece = np.ndarray(shape, np_dtype, np.asarray(window), offset - first)
+        view = torch.from_numpy(piece)
+        return (view.view(dtype) if retype else view), piece, window
+
+    def attach(self, lease: Lease, window: _Window) -> None:
+        self._windows[lease.lease_id] = weakref.ref(window)
+
+    def window(self, lease: Lease) -> Optional[_Window]:
+        ref = self._windows.get(lease.lease_id)
+        window = None if ref is None else ref()
+        if window is None:
+            self._windows.pop(lease.lease_id, None)
+        return window
+
+    def trap(self, lease: Lease, window: _Window, event: ReuseEvent) -> None:
+        """Replace the window in place: poison (read-only) or no access."""
+        global _starts_dirty
+        if self.mode == "poison":
+            fd = _POISON.fd_for(window.length, self.fill)
+            pages.map_file(fd, 0, window.length, pages.PROT_READ, shared=False, at=window.address)
+        else:
+            fault_report.install()
+            fault_report.add(window.address, window.address + window.length, _describe(lease, event, self.name))
+            pages.protect(window.address, window.length, pages.PROT_NONE)
+        window.state = "trapped"
+        with _lock:
+            _counts["trapped"] += 1
+            _trapped[window.address] = (window.address + window.length, lease)
+            _starts_dirty = True
+        _mode.address_lookup = lease_at
+
+    def rescue(self, lease: Lease, window: _Window) -> None:
+        """Replace the window, in place, by a private copy of its pages (read before the reuse writes)."""
+        _copy_in_place(window)
+        window.state = "rescued"
+        with _lock:
+            _counts["rescued"] += 1
+            _counts["rescued_bytes"] += window.length
+
+    def after_fork_in_child(self) -> None:
+        """A forked child must not share the parent's buffer (``MAP_SHARED`` survives ``fork``, where
+        the memory of a plain buffer is copy-on-write): move the loader's mapping and every fresh window
+        onto a copy of the file, and every rescued window onto a copy of its own, all in place."""
+        writer = self._writer()
+        if self._fd is None or writer is None:
+            for window in self._live_windows():
+                if window.state in ("fresh", "rescued"):
+                    _copy_in_place(window)
+            return
+        fd = _copy_to_memfd(writer.address, writer.length)
+        pages.map_file(fd, 0, writer.length, pages.PROT_READ | pages.PROT_WRITE, at=writer.address)
+        for window in self._live_windows():
+            if window.state == "fresh":
+                pages.map_file(fd, window.offset, window.length, pages.PROT_READ | pages.PROT_WRITE,
+                               at=window.address)
+            elif window.state == "rescued":
+                _copy_in_place(window)
+            # trapped: poison is a private read-only mapping, fault maps nothing readable: nothing shared
+        os.close(self._fd)
+        self._fd = fd
+
+    def _live_windows(self) -> List[_Window]:
+        return [w for w in (ref() for ref in list(self._windows.values())) if w is not None]
+
+
+def _copy_to_memfd(address: int, length: int) -> int:
+    """A new memfd holding a copy of the ``length`` bytes mapped at ``address``."""
+    fd = os.memfd_create("ownsan-trap-copy", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, length)
+        data = memoryview(np.asarray(_View().set(address, length)))
+        at = 0
+        while at < length:
+            at += os.pwrite(fd, data[at:], at)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class _View:
+    """A plain array interface over mapped bytes (owns nothing, unmaps nothing)."""
+
+    __slots__ = ("address", "length")
+
+    def set(self, address: int, length: int) -> "_View":
+        self.address, self.length = address, length
+        return self
+
+    @property
+    def __array_interface__(self) -> dict:
+        return {"data": (self.address, False), "shape": (self.length,), "typestr": "|u1", "version": 3}
+
+
+def _copy_in_place(window: _Window) -> None:
+    """Replace ``window``'s pages, in place, by a private copy of their bytes (a memfd of its own)."""
+    fd = _copy_to_memfd(window.address, window.length)
+    try:
+        pages.map_file(fd, 0, window.length, pages.PROT_READ | pages.PROT_WRITE, at=window.address)
+    finally:
+        os.close(fd)
+
+
+def _describe(lease: Lease, event: ReuseEvent, buffer: str) -> str:
+    """The report text of a lease trapped with ``trap=fault``, rendered now (the handler only writes it)."""
+    lines = [f"  lease '{lease.name}' ({lease.dtype}{list(lease.shape)}, {lease.nbytes} bytes) of staging buffer "
+             f"'{buffer}', lent at generation {lease.generation}",
+             f"  retired: {event.describe()}"]
+    if lease.site:
+        lines.append("  lent at:\n" + format_site(lease.site, "    "))
+    holder = _holder_of(lease)
+    lines.append(f"  held by: {holder}" if holder else "  held by: (not known at retire time; triage=1 names it)")
+    return "\n".join(lines)
+
+
+def _holder_of(lease: Lease) -> Optional[str]:
+    """The holder triage named for this lease's retention at this retire, if it did (a short string)."""
+    try:
+        from sanitizer.torch_layer import records
+        for record in reversed(records.events("retention")):
+            if record.get("lease", {}).get("lease_id") == lease.lease_id:
+                holder = record.get("holder") or record.get("held_by")
+                return None if not holder else str(holder)[:300]
+    except Exception:  # a diagnostic never fails a retire
+        return None
+    return None
+
+
+def _room() -> bool:
+    if _limits["max_windows"] is None:
+        _limits["max_map_count"] = pages.read_max_map_count()
+        _limits["max_windows"] = _limits["max_map_count"] // 2
+    if _counts["windows"] < _limits["max_windows"]:
+        return True
+    _fall_back(f"{_counts['windows']} lease mappings reached the trap budget of {_limits['max_windows']} "
+               f"(half of vm.max_map_count={_limits['max_map_count']})")
+    return False
+
+
+def _fall_back(why: str) -> None:
+    global _warned
+    with _lock:
+        _counts["fallbacks"] += 1
+        first = not _warned
+        _warned = True
+    if first:
+        warnings.warn(f"ownership-sanitizer: trap mode: {why}; further leases fall back to the guard "
+                      f"(their own tensor reads poison, aliases of them are not trapped)", RuntimeWarning,
+                      stacklevel=4)
+
+
+def stats() -> Dict[str, Any]:
+    """Windows alive now and at peak, leases trapped and rescued, lends that fell back, the limit."""
+    with _lock:
+        return dict(_counts, trapped_alive=len(_trapped), **_limits)
+
+
+# -- the retire hook ---------------------------------------------------------------
+_MEMORY: "weakref.WeakValueDictionary[int, TrapMemory]" = weakref.WeakValueDictionary()
+_hooked = False
+
+
+def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
+    memory = _MEMORY.get(region.region_id)
+    if memory is None:
+        return
+    for lease in victims:
+        if not lease.alive or lease.rescued:
+            continue
+        window = memory.window(lease)
+        if window is not None and window.state == "fresh":
+            memory.trap(lease, window, event)
+
+
+def covers(lease: Lease) -> bool:
+    """Does trap mode handle this lease's memory (the guard then leaves it alone)?"""
+    memory = _MEMORY.get(lease.region_id)
+    return memory is not None and memory.window(lease) is not None
+
+
+def rescue_in_place(lease: Lease) -> bool:
+    """Rescue ``lease`` at page level (every alias keeps the bytes); False when it has no window."""
+    memory = _MEMORY.get(lease.region_id)
+    window = None if memory is None else memory.window(lease)
+    if window is None or window.state != "fresh":
+        return False
+    memory.rescue(lease, window)
+    return True
+
+
+# -- the buffer --------------------------------------------------------------------
+class TrapStagingBuffer(StagingBuffer):
+    """A :class:`StagingBuffer` whose leases live on windows of their own (``StagingBuffer(...)`` makes
+    one when ``trap`` is on, for CPU memory it allocates). The default lend path is not touched."""
+
+    def __init__(self, nbytes: int, device: Any = "cpu", name: Optional[str] = None, *, pin_memory: bool = False):
+        nbytes = _index(nbytes, "nbytes")
+        if nbytes < 0:
+            raise ValueError(f"staging buffer size must be >= 0, got {nbytes}")
+        opts = state.options
+        self._memory = TrapMemory(nbytes, opts["trap"], opts["poison_byte"], name or "staging")
+        self._setup(self._memory.data, name, owns_memory=True)
+        self._memory.name = self.name
+        _MEMORY[self._region.region_id] = self._memory
+        global _hooked
+        if not _hooked:
+            add_retire_hook(_on_retire, RetireOrder.TRAP)
+            _hooked = True
+
+    def lend(self, offset: int, shape, dtype: torch.dtype, name: Optional[str] = None) -> torch.Tensor:
+        data = self._data
+        if data is None:
+            raise ValueError(f"staging buffer '{self.name}' is closed: cannot lend '{name}' from it")
+        offset, shape, dtype, nbytes = self._check_lend(offset, shape, dtype, name, "lend")
+        made = self._memory.lend_view(offset, nbytes, tuple(shape), dtype)
+        if made is None:
+            view, piece = alias_view(data, self._host, offset, nbytes, shape, dtype)
+            window = None
+        else:
+            view, piece, window = made
+        lease = runtime.track_lease(self._region, offset, nbytes, view, piece, name, dtype, shape)
+        if window is not None:
+            self._memory.attach(lease, window)
+        if not _staging._MARKER_ON_CLASS:
+            setattr(view, BORROWED_MARKER, True)
+        return view
+
+    def _payload(self, offset: int, src: Any, nbytes: int) -> Any:
+        """A lease of this buffer written back lives on its own window, at another address than the
+        bytes it will be copied to: copy it out before the reuse traps that window."""
+        payload = src.payload
+        if isinstance(payload, torch.Tensor) and nbytes:
+            lease = runtime.lease_of(payload)
+            if lease is not None and lease.region_id == self._region.region_id:
+                return src._replace(payload=payload.clone())
+        return super()._payload(offset, src, nbytes)
+
+    def close(self) -> None:
+        super().close()
+        self._memory.close()
+
+
+def buffer_class(args: tuple, kwargs: dict) -> Optional[type]:
+    """The class ``StagingBuffer(*args, **kwargs)`` makes in trap mode: ours for CPU memory the sanitizer
+    allocates itself (not pinned), None otherwise."""
+    if not AVAILABLE or not args and "nbytes" not in kwargs:
+        return None
+    device = args[1] if len(args) > 1 else kwargs.get("device", "cpu")
+    try:
+        if torch.device(device).type != "cpu" or kwargs.get("pin_memory"):
+            return None
+    except (RuntimeError, TypeError):
+        return None  # the parent's __init__ reports the bad device
+    return TrapStagingBuffer
+
+
+def arm() -> None:
+    """Let ``StagingBuffer(nbytes)`` make trap buffers while ``trap`` is on (idempotent)."""
+    _staging.trap_buffer_class = buffer_class
+
+
+@forking.in_child
+def _after_fork() -> None:
+    global _lock
+    _lock = threading.RLock()
+    for memory in list(_MEMORY.values()):
+        try:
+            memory.after_fork_in_child()
+        except OSError as exc:  # no descriptor or memory left: say so, never fail the fork
+            warnings.warn(f"ownership-sanitizer: trap buffer '{memory.name}' could not be copied into the forked "
+                          f"child ({exc}); its writes there reach the parent's buffer", RuntimeWarning)
+
+
+__all__ = ["TrapMemory", "TrapStagingBuffer", "lease_at", "covers", "rescue_in_place", "stats", "buffer_class",
+           "arm", "AVAILABLE", "UNAVAILABLE_REASON", "MODES"]

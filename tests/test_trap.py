@@ -1,0 +1,283 @@
+"""trap=poison|fault: every alias of a retired lease (numpy, memoryview, DLPack, frombuffer, ctypes) hits the
+tombstone, not the next tensor; rescue=1 keeps every alias on the right bytes; limits and fallback."""
+from __future__ import annotations
+
+import ctypes
+import gc
+import math
+import sys
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import sanitizer
+from sanitizer import StagingBuffer, StaleBorrowError
+from sanitizer.core import options as _options
+from sanitizer.core import pages
+from sanitizer.torch_layer.ring import StagingRing
+
+from tests.conftest import run_python
+
+pytestmark = pytest.mark.skipif(not pages.AVAILABLE, reason=str(pages.UNAVAILABLE_REASON))
+
+FIRST = torch.arange(8, dtype=torch.float32)
+NEXT = torch.full((8,), 7.0)
+
+
+def _ctypes_floats(ptr: int, n: int) -> list:
+    return list((ctypes.c_float * n).from_address(ptr))
+
+
+def _aliases(w: torch.Tensor) -> dict:
+    """Every alias kind of a lease, made while it is fresh."""
+    arr = w.numpy()
+    return {"numpy": arr, "memoryview": memoryview(w.numpy()), "ptr": w.data_ptr(),
+            "from_dlpack": torch.from_dlpack(w), "from_numpy": torch.from_numpy(w.numpy()),
+            "frombuffer": torch.frombuffer(memoryview(w.numpy()), dtype=torch.float32),
+            "np_from_dlpack": np.from_dlpack(w)}
+
+
+def test_without_trap_an_alias_reads_the_next_tensor_the_bug_trap_closes():
+    sanitizer.enable()
+    buf = StagingBuffer(64)
+    w = buf.write(0, FIRST, "w")
+    arr = w.numpy()
+    buf.write(0, NEXT, "next")
+    assert arr.tolist() == NEXT.tolist()  # the guard re-pointed w, but not the numpy alias
+
+
+def test_every_alias_reads_poison_after_reuse_and_torch_aliases_raise():
+    sanitizer.enable(trap="poison")
+    buf = StagingBuffer(64, name="trapbuf")
+    w = buf.write(0, FIRST, "w")
+    a = _aliases(w)
+    assert a["numpy"].tolist() == FIRST.tolist()  # fresh: the right bytes through every path
+    nxt = buf.write(0, NEXT, "next")
+    assert torch.equal(nxt, NEXT)  # the producer's write and the new lease are untouched
+    assert np.isnan(a["numpy"]).all() and np.isnan(a["np_from_dlpack"]).all()
+    assert np.isnan(np.frombuffer(a["memoryview"], np.float32)).all()
+    assert all(math.isnan(x) for x in _ctypes_floats(a["ptr"], 8))
+    assert bytes(a["memoryview"]) == b"\xff" * 32
+    for kind in ("from_dlpack", "from_numpy", "frombuffer"):  # storages of their own: found by address
+        with pytest.raises(StaleBorrowError, match="'w'"):
+            a[kind].sum()
+    with pytest.raises(StaleBorrowError, match="'w'"):
+        w.sum()
+
+
+def test_leases_sharing_a_page_have_their_own_mappings():
+    sanitizer.enable(trap="poison")
+    buf = StagingBuffer(4096)
+    a = buf.write(0, FIRST, "a")
+    b = buf.write(64, NEXT, "b")
+    arr_a, arr_b = a.numpy(), b.numpy()
+    buf.reuse(0, 32, by="c")
+    assert np.isnan(arr_a).all()
+    assert arr_b.tolist() == NEXT.tolist() and torch.equal(b, NEXT)  # b's window, same page, untouched
+
+
+def test_rescue_keeps_every_alias_on_the_rescued_bytes():
+    sanitizer.enable(trap="poison", rescue=True)
+    buf = StagingBuffer(64)
+    w = buf.write(0, FIRST, "w")
+    a = _aliases(w)
+    nxt = buf.write(0, NEXT, "next")
+    assert torch.equal(nxt, NEXT)
+    assert torch.equal(w, FIRST)
+    assert a["numpy"].tolist() == FIRST.tolist() and a["np_from_dlpack"].tolist() == FIRST.tolist()
+    assert np.frombuffer(a["memoryview"], np.float32).tolist() == FIRST.tolist()
+    assert _ctypes_floats(a["ptr"], 8) == FIRST.tolist()
+    for kind in ("from_dlpack", "from_numpy", "frombuffer"):
+        assert torch.equal(a[kind], FIRST)
+    record = sanitizer.rescues()[-1]
+    assert record["in_place"] and "aliases_not_rescued" not in record
+    assert sanitizer.errors() == []
+
+
+def _ring_load(trap: str, quarantine: int = 0) -> list:
+    sanitizer.enable(trap=trap, quarantine=quarantine)
+    g = torch.Generator().manual_seed(3)
+    weights = [torch.randn(5 + i, 7, generator=g) for i in range(12)]
+    out = []
+    with StagingRing(3 * 12 * 7 * 4, name="r") as ring:
+        for i, t in enumerate(weights):
+            view = ring.put(f"w{i}", t)
+            out.append((view * 2).clone())  # a correct consumer: uses and copies before the next put
+    sanitizer.disable()
+    return out
+
+
+@pytest.mark.parametrize("quarantine", [0, 2])
+def test_a_correct_program_is_bit_identical_with_trap_on(quarantine):
+    plain = _ring_load("0", quarantine)
+    trapped = _ring_load("poison", quarantine)
+    assert len(plain) == len(trapped) and all(torch.equal(a, b) for a, b in zip(plain, trapped))
+    assert sanitizer.errors() == []
+
+
+def test_windows_are_unmapped_when_the_lease_dies():
+    from sanitizer.torch_layer import trap
+
+    sanitizer.enable(trap="poison")
+    gc.collect()
+    before = trap.stats()["windows"]
+    buf = StagingBuffer(1 << 16)
+    views = [buf.lend(i * 64, (16,), torch.float32, f"v{i}") for i in range(50)]
+    arrs = [v.numpy() for v in views[:10]]
+    assert trap.stats()["windows"] == before + 50
+    del views
+    gc.collect()
+    assert trap.stats()["windows"] == before + 10  # the numpy aliases keep their leases' windows
+    del arrs
+    gc.collect()
+    assert trap.stats()["windows"] == before
+
+
+def test_past_the_map_budget_lends_fall_back_to_the_guard_with_one_warning(monkeypatch):
+    from sanitizer.torch_layer import trap
+
+    sanitizer.enable(trap="poison")
+    trap._room()  # read the kernel's limit
+    assert trap.stats()["max_map_count"] == pages.read_max_map_count()
+    monkeypatch.setitem(trap._limits, "max_windows", trap.stats()["windows"] + 1)
+    monkeypatch.setattr(trap, "_warned", False)
+    buf = StagingBuffer(256)
+    a = buf.write(0, FIRST, "a")  # the last window the budget allows
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        b = buf.write(64, FIRST, "b")
+        c = buf.write(128, FIRST, "c")
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "vm.max_map_count=" in messages[0] and "fall back to the guard" in messages[0]
+    assert str(pages.read_max_map_count()) in messages[0]
+    assert trap.stats()["fallbacks"] >= 2
+    buf.reuse(0, 256, by="d")
+    assert all(math.isnan(x) for x in _ctypes_floats(b.data_ptr(), 8))  # the guard's tombstone
+    assert all(math.isnan(x) for x in _ctypes_floats(a.data_ptr(), 8))  # the trap's window
+    del c
+
+
+def test_option_values_and_unavailable_platform(monkeypatch):
+    with pytest.raises(_options.OptionError, match="poison, fault or 0"):
+        _options.resolve({"trap": "yes"})
+    monkeypatch.setattr(pages, "AVAILABLE", False)
+    monkeypatch.setattr(pages, "UNAVAILABLE_REASON", "needs 64-bit Linux (memfd_create, mmap with MAP_FIXED); this is darwin")
+    with pytest.raises(_options.OptionError, match="trap mode is unavailable here.*darwin"):
+        _options.resolve({"trap": "fault"})
+    assert _options.resolve({"trap": "0"})["trap"] == "0"
+
+
+def test_default_and_device_buffers_are_plain():
+    sanitizer.enable()
+    assert type(StagingBuffer(64)) is StagingBuffer
+    sanitizer.enable(trap="poison")
+    assert type(StagingBuffer.adopt(torch.zeros(16))) is StagingBuffer  # a loader's memory is never remapped
+    from sanitizer.torch_layer import trap
+
+    assert trap.buffer_class((64,), {"pin_memory": True}) is None  # pinned memory stays torch's
+    assert trap.buffer_class((64, "cuda:0"), {}) is None  # CUDA: see docs/cuda.md
+    assert trap.buffer_class((64,), {}) is trap.TrapStagingBuffer
+
+
+def test_page_calls_validate_their_arguments():
+    with pytest.raises(ValueError, match="page size"):
+        pages.protect(pages.PAGE + 1, pages.PAGE, pages.PROT_NONE)
+    with pytest.raises(ValueError, match="length"):
+        pages.unmap(pages.PAGE * 16, 0)
+    with pytest.raises(ValueError, match="prot"):
+        pages.map_file(0, 0, pages.PAGE, 0x4)
+    with pytest.raises(ValueError, match="offset"):
+        pages.map_file(0, 3, pages.PAGE, pages.PROT_READ)
+    with pytest.raises(ValueError, match="fd"):
+        pages.map_file(-1, 0, pages.PAGE, pages.PROT_READ)
+
+
+FAULT_PROGRAM = textwrap.dedent("""
+    import sys, ctypes, torch, sanitizer
+    from sanitizer import StagingBuffer
+    sanitizer.enable(trap="fault")
+    buf = StagingBuffer(64, name="faultbuf")
+    w = buf.write(0, torch.arange(4, dtype=torch.float32), "layer0.weight")
+    kept = {kind}
+    buf.write(0, torch.full((4,), 7.0), "layer1.weight")
+    print("fresh reads were fine", flush=True)
+    def consumer():
+        return {read}
+    consumer()
+    print("NOT REACHED", flush=True)
+""")
+
+
+@pytest.mark.parametrize("kind,read", [
+    ("w.numpy()", "float(kept[0])"),
+    ("memoryview(w.numpy())", "bytes(kept)"),
+    ("w.data_ptr()", "ctypes.string_at(kept, 16)"),
+])
+def test_fault_mode_reports_the_lease_and_exits_non_zero(kind, read):
+    proc = run_python(FAULT_PROGRAM.format(kind=kind, read=read))
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    assert "fresh reads were fine" in proc.stdout and "NOT REACHED" not in proc.stdout
+    err = proc.stderr
+    assert err.count("==ownsan== ERROR") == 1
+    assert "lease 'layer0.weight'" in err and "'faultbuf'" in err and "generation" in err
+    assert "for 'layer1.weight'" in err  # what retired it
+    assert "in consumer" in err  # the Python stack at the fault
+
+
+def test_fault_mode_leaves_other_segfaults_to_the_previous_handler():
+    proc = run_python("import faulthandler, ctypes, sanitizer\nfrom sanitizer import StagingBuffer\n"
+                      "import torch\nsanitizer.enable(trap='fault')\nb = StagingBuffer(64)\n"
+                      "w = b.write(0, torch.zeros(4), 'w')\nb.write(0, torch.ones(4), 'n')\n"
+                      "faulthandler.enable()\nctypes.string_at(16, 4)\n")
+    assert proc.returncode != 0 and proc.returncode != 1
+    assert "==ownsan==" not in proc.stderr and "Fatal Python error" in proc.stderr
+
+
+def test_safetensors_ring_emulation_traps_a_kept_numpy_alias(tmp_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from sanitizer import adapters
+
+    tensors = {f"w{i}": torch.full((16, 16), float(i)) for i in range(3)}
+    path = str(tmp_path / "m.safetensors")
+    safetensors_torch.save_file(tensors, path)
+    sanitizer.enable(safetensors_ring=4 * 16 * 16, safetensors_strict=1, trap="poison", halt_on_error=False)
+    assert "safetensors" in adapters.install_import_hooks()
+    try:
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as f:
+            kept = f.get_tensor("w0").numpy()
+            assert (kept == 0).all()
+            f.get_tensor("w1")
+            assert np.isnan(kept).all()  # never w1's ones
+    finally:
+        adapters.uninstall_import_hooks()
+
+
+def test_a_forked_child_writes_its_own_copy_never_the_parents_buffer():
+    import os
+
+    sanitizer.enable(trap="poison", rescue=True)
+    buf = StagingBuffer(8192)
+    w = buf.write(0, FIRST, "w")
+    r = buf.write(4096, FIRST, "r")
+    arr_r = r.numpy()
+    buf.reuse(4096, 32, by="x")  # r is rescued onto its own pages (held by arr_r)
+    pid = os.fork()
+    if pid == 0:  # the child writes everywhere it can
+        try:
+            buf.tensor[:64].fill_(1)
+            w.numpy()[:] = 5.0
+            arr_r[:] = 6.0
+            # the loader's mapping and w's window are one copy in the child: bytes past w keep the fill
+            ok = (buf.tensor[40].item() == 1 and buf.tensor[:4].view(torch.float32).item() == 5.0
+                  and w[0].item() == 5.0 and arr_r[0] == 6.0)
+        finally:
+            os._exit(0 if ok else 3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0  # the child saw its own writes
+    assert torch.equal(w, FIRST) and arr_r.tolist() == FIRST.tolist()  # the parent's bytes are untouched
+    assert buf.tensor[:32].view(torch.float32).tolist() == FIRST.tolist()
