@@ -145,19 +145,11 @@ class ModuleAnalysis:
 
     def _module_of(self, name: str) -> Optional["ModuleAnalysis"]:
         """The analysis of the audited module that ``name`` (imported at module level) comes from."""
-        imp = self.index.imports.get(name)
-        if imp is None or self.project is None:
-            return None
-        module, level, _ = imp
-        path = self.project.locate(self.path, module, level)
-        if path is None or path == self.path:
-            return None
-        other = self.project.module(path, lambda source: ModuleAnalysis(
-            source.path, build_index(source.path, source.tree), Snippets(source.text), self.project, self.settings))
-        return other if isinstance(other, ModuleAnalysis) else None
+        found = self._import_target(name)
+        return found[0] if found is not None else None
 
-    def _imported(self, name: str) -> Optional[Callee]:
-        """A module-level function imported from another audited module (``from .x import f``)."""
+    def _import_target(self, name: str) -> Optional[Tuple["ModuleAnalysis", str]]:
+        """The audited module that ``name`` is imported from, with the name it has there."""
         imp = self.index.imports.get(name)
         if imp is None or self.project is None:
             return None
@@ -167,8 +159,14 @@ class ModuleAnalysis:
             return None
         other = self.project.module(path, lambda source: ModuleAnalysis(
             source.path, build_index(source.path, source.tree), Snippets(source.text), self.project, self.settings))
-        if not isinstance(other, ModuleAnalysis):
+        return (other, original) if isinstance(other, ModuleAnalysis) else None
+
+    def _imported(self, name: str) -> Optional[Callee]:
+        """A module-level function imported from another audited module (``from .x import f``)."""
+        found = self._import_target(name)
+        if found is None:
             return None
+        other, original = found
         info = other.index.top_functions.get(original)
         return Callee(info, 0, False, other) if info is not None else None
 
