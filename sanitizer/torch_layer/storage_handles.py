@@ -22,6 +22,7 @@ import torch
 
 from cuda_hooks import devices
 from sanitizer.core import forking
+from sanitizer.core.pages import read_max_map_count
 from sanitizer.torch_layer.aliasing import alias_view, host_array
 
 _S = torch.UntypedStorage
@@ -45,15 +46,6 @@ def free_weak_handle(handle: int) -> None:
 def holders(storage: torch.UntypedStorage) -> int:
     """References to ``storage`` from tensors and storages other than the caller's one."""
     return torch._C._storage_Use_Count(storage._cdata) - 1
-
-
-def _read_max_map_count() -> int:
-    """The kernel's limit on this process's memory maps (``vm.max_map_count``; 65530 by default)."""
-    try:
-        with open("/proc/sys/vm/max_map_count") as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return 65530
 
 
 class _Mapping:
@@ -148,7 +140,7 @@ class PoisonFile:
         no mapping can be made now (the caller allocates the poison instead)."""
         with self._lock:
             if self.max_maps is None:
-                self.max_maps = _read_max_map_count() // 4
+                self.max_maps = read_max_map_count() // 4
             if self.live >= self.max_maps or not _bind_libc():
                 self.fallbacks += 1
                 return None
