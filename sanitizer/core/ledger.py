@@ -144,8 +144,8 @@ class Region:
     nbytes: int
     generation: int = FIRST_GENERATION
     closed: bool = False
-    fresh: IntervalIndex = field(default_factory=IntervalIndex)  # alive leases not yet stale, by bytes
-    stale: IntervalIndex = field(default_factory=IntervalIndex)  # alive leases already stale (retained)
+    fresh: IntervalIndex = field(default_factory=lambda: IntervalIndex(order=_LEND_ORDER))  # alive leases not yet stale, by bytes
+    stale: IntervalIndex = field(default_factory=lambda: IntervalIndex(order=_LEND_ORDER))  # alive leases already stale (retained)
     orphaned: bool = False  # its owner is gone, its views are not: found by address until the last one dies
     # Fresh leases lent since the last look at ``fresh``, in lend order (lease id -> lease). Most leases
     # die before any reuse touches their bytes (a loader's consumer copies each tensor and drops it):
