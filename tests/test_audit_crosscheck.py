@@ -92,7 +92,7 @@ def test_the_run_confirms_the_finding_and_names_what_the_audit_missed(run_report
     (finding,) = doc["findings"]
     assert (finding["line"], finding["function"]) == (STORE_LINE, "Model.load_weights")
     assert finding["confirmed"] is True
-    assert finding["confirmed_by"][0]["holder"] == "Model.pending['layers.*.weight']"
+    assert finding["confirmed_by"][0]["holder"] == "Model.pending[*]"
     assert finding["confirmed_by"][0]["match"] in ("stored_at", "holder class")
     cc = doc["crosscheck"]
     assert cc["retentions"] == 6 and cc["confirmed"] == 1

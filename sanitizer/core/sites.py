@@ -158,14 +158,22 @@ def _shown(site: Site) -> Site:
     return kept or site[:1]
 
 
+_RECORDS: dict = {}  # site -> its frame records: a ring load files the same lend and reuse sites per retention
+
+
 def to_records(site: Optional[Site]) -> list:
-    """JSON-ready frames: ``[{"file", "line", "function"}, ...]``, innermost first (our own frames left out)."""
+    """JSON-ready frames: ``[{"file", "line", "function"}, ...]``, innermost first (our own frames left out).
+
+    Fresh dicts every call (a caller may amend its records), built from a cache of the site's frames."""
     if not site:
         return []
-    return [
-        {"file": code.co_filename, "line": line_of(code, lasti), "function": code.co_name}
-        for code, lasti in _shown(site)
-    ]
+    frames = _RECORDS.get(site)
+    if frames is None:
+        frames = tuple((code.co_filename, line_of(code, lasti), code.co_name) for code, lasti in _shown(site))
+        if len(_RECORDS) >= _LINES_MAX:
+            _RECORDS.clear()
+        _RECORDS[site] = frames
+    return [{"file": f, "line": ln, "function": fn} for f, ln, fn in frames]
 
 
 def site_text(frame: Optional[Mapping[str, Any]], basename: bool = False) -> Optional[str]:

@@ -47,7 +47,7 @@ class Holder:
         attribute or name of the path, or the function a partial wraps, and whether the view sits in a
         container below it (then the store is an ``append`` or an item assignment, not the binding of the
         name); None when the path says neither."""
-        steps = tuple(seg for seg in (self.pattern[1] if self.pattern else ()) if seg[0] != "al")
+        steps = tuple(seg for seg in (self.pattern[1] if self.pattern else ()) if seg[0] not in ("al", "x"))
         if self.kind in ("frame", "generator") and self.local:
             return ("name", self.local, bool(steps))
         for i, seg in enumerate(steps):
@@ -70,10 +70,15 @@ class Holder:
         return None
 
 
+_NAME_KEY = re.compile(r"\[(?:'[^'\]]*[.*][^'\]]*'|\"[^\"\]]*[.*][^\"\]]*\")\]")  # ['layers.*.q_proj.weight']
+
+
 def consumer_key(path: str) -> str:
-    """The grouping key: numbers wildcarded, so one consumer holding its 3rd and 4th weight (or
-    ``['layers.3.weight']`` and ``['layers.4.weight']``) is one group, while ``['loaded_weight']`` stays."""
-    return _NUMBER.sub("*", path)
+    """The grouping key: list indices and tensor-name keys wildcarded, so one consumer holding its 3rd and
+    4th weight (or ``['layers.3.q_proj.weight']`` and ``['layers.4.k_proj.weight']``) is one group
+    (``[*]``), while a key that names a role, not a tensor (``['loaded_weight']``), stays. Which statement
+    stored the view splits a container's groups further (the report groups by that too)."""
+    return _NAME_KEY.sub("[*]", _NUMBER.sub("*", path))
 
 
 _SUBSCRIPT = re.compile(r"\[[^\[\]]*\]")

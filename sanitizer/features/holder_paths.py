@@ -209,7 +209,8 @@ def _make(kind: str, obj: Any, head: str, segs: Tuple[Seg, ...], site: Optional[
     """A holder named ``head`` + steps; remembers how to follow the same steps again from ``obj``."""
     ref = (lambda o=obj: o) if strong else _ref(obj)
     steps, detour = without_detours(segs)
-    pattern = None if ref is None or any(seg[0] in ("?", "al") for seg in steps) else (ref, steps, kind, head, site)
+    # The pattern keeps the detour marks: a replay of it is a path through our objects too (never rank 0).
+    pattern = None if ref is None or any(seg[0] in ("?", "al") for seg in steps) else (ref, segs, kind, head, site)
     return Holder(kind, head + render(steps), site, pattern=pattern, detour=detour)
 
 
@@ -299,7 +300,9 @@ def step(obj: Any, seg: Seg) -> Iterator[Tuple[Seg, Any]]:
     Module globals (``g``) stay exact: the name is the holder."""
     tag = seg[0]
     try:
-        if tag == "i":
+        if tag == "x":  # a detour mark (through one of our objects): no step
+            yield seg, obj
+        elif tag == "i":
             if type(obj) is list or type(obj) is tuple:
                 for i in range(len(obj) - 1, -1, -1):
                     yield ("i", i), obj[i]
@@ -308,7 +311,7 @@ def step(obj: Any, seg: Seg) -> Iterator[Tuple[Seg, Any]]:
                 key = seg[1]
                 if key in obj:
                     yield seg, obj[key]
-                for k in reversed(list(obj)):
+                for k in reversed(obj):  # lazily: a replay stops after the newest few
                     if k != key and type(k) in _PLAIN_KEYS:
                         yield ("k", k), obj[k]
         elif tag == "g":

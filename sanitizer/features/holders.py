@@ -17,11 +17,13 @@ clear those snapshots again, so the walk never extends a lifetime.
 from __future__ import annotations
 
 import gc
+import itertools
 from inspect import CO_OPTIMIZED
 import sys
 import threading
 import time
 import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
@@ -38,6 +40,8 @@ _MAX_FRONTIER = 256
 _EXTRA_LEVELS = 2  # levels walked on once every storage has a holder a person recognises: its other holders
 _MAX_PATTERNS = 16  # holder paths remembered, most recent first
 _REPLAY_VISITS = 20_000  # objects one replay may visit before it gives up (it stops at the first match)
+_REPLAY_WINDOW = 64  # entries of one container a replay tries per wildcard step, newest first
+_MORE_TURNS = 4  # tensors each other known path may still offer once a storage was found (its other holders)
 _patterns: List[tuple] = []  # (root getter: weakref, strong lambda or FrameLocal; steps, kind, head, site)
 _patterns_lock = threading.Lock()
 
@@ -165,16 +169,121 @@ def find_holders(keys: Iterable[int], *, depth: int = 8, budget_ms: float = 200.
     return walk.result
 
 
-def replay(keys: Iterable[int], visits: int = _REPLAY_VISITS) -> WalkResult:
+def replay(keys: Iterable[int], visits: int = _REPLAY_VISITS,
+           names: Optional[Dict[int, Optional[str]]] = None) -> WalkResult:
     """Only follow the remembered holder paths (no heap walk): a storage of ``keys`` reached from a
-    known root gets that holder; the others get none. Stops at the first match of every key."""
+    known root gets that holder; the others get none. Stops at the first match of every key.
+
+    ``names`` (storage key -> the lease's tensor name) are tried first as dict keys (a consumer that
+    keeps ``params[name]`` keeps this lease under its own name, wherever the dict has it); otherwise a
+    wildcard step tries only the newest entries of a container (where a consumer puts what it keeps
+    last), so a replay costs the same with 50 or 50,000 views kept. Not found so: the caller walks."""
     start = time.perf_counter()
     walk = _Walk(set(keys), 0, start, 8)
-    _replay(walk, visits)
+    _replay(walk, visits, names or {})
     for key, bucket in walk.found.items():
         walk.result.holders[key] = bucket
     walk.result.ms = (time.perf_counter() - start) * 1000.0
     return walk.result
+
+
+def resolve(pattern: Optional[tuple]) -> Optional[Any]:
+    """The object a holder path reaches now: its root, then each concrete step exactly (the index or key
+    it was found at, not a wildcard); None when the root is gone or a step no longer leads anywhere."""
+    if pattern is None:
+        return None
+    try:
+        obj = pattern[0]()
+    except Exception:  # a root that cannot be reached any more
+        return None
+    for seg in pattern[1]:
+        if obj is None:
+            return None
+        tag = seg[0]
+        try:
+            if tag == "i" and type(obj) in (list, tuple):
+                obj = obj[seg[1]]
+            elif tag == "k" and isinstance(obj, dict):
+                obj = obj.get(seg[1])
+            elif tag in ("i", "k", "?", "al"):
+                return None
+            else:
+                obj = next(iter(step(obj, seg)), (None, None))[1]
+        except Exception:  # a changed container, an odd __getitem__
+            return None
+    return obj
+
+
+_MAX_SIBLINGS = 4096  # instances of a known holder's class a sibling replay follows its path from
+
+
+def replay_siblings(keys: Iterable[int], names: Optional[Dict[int, Optional[str]]] = None) -> WalkResult:
+    """Follow the remembered paths of instance holders (``_LayerInfo.loaded_weights[*][*]...``) from the
+    *other* instances of their classes: a consumer with one holder object per layer keeps the next
+    layer's views in the next object, which no remembered root reaches. One pass over the heap for all
+    those classes (an instance of a Python class refers to its class), no walk level by level; the
+    instance found is remembered as a root. Empty when no instance holder is remembered."""
+    start = time.perf_counter()
+    walk = _Walk(set(keys), 0, start, 8)
+    with _patterns_lock:
+        patterns = list(_patterns)
+    by_class: Dict[type, List[tuple]] = {}
+    for pattern in patterns:
+        if pattern[2] != "object" or isinstance(pattern[0], FrameLocal):
+            continue
+        obj = pattern[0]()
+        if obj is not None:
+            by_class.setdefault(type(obj), []).append(pattern)
+        del obj
+    if not by_class:
+        return walk.result
+    refs = gc.get_referrers(*by_class)
+    try:
+        instances = [o for o in refs if type(o) in by_class]
+    finally:
+        del refs
+    wanted = set(walk.keys)
+    hints = tuple(n for k, n in (names or {}).items() if n and k in wanted)
+    budget = [_REPLAY_VISITS]
+    try:
+        for inst in instances[:_MAX_SIBLINGS]:
+            for ref, segs, kind, head, site in by_class[type(inst)]:
+                for concrete, tensor in _follow(inst, segs, 0, (), set(), budget, hints):
+                    try:
+                        key = tensor.untyped_storage()._cdata
+                    except Exception:
+                        continue
+                    if key in wanted:
+                        wanted.discard(key)
+                        new_ref = _weak(inst)
+                        pattern = (new_ref, concrete, kind, head, site) if new_ref is not None else None
+                        h = Holder(kind, head + render(concrete), site, pattern=pattern,
+                                   detour=concrete.count(DETOUR))
+                        walk.add(key, h)
+                        remember(h)
+                        walk.result.replayed += 1
+                if not wanted or budget[0] <= 0:
+                    break
+            if not wanted or budget[0] <= 0:
+                break
+    finally:
+        del instances
+    for key, bucket in walk.found.items():
+        walk.result.holders[key] = bucket
+    walk.result.ms = (time.perf_counter() - start) * 1000.0
+    return walk.result
+
+
+def _weak(obj: Any) -> Optional[Any]:
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return None
+
+
+def has_patterns() -> bool:
+    """Whether any holder path is remembered (a replay can find anything)."""
+    return bool(_patterns)
 
 
 def _remember(walk: _Walk) -> None:
@@ -208,47 +317,82 @@ def _shape(segs: Tuple[Seg, ...]) -> tuple:
     return tuple(seg[:1] if seg[0] in ("i", "k") else seg for seg in segs)
 
 
-def _replay(walk: _Walk, visits: int) -> None:
+def _replay(walk: _Walk, visits: int, names: Optional[Dict[int, Optional[str]]] = None) -> None:
     """Follow remembered holder paths (indices and keys as wildcards, newest first) down to tensors of
     ``walk.keys``; stop as soon as each has a holder or the visit budget is spent."""
     with _patterns_lock:
         patterns = list(_patterns)
     if not patterns:
         return
-    kinds = _tensor_types()
+    kinds: Set[type] = set()
     budget = [visits]
     wanted = {k for k, bucket in walk.found.items() if not bucket}
-    for ref, segs, kind, head, site in patterns:
-        if not wanted or budget[0] <= 0:
-            break
-        obj = ref()
-        if obj is None:
-            continue
-        for concrete, tensor in _follow(obj, segs, 0, (), kinds, budget):
+    hints = tuple(n for k, n in (names or {}).items() if n and k in wanted)
+    # Every known path at once, one tensor of each in turn (newest first): a load that sends views to
+    # five holders finds each in the first few entries of its own holder, not after the others' windows.
+    live = []
+    for pattern in patterns:
+        obj = pattern[0]()
+        if obj is not None:
+            live.append((pattern, _follow(obj, pattern[1], 0, (), kinds, budget, hints)))
+        del obj
+    # Once a storage is found, the other paths get a few more turns: a view kept in two places (a list
+    # and a partial) is named in both, each only where it really is.
+    after: Dict[int, int] = {}  # storage key found -> turns the other paths still get
+    matched: Dict[int, Set[int]] = {}  # storage key -> the paths (ids of their entries) that hold it
+    while live and (wanted or after) and budget[0] > 0:
+        for entry in list(live):
+            (ref, segs, kind, head, site), tensors = entry
+            hit = next(tensors, None)
+            if hit is None:
+                live.remove(entry)
+                continue
+            concrete, tensor = hit
             try:
                 key = tensor.untyped_storage()._cdata
             except Exception:
                 continue
-            if key in wanted:
-                wanted.discard(key)
+            first = key in wanted
+            if first or (key in after and id(entry) not in matched.get(key, ())):
+                if first:
+                    wanted.discard(key)
+                    after[key] = _MORE_TURNS
+                matched.setdefault(key, set()).add(id(entry))
                 walk.add(key, Holder(kind, head + render(concrete), site, frame_id=getattr(ref, "frame_id", None),
-                                     local=getattr(ref, "name", None), pattern=(ref, concrete, kind, head, site)))
+                                     local=getattr(ref, "name", None), pattern=(ref, concrete, kind, head, site),
+                                     detour=concrete.count(DETOUR)))
                 walk.result.replayed += 1
-                if not wanted:
-                    break
+        for key in list(after):
+            after[key] -= 1
+            if after[key] <= 0:
+                del after[key]
+    live.clear()
 
 
 def _follow(obj: Any, segs: Tuple[Seg, ...], i: int, done: Tuple[Seg, ...], kinds: Set[type],
-            budget: List[int]) -> Iterable[Tuple[Tuple[Seg, ...], Any]]:
+            budget: List[int], hints: Tuple[str, ...] = ()) -> Iterable[Tuple[Tuple[Seg, ...], Any]]:
     if budget[0] <= 0:
         return
     budget[0] -= 1
     if i == len(segs):
-        if type(obj) in kinds:
+        if isinstance(obj, torch.Tensor):  # (a subclass too: the same as _targets' kinds, without listing them)
             yield done, obj
         return
-    for seg, child in step(obj, segs[i]):
-        yield from _follow(child, segs, i + 1, done + (seg,), kinds, budget)
+    seg = segs[i]
+    if seg[0] in ("i", "k"):  # a wildcard: the wanted leases' own names first, then the newest entries
+        if seg[0] == "k" and hints and isinstance(obj, dict):
+            for name in hints:
+                try:
+                    child = obj[name] if name in obj else None
+                except Exception:  # a dict subclass with an odd __getitem__
+                    child = None
+                if child is not None:
+                    yield from _follow(child, segs, i + 1, done + (("k", name),), kinds, budget, hints)
+        children = itertools.islice(step(obj, seg), _REPLAY_WINDOW)
+    else:
+        children = step(obj, seg)
+    for concrete, child in children:
+        yield from _follow(child, segs, i + 1, done + (concrete,), kinds, budget, hints)
 
 
 def _run(walk: _Walk) -> None:
@@ -311,7 +455,7 @@ def _bfs(walk: _Walk, targets: List[Tuple[Any, int, Tuple[Seg, ...]]],
                 for key, suffix in paths[id(obj)].items():
                     steps, detour = without_detours(suffix)
                     pattern = (None if any(seg[0] in ("?", "al") for seg in steps)
-                               else (FrameLocal(frame, name), steps, kind, head, site))
+                               else (FrameLocal(frame, name), suffix, kind, head, site))
                     walk.add(key, Holder(kind, head + render(steps), site, transient=mine and not steps,
                                          frame_id=id(frame), local=name, pattern=pattern, detour=detour))
         if named_at is None and walk.done():
@@ -381,5 +525,5 @@ def _after_fork() -> None:
     _patterns_lock = threading.Lock()
 
 
-__all__ = ["Holder", "WalkResult", "find_holders", "replay", "remember", "consumer_key",
+__all__ = ["Holder", "WalkResult", "find_holders", "replay", "replay_siblings", "resolve", "has_patterns", "remember", "consumer_key",
            "forget_patterns"]

@@ -20,9 +20,9 @@ import ast
 import linecache
 import os
 import threading
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
-from sanitizer.core.sites import Site, is_internal_file, line_of
+from sanitizer.core.sites import Site, is_internal_file, line_of, torch_dir
 
 Target = Tuple[str, str]  # ("attr", name) | ("name", name) | ("partial", function name)
 Wanted = Tuple[str, str, bool]  # a target, and whether the view sits in a container below it
@@ -32,13 +32,14 @@ _MAX_FILES = 256
 
 
 class _Index:
-    """The storing statements of one source file: (line, col, target, into a container?, function span).
+    """The storing statements of one source file: (line, col, target, into a container?, function span,
+    the shapes the stored value may take).
 
     "Into a container" is a mutation (``x.append(v)``, ``x[k] = v``) as opposed to binding the name
     itself (``x = v``, ``self.x = v``): a view kept in ``Model.weights[3]`` was stored by the former."""
 
     def __init__(self, tree: ast.AST):
-        self.stores: List[Tuple[int, int, Target, bool, Tuple[int, int]]] = []
+        self.stores: List[Tuple[int, int, Target, bool, Tuple[int, int], FrozenSet[str]]] = []
         self._visit(tree, (0, 1 << 30))
 
     def _visit(self, node: ast.AST, span: Tuple[int, int]) -> None:
@@ -48,8 +49,77 @@ class _Index:
                 self._visit(child, (first, getattr(child, "end_lineno", None) or child.lineno))
                 continue
             for target, into in _targets_of(child):
-                self.stores.append((child.lineno, child.col_offset, target, into, span))
+                self.stores.append((child.lineno, child.col_offset, target, into, span, _stored_shapes(child)))
             self._visit(child, span)
+
+
+# -- what the stored expression does to the view ---------------------------------------
+# Two statements that store into one container (``params[name] = w`` and ``params[name] = w[:8]``) are
+# told apart by what the held tensor looks like against the lent view: the same view, a slice of it, its
+# transpose, a reshape. The run knows the held tensor; the source says what each statement stores.
+_TRANSPOSES = frozenset({"t", "transpose", "permute", "swapaxes", "swapdims", "movedim", "T", "mT", "H", "mH"})
+_RESHAPES = frozenset({"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "unsqueeze", "squeeze",
+                       "expand", "expand_as"})
+_SLICES = frozenset({"narrow", "select", "chunk", "split", "unbind", "tensor_split", "diagonal", "unfold"})
+_SAME = frozenset({"detach", "detach_", "requires_grad_", "contiguous", "to", "cpu", "cuda", "float", "half",
+                   "bfloat16", "data"})
+
+
+def _shape_of(node: ast.AST) -> str:
+    """``name`` (a variable: it may hold anything, most likely the view as lent), ``slice``, ``transpose``,
+    ``reshape``, ``same`` (a call that returns the view itself when nothing is to be done) or ``unknown``."""
+    if isinstance(node, ast.Starred):
+        node = node.value
+    if isinstance(node, ast.Name):
+        return "name"
+    if isinstance(node, ast.Subscript):
+        sl = node.slice
+        full = isinstance(sl, ast.Slice) and sl.lower is None and sl.upper is None and sl.step is None
+        return "same" if full or (isinstance(sl, ast.Constant) and sl.value is Ellipsis) else "slice"
+    attr = None
+    if isinstance(node, ast.Attribute):
+        attr = node.attr
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        attr = node.func.attr
+    if attr is None:
+        return "unknown"
+    for kind, names in (("transpose", _TRANSPOSES), ("reshape", _RESHAPES), ("slice", _SLICES), ("same", _SAME)):
+        if attr in names:
+            return kind
+    return "unknown"
+
+
+def _stored_shapes(node: ast.AST) -> FrozenSet[str]:
+    """The shapes of what ``node`` stores (every element of a tuple or list literal it stores)."""
+    value: Optional[ast.AST] = None
+    if isinstance(node, ast.Call):
+        if node.args:
+            value = node.args[-1]
+        elif node.keywords:
+            value = node.keywords[-1].value
+    elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+        value = node.value
+    if value is None:
+        return frozenset({"unknown"})
+    if isinstance(value, (ast.Tuple, ast.List, ast.Set)) and value.elts:
+        return frozenset(_shape_of(e) for e in value.elts)
+    if isinstance(value, ast.Dict) and value.values:
+        return frozenset(_shape_of(v) for v in value.values)
+    return frozenset({_shape_of(value)})
+
+
+_SCORES = {  # (what the statement stores, what the holder holds) -> how well they agree
+    ("name", "same"): 2, ("same", "same"): 2, ("slice", "slice"): 2, ("transpose", "transpose"): 2,
+    ("reshape", "reshape"): 2,
+    ("slice", "same"): 1, ("transpose", "same"): 1, ("reshape", "same"): 1,  # a full slice, a 1-D .t()
+}
+
+
+def _score(shapes: FrozenSet[str], held: Optional[str]) -> int:
+    if held is None:
+        return 1
+    return max((1 if s in ("name", "unknown") else 0) if (s, held) not in _SCORES else _SCORES[(s, held)]
+               for s in shapes)
 
 
 def _base(node: ast.AST) -> Optional[Target]:
@@ -132,43 +202,117 @@ def _frame(path: str, line: int, function: str) -> dict:
     return {"file": path, "line": line, "function": function}
 
 
-def stored_at(wanted: Optional[Wanted], lent_from: Site, holder_site: Optional[dict] = None) -> Optional[dict]:
+def stored_at(wanted: Optional[Wanted], lent_from: Site, holder_site: Optional[dict] = None,
+              held: Optional[str] = None) -> Optional[dict]:
     """The frame record (``{"file", "line", "function"}``) of the statement that stored the view into
-    ``wanted``'s target, or None when no such statement is found."""
+    ``wanted``'s target, or None when no such statement is found.
+
+    ``held`` says what the holder holds against the view as lent (``same``, ``slice``, ``transpose``,
+    ``reshape``: see :func:`held_shape`): of several statements that store into one container, the ones
+    whose stored expression agrees with it. When more than one still fits, the record lists them all
+    (``candidates``) and the first is only the likeliest, never a fact."""
     if wanted is None:
         return None
+    key = (wanted, lent_from, (holder_site or {}).get("file"), held)
+    try:
+        hit = _found.get(key, _MISSING)
+    except TypeError:  # an unhashable site: look it up each time
+        hit, key = _MISSING, None
+    if hit is _MISSING:
+        hit = _stored_at(wanted, lent_from, holder_site, held)
+        if key is not None:
+            with _lock:
+                if len(_found) >= 4096:
+                    _found.clear()
+                _found[key] = hit
+    if hit is None:
+        return None
+    out = dict(hit)
+    if "candidates" in out:
+        out["candidates"] = [dict(c) for c in out["candidates"]]
+    return out
+
+
+_MISSING = object()
+_found: Dict[tuple, Optional[dict]] = {}  # (wanted, lend site, holder file) -> its statement: a ring load asks the same
+
+
+def _stored_at(wanted: Wanted, lent_from: Site, holder_site: Optional[dict], held: Optional[str]) -> Optional[dict]:
     target, into = (wanted[0], wanted[1]), wanted[2]
     # The kind of store the path implies first (an append for a view inside a container, the binding for
     # one held by the name itself), then the other (a container literal bound with the view in it).
     for strict in (True, False):
-        found = _find(target, into, strict, lent_from, holder_site)
+        found = _find(target, into, strict, lent_from, holder_site, held)
         if found is not None:
             return found
     return None
 
 
-def _find(target: Target, into: bool, strict: bool, lent_from: Site, holder_site: Optional[dict]) -> Optional[dict]:
+def _plumbing(path: str) -> bool:
+    """Our files and torch's: a parameter is set by the caller's code, never by ``torch/nn/modules``."""
+    tdir = torch_dir()
+    return is_internal_file(path) or bool(tdir and path.startswith(tdir))
+
+
+def _find(target: Target, into: bool, strict: bool, lent_from: Site, holder_site: Optional[dict],
+          held: Optional[str]) -> Optional[dict]:
     def matches(t: Target, kind: bool) -> bool:
         return t == target and (not strict or kind == into or target[0] == "partial")
 
-    frames = [(code, line_of(code, lasti)) for code, lasti in lent_from or () if not is_internal_file(code.co_filename)]
+    frames = [(code, line_of(code, lasti)) for code, lasti in lent_from or () if not _plumbing(code.co_filename)]
     for code, line in frames:  # the innermost function on the lend stack that stores into the target
         index = _index(code.co_filename)
         if index is None:
             continue
         first = code.co_firstlineno
-        inside = [(ln, col) for ln, col, t, kind, span in index.stores if matches(t, kind) and span[0] == first]
+        inside = [(ln, col, shapes) for ln, col, t, kind, span, shapes in index.stores
+                  if matches(t, kind) and span[0] == first]
         if inside:
-            after = [s for s in inside if s[0] >= line]
-            ln = min(after)[0] if after else max(inside)[0]
-            return _frame(code.co_filename, ln, getattr(code, "co_qualname", code.co_name))
+            return _choose(inside, line, held, code.co_filename, getattr(code, "co_qualname", code.co_name))
     files = _unique([code.co_filename for code, _ in frames] + [(holder_site or {}).get("file")])
     for path in files:  # else the files of that stack and of the holder's class
         index = _index(path)
-        hits = sorted((ln, col, span) for ln, col, t, kind, span in (index.stores if index else ()) if matches(t, kind))
+        hits = sorted((ln, col, span) for ln, col, t, kind, span, _ in (index.stores if index else ())
+                      if matches(t, kind))
         if hits:
-            return _frame(path, hits[0][0], _function_at(path, hits[0][2]))
+            out = _frame(path, hits[0][0], _function_at(path, hits[0][2]))
+            if len(hits) > 1:
+                out["candidates"] = [_frame(path, ln, _function_at(path, span)) for ln, _, span in hits[:8]]
+            return out
     return None
+
+
+def _choose(inside: List[Tuple[int, int, FrozenSet[str]]], line: int, held: Optional[str], path: str,
+            function: str) -> dict:
+    """Of the statements of the lending function that store into the target, the ones whose stored
+    expression fits what is held best; the first after the lend line among them (the store follows the
+    lend in a loop body). Several fit as well: all are listed as candidates."""
+    best = max(_score(shapes, held) for _, _, shapes in inside)
+    fit = sorted({ln for ln, _, shapes in inside if _score(shapes, held) == best})
+    after = [ln for ln in fit if ln >= line]
+    out = _frame(path, min(after) if after else max(fit), function)
+    if len(fit) > 1:
+        out["candidates"] = [_frame(path, ln, function) for ln in fit[:8]]
+    return out
+
+
+def held_shape(shape: Sequence[int], stride: Sequence[int], offset: int, nbytes: int,
+               lent_shape: Sequence[int], lent_nbytes: int) -> str:
+    """What a held tensor is of the view as lent: ``same`` (its shape, contiguous, from its first byte),
+    ``transpose`` (its elements, dimensions permuted), ``reshape`` (its bytes in another shape or dtype),
+    or ``slice`` (part of it). Plain numbers in: torch-free."""
+    shape, lent_shape = tuple(shape), tuple(lent_shape)
+    contiguous, expect = True, 1
+    for size, st in zip(reversed(shape), reversed(tuple(stride))):
+        if size != 1 and st != expect:
+            contiguous = False
+            break
+        expect *= size
+    if offset == 0 and nbytes == lent_nbytes and contiguous:
+        return "same" if shape == lent_shape else "reshape"
+    if nbytes == lent_nbytes and offset == 0 and sorted(shape) == sorted(lent_shape):
+        return "transpose"
+    return "slice"
 
 
 def _function_at(path: str, span: Tuple[int, int]) -> str:
@@ -185,7 +329,7 @@ def _function_at(path: str, span: Tuple[int, int]) -> str:
 def _unique(paths: Iterable[Optional[str]]) -> Sequence[str]:
     out: List[str] = []
     for p in paths:
-        if p and p not in out and not is_internal_file(p):
+        if p and p not in out and not _plumbing(p):
             out.append(p)
     return out
 
@@ -194,6 +338,7 @@ def forget() -> None:
     """Drop the parsed sources (tests)."""
     with _lock:
         _cache.clear()
+        _found.clear()
 
 
-__all__ = ["Target", "stored_at", "forget"]
+__all__ = ["Target", "stored_at", "held_shape", "forget"]

@@ -50,7 +50,7 @@ from sanitizer.features import aliases as _aliases
 from sanitizer.features import holders as _holders
 from sanitizer.features.holder import Holder, consumer_key, container_key
 from sanitizer.features.holders import find_holders
-from sanitizer.features.store_site import stored_at
+from sanitizer.features.store_site import held_shape, stored_at
 from sanitizer.features.timeline_log import TimelineLog
 from sanitizer.torch_layer import records
 from sanitizer.torch_layer.hooks import (HOOKS, RetireOrder, StaleUse, add_enable_hook, add_lend_hook,
@@ -58,7 +58,6 @@ from sanitizer.torch_layer.hooks import (HOOKS, RetireOrder, StaleUse, add_enabl
 from sanitizer.torch_layer.state import state
 
 ORDER = RetireOrder.TRIAGE
-SAME_HOLDER = 3  # retentions named with one holder at one (lend site, reuse site); the rest are counted
 _RUNNING_DEPTH = 24  # frames of the retiring thread noted at a retire (a loop variable lives a few above it)
 _CONFIRMED_KEPT = 20000  # retention records triage remembers by lease (the store's records are capped anyway)
 
@@ -73,16 +72,14 @@ class _Pending:
     site_key: Tuple[Any, ...]
     thread: str
     running: Tuple[frozenset, frozenset] = (frozenset(), frozenset())  # (frame ids, module dict ids) at the retire
+    early: Optional[List[Holder]] = None  # its holders at the reuse, by a known path (the consumer's own frame alive)
 
 
 @dataclass
 class _Site:
-    """What retentions of one (lend site, reuse site) were held by, to count the rest."""
+    """What triage did for the retentions of one (lend site, reuse site)."""
 
-    consumer: Optional[Tuple[str, Optional[str]]] = None  # (holder path with [*], holder site)
-    holder: Optional[Holder] = None
-    same: int = 0  # retentions in a row named with that holder
-    others: Dict[str, Holder] = field(default_factory=dict)  # the other consumers seen holding these views too
+    walked: int = 0  # retentions named by a heap walk (the others followed a known holder path)
 
 
 def _site_key(lease: Lease, event: ReuseEvent) -> Tuple[Any, ...]:
@@ -124,26 +121,41 @@ def _was_running(h: Holder, p: _Pending) -> bool:
 def _by_consumer(found: List[Holder]) -> List[Holder]:
     """Best first, one holder per consumer (a consumer that holds the view twice is named once)."""
     out: Dict[str, Holder] = {}
-    for h in sorted(found, key=lambda h: h.rank):
+    # Rank, then the consumer's text: the same program names the same holder first every run, whether
+    # a walk or a known path found them (and in which order).
+    for h in sorted(found, key=lambda h: (h.rank, consumer_key(h.path))):
         out.setdefault(consumer_key(h.path), h)
     return list(out.values())
-
-
-def _as_counted(h: Holder, path: str) -> Holder:
-    """A site's holder, kept to name later retentions of the same sites without a walk."""
-    return Holder(h.kind, path, h.site, pattern=h.pattern, local=h.local, counted=True)
 
 
 def _holder_record(h: Holder, also: Sequence[Holder], lease: Lease, exported: Sequence[dict]) -> Dict[str, Any]:
     """A holder as the records carry it: who, where the holder lives, where it stored the view (the line a
     fix changes), the other consumers holding the same view, the aliases of it."""
     rec = h.to_dict()
-    rec["stored_at"] = stored_at(h.store_target(), lease.site, h.site)
+    found = stored_at(h.store_target(), lease.site, h.site, _held_shape(h, lease))
+    candidates = found.pop("candidates", None) if found else None
+    rec["stored_at"] = found
+    if candidates:  # several statements store into that container alike: which one did is not known
+        rec["stored_candidates"] = candidates
     if also:
         rec["also"] = [_holder_record(o, (), lease, ()) for o in also]
     if exported:
         rec["aliases"] = list(exported)
     return rec
+
+
+def _held_shape(h: Holder, lease: Lease) -> Optional[str]:
+    """What ``h`` holds of the lease's view (``same``, ``slice``, ``transpose``, ``reshape``), read from
+    the tensor its path reaches now; None when the path no longer reaches one."""
+    t = _holders.resolve(h.pattern)
+    if t is None or not hasattr(t, "storage_offset"):
+        return None
+    try:
+        item = t.element_size()
+        return held_shape(tuple(t.shape), tuple(t.stride()), t.storage_offset() * item, t.numel() * item,
+                          lease.shape, lease.nbytes)
+    except Exception:  # a tensor subclass without strides, a sparse layout
+        return None
 
 
 def _promote(h: Holder) -> Holder:
@@ -191,9 +203,46 @@ class Triage:
                     continue
                 if running is None:
                     running = _running_code()
-                self._pending[lease.lease_id] = _Pending(lease, event, region, t, self.lends,
-                                                         _site_key(lease, event), thread, running)
+                p = self._pending[lease.lease_id] = _Pending(lease, event, region, t, self.lends,
+                                                             _site_key(lease, event), thread, running)
+                p.early = self._name_at_reuse(lease)
                 self.log.watch(lease, region)
+
+    @staticmethod
+    def _name_at_reuse(lease: Lease) -> Optional[List[Holder]]:
+        """The lease's holders by a known path, while the code that stored it still runs (a ``load_weights``
+        that kept the last view in its local dict and then returned it is named at that dict, where the
+        fix goes, not at whatever its caller binds the result to). One replay, no heap walk; None when
+        no known path reaches it."""
+        if not _holders.has_patterns() or state.options["triage_budget_ms"] <= 0:
+            return None
+        key = lease.handle
+        found = _holders.replay({key}, names={key: lease.name}).holders.get(key)
+        return [h for h in found if not h.transient] or None if found else None
+
+    def _still_early(self, p: _Pending) -> Optional[Tuple[List[Holder], Dict[str, Any]]]:
+        """``p``'s holders at the reuse, if they still stand: a path that still reaches the lease's storage,
+        or one whose root has gone since (a returned function's local: the view is alive, so it was kept
+        from there). None: none stands (the view moved); name it afresh."""
+        if not p.early:
+            return None
+        start = time.perf_counter()
+        kept, gone = [], False
+        for h in p.early:
+            t = _holders.resolve(h.pattern)
+            if t is not None:
+                try:
+                    if t.untyped_storage()._cdata == p.lease.handle:
+                        kept.append(h)
+                except Exception:
+                    pass
+            elif h.pattern is not None and h.pattern[0]() is None:
+                kept.append(h)
+                gone = True
+        if not kept:
+            return None
+        return kept, {"when": "at-reuse" if gone else "known-path", "ms": _ms(start), "tensors": len(kept),
+                      "truncated": False}
 
     def on_stale_use(self, lease: Lease, use: StaleUse) -> Optional[Dict[str, Any]]:
         """A retired lease is being used: a retention whatever happens next. Confirm it now (if pending),
@@ -265,7 +314,9 @@ class Triage:
         named: Dict[int, Tuple[List[Holder], Dict[str, Any]]] = {}
         to_walk: List[Lease] = []
         for p, _, evidence in due:
-            cheap = self._name_cheaply(p.lease, self._sites.setdefault(p.site_key, _Site()), evidence)
+            cheap = self._still_early(p) if p.lease.alive else None
+            if cheap is None:
+                cheap = self._name_cheaply(p.lease, self._sites.setdefault(p.site_key, _Site()), evidence)
             if cheap is None:
                 to_walk.append(p.lease)
             else:
@@ -292,7 +343,7 @@ class Triage:
             found = [_promote(h) if h.transient else h for h in found]
         found = _by_consumer(found)
         best = found[0] if found else None
-        if best is not None and walk["when"] != "counted":
+        if best is not None and walk["when"] == "walk":
             self._learn(site, found)
         record = records.record_event("retention", self._record(p, found, walk, used_stale, read_at))
         lid = lease.lease_id
@@ -305,27 +356,25 @@ class Triage:
 
     @staticmethod
     def _name_cheaply(lease: Lease, site: _Site, evidence: bool) -> Optional[Tuple[List[Holder], Dict[str, Any]]]:
-        """The holders of a lease without a heap walk: none to name (dead, or walks off), a known path, or
-        counted as its site's holder. None: only a walk can tell."""
+        """The holders of a lease without a heap walk: none to name (dead, or walks off), or a known holder
+        path followed again down to *this lease's own* tensor. None: only a walk can tell.
+
+        Never credited by neighbourhood: on a reused ring every lease has the same lend and reuse sites
+        and the same bytes, so a consumer seen holding an earlier lease says nothing about this one.
+        A holder is named only where this lease's storage (its view, or one derived from it) was found."""
         if not lease.alive or state.options["triage_budget_ms"] <= 0:
             return [], dict(_SKIPPED)
         if evidence:  # (a known path may run through a loop variable: only a walk tells a transient apart)
             return None
         key = lease.handle  # (a rescued lease's storage is the same one, now owning a copy)
         start = time.perf_counter()
-        found = _holders.replay({key}).holders.get(key) or []
-        if found:  # the known path of one consumer; the others seen at these sites hold it the same way
-            # (but not the other entries of a container found holding it: they hold other tensors)
-            mine = {container_key(h.path) for h in found}
-            others = [h for h in (site.holder, *site.others.values())
-                      if h is not None and container_key(h.path) not in mine]
-            return found + others, {"when": "known-path", "ms": _ms(start), "tensors": len(found),
-                                    "truncated": False}
-        if site.same >= SAME_HOLDER and site.holder is not None:
-            mine = container_key(site.holder.path)
-            others = [h for h in site.others.values() if container_key(h.path) != mine]
-            return [site.holder, *others], {"when": "counted", "ms": _ms(start), "tensors": 0,
-                                                          "truncated": False, "like": site.same}
+        names = {key: lease.name}
+        found = _holders.replay({key}, names=names).holders.get(key) or []
+        if found:
+            return found, {"when": "known-path", "ms": _ms(start), "tensors": len(found), "truncated": False}
+        found = _holders.replay_siblings({key}, names=names).holders.get(key) or []
+        if found:  # the same path from another instance of the same class (the next layer's holder object)
+            return found, {"when": "sibling", "ms": _ms(start), "tensors": len(found), "truncated": False}
         return None
 
     @staticmethod
@@ -348,19 +397,12 @@ class Triage:
 
     @staticmethod
     def _learn(site: _Site, found: List[Holder]) -> None:
-        """Remember the best holder's path (to try first next time), count it for its (lend, reuse) sites, and
-        note every other consumer that held the view (a retention counted later names them all)."""
-        best = found[0]
-        _holders.remember(best)
-        ident = (consumer_key(best.path), site_text(best.site))
-        if site.consumer == ident:
-            site.same += 1
-        else:
-            site.consumer, site.same = ident, 1
-            site.holder = _as_counted(best, ident[0])
-        for h in found[1:]:
-            if h.rank < 2 and h.kind != "unknown" and len(site.others) < 8:
-                site.others.setdefault(consumer_key(h.path), _as_counted(h, consumer_key(h.path)))
+        """Remember the holders' paths (to follow first next time: a consumer keeps its next view where it
+        kept the last) and count the walks of these sites."""
+        for h in reversed(found):  # the best last: remembered paths are tried newest first
+            if h.rank < 2 and h.kind != "unknown":
+                _holders.remember(h)
+        site.walked += 1
 
     @staticmethod
     def _record(p: _Pending, found: List[Holder], walk: Dict[str, Any], used_stale: bool,
@@ -369,8 +411,6 @@ class Triage:
         best = found[0] if found else None
         where = best.path if best else "something the walk could not name (walk skipped or out of budget)"
         summary = f"borrowed view {lease.describe()} was still held by {where} when {p.event.describe()}"
-        if walk["when"] == "counted":
-            summary += f" (counted: the {walk['like']} before it from the same lend and reuse sites were held there)"
         exported = _aliases.records_of(lease.lease_id)
         if exported:
             made = site_text(exported[0]["made_at"])
@@ -511,4 +551,4 @@ def _after_fork() -> None:
 
 
 __all__ = ["Triage", "install", "uninstall", "installed_hooks", "reset", "settle", "retentions", "holder_of", "pending_count",
-           "timeline", "ORDER", "SAME_HOLDER", "find_holders"]
+           "timeline", "ORDER", "find_holders"]

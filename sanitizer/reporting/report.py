@@ -107,8 +107,10 @@ def _every_holder(retention: Dict[str, Any]) -> List[Dict[str, Any]]:
     return [holder, *(holder.get("also") or ())]
 
 
-def _add_to_group(groups: Dict[tuple, Dict[str, Any]], e: Dict[str, Any], holder: Dict[str, Any]) -> None:
-    """Count retention ``e`` for the consumer of ``holder`` (grouped by consumer and where it stores views)."""
+def _add_to_group(groups: Dict[tuple, Dict[str, Any]], e: Dict[str, Any], holder: Dict[str, Any],
+                  also: bool = False) -> None:
+    """Count retention ``e`` for the consumer of ``holder`` (grouped by consumer and where it stores views);
+    ``also``: ``holder`` held the view beside the one it is counted for (noted, not counted)."""
     site = site_text(holder.get("site"))
     stored = site_text(holder.get("stored_at"))
     consumer = holder.get("consumer") or "<unnamed holder>"
@@ -119,7 +121,14 @@ def _add_to_group(groups: Dict[tuple, Dict[str, Any]], e: Dict[str, Any], holder
             "site": site, "stored_at": stored, "count": 0, "bytes": 0, "leases": [], "used_stale": 0, "first": e,
             "read_stale_at": [], "lent_at": frame_text(e.get("lent_at")),
             "reused_at": frame_text(e.get("reused_at")),
-            "fix": fix_hint(holder.get("kind"), consumer, stored or site)}
+            "fix": fix_hint(holder.get("kind"), consumer, stored or site), "_also": 0}
+        if holder.get("stored_candidates"):
+            g["stored_candidates"] = [site_text(c) for c in holder["stored_candidates"]]
+    if also:
+        g["_also"] += 1
+        return
+    if g["count"] == 0:
+        g["first"] = e
     g["count"] += 1
     g["bytes"] += int(e["lease"].get("nbytes") or 0)
     g["used_stale"] += bool(e.get("used_stale"))
@@ -144,15 +153,25 @@ def summarize(rep: Dict[str, Any], pending: int = 0) -> Dict[str, Any]:
         if kind != "retention":
             continue
         retained_bytes += int(e["lease"].get("nbytes") or 0)
-        for holder in _every_holder(e):
-            _add_to_group(groups, e, holder)
-    consumers = sorted(groups.values(), key=lambda g: (-g["bytes"], -g["count"], g["consumer"]))
+        holders = _every_holder(e)
+        _add_to_group(groups, e, holders[0])  # each retention counts once, for the holder named first
+        for other in holders[1:]:  # the other consumers holding the same view: listed, not counted again
+            _add_to_group(groups, e, other, also=True)
+    # Counted consumers first, biggest first; then those only seen holding views another consumer is
+    # counted for (a view kept in two places: both need the fix, the retention counts once).
+    consumers = sorted(groups.values(), key=lambda g: (not g["count"], -g["bytes"], -g["count"], -g["_also"],
+                                                       g["consumer"]))
+    for g in consumers:
+        g["also_held"] = g.pop("_also")
+    counted = sum(1 for g in consumers if g["count"])
+    also_only = len(consumers) - counted
     n_ret = events_by_kind.get("retention", 0)
     n_err = rep.get("error_count", 0)
     parts = [f"{n_err} error{'s' * (n_err != 1)}" + _kept_text(n_err, errors_by_kind, rep.get("errors_not_kept"))]
     if n_ret:
-        parts.append(f"{n_ret} retention{'s' * (n_ret != 1)} by {len(consumers)} consumer"
-                     f"{'s' * (len(consumers) != 1)} ({format_bytes(retained_bytes)})")
+        parts.append(f"{n_ret} retention{'s' * (n_ret != 1)} by {counted} consumer"
+                     f"{'s' * (counted != 1)} ({format_bytes(retained_bytes)})"
+                     + (f", {also_only} more holding the same views" if also_only else ""))
         top = consumers[0]
         parts.append(f"top: {top['consumer']}" + (f" at {top['stored_at'] or top['site']}"
                                                   if top["stored_at"] or top["site"] else "")
