@@ -20,12 +20,14 @@ Then: one reuse that retires K held leases, K = 1k, 3k, 10k, guard on and off
 (target: linear in K); the Python heap per live lease (tracemalloc) against a
 plain view's; the file descriptors and memory maps that retained tombstones
 hold; and a ring load whose consumer keeps 5,000 views, off and under
-``triage=1`` (target <= 2 s). The curves above run with the sanitizer off (the
+``triage=1`` (target <= 2 s); and issue 27's curve: a one-tensor ring whose consumer keeps n views in a
+list, a dict by name and an object attribute, triage=1 against the sanitizer on without triage, with how
+many retentions were credited to the right holder. The curves above run with the sanitizer off (the
 ledger's cost, as a loader pays it in production); the guard, memory and
 retention figures with it on.
 
     python bench/scale.py [--sizes 1000,10000,100000] [--budget 30] [--quick]
-                          [--sections curves,retire,heap,tombstones,ring]
+                          [--sections curves,retire,heap,tombstones,ring,holders] [--holders 1000,5000,...]
 """
 from __future__ import annotations
 
@@ -291,6 +293,74 @@ def ring_retention(kept_views: int) -> None:
                                                   else ""))
 
 
+class _Keeper:
+    def __init__(self) -> None:
+        self.kept: list = []
+
+
+def _holders_load(n: int, how: str) -> tuple:
+    """One load of n tensors through a one-tensor ring (every put reuses the last), kept round robin in a
+    list, a dict by name and an object attribute: ``how`` is off, on without triage, or triage=1.
+    Returns (CPU seconds, retentions named, how many were credited to the right holder)."""
+    from sanitizer.features import holders as _holders_mod, triage as _triage
+
+    ring = sanitizer.StagingRing(SLOT, name=f"holders-{how}")
+    src = torch.ones(SLOT // 4)
+    lst, dct, obj = [], {}, _Keeper()
+    where = {}
+    if how != "off":
+        sanitizer.enable(**QUIET, max_records=n + 16, **({"triage": True} if how == "triage" else {}))
+        if how == "on":
+            _triage.uninstall()
+    _triage.reset(records_too=True)
+    _holders_mod.forget_patterns()
+    t0 = time.thread_time()
+    for i in range(n):
+        w = ring.put(f"layers.{i}.weight", src)
+        if i % 3 == 0:
+            lst.append(w)
+        elif i % 3 == 1:
+            dct[f"layers.{i}.weight"] = w
+        else:
+            obj.kept.append(w)
+        where[f"layers.{i}.weight"] = ("'lst'", "'dct'", "_Keeper.kept")[i % 3]
+    del w
+    right = named = 0
+    if how == "triage":
+        for e in _triage.retentions():
+            named += 1
+            right += where[e["lease"]["name"]] in ((e.get("holder") or {}).get("path") or "")
+    took = time.thread_time() - t0
+    sanitizer.disable()
+    _triage.install()
+    _triage.reset(records_too=True)
+    del lst, dct, obj
+    ring.close()
+    gc.collect()
+    return took, named, right
+
+
+def holders_curve(sizes: Sequence[int]) -> None:
+    """Issue 27's figure: a ring load keeping n views in three holders, triage=1 against the same load with
+    the sanitizer on and triage's hooks off (the guard and the ledger alone) and off."""
+    print("\nring load keeping n views in a list, a dict by name and an object attribute (one-tensor ring: "
+          "every put reuses the last; CPU seconds; targets: triage=1 <= 2 s at 5,000, <= 20 s at 50,000)")
+    print(f"{'n':>8} {'off':>9} {'on, no triage':>14} {'triage=1':>10} {'triage adds':>12} {'per kept view':>14}"
+          f" {'named right':>12}")
+    per = []
+    for n in sizes:
+        off, _, _ = _holders_load(n, "off")
+        on, _, _ = _holders_load(n, "on")
+        tri, named, right = _holders_load(n, "triage")
+        target = 2.0 if n <= 5_000 else 20.0 if n <= 50_000 else None
+        per.append((tri - on) / max(n - 1, 1) * 1e3)
+        verdict = "" if target is None or n not in (5_000, 50_000) else f"   {'ok' if tri <= target else 'MISSED'}"
+        print(f"{n:>8,} {off:9.3f} {on:14.3f} {tri:10.3f} {tri - on:12.3f} {per[-1]:11.3f} ms {right:>5}/{named:<6}"
+              + verdict)
+    if len(per) > 1:
+        print(f"  triage's cost per kept view, largest n / smallest: {per[-1] / per[0]:.2f}x (linear: ~1x)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1000,10000,100000")
@@ -298,7 +368,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=30.0,
                     help="skip a K predicted to take longer than this many seconds (a quadratic curve)")
     ap.add_argument("--quick", action="store_true", help="fewer repeats, smaller retention figures")
-    ap.add_argument("--sections", default="curves,retire,heap,tombstones,ring",
+    ap.add_argument("--holders", default="1000,5000,10000,50000", help="n for the three-holder ring load curve")
+    ap.add_argument("--sections", default="curves,retire,heap,tombstones,ring,holders",
                     help="which parts to run (comma-separated)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -321,6 +392,8 @@ def main(argv=None) -> int:
         tombstones(2_000)
     if "ring" in sections:
         ring_retention(1_000 if args.quick else 5_000)
+    if "holders" in sections:
+        holders_curve([1_000, 5_000] if args.quick else [int(n) for n in args.holders.split(",")])
     print("\n(CPU time of the measuring thread, best of several runs: a shared machine still adds cache noise)")
     return 0 if ok else 1
 

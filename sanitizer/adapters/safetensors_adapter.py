@@ -34,12 +34,13 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from sanitizer.core.ledger import Lease
 from sanitizer.core.safetensors_header import read_header
+from sanitizer.core.sites import site_text
 from sanitizer.core.units import format_bytes
 from sanitizer.adapters.contracts import Contract, LoaderContracts
 from sanitizer.torch_layer import records, runtime, storage_handles
@@ -111,16 +112,15 @@ def iterate(paths: Union[str, Iterable[str]], ring_bytes: Optional[int] = None, 
 
 
 class _Kept:
-    """What one emulated file's consumer kept past the emulated contract (for its one event)."""
+    """What one consumer kept of one emulated file past the emulated contract (for its one event)."""
 
-    __slots__ = ("count", "nbytes", "names", "holder", "named_at_close")
+    __slots__ = ("count", "nbytes", "names", "holder")
 
-    def __init__(self) -> None:
+    def __init__(self, holder: Optional[dict]) -> None:
         self.count = 0
         self.nbytes = 0
         self.names: List[str] = []
-        self.holder: Optional[dict] = None
-        self.named_at_close = False
+        self.holder = holder
 
 
 class EmulatedSafeOpen:
@@ -138,7 +138,7 @@ class EmulatedSafeOpen:
         self._emulate = framework in _TORCH_FRAMEWORKS
         self._label = f"{NAME}:{os.path.basename(os.fspath(filename))}"
         self._ring: Optional[StagingRing] = None
-        self._kept = _Kept()
+        self._kept: Dict[Tuple[Optional[str], Optional[str]], _Kept] = {}  # (consumer, stored at) -> what it kept
         self._lock = threading.Lock()  # transformers materializes slices from a thread pool: place + put are one step
 
     # -- lending -----------------------------------------------------------------
@@ -170,10 +170,13 @@ class EmulatedSafeOpen:
             storage = runtime.storage_of(lease)
             if storage is None or storage_handles.holders(storage) <= 0:
                 continue
-            kept = self._kept
-            if kept.holder is None or (at_close and not kept.named_at_close):
-                # who keeps it at the end says more than who had it in hand mid-load (a future, a list)
-                kept.holder, kept.named_at_close = _name_holder(storage) or kept.holder, at_close
+            # Each view is named by what holds it (a file's views go to norms and linears alike: one
+            # holder per file would label the norm weights as the linear's), grouped by consumer.
+            holder = _name_holder(lease)
+            group = (holder or {}).get("consumer"), site_text((holder or {}).get("stored_at"))
+            kept = self._kept.get(group)
+            if kept is None:
+                kept = self._kept[group] = _Kept(holder)
             previous, keeper = storage_handles.repoint(storage)  # the view and its derived views now own a copy
             runtime.disown(lease)  # before `previous` (now holding the staging alias) dies
             runtime.rebind_lease(lease, keeper)
@@ -184,18 +187,19 @@ class EmulatedSafeOpen:
                 kept.names.append(lease.name or "?")
 
     def _report_kept(self) -> None:
-        kept, self._kept = self._kept, _Kept()
-        if not kept.count:
-            return
-        holder = (kept.holder or {}).get("path") or "something the walk could not name"
-        records.record_event("emulated_retention", {
-            "kind": "emulated_retention",
-            "summary": (f"{kept.count} view(s) of {self._label} ({format_bytes(kept.nbytes)}) were still held by "
-                        f"{holder} when the emulation ring reused or freed them: a retention under the emulated "
-                        f"borrowed contract, correct under safetensors' own (each was moved onto an owned copy; "
-                        f"safetensors_strict=1 makes it an error)"),
-            "file": self._label, "count": kept.count, "nbytes": kept.nbytes, "leases": kept.names,
-            "holder": kept.holder, "pid": os.getpid()})
+        groups, self._kept = self._kept, {}
+        for kept in groups.values():
+            if not kept.count:
+                continue
+            holder = (kept.holder or {}).get("path") or "something the walk could not name"
+            records.record_event("emulated_retention", {
+                "kind": "emulated_retention",
+                "summary": (f"{kept.count} view(s) of {self._label} ({format_bytes(kept.nbytes)}) were still held "
+                            f"by {holder} when the emulation ring reused or freed them: a retention under the "
+                            f"emulated borrowed contract, correct under safetensors' own (each was moved onto an "
+                            f"owned copy; safetensors_strict=1 makes it an error)"),
+                "file": self._label, "count": kept.count, "nbytes": kept.nbytes, "leases": kept.names,
+                "holder": kept.holder, "pid": os.getpid()})
 
     # -- safe_open's API ---------------------------------------------------------
     def get_tensor(self, name: str) -> Any:
@@ -249,17 +253,13 @@ class _EmulatedSlice:
         return getattr(self._inner, name)
 
 
-def _name_holder(storage: torch.UntypedStorage) -> Optional[dict]:
-    """Who holds ``storage`` (the bounded heap walk triage uses), or None."""
+def _name_holder(lease: Lease) -> Optional[dict]:
+    """Who holds ``lease``'s view (triage's naming: a known path, a sibling, else a bounded walk), or None."""
     if runtime.state.options["triage_budget_ms"] <= 0:
         return None
-    from sanitizer.features.holders import find_holders
+    from sanitizer.features.triage import name_holder
 
-    key = storage._cdata
-    result = find_holders([key], depth=runtime.state.options["triage_depth"],
-                          budget_ms=runtime.state.options["triage_budget_ms"], replay=False)
-    found = result.holders.get(key) or []
-    return found[0].to_dict() if found else None
+    return name_holder(lease)
 
 
 def _owned_loads(load_file: Any) -> Any:

@@ -50,6 +50,8 @@ def _held_by(holder: Dict[str, Any], verb: str) -> str:
 
 def _holder_lines(holder: Dict[str, Any]) -> List[str]:
     lines = [_held_by(holder, "held by")] + [_held_by(other, "also held by") for other in holder.get("also") or ()]
+    if holder.get("earlier"):  # what held it when its bytes were reused, when that differs from now
+        lines.append(_held_by(holder["earlier"], "held at the reuse by"))
     for alias in holder.get("aliases") or ():
         made = frame_text(alias.get("made_at"))
         lines.append(f"  exported as a {alias.get('kind')} alias while lent" + (f" at {made}" if made else "")

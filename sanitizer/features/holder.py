@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
 _NUMBER = re.compile(r"\d+")
+_MODULE_DICTS = ("_parameters", "_buffers")  # where torch.nn.Module keeps what reads as module.name
 _CLOSURE_VARIABLE = re.compile(r"\(variable '([A-Za-z_]\w*)'\)")
 _FIRST_ATTR = re.compile(r"^[\w.<>]*?\.([A-Za-z_]\w*)(?:\[|\.|$)")  # Type.attr[...] -> attr (a path not followable)
 
@@ -36,6 +37,12 @@ class Holder:
             return 2
         return 1 if self.kind in ("frame", "unknown") or self.detour else 0
 
+    @property
+    def pattern_steps(self) -> bool:
+        """Whether the path goes below its root (a container entry, an attribute), not a bare name."""
+        return bool(self.pattern and any(seg[0] not in ("al", "x") for seg in self.pattern[1])) or "[" in self.path \
+            or "." in self.path.split(")", 1)[-1]
+
     def to_dict(self) -> Dict[str, Any]:
         out = {"kind": self.kind, "path": self.path, "site": self.site, "consumer": consumer_key(self.path)}
         if self.counted:
@@ -51,6 +58,9 @@ class Holder:
         if self.kind in ("frame", "generator") and self.local:
             return ("name", self.local, bool(steps))
         for i, seg in enumerate(steps):
+            if (seg[0] == "a" and seg[1] in _MODULE_DICTS and i + 1 < len(steps) and steps[i + 1][0] == "k"
+                    and isinstance(steps[i + 1][1], str)):
+                return ("attr", steps[i + 1][1], i + 2 < len(steps))  # module._parameters['weight']: module.weight
             if seg[0] in ("a", "ca"):
                 return ("attr", seg[1], i + 1 < len(steps))
             if seg[0] in ("g", "l"):

@@ -126,8 +126,18 @@ _TEXT = {"a": ".{}", "g": ".{}", "ca": ".{}", "i": "[{}]", "pa": ".args", "pk": 
 
 def render(segs: Tuple[Seg, ...]) -> str:
     out = []
+    module_dict: Optional[str] = None
     for seg in segs:
         tag = seg[0]
+        if tag == "a" and seg[1] in ("_parameters", "_buffers"):
+            module_dict = seg[1]  # module._parameters['weight'] reads as module.weight (how the model names it)
+            continue
+        if module_dict is not None:
+            attr, module_dict = module_dict, None
+            if tag == "k" and isinstance(seg[1], str) and seg[1].isidentifier():
+                out.append(f".{seg[1]}")
+                continue
+            out.append(f".{attr}")
         if tag == "k":
             out.append(f"[{seg[1]!r}]")
         elif tag == "?":
@@ -136,6 +146,8 @@ def render(segs: Tuple[Seg, ...]) -> str:
             out.append(f" (a {seg[1]} alias of the view)")
         elif tag in _TEXT:
             out.append(_TEXT[tag].format(*seg[1:]))
+    if module_dict is not None:
+        out.append(f".{module_dict}")
     return "".join(out)
 
 

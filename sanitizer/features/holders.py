@@ -233,16 +233,50 @@ def replay_siblings(keys: Iterable[int], names: Optional[Dict[int, Optional[str]
             continue
         obj = pattern[0]()
         if obj is not None:
-            by_class.setdefault(type(obj), []).append(pattern)
+            same = by_class.setdefault(type(obj), [])
+            if all(_shape(p[1]) != _shape(pattern[1]) for p in same):  # one path of each shape per class
+                same.append(pattern)
         del obj
     if not by_class:
         return walk.result
+    wanted = set(walk.keys)
+    for fresh in (False, True):  # the instances seen last time first (a model's modules exist before its load)
+        _siblings_from(walk, by_class, wanted, names, _instances(by_class, fresh))
+        if not wanted:
+            break
+    for key, bucket in walk.found.items():
+        walk.result.holders[key] = bucket
+    walk.result.ms = (time.perf_counter() - start) * 1000.0
+    return walk.result
+
+
+_instances_seen: Dict[type, List[Any]] = {}  # class -> weak references to its instances at the last heap pass
+
+
+def _instances(by_class: Dict[type, List[tuple]], fresh: bool) -> List[Any]:
+    """Instances of those classes: from the last heap pass (weakly kept), or (``fresh``) from a new one."""
+    if not fresh:
+        out = []
+        for cls in by_class:
+            out.extend(o for o in (r() for r in _instances_seen.get(cls, ())) if o is not None)
+        return out
     refs = gc.get_referrers(*by_class)
     try:
         instances = [o for o in refs if type(o) in by_class]
     finally:
         del refs
-    wanted = set(walk.keys)
+    for cls in by_class:
+        _instances_seen[cls] = [r for r in (_weak(o) for o in instances if type(o) is cls) if r is not None]
+    if len(_instances_seen) > 64:
+        for cls in list(_instances_seen)[:-64]:
+            del _instances_seen[cls]
+    return instances
+
+
+def _siblings_from(walk: _Walk, by_class: Dict[type, List[tuple]], wanted: Set[int],
+                   names: Optional[Dict[int, Optional[str]]], instances: List[Any]) -> None:
+    if not instances:
+        return
     hints = tuple(n for k, n in (names or {}).items() if n and k in wanted)
     budget = [_REPLAY_VISITS]
     try:
@@ -267,11 +301,7 @@ def replay_siblings(keys: Iterable[int], names: Optional[Dict[int, Optional[str]
             if not wanted or budget[0] <= 0:
                 break
     finally:
-        del instances
-    for key, bucket in walk.found.items():
-        walk.result.holders[key] = bucket
-    walk.result.ms = (time.perf_counter() - start) * 1000.0
-    return walk.result
+        instances.clear()
 
 
 def _weak(obj: Any) -> Optional[Any]:
@@ -523,6 +553,7 @@ def forget_patterns() -> None:
 def _after_fork() -> None:
     global _patterns_lock
     _patterns_lock = threading.Lock()
+    _instances_seen.clear()
 
 
 __all__ = ["Holder", "WalkResult", "find_holders", "replay", "replay_siblings", "resolve", "has_patterns", "remember", "consumer_key",

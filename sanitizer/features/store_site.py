@@ -134,9 +134,27 @@ def _base(node: ast.AST) -> Optional[Target]:
     return None
 
 
+_FACTORIES = frozenset({"ones", "zeros", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye",
+                        "ones_like", "zeros_like", "empty_like", "full_like", "rand_like", "randn_like", "tensor"})
+_WRAPPERS = frozenset({"Parameter", "Buffer", "UninitializedParameter"})
+
+
+def _fresh_tensor(value: ast.AST) -> bool:
+    """``torch.ones(n)``, ``nn.Parameter(torch.empty(...))``: a new tensor (a module's initialiser), which
+    can hold no lent view."""
+    if not isinstance(value, ast.Call):
+        return False
+    func = value.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    if name in _FACTORIES:
+        return True
+    return name in _WRAPPERS and bool(value.args) and _fresh_tensor(value.args[0])
+
+
 def _holds_nothing(value: Optional[ast.AST]) -> bool:
-    """A constant or an empty literal (what initialising an attribute looks like, never a kept view)."""
-    if value is None or isinstance(value, ast.Constant):
+    """A constant, an empty literal or a fresh tensor (what initialising an attribute looks like, never a
+    kept view)."""
+    if value is None or isinstance(value, ast.Constant) or _fresh_tensor(value):
         return True
     if isinstance(value, (ast.List, ast.Tuple, ast.Set)):
         return not value.elts
@@ -154,6 +172,14 @@ def _targets_of(node: ast.AST) -> List[Tuple[Target, bool]]:
             if base is not None:
                 out.append((base, True))
         name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+        if name == "setattr" and isinstance(func, ast.Name) and len(node.args) >= 3:
+            attr = node.args[1]  # setattr(module, name, param): a parameter set by name
+            out.append((("attr", attr.value if isinstance(attr, ast.Constant) and isinstance(attr.value, str)
+                         else "*"), False))
+        if name in ("register_parameter", "register_buffer") and len(node.args) >= 2:
+            attr = node.args[0]
+            out.append((("attr", attr.value if isinstance(attr, ast.Constant) and isinstance(attr.value, str)
+                         else "*"), False))
         if name == "partial" and node.args:
             fn = node.args[0]
             fn_name = fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else None
@@ -240,9 +266,12 @@ _found: Dict[tuple, Optional[dict]] = {}  # (wanted, lend site, holder file) -> 
 def _stored_at(wanted: Wanted, lent_from: Site, holder_site: Optional[dict], held: Optional[str]) -> Optional[dict]:
     target, into = (wanted[0], wanted[1]), wanted[2]
     # The kind of store the path implies first (an append for a view inside a container, the binding for
-    # one held by the name itself), then the other (a container literal bound with the view in it).
-    for strict in (True, False):
-        found = _find(target, into, strict, lent_from, holder_site, held)
+    # one held by the name itself), then the other (a container literal bound with the view in it); an
+    # attribute set by a name only known at run time (``setattr(module, name, param)``) last.
+    for strict, by_name in ((True, False), (False, False), (False, True)):
+        if by_name and target[0] != "attr":
+            break
+        found = _find(("attr", "*") if by_name else target, into, strict, lent_from, holder_site, held)
         if found is not None:
             return found
     return None

@@ -123,7 +123,7 @@ def _by_consumer(found: List[Holder]) -> List[Holder]:
     out: Dict[str, Holder] = {}
     # Rank, then the consumer's text: the same program names the same holder first every run, whether
     # a walk or a known path found them (and in which order).
-    for h in sorted(found, key=lambda h: (h.rank, consumer_key(h.path))):
+    for h in sorted(found, key=lambda h: (h.rank, h.local is not None and not h.pattern_steps, consumer_key(h.path))):
         out.setdefault(consumer_key(h.path), h)
     return list(out.values())
 
@@ -142,6 +142,15 @@ def _holder_record(h: Holder, also: Sequence[Holder], lease: Lease, exported: Se
     if exported:
         rec["aliases"] = list(exported)
     return rec
+
+
+def _reaches(h: Holder, lease: Lease) -> bool:
+    """Does ``h``'s path still lead to a tensor of ``lease``'s storage?"""
+    t = _holders.resolve(h.pattern)
+    try:
+        return t is not None and t.untyped_storage()._cdata == lease.handle
+    except Exception:
+        return False
 
 
 def _held_shape(h: Holder, lease: Lease) -> Optional[str]:
@@ -181,6 +190,8 @@ class Triage:
         self._sites: Dict[Tuple[Any, ...], _Site] = {}
         self._confirmed: Dict[int, dict] = {}  # lease id -> its retention record
         self._used_stale: Set[int] = set()  # lease ids used stale (reported through the stale-use hook)
+        self._best: Dict[int, Holder] = {}  # lease id -> the holder its retention was credited to (to re-check)
+        self._at_read: Dict[int, Optional[dict]] = {}  # lease id -> its holder when first read stale
 
     # -- hooks ---------------------------------------------------------------------
     def on_lend(self) -> None:
@@ -254,8 +265,13 @@ class Triage:
             p = self._pending.pop(lid, None)
             if p is not None:
                 self.log.stale_read(lease, at)
-                record = self._confirm(p, used_stale=True, evidence=False, read_at=at)
-                return record["holder"] if record else None
+                # The consumer is what stored it, named at the reuse (a deferred call's list, since popped
+                # by the replay that reads it); what holds it at this read is named for the error.
+                early = (p.early, {"when": "at-reuse", "ms": 0.0, "tensors": len(p.early), "truncated": False}) \
+                    if p.early else None
+                record = self._confirm(p, used_stale=True, evidence=False, read_at=at,
+                                       named=self._still_early(p) or early)
+                return self._holder_at_read(lease, record) if record else None
             record = self._confirmed.get(lid)
             if record is None:  # retired while triage was not looking (the sanitizer off): a retention now
                 p = self._late_pending(lease)
@@ -268,7 +284,33 @@ class Triage:
             self.log.stale_read(lease, at)
             if not record.get("used_stale") or record.get("read_stale_at") is None:
                 records.update_event(record, used_stale=True, read_stale_at=at)
-            return record.get("holder")
+            return self._holder_at_read(lease, record)
+
+    def _holder_at_read(self, lease: Lease, record: dict) -> Optional[Dict[str, Any]]:
+        """(Under the lock.) What holds the view now that it is read stale: the holder named at the
+        retention when its path still reaches the view (a known path: cheap), else a new walk names it,
+        with the earlier holder as history (a thread pool's future held it at the reuse, the module's
+        parameter holds it at the forward). Named once per lease; later reads reuse the answer."""
+        lid = lease.lease_id
+        known = self._at_read.get(lid)
+        if known is not None:
+            return known
+        holder = record.get("holder")
+        best = self._best.get(lid)
+        still = best is not None and _reaches(best, lease)
+        if not still and lease.alive and state.options["triage_budget_ms"] > 0:
+            found, _ = self._walk([lease]).get(lid, ([], _SKIPPED))
+            found = _by_consumer([_promote(h) if h.transient else h for h in found])
+            if found and (holder is None or consumer_key(found[0].path) != holder.get("consumer")):
+                now = _holder_record(found[0], found[1:], lease, ())
+                if holder is not None:
+                    now["earlier"] = {k: holder[k] for k in ("kind", "path", "consumer", "stored_at") if k in holder}
+                records.update_event(record, holder_at_read=now)
+                holder = now
+        if len(self._at_read) >= _CONFIRMED_KEPT:
+            self._at_read.clear()
+        self._at_read[lid] = holder
+        return holder
 
     def _late_pending(self, lease: Lease) -> Optional[_Pending]:
         """A pending record for a stale lease retired while triage did not see it (its reuse happened with
@@ -339,8 +381,8 @@ class Triage:
             found = [h for h in found if not h.transient and not _was_running(h, p)]
             if not found:
                 return None  # nothing but the running code's own locals: cannot tell it from a loop variable
-        else:
-            found = [_promote(h) if h.transient else h for h in found]
+        else:  # a plain local still holding it after its consumer's turn is a holder, after any container
+            found = [h for h in found if not h.transient] + [_promote(h) for h in found if h.transient]
         found = _by_consumer(found)
         best = found[0] if found else None
         if best is not None and walk["when"] == "walk":
@@ -351,6 +393,10 @@ class Triage:
             for old in list(self._confirmed)[: _CONFIRMED_KEPT // 2]:
                 del self._confirmed[old]
         self._confirmed[lid] = record
+        if best is not None:
+            if len(self._best) >= _CONFIRMED_KEPT:
+                self._best.clear()
+            self._best[lid] = best
         self.log.retained(lease, p.event, p.t, p.region, record)
         return record
 
@@ -533,6 +579,23 @@ def holder_of(lease_id: int) -> Optional[dict]:
     return _TRIAGE.holder_of(lease_id)
 
 
+def name_holder(lease: Lease) -> Optional[dict]:
+    """The holder of an alive lease now, as a record (path, consumer, stored_at), by a known path, a
+    sibling or else a bounded walk; None when nothing nameable holds it. For an adapter that keeps its own
+    account of views kept past an emulated contract: each view named by what holds *it*."""
+    t = _TRIAGE
+    with t._lock:
+        named = t._name_cheaply(lease, _Site(), False) or t._walk([lease]).get(lease.lease_id)
+        found = [h for h in (named[0] if named else [])]
+        kept = [h for h in found if not h.transient]  # a loop variable is only named when nothing else holds it
+        found = _by_consumer(kept or [_promote(h) for h in found])
+        if not found:
+            return None
+        if named[1].get("when") == "walk":
+            t._learn(_Site(), found)
+        return _holder_record(found[0], (), lease, ())
+
+
 def pending_count() -> int:
     """Retentions recorded at a reuse whose consumer has not had its turn yet (decided later)."""
     return _TRIAGE.pending_count()
@@ -550,5 +613,6 @@ def _after_fork() -> None:
     reset()
 
 
-__all__ = ["Triage", "install", "uninstall", "installed_hooks", "reset", "settle", "retentions", "holder_of", "pending_count",
+__all__ = ["Triage", "install", "uninstall", "installed_hooks", "reset", "settle", "retentions", "holder_of",
+           "name_holder", "pending_count",
            "timeline", "ORDER", "find_holders"]

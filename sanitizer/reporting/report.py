@@ -178,6 +178,12 @@ def summarize(rep: Dict[str, Any], pending: int = 0) -> Dict[str, Any]:
                      + f" ({top['count']}, {format_bytes(top['bytes'])})")
     else:
         parts.append("no retentions")
+    emulated = _emulated_consumers(rep.get("events", ()))
+    if emulated:
+        views = sum(g["count"] for g in emulated)
+        parts.append(f"{views} emulated retention{'s' * (views != 1)} by {len(emulated)} consumer"
+                     f"{'s' * (len(emulated) != 1)} ({format_bytes(sum(g['bytes'] for g in emulated))}; "
+                     f"correct under the loader's own contract, safetensors_strict=1 makes them errors)")
     return {
         "line": "ownership-sanitizer: " + "; ".join(parts),
         "errors_by_kind": errors_by_kind,
@@ -186,7 +192,36 @@ def summarize(rep: Dict[str, Any], pending: int = 0) -> Dict[str, Any]:
         "retained_bytes": retained_bytes,
         "pending_retentions": pending,
         "retaining_consumers": consumers,
+        "emulated_retentions": sum(g["count"] for g in emulated),
+        "emulated_consumers": emulated,
     }
+
+
+def _emulated_consumers(events: Iterable[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The consumers that kept views past an *emulated* borrowed contract (``safetensors_ring`` without
+    strict: each view was moved onto an owned copy, nothing was wrong), grouped like retentions: a user
+    who asked for the emulation wants to see them, marked as such, not "no retentions"."""
+    groups: Dict[tuple, Dict[str, Any]] = {}
+    for e in events:
+        if e.get("kind") != "emulated_retention":
+            continue
+        holder = e.get("holder") or {}
+        consumer = holder.get("consumer") or "<unnamed holder>"
+        site = site_text(holder.get("site"))
+        stored = site_text(holder.get("stored_at"))
+        g = groups.get((consumer, stored or site))
+        if g is None:
+            g = groups[(consumer, stored or site)] = {"consumer": consumer, "kind": holder.get("kind", "none"),
+                                                      "site": site, "stored_at": stored, "count": 0, "bytes": 0,
+                                                      "leases": [], "files": []}
+        g["count"] += int(e.get("count") or len(e.get("leases") or ()) or 1)
+        g["bytes"] += int(e.get("nbytes") or 0)
+        for name in e.get("leases") or ():
+            if len(g["leases"]) < 8:
+                g["leases"].append(name)
+        if e.get("file") and e["file"] not in g["files"] and len(g["files"]) < 4:
+            g["files"].append(e["file"])
+    return sorted(groups.values(), key=lambda g: (-g["bytes"], -g["count"], g["consumer"]))
 
 
 def process_label(pid: Any, rank: Any) -> str:

@@ -72,10 +72,16 @@ def format_triage(rep: Dict[str, Any], path: Optional[str] = None, top: int = 20
             pad = "  " + " " * (sum(widths) + 2 * 5)
             first = g["first"]
             names = ", ".join(repr(n) for n in g["leases"][:4]) + (", ..." if g["count"] > 4 else "")
-            if g.get("stored_at"):
+            candidates = g.get("stored_candidates") or []
+            if len(candidates) > 1:  # several statements store into that container alike
+                lines.append(f"{pad}stored at one of {', '.join(candidates)} (holder lives at {g['site'] or '?'}; "
+                             f"the run could not tell which)")
+            elif g.get("stored_at"):
                 lines.append(f"{pad}stored at {g['stored_at']} (holder lives at {g['site'] or '?'})")
             else:
                 lines.append(f"{pad}holder lives at {g['site'] or '?'}")
+            if g.get("also_held"):
+                lines.append(f"{pad}also held {g['also_held']} view(s) counted for another consumer")
             lines.append(f"{pad}e.g. {first['holder']['path'] if first.get('holder') else '?'}")
             lines.append(f"{pad}leases: {names}")
             reads = g.get("read_stale_at") or []
@@ -87,6 +93,15 @@ def format_triage(rep: Dict[str, Any], path: Optional[str] = None, top: int = 20
                 lines.append(f"{pad}fix: {g['fix']}")
         if len(consumers) > top:
             lines.append(f"  ... {len(consumers) - top} more (ownsan triage --top N)")
+    emulated = summary.get("emulated_consumers") or []
+    if emulated:
+        lines += ["", "emulated retentions (views kept past the emulated ring; each was moved onto an owned copy, "
+                      "safetensors_strict=1 makes them errors):"]
+        for g in emulated[:top]:
+            names = ", ".join(repr(n) for n in g["leases"][:4]) + (", ..." if g["count"] > 4 else "")
+            where = f"stored at {g['stored_at']}" if g.get("stored_at") else f"holder lives at {g['site'] or '?'}"
+            lines.append(f"  {format_bytes(g['bytes'])}  {g['count']}  {g['kind']}  {g['consumer']} ({where})")
+            lines.append(f"      leases: {names}")
     errors = rep.get("errors", [])
     if errors:
         lines += ["", "errors (first of each kind):"]
@@ -122,8 +137,10 @@ def section_for_test(rep: Dict[str, Any], path: Optional[str]) -> str:
     summary = rep["summary"]
     lines = [summary["line"]]
     for g in summary["retaining_consumers"][:5]:
-        lines.append(f"held by: {g['consumer']} ({g['count']} lease{'s' * (g['count'] != 1)}, "
-                     f"{format_bytes(g['bytes'])})" + (f"; stored at {g['stored_at']}" if g.get("stored_at") else
+        counted = (f"{g['count']} lease{'s' * (g['count'] != 1)}, {format_bytes(g['bytes'])}" if g["count"] else
+                   f"also held {g.get('also_held', 0)} of the views counted above")
+        lines.append(f"held by: {g['consumer']} ({counted})"
+                     + (f"; stored at {g['stored_at']}" if g.get("stored_at") else
                                                        f"; holder lives at {g['site']}" if g.get("site") else ""))
         if g.get("read_stale_at"):
             lines.append(f"  read stale at {', '.join(g['read_stale_at'])}")

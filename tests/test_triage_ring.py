@@ -1,0 +1,190 @@
+"""Triage on a reused ring: each retention credited to the holder that kept *that* view, at the line that
+stored it, counted once (issue 27).
+
+On a ring that holds one tensor at a time every lease has the same bytes and the same lend and reuse sites,
+so nothing but the view's own storage may tie a holder to a lease.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+import torch
+
+import sanitizer
+from sanitizer.features import holders, store_site, triage
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "several_holders.py")
+THIS_FILE = os.path.abspath(__file__)
+
+
+def _line(path: str, marker: str) -> int:
+    with open(path, encoding="utf-8") as fh:
+        return next(i for i, text in enumerate(fh, 1) if marker in text)
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    triage.reset(records_too=True)
+    holders.forget_patterns()
+    store_site.forget()
+    yield
+    triage.reset(records_too=True)
+    holders.forget_patterns()
+
+
+class _Holder:
+    def __init__(self) -> None:
+        self.kept = []
+
+
+def test_every_view_of_a_one_tensor_ring_is_credited_to_the_holder_it_was_put_in():
+    """Round robin over a list, a dict by name and an object attribute: 90 views, each named exactly where it
+    is (the old site statistics credited all of them to whichever holder was seen first)."""
+    ring = sanitizer.StagingRing(4096, name="one")  # one 4 KiB tensor at a time: every put reuses the last
+    lst, dct, obj = [], {}, _Holder()
+    where = {}
+    with sanitizer.sanitize(triage=1):
+        for i in range(90):
+            w = ring.put(f"layers.{i}.weight", torch.full((1024,), float(i)))
+            if i % 3 == 0:
+                lst.append(w)
+                where[f"layers.{i}.weight"] = "list"
+            elif i % 3 == 1:
+                dct[f"layers.{i}.weight"] = w
+                where[f"layers.{i}.weight"] = "dict"
+            else:
+                obj.kept.append(w)
+                where[f"layers.{i}.weight"] = "attr"
+        del w
+        rep = sanitizer.report(final=True)
+    rets = [e for e in rep["events"] if e["kind"] == "retention"]
+    assert len(rets) == 89  # the last one was never reused
+    for e in rets:
+        path = e["holder"]["path"]
+        kind = "list" if "'lst'" in path else "dict" if "'dct'" in path else "attr" if "_Holder.kept" in path else path
+        assert kind == where[e["lease"]["name"]], (e["lease"]["name"], path)
+        assert "counted" not in e["holder"] and e["walk"]["when"] != "counted"
+        assert [h["path"] for h in e["holders"]] == [path]  # nobody else is credited with it
+    groups = rep["summary"]["retaining_consumers"]
+    assert sorted(g["count"] for g in groups) == [29, 30, 30]
+    assert sum(g["count"] for g in groups) == rep["summary"]["retentions"] == 89
+
+
+def _stores_twice(ring, n, keep):
+    for i in range(n):
+        w = ring.put(f"w{i}", torch.full((1024,), float(i)))
+        if i % 2:
+            keep[f"w{i}"] = w  # STORE-ODD
+        else:
+            keep[f"w{i}"] = w  # STORE-EVEN
+
+
+def test_two_statements_that_store_alike_are_listed_as_candidates_not_one_as_fact():
+    ring = sanitizer.StagingRing(4096, name="twice")
+    keep = {}
+    with sanitizer.sanitize(triage=1):
+        _stores_twice(ring, 6, keep)
+        rep = sanitizer.report(final=True)
+    odd, even = _line(THIS_FILE, "# STORE-ODD"), _line(THIS_FILE, "# STORE-EVEN")
+    (group,) = [g for g in rep["summary"]["retaining_consumers"] if g["count"]]
+    assert group["stored_candidates"] == [f"{THIS_FILE}:{odd}", f"{THIS_FILE}:{even}"]
+    from sanitizer.reporting.text import format_triage
+
+    out = format_triage(rep)
+    assert f"one of {THIS_FILE}:{odd}, {THIS_FILE}:{even}" in out, out
+
+
+def _run_example(tmp_path, *options):
+    report = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "sanitizer", "run", "--report", str(report)]
+    for opt in options:
+        cmd += ["-o", opt]
+    out = subprocess.run(cmd + ["--", sys.executable, EXAMPLE, "--dir", str(tmp_path)], capture_output=True,
+                         text=True, timeout=300, cwd=str(tmp_path))
+    assert report.exists(), out.stdout + out.stderr
+    return out, json.loads(report.read_text())
+
+
+def test_a_load_weights_that_sends_views_to_five_places_reports_five_consumers_with_their_own_leases(tmp_path):
+    pytest.importorskip("safetensors", reason="the example loads through safetensors (pip install safetensors)")
+    out, rep = _run_example(tmp_path, "safetensors_ring=16384", "safetensors_strict=1")
+    summary = rep["summary"]
+    groups = [g for g in summary["retaining_consumers"] if g["count"]]
+    assert summary["retentions"] == 15 and sum(g["count"] for g in groups) == 15, out.stdout
+    assert "15 retentions by 5 consumers" in out.stdout + out.stderr
+    by_line = {g["stored_at"]: g for g in groups}
+    expect = {"STORE-Q": "q_proj", "STORE-K": "k_proj", "STORE-V": "v_proj", "STORE-O": "o_proj", "STORE-G": "g_proj"}
+    assert set(by_line) == {f"{EXAMPLE}:{_line(EXAMPLE, '# ' + m)}" for m in expect}, sorted(by_line)
+    for marker, proj in expect.items():
+        g = by_line[f"{EXAMPLE}:{_line(EXAMPLE, '# ' + marker)}"]
+        assert g["count"] == 3 and all(proj in name for name in g["leases"]), (marker, g["leases"])
+        assert g["fix"].endswith(f"({g['stored_at']})")
+        assert not g.get("stored_candidates")
+    consumers = Counter(g["consumer"] for g in groups)
+    assert consumers["local 'params' of load_weights()[*]"] == 2  # one dict, two storing statements
+    assert consumers["local 'pairs' of load_weights()[*][*]"] == 1  # the last v, decided after the return, too
+
+
+def test_emulated_retentions_are_listed_marked_as_such(tmp_path):
+    pytest.importorskip("safetensors", reason="the example loads through safetensors (pip install safetensors)")
+    out, rep = _run_example(tmp_path, "safetensors_ring=16384")
+    summary = rep["summary"]
+    assert summary["retentions"] == 0 and summary["emulated_retentions"] == 15
+    assert "15 emulated retentions by" in summary["line"] and "no retentions" in summary["line"]
+    assert "emulated retentions (views kept past the emulated ring" in out.stdout + out.stderr
+    for g in summary["emulated_consumers"]:  # each view named by its own holder, never by a neighbour's
+        projs = {name.split(".")[2] for name in g["leases"]}
+        assert len(projs) == 1, g
+
+
+_TINY = r"""
+import json, sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+path = sys.argv[1]
+if sys.argv[2] == "make":
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(path, max_shard_size="40KB", safe_serialization=True)
+else:
+    m = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    m(torch.tensor([[1, 2, 3]]))
+"""
+
+
+@pytest.mark.slow
+def test_transformers_parameters_are_named_at_the_bad_read_the_same_every_run(tmp_path):
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
+    script = tmp_path / "tiny.py"
+    script.write_text(_TINY)
+    model = tmp_path / "tiny"
+    subprocess.run([sys.executable, str(script), str(model), "make"], check=True, capture_output=True, timeout=300)
+    seen = []
+    for run in range(2):
+        report = tmp_path / f"r{run}.json"
+        out = subprocess.run([sys.executable, "-m", "sanitizer", "run", "--report", str(report), "-o",
+                              "safetensors_ring=65536", "-o", "safetensors_strict=1", "--", sys.executable,
+                              str(script), str(model), "load"], capture_output=True, text=True, timeout=600)
+        rep = json.loads(report.read_text())
+        errors = [e for e in rep["errors"] if e["kind"] == "stale_use"]
+        assert errors, out.stdout + out.stderr
+        named = {}
+        for e in errors:
+            holder = e.get("holder") or {}
+            lease = (e.get("lease") or {}).get("name") or ""
+            named[lease] = holder.get("path")
+            stored = (holder.get("stored_at") or {}).get("file", "")
+            assert "torch/nn/modules" not in stored, holder
+        for lease, path in named.items():  # a norm's weight is never labelled as a linear's
+            if "layernorm" in lease or lease.endswith("norm.weight"):
+                assert path == "LlamaRMSNorm.weight", (lease, path)
+            elif "proj" in lease:
+                assert path == "Linear.weight", (lease, path)
+        seen.append(named)
+    assert seen[0] == seen[1]
