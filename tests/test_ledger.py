@@ -628,3 +628,37 @@ def test_region_lookup_with_adjacent_and_equal_based_regions():
     led.close(same.region_id)
     led.close(empty.region_id)
     assert led.region_containing("cpu", 150) is right
+
+
+def test_items_of_one_start_are_removed_in_any_order_without_a_scan_of_them_all():
+    """A one-tensor ring files every lease at offset 0: a death must not scan all of them (a consumer's
+    teardown of n kept views was O(n^2)), and the right one must go, whatever the order."""
+    import random
+    import time as _time
+    from dataclasses import dataclass as _dc
+
+    from sanitizer.core.intervals import IntervalIndex as _Index
+
+    @_dc(eq=False)
+    class _Item:
+        lease_id: int
+
+    index = _Index(block=64, order=lambda item: item.lease_id)
+    items = [_Item(i) for i in range(20_000)]
+    for item in items:
+        index.add(item, 0, 4096)
+    gone = list(items)
+    random.Random(0).shuffle(gone)
+    start = _time.thread_time()
+    for item in gone[:10_000]:
+        assert index.remove(item, 0, 4096)
+    took = _time.thread_time() - start
+    left = {id(i) for i in index.items()}
+    assert left == {id(i) for i in gone[10_000:]} and len(index) == 10_000
+    assert not index.remove(gone[0], 0, 4096)  # removed already
+    assert took < 2.0, took  # ~0.1 s; a scan of equal starts took ~10 s
+    odd = _Index(block=4, order=lambda item: item.lease_id)  # filed out of order: found by the scan
+    late, early = _Item(9), _Item(1)
+    odd.add(late, 0, 8)
+    odd.add(early, 0, 8)
+    assert odd.remove(early, 0, 8) and odd.remove(late, 0, 8) and not odd

@@ -15,12 +15,14 @@ leases included: a rescue rebinds the lease's death to its owned copy, so
 ``alive`` turns False when the last view of the copy goes. A storage address
 is handed to the holder walk only while its lease is alive.
 
-**Naming, only for a confirmed retention.** First the holder paths named
-before are followed again from their roots (a consumer keeps its next weight
-where it kept the last: a few container steps, see
-:mod:`sanitizer.features.holders`); once 3 retentions of the same lend and
-reuse sites were named with the same holder, the rest are counted as that
-holder's without a walk; otherwise a bounded heap walk names it.
+**Naming, only for a confirmed retention, and only by what holds that very view.**
+On a reused ring every lease has the same bytes and the same lend and reuse sites,
+so a holder is credited with a lease only where its own storage was found: first by
+the holder paths named before, followed again from their roots (a consumer keeps
+its next weight where it kept the last: a few container steps, see
+:mod:`sanitizer.features.holders`), at the reuse while the storing code still runs
+and again when the retention is decided; then from the other instances of a known
+holder's class; otherwise a bounded heap walk names it.
 
 **A stale use** reaches triage through the runtime's stale-use hook, before the
 error is built: a pending lease is confirmed then and there, the stale read is
