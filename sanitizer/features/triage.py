@@ -121,7 +121,10 @@ def _was_running(h: Holder, p: _Pending) -> bool:
 
 
 def _by_consumer(found: List[Holder]) -> List[Holder]:
-    """Best first, one holder per consumer (a consumer that holds the view twice is named once)."""
+    """Best first, one holder per consumer (a consumer that holds the view twice is named once). A path
+    through the sanitizer's own objects (a DeferralScope's retained calls, a rescue table) is never a
+    consumer beside a user's holder: only when nothing else names the view."""
+    found = [h for h in found if not h.detour] or found
     out: Dict[str, Holder] = {}
     # Rank, then the consumer's text: the same program names the same holder first every run, whether
     # a walk or a known path found them (and in which order).
