@@ -31,6 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _normalise(text: str) -> str:
     text = text.replace(ROOT + os.sep, "")
     text = re.sub(r"\(pid \d+\)", "(pid N)", text)
+    text = re.sub(r"check_consumer-\d+#", "check_consumer#", text)  # the process's first checker's buffer names
     text = re.sub(r"report: \S+ \(", "report: ownsan-report.json (", text)
     return "\n".join(line.rstrip() for line in text.strip().splitlines())
 

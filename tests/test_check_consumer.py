@@ -329,3 +329,31 @@ def test_a_borrowed_stream_of_a_case_over_weights():
         assert [n for n, _ in weights][:2] == ["layers.0.a", "layers.1.a"]
     with pytest.raises(ValueError, match="field 'stream'"):
         borrowed_stream(SD, dataclasses.replace(case), stream="tape")
+
+
+class _LeftBehind:
+    kept = None
+
+
+def _leaves_a_view_in_a_class_attribute(weights):
+    for _, w in weights:
+        _LeftBehind.kept = w
+    return {}
+
+
+def _copies_each(weights):
+    return {name: w.clone() for name, w in weights}
+
+
+def test_a_correct_consumer_is_never_blamed_for_a_view_an_earlier_check_left_behind():
+    """Issue 29, point 3: the earlier check's consumer keeps its last view in a class attribute; the next
+    check (a correct consumer) judges only what its own consumer kept (its buffers have names of their own)."""
+    import torch
+
+    weights = {f"layers.{i}.w": torch.randn(16, 16) for i in range(4)}
+    with pytest.raises(RetainedBorrowError):
+        check_consumer(_leaves_a_view_in_a_class_attribute, weights, examples=10)
+    try:
+        check_consumer(_copies_each, weights, examples=10)
+    finally:
+        _LeftBehind.kept = None

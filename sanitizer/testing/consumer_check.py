@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import itertools
 import importlib
 import importlib.util
 import os
@@ -194,6 +195,10 @@ class _Checker:
         self.label = getattr(consume, "__qualname__", None) or repr(consume)
         self._oracles: "OrderedDict[Tuple[str, ...], Dict[str, Any]]" = OrderedDict()
         self._runs = 0
+        # Buffer names unique in the process: an earlier check's buffers (a view its consumer left in a
+        # class attribute) must never pass for this one's (``_ours``), or a correct consumer is blamed.
+        checker = next(_CHECKERS)
+        self._tag = "check_consumer" if checker == 1 else f"check_consumer-{checker}"
 
     # -- one example -------------------------------------------------------------------
     def oracle(self, names: Sequence[str], fresh: bool = False) -> Dict[str, Any]:
@@ -230,7 +235,7 @@ class _Checker:
         items = self.weights.items(names)
         ring = self.weights.ring(case)
         self._runs += 1
-        tag = f"check_consumer#{self._runs}"
+        tag = f"{self._tag}#{self._runs}"
         out = Outcome(case, ring, self.weights.largest)
         with isolation.isolated_run(freeze=not diagnose) as scope:
             oracle = self.oracle(names)
@@ -264,7 +269,10 @@ class _Checker:
         gc.collect()  # what is garbage lets its leases die; what is still held is retained
         rep = sanitizer.report(final=diagnose, exclude=scope.exclude())
         out.errors_seen = scope.errors_seen()
-        out.retentions = sum(1 for e in rep["events"] if e.get("kind") == "retention")
+        # Only this run's own leases: a view an earlier check's consumer left in a class attribute is that
+        # consumer's retention, decided (or read) while this one runs; never this consumer's.
+        out.retentions = sum(1 for e in rep["events"]
+                             if e.get("kind") == "retention" and _ours((e.get("lease") or {}).get("buffer"), tag))
         out.retained = [lease["name"] for lease in rep["retained_stale_leases"] if _ours(lease.get("buffer"), tag)]
         for path, value in reachable(built).items():
             lease = sanitizer.lease_of(value) if isinstance(value, torch.Tensor) else None
@@ -398,6 +406,9 @@ def _find_failed(exc: BaseException) -> Optional[_ExampleFailed]:
         if found is not None:
             return found
     return None
+
+
+_CHECKERS = itertools.count(1)  # checkers made in this process (their buffers' names)
 
 
 def _ours(buffer: Any, tag: str) -> bool:
