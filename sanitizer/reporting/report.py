@@ -16,7 +16,9 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import sys
+import threading
 from typing import Any, Dict, Iterable, List, Optional, Set
 
 from sanitizer.core import forking
@@ -329,6 +331,39 @@ def _on_enable(options: Dict[str, Any]) -> None:
     if options.get("report") and not _exit_writer_armed:
         atexit.register(_write_report_at_exit)
         _exit_writer_armed = True
+        _arm_sigterm()
+        if os._exit is _os_exit:  # a process that ends with os._exit (a forkserver's worker) writes it first
+            os._exit = _exit_after_writing_the_report
+
+
+_SIGTERM_WRITE_S = 10.0  # how long a SIGTERM waits for the report before the process dies as asked
+
+
+def _arm_sigterm() -> None:
+    """Write the report on SIGTERM too, then die of it as asked: ``with multiprocessing.Pool()`` ends with
+    ``terminate()``, whose SIGTERM used to land while a worker still had its findings in memory (spawn and
+    forkserver pools lost every one). Only where SIGTERM has its default action and only from the main
+    thread: a program's own handler is never replaced, and one installed later wins."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError, AttributeError):  # no SIGTERM here (an embedded interpreter, Windows)
+        pass
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """The report, written by a thread (the interrupted code may hold a lock the writer needs: then the
+    wait times out and the process dies without it, never hangs), then SIGTERM again with its default
+    action: the process ends with the status a SIGTERM gives."""
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM kills at once
+        writer = threading.Thread(target=_write_report_at_exit, name="ownsan-sigterm-report", daemon=True)
+        writer.start()
+        writer.join(_SIGTERM_WRITE_S)
+    finally:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _write_report_at_exit() -> None:
@@ -343,8 +378,9 @@ def _write_report_at_exit() -> None:
 
 
 def _exit_after_writing_the_report(code: int) -> None:
-    """``os._exit`` in a forked child: the report first. multiprocessing's fork workers (and
-    ProcessPoolExecutor's) end with ``os._exit``, which runs no atexit handler."""
+    """``os._exit`` with the report written first. multiprocessing's fork workers, a forkserver's workers
+    (enabled after their fork, so this is put in place at their enable) and ProcessPoolExecutor's end with
+    ``os._exit``, which runs no atexit handler."""
     try:
         _write_report_at_exit()
     finally:
