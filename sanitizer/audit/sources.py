@@ -3,7 +3,9 @@ torch, CUDA libraries or the engine itself; the audit imports none of it)."""
 from __future__ import annotations
 
 import ast
+import io
 import os
+import tokenize
 from dataclasses import dataclass
 from typing import Iterable, List, Sequence, Tuple
 
@@ -12,7 +14,8 @@ SKIP_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__", ".venv", "venv", ".
 
 
 class AuditInputError(Exception):
-    """A path that does not exist or a file that does not parse: a usage error (exit status 2)."""
+    """A path that does not exist, a file that does not decode or does not parse: a usage error (exit
+    status 2)."""
 
 
 @dataclass(frozen=True)
@@ -43,11 +46,22 @@ def read(path: str) -> Source:
             raw = fh.read()
     except OSError as exc:
         raise AuditInputError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    return parse(path, decode(path, raw))
+
+
+def decode(path: str, raw: bytes) -> str:
+    """The text of a module's bytes, decoded as Python decodes them (PEP 263 and PEP 3120): a UTF-8 BOM
+    or a ``# -*- coding: latin-1 -*-`` cookie in the first two lines names the encoding, UTF-8 otherwise.
+    Decoding them as UTF-8 alone refused valid modules. Newlines are kept as they are (``ast`` reads
+    ``\r\n`` and ``\r`` itself), so the text is the one ``ast`` numbers lines and columns in."""
     try:
-        text = raw.decode("utf-8")
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(raw).readline)
+    except SyntaxError as exc:  # an unknown codec, a BOM with a cookie that is not utf-8
+        raise AuditInputError(f"{path}: cannot read it ({exc.msg})") from None
+    try:
+        return raw.decode(encoding)
     except UnicodeDecodeError as exc:
-        raise AuditInputError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    return parse(path, text)
+        raise AuditInputError(f"{path}: not valid {encoding} text ({exc.reason} at byte {exc.start})") from None
 
 
 def parse(path: str, text: str) -> Source:
@@ -60,4 +74,4 @@ def parse(path: str, text: str) -> Source:
     return Source(path, text, tree)
 
 
-__all__ = ["AuditInputError", "Source", "python_files", "read", "parse", "SKIP_DIRS"]
+__all__ = ["AuditInputError", "Source", "python_files", "read", "decode", "parse", "SKIP_DIRS"]
