@@ -2,7 +2,8 @@
 
 Exit status: 0 when nothing is found, 1 when a finding is reported (or, with ``--report``, a retention
 the run saw that the audit missed), 2 on a usage error: a path that does not exist, a file that does
-not parse (named), an unknown code in --select/--ignore, an unreadable --report.
+not parse (named), an unknown code in --select/--ignore, an unreadable --report. A file too deep for the
+audit to follow is skipped and named, and the exit status follows the findings of the other files.
 """
 from __future__ import annotations
 
@@ -97,9 +98,11 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "ownsan audit") -> in
             return 2
     else:
         sys.stdout.write(text)
-    for err in result.errors:
-        if args.format in ("json", "sarif") or args.output:
+    if args.format in ("json", "sarif") or args.output:  # stdout is not where a person reads them
+        for err in result.errors:
             print(f"{prog}: {err}", file=sys.stderr)
+        for skip in result.skipped:
+            print(f"{prog}: skipped {skip}", file=sys.stderr)
     if result.errors:
         return 2
     found = bool(result.findings) or bool(checked and checked["missed"])

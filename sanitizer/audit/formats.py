@@ -31,7 +31,7 @@ def summary(result: AuditResult) -> Dict[str, Any]:
         by_code[f.code] = by_code.get(f.code, 0) + 1
     return {"findings": len(result.findings), "functions": _functions(result), "by_code": by_code,
             "files": result.files, "lines": result.lines, "consumers": len(result.consumers),
-            "suppressed": result.suppressed, "errors": len(result.errors)}
+            "suppressed": result.suppressed, "errors": len(result.errors), "skipped": len(result.skipped)}
 
 
 def summary_line(result: AuditResult) -> str:
@@ -41,6 +41,8 @@ def summary_line(result: AuditResult) -> str:
     tail = (f"{s['consumers']} weight-consuming function{'s' * (s['consumers'] != 1)} in {s['files']} file"
             f"{'s' * (s['files'] != 1)} ({s['lines']} lines)")
     extra = f", {s['suppressed']} suppressed" if s["suppressed"] else ""
+    if s["skipped"]:
+        extra += f"; {s['skipped']} file{'s' * (s['skipped'] != 1)} skipped"
     return f"ownsan audit: {head}; looked at {tail}{extra}"
 
 
@@ -68,6 +70,7 @@ def to_text(result: AuditResult, crosscheck: Optional[Dict[str, Any]] = None) ->
             out.append(line)
     for err in result.errors:
         out.append(f"error: {err}")
+    out.extend(f"skipped: {skip}" for skip in result.skipped)
     if crosscheck is not None:
         out.extend(_crosscheck_text(crosscheck))
     out.append(summary_line(result))
@@ -90,6 +93,7 @@ def to_concise(result: AuditResult, crosscheck: Optional[Dict[str, Any]] = None)
     out = [f"{f.path}:{f.line}:{f.col}: {f.code} {f.message}" + (" [confirmed by the run]" if f.confirmed else "")
            for f in result.findings]
     out.extend(f"error: {e}" for e in result.errors)
+    out.extend(f"skipped: {skip}" for skip in result.skipped)
     if crosscheck is not None:
         out.extend(_crosscheck_text(crosscheck))
     return "\n".join(out) + ("\n" if out else "")
@@ -102,6 +106,7 @@ def to_json(result: AuditResult, crosscheck: Optional[Dict[str, Any]] = None) ->
         "summary": summary(result),
         "findings": [f.to_json() for f in result.findings],
         "errors": list(result.errors),
+        "skipped": [{"path": skip.path, "reason": skip.reason} for skip in result.skipped],
     }
     if crosscheck is not None:
         doc["crosscheck"] = crosscheck
@@ -172,11 +177,15 @@ def to_sarif(result: AuditResult, crosscheck: Optional[Dict[str, Any]] = None) -
                             "informationUri": INFO_URI, "rules": rules}},
         "results": results,
     }
-    if result.errors:
-        run["invocations"] = [{"executionSuccessful": False, "toolExecutionNotifications": [
-            {"level": "error", "message": {"text": e}} for e in result.errors]}]
-    else:
-        run["invocations"] = [{"executionSuccessful": True}]
+    invocation: Dict[str, Any] = {"executionSuccessful": not result.errors}
+    notes = [{"level": "error", "message": {"text": e}} for e in result.errors]
+    notes += [{"level": "warning", "message": {"text": f"skipped {skip}"},
+               "locations": [{"physicalLocation": {"artifactLocation": {"uri": _uri(skip.path),
+                                                                        "uriBaseId": "%SRCROOT%"}}}]}
+              for skip in result.skipped]  # a file it could not follow: the run still succeeded
+    if notes:
+        invocation["toolExecutionNotifications"] = notes
+    run["invocations"] = [invocation]
     return {"$schema": SARIF_SCHEMA, "version": "2.1.0", "runs": [run]}
 
 

@@ -18,6 +18,22 @@ class AuditInputError(Exception):
     status 2)."""
 
 
+class SkippedFile(AuditInputError):
+    """A file the audit cannot follow though Python may well run it: an expression nested deeper than the
+    audit's recursion reaches (a generated 4000-term sum overflows ``ast.parse`` itself). The file is
+    skipped and named with the reason; it is not the user's mistake, so it is no usage error, and the
+    other files are audited as usual."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"{path}: skipped: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+TOO_DEEP_TO_PARSE = "an expression too deeply nested for the audit to parse (Python's recursion limit)"
+TOO_DEEP_TO_FOLLOW = "an expression too deeply nested for the audit to follow (Python's recursion limit)"
+
+
 @dataclass(frozen=True)
 class Source:
     path: str  # as the user named it (relative paths stay relative, as flake8 prints them)
@@ -71,7 +87,9 @@ def parse(path: str, text: str) -> Source:
         raise AuditInputError(f"{path}:{exc.lineno or 0}:{exc.offset or 0}: does not parse: {exc.msg}") from None
     except ValueError as exc:  # source with NUL bytes
         raise AuditInputError(f"{path}: does not parse: {exc}") from None
+    except (RecursionError, MemoryError):  # the tree is deeper than ast builds: Python compiled it in C
+        raise SkippedFile(path, TOO_DEEP_TO_PARSE) from None
     return Source(path, text, tree)
 
 
-__all__ = ["AuditInputError", "Source", "python_files", "read", "decode", "parse", "SKIP_DIRS"]
+__all__ = ["AuditInputError", "SkippedFile", "TOO_DEEP_TO_PARSE", "TOO_DEEP_TO_FOLLOW", "Source", "python_files", "read", "decode", "parse", "SKIP_DIRS"]
