@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 from typing import Any, Dict, List, Optional
+from urllib.parse import quote
 
 from sanitizer.audit.codes import CODES
 from sanitizer.audit.engine import AuditResult
@@ -122,6 +123,10 @@ def _uri(path: str) -> str:
         except ValueError:
             rel = path
     rel = rel.replace(os.sep, "/")
+    # Percent-encoded from the name's own bytes: a URI (RFC 3986) has no raw space or non-ASCII letter,
+    # and a name that is not UTF-8 (``caf\xe9.py``, held as a surrogate escape) becomes ``caf%E9.py``,
+    # where writing it raw made the SARIF output fail half written.
+    rel = quote(os.fsencode(rel) if os.name != "nt" else rel.encode("utf-8", "surrogatepass"), safe="/:")
     return ("file://" + rel) if rel.startswith("/") else rel
 
 
@@ -136,7 +141,7 @@ def _region(line: int, col: Optional[int] = None, end_line: Optional[int] = None
 
 def _fingerprint(f: Finding) -> str:
     key = "\x00".join((f.path, f.function, f.code, f.pattern, f.chain[-1].text if f.chain else ""))
-    return hashlib.sha256(key.encode("utf-8")).hexdigest()[:32]
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:32]  # a non-UTF-8 file name
 
 
 def to_sarif(result: AuditResult, crosscheck: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
@@ -189,17 +194,44 @@ def to_sarif(result: AuditResult, crosscheck: Optional[Dict[str, Any]] = None) -
     return {"$schema": SARIF_SCHEMA, "version": "2.1.0", "runs": [run]}
 
 
+def unicode_text(text: str) -> str:
+    r"""``text`` as valid Unicode. A file name that is not UTF-8 reaches the audit as a surrogate escape
+    (``caf\udce9.py`` for the bytes ``caf\xe9.py``); JSON may not carry a lone surrogate (``json.dumps``
+    writes it as ``\udce9``, which strict readers refuse), so the byte is written as ``\xe9``."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        try:
+            return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        except UnicodeEncodeError:  # a surrogate that is no escaped byte
+            return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _unicode_doc(doc: Any) -> Any:
+    """A JSON-ready document with every string (keys too) made valid Unicode by :func:`unicode_text`."""
+    if isinstance(doc, str):
+        return unicode_text(doc)
+    if isinstance(doc, dict):
+        return {_unicode_doc(k): _unicode_doc(v) for k, v in doc.items()}
+    if isinstance(doc, (list, tuple)):
+        return [_unicode_doc(v) for v in doc]
+    return doc
+
+
 def render(result: AuditResult, fmt: str, crosscheck: Optional[Dict[str, Any]] = None) -> str:
+    """The output in ``fmt``. Text and concise keep a non-UTF-8 file name as its surrogate escape (the
+    CLI writes it back as the name's own bytes); JSON and SARIF are always valid UTF-8 JSON."""
     if fmt == "text":
         return to_text(result, crosscheck)
     if fmt == "concise":
         return to_concise(result, crosscheck)
     if fmt == "json":
-        return json.dumps(to_json(result, crosscheck), indent=2) + "\n"
+        return json.dumps(_unicode_doc(to_json(result, crosscheck)), indent=2) + "\n"
     if fmt == "sarif":
-        return json.dumps(to_sarif(result, crosscheck), indent=2) + "\n"
+        return json.dumps(_unicode_doc(to_sarif(result, crosscheck)), indent=2) + "\n"
     raise ValueError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")
 
 
-__all__ = ["FORMATS", "SCHEMA_FILE", "render", "to_json", "to_sarif", "to_text", "to_concise", "summary",
-           "summary_line"]
+__all__ = ["FORMATS", "SCHEMA_FILE", "render", "unicode_text", "to_json", "to_sarif", "to_text", "to_concise",
+           "summary", "summary_line"]
