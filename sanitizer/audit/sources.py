@@ -7,7 +7,7 @@ import io
 import os
 import tokenize
 from dataclasses import dataclass
-from typing import Iterable, List, Sequence, Tuple
+from typing import Iterable, List, Sequence, Set, Tuple
 
 SKIP_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__", ".venv", "venv", ".tox", ".nox", "node_modules",
                        ".mypy_cache", ".pytest_cache", "build", "dist", ".eggs"})
@@ -42,15 +42,28 @@ class Source:
 
 
 def python_files(paths: Sequence[str]) -> List[str]:
-    """Every ``.py`` file named or under a named directory (sorted, hidden and build directories skipped)."""
+    """Every ``.py`` file named or under a named directory (sorted, hidden and build directories skipped),
+    each once: a file named again (``x.py ./x.py /abs/x.py``, a directory and a file in it, a symlink to
+    it) is the same file by :func:`os.path.realpath`, and auditing it twice reported each of its
+    statements twice. The first name given is the one findings use."""
     out: List[str] = []
+    seen: Set[str] = set()
+
+    def add(name: str) -> None:
+        real = os.path.realpath(name)
+        if real not in seen:
+            seen.add(real)
+            out.append(name)
+
     for path in paths:
         if os.path.isdir(path):
             for root, dirs, files in os.walk(path):
                 dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not d.startswith("."))
-                out.extend(os.path.join(root, f) for f in sorted(files) if f.endswith(".py"))
+                for f in sorted(files):
+                    if f.endswith(".py"):
+                        add(os.path.join(root, f))
         elif os.path.isfile(path):
-            out.append(path)
+            add(path)
         else:
             raise AuditInputError(f"{path}: no such file or directory")
     return out
