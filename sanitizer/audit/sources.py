@@ -19,10 +19,10 @@ class AuditInputError(Exception):
 
 
 class SkippedFile(AuditInputError):
-    """A file the audit cannot follow though Python may well run it: an expression nested deeper than the
-    audit's recursion reaches (a generated 4000-term sum overflows ``ast.parse`` itself). The file is
-    skipped and named with the reason; it is not the user's mistake, so it is no usage error, and the
-    other files are audited as usual."""
+    """A file the audit cannot follow: an expression nested deeper than its recursion reaches (a generated
+    900-term sum, which Python compiles, overflows the flow's evaluator; a 4000-term one overflows
+    ``ast.parse`` itself). The file is skipped and named with the reason; it is no usage error (the
+    file may well run), so the other files are audited and decide the exit status."""
 
     def __init__(self, path: str, reason: str):
         super().__init__(f"{path}: skipped: {reason}")
@@ -100,9 +100,10 @@ def parse(path: str, text: str) -> Source:
         raise AuditInputError(f"{path}:{exc.lineno or 0}:{exc.offset or 0}: does not parse: {exc.msg}") from None
     except ValueError as exc:  # source with NUL bytes
         raise AuditInputError(f"{path}: does not parse: {exc}") from None
-    except (RecursionError, MemoryError):  # the tree is deeper than ast builds: Python compiled it in C
+    except (RecursionError, MemoryError):  # deeper than ast builds Python objects for
         raise SkippedFile(path, TOO_DEEP_TO_PARSE) from None
     return Source(path, text, tree)
 
 
-__all__ = ["AuditInputError", "SkippedFile", "TOO_DEEP_TO_PARSE", "TOO_DEEP_TO_FOLLOW", "Source", "python_files", "read", "decode", "parse", "SKIP_DIRS"]
+__all__ = ["AuditInputError", "SkippedFile", "TOO_DEEP_TO_PARSE", "TOO_DEEP_TO_FOLLOW", "Source", "python_files",
+           "read", "decode", "parse", "SKIP_DIRS"]
