@@ -2,11 +2,15 @@
 
 Exit status: 0 when nothing is found, 1 when a finding is reported (or, with ``--report``, a retention
 the run saw that the audit missed), 2 on a usage error: a path that does not exist, a file that does
-not parse (named), an unknown code in --select/--ignore, an unreadable --report.
+not parse (named), an unknown code in --select/--ignore, an unreadable --report. A file too deep for the
+audit to follow is skipped and named, and the exit status follows the findings of the other files.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
+import stat
 import sys
 from typing import List, Optional, Sequence
 
@@ -90,20 +94,80 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "ownsan audit") -> in
     text = render(result, args.format, checked)
     if args.output:
         try:
-            with open(args.output, "w", encoding="utf-8") as fh:
-                fh.write(text)
+            write_output(args.output, text)
         except OSError as exc:
             print(f"{prog}: cannot write {args.output!r} ({exc.strerror or exc})", file=sys.stderr)
             return 2
     else:
-        sys.stdout.write(text)
-    for err in result.errors:
-        if args.format in ("json", "sarif") or args.output:
+        write_stdout(text)
+    if args.format in ("json", "sarif") or args.output:  # stdout is not where a person reads them
+        for err in result.errors:
             print(f"{prog}: {err}", file=sys.stderr)
+        for skip in result.skipped:
+            print(f"{prog}: skipped {skip}", file=sys.stderr)
     if result.errors:
         return 2
     found = bool(result.findings) or bool(checked and checked["missed"])
     return 1 if found and not args.exit_zero else 0
 
 
-__all__ = ["main", "build_parser"]
+def _encoded(text: str, encoding: str = "utf-8") -> bytes:
+    """The bytes of an output: a file name that is not UTF-8 (a surrogate escape) goes back to the name's
+    own bytes, as ``ls`` shows it and a shell names it; anything else unencodable as a backslash escape."""
+    try:
+        return text.encode(encoding, "surrogateescape")
+    except UnicodeEncodeError:
+        return text.encode(encoding, "backslashreplace")
+
+
+def write_output(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: into a new file beside it, renamed over it when
+    complete (an error half way, a full disk, an interrupt once left a truncated report that a CI step
+    read as the audit's). The file keeps the mode an existing one had; a new one gets 0666 less the
+    umask, as ``open`` would give it. A path that is no regular file (a FIFO) or is under ``/dev``
+    (``/dev/stdout``, even redirected to a file) is written in place, since renaming over it would
+    replace what it stands for."""
+    data = _encoded(text)
+    try:
+        st: Optional[os.stat_result] = os.stat(path)
+    except FileNotFoundError:
+        st = None
+    if (st is not None and not stat.S_ISREG(st.st_mode)) or os.path.abspath(path).startswith("/dev/"):
+        with open(path, "wb") as fh:
+            fh.write(data)
+        return
+    target = os.path.realpath(path)  # a symlinked report stays a symlink
+    tmp = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        if st is not None:
+            os.chmod(tmp, stat.S_IMODE(st.st_mode))
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def write_stdout(text: str) -> None:
+    """``text`` on stdout, never a traceback for a file name that is not UTF-8: a strict stdout
+    (``PYTHONIOENCODING=utf-8:strict``, a UTF-8 locale) refuses its surrogate escape, so then the bytes
+    go to the underlying buffer as :func:`_encoded` makes them."""
+    try:
+        text.encode(sys.stdout.encoding or "utf-8", sys.stdout.errors or "strict")
+    except (UnicodeEncodeError, LookupError):
+        buffer = getattr(sys.stdout, "buffer", None)
+        if buffer is not None:
+            sys.stdout.flush()
+            buffer.write(_encoded(text, sys.stdout.encoding or "utf-8"))
+            buffer.flush()
+            return
+        text = _encoded(text, sys.stdout.encoding or "utf-8").decode(sys.stdout.encoding or "utf-8", "replace")
+    sys.stdout.write(text)
+
+
+__all__ = ["main", "build_parser", "write_output", "write_stdout"]

@@ -17,7 +17,8 @@ from sanitizer.audit.flow import Flow
 from sanitizer.audit.index import FunctionInfo, build_index
 from sanitizer.audit.project import Project
 from sanitizer.audit.settings import Settings
-from sanitizer.audit.sources import AuditInputError, Source, parse, python_files, read
+from sanitizer.audit.sources import (TOO_DEEP_TO_FOLLOW, AuditInputError, SkippedFile, Source, parse, python_files,
+                                     read)
 from sanitizer.audit.snippets import Snippets
 from sanitizer.audit.summaries import ModuleAnalysis
 from sanitizer.audit.vocabulary import PRODUCER_HINT
@@ -34,6 +35,18 @@ class Consumer:
     why: str
 
 
+@dataclass(frozen=True)
+class Skipped:
+    """A file the audit could not follow (see :class:`SkippedFile`): named with the reason, not audited,
+    and no usage error: the exit status follows the findings of the other files."""
+
+    path: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.reason}"
+
+
 @dataclass
 class AuditResult:
     findings: List[Finding] = field(default_factory=list)
@@ -43,6 +56,7 @@ class AuditResult:
     errors: List[str] = field(default_factory=list)  # files that could not be read or parsed
     suppressed: int = 0
     paths: List[str] = field(default_factory=list)  # every file audited
+    skipped: List[Skipped] = field(default_factory=list)  # files too deep to follow, with the reason
 
 
 def _inherited(info: FunctionInfo, seeds_by_fn: Dict[int, List[Seed]]) -> List[Seed]:
@@ -119,14 +133,18 @@ def audit_sources(sources: Iterable[Source], select: Optional[Sequence[str]] = N
     codes = set(selected_codes(select, ignore))
     result = AuditResult()
     for source in sources:
-        _audit_one(source, codes, result, settings=settings)
+        try:
+            _audit_one(source, codes, result, settings=settings)
+        except RecursionError:
+            result.skipped.append(Skipped(source.path, TOO_DEEP_TO_FOLLOW))
     return result
 
 
 def audit_paths(paths: Sequence[str], select: Optional[Sequence[str]] = None,
                 ignore: Optional[Sequence[str]] = None, settings: Optional[Settings] = None) -> AuditResult:
     """Audit files and directories. A path that does not exist raises :class:`AuditInputError`; a file
-    that cannot be read or parsed is named in ``errors`` and the rest are audited.
+    that cannot be read or parsed is named in ``errors``, one too deep to follow in ``skipped``, and the
+    rest are audited.
 
     One file at a time: parse, analyse, let the tree go (holding every tree of a large code base at
     once makes the garbage collector's full passes, and so parsing, several times slower)."""
@@ -157,11 +175,18 @@ def _audit_files(files: List[str], codes: set, settings: Optional[Settings] = No
     for path in files:
         try:
             source = read(path)
+        except SkippedFile as exc:
+            result.skipped.append(Skipped(exc.path, exc.reason))
+            continue
         except AuditInputError as exc:
             result.errors.append(str(exc))
             continue
         before = len(result.findings)
-        _audit_one(source, codes, result, project, settings)
+        try:  # analyse() returns before _audit_one adds anything, so a skipped file leaves nothing behind
+            _audit_one(source, codes, result, project, settings)
+        except RecursionError:  # the flow evaluates expressions recursively: a 900-term sum is too deep
+            result.skipped.append(Skipped(path, TOO_DEEP_TO_FOLLOW))
+            continue
         fresh = []
         for f in result.findings[before:]:  # a helper's statement, found from callers in two modules
             if f.key in seen:
@@ -181,4 +206,4 @@ def audit_text(text: str, path: str = "<string>", select: Optional[Sequence[str]
     return audit_sources([parse(path, text)], select, ignore, settings)
 
 
-__all__ = ["AuditResult", "Consumer", "analyse", "audit_sources", "audit_paths", "audit_text"]
+__all__ = ["AuditResult", "Consumer", "Skipped", "analyse", "audit_sources", "audit_paths", "audit_text"]

@@ -25,10 +25,12 @@ class OwnsanAuditChecker:
     def _text(self) -> str:
         if self.lines is not None:
             return "".join(self.lines)
-        try:
-            with open(self.filename, encoding="utf-8") as fh:
-                return fh.read()
-        except (OSError, UnicodeDecodeError):
+        from sanitizer.audit.sources import AuditInputError, decode
+
+        try:  # decoded as Python decodes it (a coding cookie, a BOM), as flake8 itself reads it
+            with open(self.filename, "rb") as fh:
+                return decode(self.filename, fh.read())
+        except (OSError, AuditInputError):
             return ""
 
     def run(self) -> Iterator[Tuple[int, int, str, Type["OwnsanAuditChecker"]]]:

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 from typing import Any, Dict, List, Optional
+from urllib.parse import quote
 
 from sanitizer.audit.codes import CODES
 from sanitizer.audit.engine import AuditResult
@@ -31,7 +32,7 @@ def summary(result: AuditResult) -> Dict[str, Any]:
         by_code[f.code] = by_code.get(f.code, 0) + 1
     return {"findings": len(result.findings), "functions": _functions(result), "by_code": by_code,
             "files": result.files, "lines": result.lines, "consumers": len(result.consumers),
-            "suppressed": result.suppressed, "errors": len(result.errors)}
+            "suppressed": result.suppressed, "errors": len(result.errors), "skipped": len(result.skipped)}
 
 
 def summary_line(result: AuditResult) -> str:
@@ -41,6 +42,8 @@ def summary_line(result: AuditResult) -> str:
     tail = (f"{s['consumers']} weight-consuming function{'s' * (s['consumers'] != 1)} in {s['files']} file"
             f"{'s' * (s['files'] != 1)} ({s['lines']} lines)")
     extra = f", {s['suppressed']} suppressed" if s["suppressed"] else ""
+    if s["skipped"]:
+        extra += f"; {s['skipped']} file{'s' * (s['skipped'] != 1)} skipped"
     return f"ownsan audit: {head}; looked at {tail}{extra}"
 
 
@@ -68,6 +71,7 @@ def to_text(result: AuditResult, crosscheck: Optional[Dict[str, Any]] = None) ->
             out.append(line)
     for err in result.errors:
         out.append(f"error: {err}")
+    out.extend(f"skipped: {skip}" for skip in result.skipped)
     if crosscheck is not None:
         out.extend(_crosscheck_text(crosscheck))
     out.append(summary_line(result))
@@ -90,6 +94,7 @@ def to_concise(result: AuditResult, crosscheck: Optional[Dict[str, Any]] = None)
     out = [f"{f.path}:{f.line}:{f.col}: {f.code} {f.message}" + (" [confirmed by the run]" if f.confirmed else "")
            for f in result.findings]
     out.extend(f"error: {e}" for e in result.errors)
+    out.extend(f"skipped: {skip}" for skip in result.skipped)
     if crosscheck is not None:
         out.extend(_crosscheck_text(crosscheck))
     return "\n".join(out) + ("\n" if out else "")
@@ -102,6 +107,7 @@ def to_json(result: AuditResult, crosscheck: Optional[Dict[str, Any]] = None) ->
         "summary": summary(result),
         "findings": [f.to_json() for f in result.findings],
         "errors": list(result.errors),
+        "skipped": [{"path": skip.path, "reason": skip.reason} for skip in result.skipped],
     }
     if crosscheck is not None:
         doc["crosscheck"] = crosscheck
@@ -117,6 +123,10 @@ def _uri(path: str) -> str:
         except ValueError:
             rel = path
     rel = rel.replace(os.sep, "/")
+    # Percent-encoded from the name's own bytes: a URI (RFC 3986) has no raw space or non-ASCII letter,
+    # and a name that is not UTF-8 (``caf\xe9.py``, held as a surrogate escape) becomes ``caf%E9.py``,
+    # where writing it raw made the SARIF output fail half written.
+    rel = quote(os.fsencode(rel) if os.name != "nt" else rel.encode("utf-8", "surrogatepass"), safe="/:")
     return ("file://" + rel) if rel.startswith("/") else rel
 
 
@@ -131,7 +141,7 @@ def _region(line: int, col: Optional[int] = None, end_line: Optional[int] = None
 
 def _fingerprint(f: Finding) -> str:
     key = "\x00".join((f.path, f.function, f.code, f.pattern, f.chain[-1].text if f.chain else ""))
-    return hashlib.sha256(key.encode("utf-8")).hexdigest()[:32]
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:32]  # a non-UTF-8 file name
 
 
 def to_sarif(result: AuditResult, crosscheck: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
@@ -172,25 +182,56 @@ def to_sarif(result: AuditResult, crosscheck: Optional[Dict[str, Any]] = None) -
                             "informationUri": INFO_URI, "rules": rules}},
         "results": results,
     }
-    if result.errors:
-        run["invocations"] = [{"executionSuccessful": False, "toolExecutionNotifications": [
-            {"level": "error", "message": {"text": e}} for e in result.errors]}]
-    else:
-        run["invocations"] = [{"executionSuccessful": True}]
+    invocation: Dict[str, Any] = {"executionSuccessful": not result.errors}
+    notes = [{"level": "error", "message": {"text": e}} for e in result.errors]
+    notes += [{"level": "warning", "message": {"text": f"skipped {skip}"},
+               "locations": [{"physicalLocation": {"artifactLocation": {"uri": _uri(skip.path),
+                                                                        "uriBaseId": "%SRCROOT%"}}}]}
+              for skip in result.skipped]  # a file it could not follow: the run still succeeded
+    if notes:
+        invocation["toolExecutionNotifications"] = notes
+    run["invocations"] = [invocation]
     return {"$schema": SARIF_SCHEMA, "version": "2.1.0", "runs": [run]}
 
 
+def unicode_text(text: str) -> str:
+    r"""``text`` as valid Unicode. A file name that is not UTF-8 reaches the audit as a surrogate escape
+    (``caf\udce9.py`` for the bytes ``caf\xe9.py``); JSON may not carry a lone surrogate (``json.dumps``
+    writes it as ``\udce9``, which strict readers refuse), so the byte is written as ``\xe9``."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        try:
+            return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        except UnicodeEncodeError:  # a surrogate that is no escaped byte
+            return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _unicode_doc(doc: Any) -> Any:
+    """A JSON-ready document with every string (keys too) made valid Unicode by :func:`unicode_text`."""
+    if isinstance(doc, str):
+        return unicode_text(doc)
+    if isinstance(doc, dict):
+        return {_unicode_doc(k): _unicode_doc(v) for k, v in doc.items()}
+    if isinstance(doc, (list, tuple)):
+        return [_unicode_doc(v) for v in doc]
+    return doc
+
+
 def render(result: AuditResult, fmt: str, crosscheck: Optional[Dict[str, Any]] = None) -> str:
+    """The output in ``fmt``. Text and concise keep a non-UTF-8 file name as its surrogate escape (the
+    CLI writes it back as the name's own bytes); JSON and SARIF are always valid UTF-8 JSON."""
     if fmt == "text":
         return to_text(result, crosscheck)
     if fmt == "concise":
         return to_concise(result, crosscheck)
     if fmt == "json":
-        return json.dumps(to_json(result, crosscheck), indent=2) + "\n"
+        return json.dumps(_unicode_doc(to_json(result, crosscheck)), indent=2) + "\n"
     if fmt == "sarif":
-        return json.dumps(to_sarif(result, crosscheck), indent=2) + "\n"
+        return json.dumps(_unicode_doc(to_sarif(result, crosscheck)), indent=2) + "\n"
     raise ValueError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")
 
 
-__all__ = ["FORMATS", "SCHEMA_FILE", "render", "to_json", "to_sarif", "to_text", "to_concise", "summary",
-           "summary_line"]
+__all__ = ["FORMATS", "SCHEMA_FILE", "render", "unicode_text", "to_json", "to_sarif", "to_text", "to_concise",
+           "summary", "summary_line"]

@@ -7,7 +7,18 @@ not plain ASCII (``col_offset`` counts UTF-8 bytes) falls back to ``ast.unparse`
 from __future__ import annotations
 
 import ast
+import re
 from typing import List, Optional
+
+_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+def source_lines(text: str) -> List[str]:
+    r"""The lines of a module as Python's tokenizer (and so ``ast``'s line numbers) counts them: ended by
+    ``\n``, ``\r\n`` or ``\r`` only. ``str.splitlines`` also splits on a form feed, ``\v``, ``\x1c``-``\x1e``,
+    ``\x85``, U+2028 and U+2029, which Python reads inside a line (a form feed in indentation, any of
+    them in a comment or a string): every line below one was quoted one line off."""
+    return _LINE_END.split(text)
 
 
 def _clip(text: str, limit: int) -> str:
@@ -33,7 +44,7 @@ class Snippets:
         if line is None or col is None:
             return unparsed(node, limit)
         if self._lines is None:
-            self._lines = self._text.splitlines()
+            self._lines = source_lines(self._text)
         if not 0 < line <= len(self._lines):
             return unparsed(node, limit)
         src = self._lines[line - 1]
@@ -53,4 +64,4 @@ class Snippets:
         return _clip(text, limit)
 
 
-__all__ = ["Snippets", "unparsed"]
+__all__ = ["Snippets", "source_lines", "unparsed"]

@@ -354,19 +354,45 @@ def markdown_table() -> str:
     return "\n".join(lines)
 
 
+class ReadmeError(ValueError):
+    """A page ``sync_readme`` cannot update (missing, unreadable, without its markers): the message names
+    the file and what is wrong, for one line of ``ownsan options --sync-readme`` (exit status 2)."""
+
+
 def sync_readme(path: str) -> bool:
-    """Rewrite the generated block of ``path``; returns True when it changed."""
-    with open(path, encoding="utf-8") as fh:
-        text = fh.read()
-    start, end = text.index(README_BEGIN) + len(README_BEGIN), text.index(README_END)
+    """Rewrite the generated block of ``path``; returns True when it changed. Raises
+    :class:`ReadmeError` (once a bare ``ValueError: substring not found`` traceback) when the file is
+    missing or unreadable, or lacks a marker; the file is then left as it was."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise ReadmeError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ReadmeError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    begin = text.find(README_BEGIN)
+    if begin < 0:
+        raise ReadmeError(f"{path}: has no begin marker {README_BEGIN!r} (the options table goes between it "
+                          f"and {README_END!r})")
+    start = begin + len(README_BEGIN)
+    end = text.find(README_END, start)
+    if end < 0:
+        if README_END in text[:begin]:
+            raise ReadmeError(f"{path}: its end marker {README_END!r} comes before its begin marker "
+                              f"{README_BEGIN[:19]!r}..., not after it")
+        raise ReadmeError(f"{path}: has no end marker {README_END!r} after its begin marker "
+                          f"{README_BEGIN[:19]!r}...")
     updated = text[:start] + "\n" + markdown_table() + "\n" + text[end:]
     if updated != text:
-        with open(path, "w", encoding="utf-8") as fh:
-            fh.write(updated)
+        try:
+            with open(path, "w", encoding="utf-8") as fh:
+                fh.write(updated)
+        except OSError as exc:
+            raise ReadmeError(f"{path}: cannot write it ({exc.strerror or exc})") from None
     return updated != text
 
 
 __all__ = ["Option", "OPTIONS", "OptionError", "defaults", "resolve", "parse_options_string", "format_options_string",
            "switch_from_env", "format_table", "table_rows", "ENV_SWITCH", "ENV_OPTIONS", "parse_bool",
-           "markdown_table", "sync_readme"]
+           "markdown_table", "sync_readme", "ReadmeError"]
 

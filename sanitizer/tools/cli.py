@@ -416,7 +416,11 @@ def cmd_audit(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def cmd_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.sync_readme:
-        changed = _opts.sync_readme(args.sync_readme)
+        try:
+            changed = _opts.sync_readme(args.sync_readme)
+        except _opts.ReadmeError as exc:
+            print(f"ownsan options: {exc}", file=sys.stderr)
+            return 2
         print(f"{args.sync_readme}: {'updated' if changed else 'already in sync'}")
         return 0
     print(_opts.format_table())

@@ -1,0 +1,251 @@
+"""Bad or unusual input to ``ownsan audit`` (issue 29): valid Python the audit must read as Python does
+(coding cookies, a BOM, form feeds and other characters ``str.splitlines`` splits on), files too deep to
+follow (skipped, named, the rest audited), file names that are not UTF-8, the same file named three
+ways, and ``ownsan options --sync-readme`` on a file it cannot use. Each gets one clear line, never a
+traceback."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from sanitizer.audit import audit_paths, audit_text
+from sanitizer.audit.formats import SCHEMA_FILE
+from sanitizer.tools import cli
+from conftest import ROOT
+
+
+@pytest.fixture(autouse=True)
+def _clean_sanitizer():
+    """Overrides conftest's: the audit never touches the sanitizer's runtime."""
+    yield
+
+
+RETAINING = b"def load_weights(weights):\n    return list(weights)\n"
+SIDE = textwrap.dedent('''
+    def load_weights(weights):
+        name = "x"{odd}
+        side = []
+        for key, w in weights:
+            side.append(w)
+        return side
+''')
+
+
+def _run(capsys, *argv):
+    code = cli.main(["audit", *argv])
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err
+    return code, out.out, out.err
+
+
+# 6: the source encoding, as Python reads it -------------------------------------------------------
+
+def test_a_latin_1_coding_cookie_is_read_as_python_reads_it(tmp_path, capsys):
+    path = tmp_path / "latin.py"
+    path.write_bytes(b"# -*- coding: latin-1 -*-\nCAFE = 'caf\xe9'\n" + RETAINING)
+    result = audit_paths([str(path)])
+    assert result.errors == [] and [f.code for f in result.findings] == ["OWN103"]
+    code, out, _ = _run(capsys, "--format", "concise", str(path))
+    assert code == 1 and "latin.py:4:" in out
+
+
+def test_a_utf_8_bom_is_read_as_python_reads_it(tmp_path, capsys):
+    path = tmp_path / "bom.py"
+    path.write_bytes(b"\xef\xbb\xbf" + RETAINING)
+    result = audit_paths([str(path)])
+    assert result.errors == [] and [(f.code, f.line) for f in result.findings] == [("OWN103", 2)]
+
+
+def test_an_unknown_coding_or_bytes_that_do_not_decode_are_one_named_line(tmp_path, capsys):
+    (tmp_path / "unknown.py").write_bytes(b"# coding: no-such-codec\n" + RETAINING)
+    (tmp_path / "wrong.py").write_bytes(b"# coding: utf-8\nX = '\xff'\n" + RETAINING)
+    (tmp_path / "good.py").write_bytes(RETAINING)
+    code, out, _ = _run(capsys, "--format", "concise", str(tmp_path))
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 2 and "good.py:2:" in out
+    assert "unknown.py" in errors[0] and "no-such-codec" in errors[0]
+    assert "wrong.py" in errors[1] and "utf-8" in errors[1]
+
+
+# 7: lines split as Python's tokenizer splits them -------------------------------------------------
+
+@pytest.mark.parametrize("odd", ["  \f", "  # a\u2028b", "  # a\x1cb", "  # a\x85b", "  # a\vb"],
+                         ids=["form-feed", "U+2028", "x1c", "NEL", "vtab"])
+def test_characters_splitlines_splits_on_do_not_shift_the_quoted_code(odd):
+    (f,) = audit_text(SIDE.format(odd=odd), "m.py").findings
+    assert f.line == 6 and "`side`" in f.message and "`name`" not in f.message, f.message
+    assert f.chain[-1].text.startswith("`side.append(w)`"), f.chain[-1].text
+
+
+# 8: one file too deep to follow is skipped, named, and the rest audited -------------------------
+
+def _deep(terms: int) -> str:
+    return ("def load_weights(weights):\n    side = []\n    for name, w in weights:\n"
+            f"        side.append({' + '.join(['w'] * terms)})\n    return side\n")
+
+
+@pytest.mark.parametrize("terms", [900, 4000], ids=["evaluator", "parser"])
+def test_a_file_too_deep_to_follow_is_skipped_and_the_rest_audited(tmp_path, capsys, terms):
+    (tmp_path / "a_deep.py").write_text(_deep(terms))
+    (tmp_path / "b_good.py").write_bytes(RETAINING)
+    result = audit_paths([str(tmp_path)])
+    assert result.errors == [] and [f.path for f in result.findings] == [str(tmp_path / "b_good.py")]
+    (skip,) = result.skipped
+    assert skip.path == str(tmp_path / "a_deep.py") and "too deeply nested" in skip.reason
+    code, out, _ = _run(capsys, "--format", "concise", str(tmp_path))
+    assert code == 1  # the findings of the rest decide
+    lines = out.splitlines()
+    assert sum("a_deep.py" in line for line in lines) == 1
+    assert any(line.startswith("skipped: ") and "a_deep.py" in line and "too deeply nested" in line
+               for line in lines)
+    (tmp_path / "b_good.py").write_text("X = 1\n")
+    code, out, _ = _run(capsys, str(tmp_path))
+    assert code == 0 and "1 file skipped" in out.splitlines()[-1]
+
+
+def test_skipped_files_are_in_the_json_and_sarif_outputs(tmp_path, capsys):
+    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema (the test extra) validates the schema")
+    (tmp_path / "deep.py").write_text(_deep(4000))
+    (tmp_path / "good.py").write_bytes(RETAINING)
+    code, out, err = _run(capsys, "--format", "json", str(tmp_path))
+    doc = json.loads(out)
+    with open(SCHEMA_FILE, encoding="utf-8") as fh:
+        jsonschema.validate(doc, json.load(fh))
+    assert code == 1 and doc["summary"]["skipped"] == 1 and doc["errors"] == []
+    (skip,) = doc["skipped"]
+    assert skip["path"] == str(tmp_path / "deep.py") and "too deeply nested" in skip["reason"]
+    assert "deep.py" in err  # named on stderr too, since stdout is a document
+    code, out, _ = _run(capsys, "--format", "sarif", str(tmp_path))
+    (inv,) = json.loads(out)["runs"][0]["invocations"]
+    assert inv["executionSuccessful"] is True
+    (note,) = inv["toolExecutionNotifications"]
+    assert note["level"] == "warning" and "deep.py" in note["message"]["text"]
+
+
+# 9: file names that are not UTF-8 ---------------------------------------------------------------
+
+@pytest.fixture
+def odd_name(tmp_path):
+    if sys.platform == "darwin" or os.name == "nt":
+        pytest.skip("the file system must accept a non-UTF-8 byte in a name")
+    path = os.fsencode(str(tmp_path)) + b"/caf\xe9.py"
+    try:
+        with open(path, "wb") as fh:
+            fh.write(RETAINING)
+    except OSError:
+        pytest.skip("this file system refuses a non-UTF-8 byte in a name")
+    return tmp_path
+
+
+@pytest.mark.parametrize("fmt", ["text", "concise", "json", "sarif"])
+def test_a_non_utf_8_file_name_is_written_whole_in_every_format(odd_name, capsys, fmt):
+    out_file = odd_name / "out.txt"
+    code, out, _ = _run(capsys, "-o", str(out_file), "--format", fmt, str(odd_name))
+    assert code == 1 and out == ""
+    data = out_file.read_bytes()
+    if fmt in ("json", "sarif"):
+        doc = json.loads(data.decode("utf-8"))  # strict: valid UTF-8
+        text = json.dumps(doc, ensure_ascii=False)
+        text.encode("utf-8")  # no lone surrogate inside any string
+        assert "caf" in text and (doc["summary"]["findings"] if fmt == "json" else len(doc["runs"][0]["results"])) == 1
+    else:
+        assert b"caf\xe9.py:2:" in data  # the name's own bytes, as ls and the shell name it
+        assert fmt == "concise" or data.rstrip().splitlines()[-1].startswith(b"ownsan audit: 1 finding")
+    assert sorted(os.listdir(str(odd_name))) == sorted([os.fsdecode(b"caf\xe9.py"), "out.txt"])  # no temp file
+
+
+def test_a_non_utf_8_file_name_on_a_strict_stdout_is_no_traceback(odd_name):
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("OWNERSHIP_SANITIZE")},
+           "PYTHONPATH": ROOT, "PYTHONIOENCODING": "utf-8:strict", "LC_ALL": "C.UTF-8"}
+    proc = subprocess.run([sys.executable, "-m", "sanitizer.audit", "--format", "concise", str(odd_name)],
+                          capture_output=True, timeout=120, env=env)
+    assert proc.returncode == 1 and b"Traceback" not in proc.stderr, proc.stderr
+    assert b"caf\xe9.py:2:" in proc.stdout
+
+
+def test_a_failed_write_leaves_the_old_output_whole_and_no_temp_file(tmp_path, capsys, monkeypatch):
+    (tmp_path / "m.py").write_bytes(RETAINING)
+    out_file = tmp_path / "out.json"
+    out_file.write_text("the previous output\n")
+
+    def refuse(src, dst):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    code, _, err = _run(capsys, "-o", str(out_file), "--format", "json", str(tmp_path / "m.py"))
+    assert code == 2 and str(out_file) in err and "Permission denied" in err and len(err.splitlines()) == 1
+    assert out_file.read_text() == "the previous output\n"
+    assert sorted(os.listdir(str(tmp_path))) == ["m.py", "out.json"]
+
+
+def test_the_output_file_keeps_its_permissions(tmp_path, capsys):
+    (tmp_path / "m.py").write_bytes(RETAINING)
+    out_file = tmp_path / "out.txt"
+    out_file.write_text("old\n")
+    os.chmod(str(out_file), 0o644)
+    _run(capsys, "-o", str(out_file), str(tmp_path / "m.py"))
+    assert os.stat(str(out_file)).st_mode & 0o777 == 0o644 and "OWN103" in out_file.read_text()
+    new = tmp_path / "new.txt"
+    _run(capsys, "-o", str(new), str(tmp_path / "m.py"))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(str(new)).st_mode & 0o777 == 0o666 & ~umask
+
+
+# 13: one file named three ways; --sync-readme on a file it cannot use ---------------------------
+
+def test_one_file_named_three_ways_is_audited_once(tmp_path, capsys, monkeypatch):
+    (tmp_path / "x.py").write_bytes(RETAINING)
+    monkeypatch.chdir(tmp_path)
+    result = audit_paths(["x.py", "./x.py", str(tmp_path / "x.py"), "."])
+    assert result.files == 1 and result.paths == ["x.py"] and len(result.findings) == 1
+    code, out, _ = _run(capsys, "--format", "concise", "x.py", "./x.py", str(tmp_path / "x.py"))
+    assert code == 1 and out.splitlines() == [out.splitlines()[0]] and out.startswith("x.py:2:")
+
+
+def test_a_symlink_to_an_audited_file_is_audited_once(tmp_path):
+    (tmp_path / "x.py").write_bytes(RETAINING)
+    try:
+        os.symlink(str(tmp_path / "x.py"), str(tmp_path / "y.py"))
+    except (OSError, NotImplementedError):
+        pytest.skip("no symlinks here")
+    result = audit_paths([str(tmp_path)])
+    assert result.files == 1 and len(result.findings) == 1
+
+
+def _options(capsys, *argv):
+    code = cli.main(["options", *argv])
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err
+    return code, out.out, out.err
+
+
+def test_sync_readme_on_a_missing_file_is_one_line(tmp_path, capsys):
+    missing = tmp_path / "nope.md"
+    code, out, err = _options(capsys, "--sync-readme", str(missing))
+    assert code == 2 and out == "" and len(err.splitlines()) == 1
+    assert str(missing) in err and "No such file or directory" in err
+
+
+def test_sync_readme_on_a_file_without_its_markers_is_one_line_and_the_file_is_untouched(tmp_path, capsys):
+    from sanitizer.core import options as opts
+
+    page = tmp_path / "page.md"
+    page.write_text("# Options\n\nno table here\n")
+    code, _, err = _options(capsys, "--sync-readme", str(page))
+    assert code == 2 and len(err.splitlines()) == 1 and str(page) in err and "<!-- options-table" in err
+    page.write_text(f"# Options\n\n{opts.README_BEGIN}\nold\n")
+    code, _, err = _options(capsys, "--sync-readme", str(page))
+    assert code == 2 and len(err.splitlines()) == 1 and opts.README_END in err
+    page.write_text(f"{opts.README_END}\n{opts.README_BEGIN}\n")
+    code, _, err = _options(capsys, "--sync-readme", str(page))
+    assert code == 2 and "before" in err
+    assert page.read_text() == f"{opts.README_END}\n{opts.README_BEGIN}\n"
+    page.write_text(f"# Options\n\n{opts.README_BEGIN}\nold\n{opts.README_END}\n")
+    code, out, _ = _options(capsys, "--sync-readme", str(page))
+    assert code == 0 and "updated" in out and opts.markdown_table() in page.read_text()
