@@ -6,6 +6,7 @@ so nothing but the view's own storage may tie a holder to a lease.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -246,45 +247,46 @@ def _assert_each_view_credited_to_its_own_place(rep):
     assert sum(g["count"] for g in rep["summary"]["retaining_consumers"]) == rep["summary"]["retentions"] == len(rets)
 
 
+@contextlib.contextmanager
+def _adapters_on():
+    """triage=1 with the loaders' adapters hooked, and the module global emptied before and after."""
+    from sanitizer import adapters
+
+    _KEPT_G.clear()
+    try:
+        with sanitizer.sanitize(triage=1):
+            adapters.install_import_hooks()
+            try:
+                yield
+            finally:
+                adapters.uninstall_import_hooks()
+    finally:
+        _KEPT_G.clear()
+
+
 def test_fastsafetensors_views_sent_to_five_places_are_each_credited_to_their_own(tmp_path):
     fst = pytest.importorskip("fastsafetensors", reason="fastsafetensors is not installed (pip install "
                                                         "'ownership-sanitizer[fastsafetensors]')")
-    from sanitizer import adapters
-
     paths = _five_files(tmp_path)
-    _KEPT_G.clear()
-    with sanitizer.sanitize(triage=1):
-        adapters.install_import_hooks()
-        try:
-            loader = fst.ParallelLoader(None, paths, device="cpu", nogds=True, borrowed_tensors=True,
-                                        accumulate_resident=False, use_tqdm_on_load=False, set_numa=False)
-            kept = _five_places(loader.iterate_weights())
-            loader.close()
-            rep = sanitizer.report(final=True)
-        finally:
-            adapters.uninstall_import_hooks()
+    with _adapters_on():
+        loader = fst.ParallelLoader(None, paths, device="cpu", nogds=True, borrowed_tensors=True,
+                                    accumulate_resident=False, use_tqdm_on_load=False, set_numa=False)
+        kept = _five_places(loader.iterate_weights())
+        loader.close()
+        rep = sanitizer.report(final=True)
     _assert_each_view_credited_to_its_own_place(rep)
     del kept
-    _KEPT_G.clear()
 
 
 def test_runai_views_sent_to_five_places_are_each_credited_to_their_own(tmp_path, monkeypatch):
     runai = pytest.importorskip("runai_model_streamer", reason="runai-model-streamer is not installed (pip "
                                                               "install 'ownership-sanitizer[runai]')")
-    from sanitizer import adapters
-
     monkeypatch.setenv("RUNAI_STREAMER_MEMORY_LIMIT", str(4096))  # a pool of a few KB: real slot reuse
     paths = _five_files(tmp_path)
-    _KEPT_G.clear()
-    with sanitizer.sanitize(triage=1):
-        adapters.install_import_hooks()
-        try:
-            with runai.SafetensorsStreamer() as streamer:
-                streamer.stream_files(paths, device="cpu", owned=False)
-                kept = _five_places(streamer.get_tensors())
-                rep = sanitizer.report(final=True)
-        finally:
-            adapters.uninstall_import_hooks()
+    with _adapters_on():
+        with runai.SafetensorsStreamer() as streamer:
+            streamer.stream_files(paths, device="cpu", owned=False)
+            kept = _five_places(streamer.get_tensors())
+            rep = sanitizer.report(final=True)
     _assert_each_view_credited_to_its_own_place(rep)
     del kept
-    _KEPT_G.clear()
