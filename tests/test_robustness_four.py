@@ -1,0 +1,169 @@
+"""Issue 29: a sanitizer never touches what is not its own and never dies on bad input.
+
+* an output path (``report=PATH``, ``ownsan triage --html/--trace``) that is a device, a FIFO, a file
+  descriptor's link or a symlink is written through (a symlink's target), never replaced; a regular
+  file is replaced only once the new one is whole;
+* non-UTF-8 file names (surrogate escapes) are escaped in the page and never fail a write;
+* a report nested too deeply is one line and exit 2, not a RecursionError;
+* every numeric option has bounds, checked before anything changes (2**70 is an option error);
+* ``ownsan fuzz --weights`` on a truncated safetensors file or a git-lfs pointer says so, exit 2.
+"""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import sanitizer
+from sanitizer.core import options as opts
+from sanitizer.reporting import report as R
+from sanitizer.tools import cli
+from conftest import ROOT, run_python
+
+NAME = "weights\udcff"  # a non-UTF-8 name, as os.fsdecode gives it (the byte 0xff)
+
+
+def _report_json(path) -> dict:
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+# -- 2. report=PATH writes to the path, never replaces what is there -----------------------------------
+def test_a_symlinked_report_path_writes_its_target_and_keeps_the_link(tmp_path):
+    target = tmp_path / "real" / "report.json"
+    target.parent.mkdir()
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    assert R.write_report(str(link)) == str(link)
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert _report_json(target)["format"] == "ownership-sanitizer-report"
+    dangling = tmp_path / "dangling.json"  # a link to a file not written yet: the file is made, the link kept
+    dangling.symlink_to(tmp_path / "real" / "later.json")
+    R.write_report(str(dangling))
+    assert dangling.is_symlink() and _report_json(tmp_path / "real" / "later.json")["format"]
+    assert sorted(os.listdir(tmp_path / "real")) == ["later.json", "report.json"]  # no temporary file left
+
+
+def test_a_report_to_a_fifo_reaches_its_reader_and_the_fifo_stays(tmp_path):
+    fifo = tmp_path / "report.fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo, "rb").read()), daemon=True)
+    reader.start()
+    R.write_report(str(fifo))
+    reader.join(timeout=10)
+    assert not reader.is_alive(), "the FIFO's reader never got the report"
+    assert json.loads(got[0])["format"] == "ownership-sanitizer-report"
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+def test_a_report_to_dev_null_leaves_it_a_character_device():
+    assert R.write_report("/dev/null") == "/dev/null"
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    assert sorted(n for n in os.listdir("/dev") if n.startswith(".null")) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")
+def test_a_report_to_a_device_node_never_replaces_it(tmp_path):
+    node = tmp_path / "null"  # a /dev/null of our own (so the test is safe to run against a broken writer)
+    os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    R.write_report(str(node))
+    assert stat.S_ISCHR(os.stat(node).st_mode)
+    assert os.listdir(tmp_path) == ["null"]
+
+
+def test_report_to_dev_stdout_prints_it():
+    proc = run_python("from sanitizer.reporting import report\nreport.write_report('/dev/stdout')")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["format"] == "ownership-sanitizer-report"
+
+
+def test_a_replaced_report_keeps_the_files_permissions(tmp_path):
+    path = tmp_path / "r.json"
+    path.write_text("old")
+    path.chmod(0o640)
+    R.write_report(str(path))
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o640 and _report_json(path)["format"]
+
+
+def test_triage_outputs_through_a_symlink_and_to_dev_null(tmp_path, capsys):
+    src = tmp_path / "rep.json"
+    R.write_report(str(src))
+    page = tmp_path / "page.html"
+    page.write_text("old")
+    link = tmp_path / "link.html"
+    link.symlink_to(page)
+    assert cli.main(["triage", str(src), "--html", str(link), "--trace", "/dev/null"]) == 0
+    assert link.is_symlink() and "<html" in page.read_text(encoding="utf-8")
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+# -- 9. non-UTF-8 names: escaped in the page; an output file is never left truncated ----------------
+def _report_with_non_utf8_names(tmp_path) -> str:
+    ring = sanitizer.StagingRing(4096, name=NAME)
+    kept = []
+    with sanitizer.sanitize(triage=1):
+        for i in range(8):
+            w = ring.put(f"layers.{i}.w\udcfe", torch.full((256,), float(i)))
+            if i % 3 == 0:
+                kept.append(w)
+        del w
+        float(kept[0].sum())
+        rep = sanitizer.report(final=True)
+    src = tmp_path / "rep.json"
+    src.write_text(json.dumps(rep, default=str))  # ensure_ascii: the file itself is ASCII
+    return str(src)
+
+
+def test_triage_html_escapes_non_utf8_names_in_the_page(tmp_path, capsys):
+    src = _report_with_non_utf8_names(tmp_path)
+    out = tmp_path / "out.html"
+    assert cli.main(["triage", src, "--html", str(out), "--trace", str(tmp_path / "t.json")]) == 0, \
+        capsys.readouterr().err
+    page = out.read_bytes().decode("utf-8")  # valid UTF-8
+    assert "weights\\xff" in page and "w\\xfe" in page and page.rstrip().endswith("</html>")
+    assert "\udcff" not in page
+
+
+def test_triage_prints_non_utf8_names_on_a_strict_stdout(tmp_path):
+    src = _report_with_non_utf8_names(tmp_path)
+    env = dict(os.environ, PYTHONIOENCODING="utf-8:strict")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; from sanitizer.tools import cli; sys.exit(cli.main(sys.argv[1:]))",
+         "triage", src], env=env, capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")
+    assert b"Traceback" not in proc.stderr and b"weights\\xff" in proc.stdout
+
+
+def test_a_text_that_cannot_be_written_leaves_the_previous_file_whole(tmp_path):
+    from sanitizer.core.output_file import write_text
+
+    path = tmp_path / "page.html"
+    path.write_text("the previous page")
+    with pytest.raises(UnicodeEncodeError):
+        write_text(str(path), "<html>\udcff</html>")
+    assert path.read_text() == "the previous page" and os.listdir(tmp_path) == ["page.html"]
+
+
+def test_a_failing_page_never_truncates_the_previous_one(tmp_path, monkeypatch, capsys):
+    from sanitizer.reporting import timeline
+
+    src = tmp_path / "rep.json"
+    R.write_report(str(src))
+    out = tmp_path / "out.html"
+    out.write_text("the previous page")
+
+    def broken(*args, **kwargs):
+        raise ValueError("cannot draw")
+
+    monkeypatch.setattr(timeline, "render_html", broken)
+    assert cli.main(["triage", str(src), "--html", str(out)]) == 2
+    assert out.read_text() == "the previous page"
