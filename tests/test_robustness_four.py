@@ -167,3 +167,29 @@ def test_a_failing_page_never_truncates_the_previous_one(tmp_path, monkeypatch, 
     monkeypatch.setattr(timeline, "render_html", broken)
     assert cli.main(["triage", str(src), "--html", str(out)]) == 2
     assert out.read_text() == "the previous page"
+
+
+# -- 10. a report nested too deeply: one line, exit 2 ------------------------------------------------
+@pytest.mark.parametrize("text", [
+    "[" * 100000,
+    '{"format": "ownership-sanitizer-report", "version": 2, "errors": ' + "[" * 500 + "]" * 500 + "}",
+])
+def test_a_deeply_nested_report_is_one_line_and_exit_2(tmp_path, capsys, text):
+    src = tmp_path / "deep.json"
+    src.write_text(text)
+    assert cli.main(["triage", str(src)]) == 2
+    err = capsys.readouterr().err
+    assert "not a valid report" in err and "nested too deeply" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    (tmp_path / "mod.py").write_text("x = 1\n")
+    assert cli.main(["audit", str(tmp_path / "mod.py"), "--report", str(src)]) == 2
+    err = capsys.readouterr().err
+    assert "not a valid report" in err and "nested too deeply" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_report_that_is_not_utf8_names_the_file(tmp_path, capsys):
+    src = tmp_path / "bad.json"
+    src.write_bytes(b'{"format": "\xff"}')
+    assert cli.main(["triage", str(src)]) == 2
+    err = capsys.readouterr().err
+    assert str(src) in err and "UTF-8" in err and len(err.strip().splitlines()) == 1
