@@ -193,3 +193,46 @@ def test_a_report_that_is_not_utf8_names_the_file(tmp_path, capsys):
     assert cli.main(["triage", str(src)]) == 2
     err = capsys.readouterr().err
     assert str(src) in err and "UTF-8" in err and len(err.strip().splitlines()) == 1
+
+
+# -- 11. numeric options have bounds, checked before anything changes -------------------------------
+def test_an_option_beyond_its_bound_is_an_option_error_and_changes_nothing():
+    from sanitizer.torch_layer import runtime
+
+    before = runtime.state.options
+    with pytest.raises(sanitizer.OptionError) as err:
+        sanitizer.enable(timeline_events=2**70)
+    text = str(err.value)
+    assert "timeline_events" in text and str(2**70) in text and str(sys.maxsize) in text
+    assert not sanitizer.enabled()
+    assert runtime.state.options is before
+    with pytest.raises(opts.OptionError, match=r"option 'stack_depth'.*-1.*>= 0"):
+        opts.resolve({"stack_depth": -1})
+    with pytest.raises(opts.OptionError, match=r"option 'poison_byte'.*256.*<= 255"):
+        opts.resolve({"poison_byte": 256})
+    with pytest.raises(opts.OptionError, match="option 'quarantine'"):
+        opts.resolve(opts.parse_options_string(f"quarantine={hex(2**80)}"))
+
+
+def test_every_numeric_option_has_bounds_and_enable_takes_its_upper_bound():
+    for opt in opts.OPTIONS.values():
+        if opt.type in (int, float):
+            assert opt.bounds is not None, opt.name
+            low, high = opt.bounds
+            assert opt.parse(low) == low and opt.parse(high) == high
+            with pytest.raises(opts.OptionError, match=f"option '{opt.name}'"):
+                opt.parse(high + 1)
+    for name in ("timeline_events", "stack_depth", "max_records", "max_errors_per_lease", "triage_depth",
+                 "triage_budget_ms", "quarantine"):
+        with sanitizer.sanitize(**{name: opts.OPTIONS[name].bounds[1]}):
+            assert sanitizer.enabled()
+        assert not sanitizer.enabled()
+
+
+def test_the_zero_code_hook_names_an_option_beyond_its_bound():
+    proc = run_python("import torch\nprint('ran')", {"OWNERSHIP_SANITIZE": "1",
+                                                     "OWNERSHIP_SANITIZE_OPTIONS": f"timeline_events={2**70}"})
+    assert proc.returncode == 2, proc.stderr
+    assert "ran" not in proc.stdout
+    assert "timeline_events" in proc.stderr and str(2**70) in proc.stderr and str(sys.maxsize) in proc.stderr
+    assert "too large to convert" not in proc.stderr
