@@ -236,3 +236,58 @@ def test_the_zero_code_hook_names_an_option_beyond_its_bound():
     assert "ran" not in proc.stdout
     assert "timeline_events" in proc.stderr and str(2**70) in proc.stderr and str(sys.maxsize) in proc.stderr
     assert "too large to convert" not in proc.stderr
+
+
+# -- 12. ownsan fuzz --weights on a file that is not whole safetensors: one line, exit 2 ----------------
+def _fuzz(capsys, path) -> "tuple[int, str]":
+    code = cli.main(["fuzz", "--consumer", "tests/test_robustness_four.py:copies", "--weights", str(path),
+                     "--examples", "2", "-q"])
+    return code, capsys.readouterr().err
+
+
+def copies(weights):
+    return {name: t.clone() for name, t in weights}
+
+
+@pytest.fixture
+def good_file(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "model.safetensors"
+    save_file({"a": torch.randn(32, 32), "b": torch.randn(16)}, str(path))
+    return path
+
+
+@pytest.mark.parametrize("cut,what", [
+    (lambda d: d[:-100], "truncated"),
+    (lambda d: d[:5], "shorter than 8 bytes"),
+    (lambda d: d[:20], "truncated"),
+    (lambda d: d[:8] + b"\xff" * (len(d) - 8), "header is not JSON"),
+])
+def test_a_broken_safetensors_file_is_one_line_and_exit_2(tmp_path, good_file, capsys, monkeypatch, cut, what):
+    monkeypatch.chdir(ROOT)
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(cut(good_file.read_bytes()))
+    code, err = _fuzz(capsys, bad)
+    assert code == 2, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert str(bad) in err and what in err, err
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "pytorch_model.bin"])
+def test_a_git_lfs_pointer_says_so_and_suggests_git_lfs_pull(tmp_path, capsys, monkeypatch, name):
+    monkeypatch.chdir(ROOT)
+    pointer = tmp_path / name
+    pointer.write_text("version https://git-lfs.github.com/spec/v1\n"
+                       "oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\n"
+                       "size 12345\n")
+    code, err = _fuzz(capsys, pointer)
+    assert code == 2, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "git-lfs pointer" in err and "git lfs pull" in err and str(pointer) in err, err
+
+
+def test_a_whole_file_still_passes(good_file, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    code, err = _fuzz(capsys, good_file)
+    assert code == 0, err
