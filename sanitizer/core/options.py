@@ -115,6 +115,8 @@ OPTIONS: Dict[str, Option] = {
                bounds=COUNT),
         Option("report", str, "",
                "Write the JSON report to this path at process exit ({pid} and {rank} expand). Empty: no file. "
+               "A file is replaced whole once written; a device (/dev/null), a FIFO or /dev/stdout is written "
+               "through, and a symlink's target is written (the link kept). "
                "A path with ':' or ',' is quoted in the options string (report='/runs/12:30/r.json')."),
         Option("checksum", bool, False,
                "Hash each lease's bytes at lend (numba kernels, CUDA or CPU) and verify them when a reuse retires "
