@@ -79,10 +79,11 @@ def test_a_report_to_a_device_node_never_replaces_it(tmp_path):
     assert os.listdir(tmp_path) == ["null"]
 
 
-def test_report_to_dev_stdout_prints_it():
-    proc = run_python("from sanitizer.reporting import report\nreport.write_report('/dev/stdout')")
+def test_report_to_dev_stdout_prints_it_after_what_was_printed_before():
+    proc = run_python("from sanitizer.reporting import report\nprint('before')\nreport.write_report('/dev/stdout')")
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["format"] == "ownership-sanitizer-report"
+    first, rest = proc.stdout.split("\n", 1)
+    assert first == "before" and json.loads(rest)["format"] == "ownership-sanitizer-report"
 
 
 def test_a_replaced_report_keeps_the_files_permissions(tmp_path):

@@ -16,6 +16,7 @@ import errno
 import os
 import re
 import stat
+import sys
 import uuid
 from typing import Optional
 
@@ -67,7 +68,12 @@ def write_bytes(path: str, data: bytes) -> str:
     FIFO or a file descriptor's link; a symlink's target is written, the link kept). Returns ``path``.
     The directory must exist."""
     target = _resolve(path)
-    if target is None:
+    if target is None:  # /dev/stdout and the like: what this process printed so far comes first
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (AttributeError, OSError, ValueError):  # None, closed, or a broken pipe
+                pass
         _write_through(path, data)
         return path
     try:
