@@ -64,6 +64,16 @@ def test_a_report_to_a_fifo_reaches_its_reader_and_the_fifo_stays(tmp_path):
     assert stat.S_ISFIFO(os.stat(fifo).st_mode)
 
 
+def test_ownsan_run_checks_a_fifo_report_path_without_waiting_for_a_reader(tmp_path):
+    fifo = tmp_path / "report.fifo"
+    os.mkfifo(fifo)
+    said = []
+    check = threading.Thread(target=lambda: said.append(cli._unwritable(str(fifo))), daemon=True)
+    check.start()
+    check.join(timeout=10)
+    assert said == [None], "the check opened the FIFO and waited for a reader"
+
+
 def test_a_report_to_dev_null_leaves_it_a_character_device():
     assert R.write_report("/dev/null") == "/dev/null"
     assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
