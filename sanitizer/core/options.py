@@ -7,8 +7,9 @@ README's option list all read this table, so they cannot drift apart.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 ENV_SWITCH = "OWNERSHIP_SANITIZE"
 ENV_OPTIONS = "OWNERSHIP_SANITIZE_OPTIONS"
@@ -18,7 +19,12 @@ _FALSE = {"0", "false", "no", "off", ""}
 
 
 class OptionError(ValueError):
-    """An unknown option or a value of the wrong type; the message names both."""
+    """An unknown option, a value of the wrong type or beyond its bounds; the message names both."""
+
+
+SSIZE_MAX = sys.maxsize  # the largest C ssize_t: a count or a size the runtime hands to C (deque maxlen, mmap)
+COUNT = (0, SSIZE_MAX)  # the bounds of a count, a size or a time: never negative, never beyond a C ssize_t
+BYTE = (0, 255)
 
 
 def parse_bool(text: str) -> bool:
@@ -41,6 +47,11 @@ class Option:
     default: Any
     help: str
     check: Optional[Callable[[Any], Optional[str]]] = None  # returns a complaint or None
+    bounds: Optional[Tuple[Any, Any]] = None  # (low, high), both allowed: every int or float option has them
+
+    def __post_init__(self) -> None:
+        if self.type in (int, float) and self.bounds is None:  # a value past what C takes fails late, half-armed
+            raise TypeError(f"option '{self.name}': a numeric option needs bounds=(low, high)")
 
     def parse(self, raw: Any) -> Any:
         """Turn ``raw`` (a string from the environment, or a Python value) into this option's type."""
@@ -63,18 +74,23 @@ class Option:
             raise OptionError(
                 f"option '{self.name}': bad value {raw!r} ({exc}); type {self.type.__name__}, default {self.default!r}"
             ) from None
-        complaint = self.check(value) if self.check else None
+        complaint = self._out_of_bounds(value) or (self.check(value) if self.check else None)
         if complaint:
             raise OptionError(f"option '{self.name}': bad value {raw!r}: {complaint}")
         return value
 
-
-def _non_negative(v: int) -> Optional[str]:
-    return None if v >= 0 else "must be >= 0"
-
-
-def _byte(v: int) -> Optional[str]:
-    return None if 0 <= v <= 255 else "must be a byte, 0..255 (0x00..0xff)"
+    def _out_of_bounds(self, value: Any) -> Optional[str]:
+        """The complaint when ``value`` is beyond this option's bounds (checked in :func:`resolve`, so before
+        anything is armed), naming the bound; None when within them (or when the option has none)."""
+        if self.bounds is None:
+            return None
+        low, high = self.bounds
+        if not value >= low:  # (NaN fails both)
+            return f"must be >= {low}"
+        if not value <= high:
+            why = {SSIZE_MAX: " (the largest C ssize_t)", 255: " (a byte, 0x00..0xff)"}.get(high, "")
+            return f"must be <= {high}{why}"
+        return None
 
 
 def _trap_mode(v: str) -> Optional[str]:
@@ -96,9 +112,11 @@ OPTIONS: Dict[str, Option] = {
                "on the stale bytes, and go on (report() and report=path then list every error)."),
         Option("stack_depth", int, 8,
                "Frames kept for the lent-at, reused-at and used-at stacks. 0 captures none (cheapest).",
-               _non_negative),
+               bounds=COUNT),
         Option("report", str, "",
                "Write the JSON report to this path at process exit ({pid} and {rank} expand). Empty: no file. "
+               "A file is replaced whole once written; a device (/dev/null), a FIFO or /dev/stdout is written "
+               "through, and a symlink's target is written (the link kept). "
                "A path with ':' or ',' is quoted in the options string (report='/runs/12:30/r.json')."),
         Option("checksum", bool, False,
                "Hash each lease's bytes at lend (numba kernels, CUDA or CPU) and verify them when a reuse retires "
@@ -109,7 +127,7 @@ OPTIONS: Dict[str, Option] = {
                "sanitizer allocated (StagingBuffer(nbytes), rings) is written; adopted loader memory (adopt(), "
                "borrowed_iterator) never is."),
         Option("poison_byte", int, 0xFF,
-               "The poison fill byte; 0xFF reads as NaN in fp16, bf16 and fp32.", _byte),
+               "The poison fill byte; 0xFF reads as NaN in fp16, bf16 and fp32.", bounds=BYTE),
         Option("guard", bool, True,
                "When a reuse or close retires a lease that something still holds (and rescue did not take it), "
                "re-point its storage to a tombstone filled with poison_byte, so a read the dispatch mode cannot see "
@@ -124,7 +142,7 @@ OPTIONS: Dict[str, Option] = {
         Option("quarantine", int, 0,
                "StagingRing: retire each tensor when the next one is put (strict lifetime) and keep the N most "
                "recently retired regions out of reuse (growing the ring if it must), so stale reads keep hitting "
-               "poison longer.", _non_negative),
+               "poison longer.", bounds=COUNT),
         Option("rescue", bool, False,
                "When a reuse or close would overwrite a lease that something still holds, first move it and all "
                "its derived views onto an owned copy (same size), so retaining consumers keep correct data; "
@@ -133,7 +151,7 @@ OPTIONS: Dict[str, Option] = {
                "With OWNERSHIP_SANITIZE=1: serve safetensors safe_open()'s get_tensor, get_slice(...)[...] and "
                "get_tensors() through a StagingRing of this many bytes (emulated borrowing: views reused as the "
                "ring comes round, freed when the file is closed), to test a consumer against the borrowed "
-               "contract. 0: off (safetensors tensors are owned; load_file is never affected).", _non_negative),
+               "contract. 0: off (safetensors tensors are owned; load_file is never affected).", bounds=COUNT),
         Option("safetensors_strict", bool, False,
                "With safetensors_ring=N: hold the consumer to the emulated borrowed contract. 0 (default): a "
                "view still held when the ring reuses or frees it is moved onto an owned copy and reported as an "
@@ -147,18 +165,18 @@ OPTIONS: Dict[str, Option] = {
                "Time bound of one holder walk (gc referrers from a retained view up to a global, an object "
                "attribute, a closure, a partial or a frame local), in CPU time of the walking thread, so a loaded "
                "machine names the same holders. 0: record retentions without naming the holder.",
-               _non_negative),
+               bounds=COUNT),
         Option("triage_depth", int, 8,
-               "Referrer levels the holder walk climbs before it gives up.", _non_negative),
+               "Referrer levels the holder walk climbs before it gives up.", bounds=COUNT),
         Option("max_records", int, 1000,
                "Keep at most this many error and event records in all (errors, rescues, retentions); later ones "
-               "are counted, not kept, so a long run's memory stays bounded. 0: count only.", _non_negative),
+               "are counted, not kept, so a long run's memory stays bounded. 0: count only.", bounds=COUNT),
         Option("max_errors_per_lease", int, 4,
                "With halt_on_error=0, keep at most this many stale-use records for one lease (the rest are counted).",
-               _non_negative),
+               bounds=COUNT),
         Option("timeline_events", int, 10000,
                "Lends kept (the most recent) for the report's timeline of each staging buffer (ownsan triage --html, "
-               "--trace), and as many of the most recent reuses. 0: no timeline.", _non_negative),
+               "--trace), and as many of the most recent reuses. 0: no timeline.", bounds=COUNT),
         Option("fail_on_retention", bool, True,
                "ownsan run exits 1 when a retention was confirmed, even without an error (as LeakSanitizer fails "
                "a run that leaked). 0: only errors fail the run."),
@@ -343,7 +361,7 @@ def _shown(opt: Option) -> str:
         return str(int(opt.default))
     if opt.default == "":
         return "(none)"
-    return f"{opt.default:#04x}" if opt.check is _byte else str(opt.default)
+    return f"{opt.default:#04x}" if opt.bounds == BYTE else str(opt.default)
 
 
 def markdown_table() -> str:

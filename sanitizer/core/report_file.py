@@ -10,6 +10,7 @@ from typing import Any, Dict
 
 FORMAT = "ownership-sanitizer-report"
 VERSION = 2
+MAX_DEPTH = 100  # a report nests about 8 levels; every reader (schema check, triage, audit) recurses on it
 
 
 class ReportFileError(ValueError):
@@ -25,6 +26,15 @@ def load(path: str) -> Dict[str, Any]:
         raise ReportFileError(f"cannot read report {path!r}: {exc.strerror or exc}") from None
     except json.JSONDecodeError as exc:
         raise ReportFileError(f"{path!r} is not JSON ({exc.msg} at line {exc.lineno})") from None
+    except UnicodeDecodeError as exc:
+        raise ReportFileError(f"{path!r} is not a valid report: not UTF-8 text (byte {exc.object[exc.start]:#04x} "
+                              f"at offset {exc.start})") from None
+    except RecursionError:  # '[' * 100000: the parser's own recursion limit
+        raise ReportFileError(f"{path!r} is not a valid report: JSON nested too deeply (beyond Python's "
+                              f"recursion limit; a report nests about 8 levels)") from None
+    if _deeper_than(data, MAX_DEPTH):  # parsed, but the readers would hit the recursion limit
+        raise ReportFileError(f"{path!r} is not a valid report: JSON nested too deeply (more than {MAX_DEPTH} "
+                              f"levels; a report nests about 8)")
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ReportFileError(f"{path!r} is not an ownership-sanitizer report (format field is "
                               f"{data.get('format') if isinstance(data, dict) else type(data).__name__!r}, "
@@ -35,4 +45,17 @@ def load(path: str) -> Dict[str, Any]:
     return data
 
 
-__all__ = ["FORMAT", "VERSION", "ReportFileError", "load"]
+def _deeper_than(data: Any, limit: int) -> bool:
+    """Does ``data`` nest lists and dicts more than ``limit`` levels deep? Iterative: it must not recurse
+    itself on the very input it guards against."""
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return False
+
+
+__all__ = ["FORMAT", "VERSION", "MAX_DEPTH", "ReportFileError", "load"]

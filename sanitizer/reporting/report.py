@@ -21,7 +21,7 @@ import sys
 import threading
 from typing import Any, Dict, Iterable, List, Optional, Set
 
-from sanitizer.core import forking
+from sanitizer.core import forking, output_file
 from sanitizer.core.report_file import FORMAT, VERSION, load
 from sanitizer.core.describe import fix_hint
 from sanitizer.core.sites import frame_text, site_text
@@ -300,12 +300,9 @@ def write_report(path: str, final: bool = False) -> str:
     if directory:
         os.makedirs(directory, exist_ok=True)
     data = report(final=final)
-    tmp = f"{target}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=2, default=str)
-        fh.write("\n")
-    os.replace(tmp, target)  # a reader never sees half a report
-    return target
+    # Atomic for a regular file (a reader never sees half a report); written through for /dev/null, a FIFO,
+    # /dev/stdout, and at a symlink's target: never replaced, so the path stays what it was.
+    return output_file.write_text(target, json.dumps(data, indent=2, default=str) + "\n")
 
 
 def schema() -> Dict[str, Any]:

@@ -26,6 +26,7 @@ import os
 from itertools import islice
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from sanitizer.core import output_file
 from sanitizer.core.sites import site_text
 from sanitizer.core.units import format_bytes
 from sanitizer.reporting.label_layout import (ASCENT, CHAR_WIDTH, DESCENT, Anchor, Box, LabelRequest, Placed,
@@ -80,7 +81,21 @@ code {{ font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 12px; 
 
 
 def _esc(text: Any) -> str:
-    return html.escape("" if text is None else str(text), quote=True)
+    return html.escape(output_file.printable("" if text is None else str(text)), quote=True)
+
+
+def _printable_tree(value: Any) -> Any:
+    """``value`` (a report, or a part of one) with every string :func:`~sanitizer.core.output_file.printable`
+    (a report read back from JSON holds a non-UTF-8 name as lone surrogates, which no page can encode)."""
+    if isinstance(value, str):
+        return output_file.printable(value)
+    if isinstance(value, dict):
+        return {_printable_tree(k): _printable_tree(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_printable_tree(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_printable_tree(v) for v in value)
+    return value
 
 
 class _Buffer:
@@ -497,7 +512,11 @@ def _retained_list(name: Any, listed: List[Tuple[int, dict, Optional[dict]]]) ->
 
 def render_html(rep: Dict[str, Any], title: Optional[str] = None, intro: Optional[str] = None) -> str:
     """The page for a report (a dict as :func:`sanitizer.reporting.report.report` returns or ``load`` reads).
-    ``intro``: plain text said before the chart, e.g. what the run simulated (each line a paragraph)."""
+    ``intro``: plain text said before the chart, e.g. what the run simulated (each line a paragraph).
+    Names that are not UTF-8 (a file or buffer name in surrogate escapes) are shown escaped (``\\xff``):
+    escaped before the layout measures them, so the page is valid UTF-8 and its labels still fit."""
+    rep = _printable_tree(rep)
+    title, intro = _printable_tree(title), _printable_tree(intro)
     bufs = buffers_of(rep)
     tl = rep.get("timeline") or {}
     summary = (rep.get("summary") or {}).get("line", "")
@@ -561,9 +580,7 @@ def write_html(rep: Dict[str, Any], path: str, title: Optional[str] = None, intr
     directory = os.path.dirname(path)
     if directory:
         os.makedirs(directory, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write(render_html(rep, title, intro))
-    return path
+    return output_file.write_text(path, render_html(rep, title, intro))  # never half a page, never /dev/null replaced
 
 
 __all__ = ["render_html", "write_html", "buffers_of", "RETAINED", "LEASE"]

@@ -18,6 +18,7 @@ import json
 import os
 from typing import Any, Dict, List, Tuple
 
+from sanitizer.core import output_file
 from sanitizer.core.sites import site_text
 from sanitizer.reporting.timeline import buffers_of
 
@@ -109,10 +110,7 @@ def write_trace(rep: Dict[str, Any], path: str) -> str:
     directory = os.path.dirname(path)
     if directory:
         os.makedirs(directory, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(chrome_trace(rep), fh)
-        fh.write("\n")
-    return path
+    return output_file.write_text(path, json.dumps(chrome_trace(rep)) + "\n")  # never half a trace
 
 
 __all__ = ["chrome_trace", "write_trace"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 import zlib
 from typing import Any, Dict, List, Optional
@@ -60,8 +61,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--deadline must be a number of seconds > 0, got {args.deadline}")
     try:
         ws = WeightSet.of(weights)
-    except (OSError, ValueError, TypeError) as exc:
-        parser.error(f"--weights {args.weights!r}: {exc}")
+    except (OSError, ValueError, TypeError) as exc:  # bad input, not bad usage: one line, no usage text, exit 2
+        why = str(exc).removeprefix("check_consumer: ").removeprefix(f"{args.weights}: ")  # named once
+        print(f"{parser.prog}: --weights {args.weights!r}: {why}", file=sys.stderr)
+        return 2
     print(f"consumer: {args.consumer}\nweights: {ws.describe()}", flush=True)
     start = time.perf_counter()
     if args.replay:

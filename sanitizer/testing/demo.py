@@ -50,6 +50,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from sanitizer import activation
+from sanitizer.core import output_file
 from sanitizer.core.errors import OwnershipError
 from sanitizer.core.options import OPTIONS
 from sanitizer.core.sites import frame_text
@@ -346,9 +347,8 @@ def report_run(path: str, ring_bytes: int, html_path: Optional[str] = None, repo
         directory = os.path.dirname(report_path)
         if directory:
             os.makedirs(directory, exist_ok=True)
-        with open(report_path, "w", encoding="utf-8") as fh:
-            json.dump(rep, fh, indent=2, default=str)  # as the sanitizer's own report=PATH writes it
-            fh.write("\n")
+        # as the sanitizer's own report=PATH writes it (atomically; a device, a FIFO, a link kept as they are)
+        output_file.write_text(report_path, json.dumps(rep, indent=2, default=str) + "\n")
         run.json = report_path
     if html_path:
         timeline.write_html(rep, html_path, title="layerwise reload through a staging ring: which view was kept "

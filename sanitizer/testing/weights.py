@@ -13,6 +13,8 @@ files give (a safetensors file's own order is its data offsets).
 from __future__ import annotations
 
 import os
+import pickle
+import zipfile
 from collections.abc import Mapping
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -125,8 +127,20 @@ def _files_of(path: str) -> List[str]:
 
 
 def _read_file(path: str) -> List[Tuple[str, torch.Tensor]]:
+    """The tensors of one file. A file that is not whole (a git-lfs pointer, a truncated download) is a
+    ``ValueError`` naming the path and what is wrong, checked before the loader sees it: a traceback from
+    deep inside safetensors or torch.load reads, in CI, as the consumer having failed."""
+    from sanitizer.core.safetensors_header import check_file, is_lfs_pointer, lfs_pointer_error
+
+    if is_lfs_pointer(path):
+        raise ValueError(f"check_consumer: {lfs_pointer_error(path)}")
     if path.endswith(_TORCH_FILES):
-        loaded = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+        except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError, zipfile.BadZipFile) as exc:
+            first = str(exc).strip().split("\n")[0][:120]
+            raise ValueError(f"check_consumer: {path}: cannot read it as a torch.save file, truncated or not one "
+                             f"({type(exc).__name__}: {first})") from None
         if not isinstance(loaded, Mapping):
             raise TypeError(f"check_consumer: {path!r} holds a {type(loaded).__name__}, not a state dict")
         return list(loaded.items())
@@ -138,8 +152,17 @@ def _read_file(path: str) -> List[Tuple[str, torch.Tensor]]:
     except ImportError:  # pragma: no cover - the fuzz and test extras install it
         raise ImportError(f"check_consumer: reading {path!r} needs safetensors: "
                           f"pip install 'ownership-sanitizer[fuzz]'") from None
-    with safe_open(path, framework="pt") as f:  # in the file's own order (data offsets)
-        return [(name, f.get_tensor(name)) for name in _file_order(path, list(f.keys()))]
+    try:
+        check_file(path)
+    except ValueError as exc:
+        raise ValueError(f"check_consumer: {exc}") from None
+    try:
+        with safe_open(path, framework="pt") as f:  # in the file's own order (data offsets)
+            return [(name, f.get_tensor(name)) for name in _file_order(path, list(f.keys()))]
+    except Exception as exc:  # safetensors' own SafetensorError (not a ValueError): what check_file cannot see
+        if type(exc).__name__ != "SafetensorError":
+            raise
+        raise ValueError(f"check_consumer: {path}: not a valid safetensors file ({exc})") from None
 
 
 def _file_order(path: str, names: List[str]) -> List[str]:

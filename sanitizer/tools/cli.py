@@ -34,6 +34,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from sanitizer.core import options as _opts
+from sanitizer.core import output_file
 from sanitizer.core.version import __version__
 from sanitizer.tools import startup
 
@@ -286,6 +287,8 @@ def _unwritable(path: str) -> Optional[str]:
     if not os.path.isdir(os.path.dirname(full)):
         return f"no directory {os.path.dirname(full)}"
     existed = os.path.exists(full)
+    if existed and not os.path.isfile(full):  # a device or a FIFO (opening one could wait for its reader)
+        return None if os.access(full, os.W_OK) else "permission denied"
     try:
         with open(full, "a", encoding="utf-8"):
             pass
@@ -301,9 +304,7 @@ def _write_report(merged: Dict[str, Any], path: str) -> str:
     file instead, so the findings are never lost. Returns where it went."""
     text = json.dumps(merged, indent=2) + "\n"
     try:
-        with open(path, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        return path
+        return output_file.write_text(path, text)  # never half a report; /dev/null, a FIFO, a link kept as they are
     except OSError as exc:
         fd, fallback = tempfile.mkstemp(prefix="ownsan-report-", suffix=".json")
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
@@ -349,7 +350,8 @@ def cmd_triage(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         for p in problems[:10]:
             print(f"  {p}", file=sys.stderr)
         return 2
-    print(format_triage(rep, args.report, top=args.top))
+    _print(format_triage(rep, args.report, top=args.top))
+    sys.stdout.flush()  # before a page or a trace written through /dev/stdout
     for flag, module, what in (("html", "sanitizer.reporting.timeline", "write_html"),
                                ("trace", "sanitizer.reporting.trace", "write_trace")):
         target = getattr(args, flag, None)
@@ -360,9 +362,18 @@ def cmd_triage(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
                 print(f"ownsan triage: cannot write {target!r} ({getattr(exc, 'strerror', None) or exc})",
                       file=sys.stderr)
                 return 2
-            print(f"wrote {target}" + (" (one page, no network: open it in a browser)" if flag == "html"
-                                       else " (Chrome trace events: open it in Perfetto or chrome://tracing)"))
+            _print(f"wrote {target}" + (" (one page, no network: open it in a browser)" if flag == "html"
+                                        else " (Chrome trace events: open it in Perfetto or chrome://tracing)"))
     return 0
+
+
+def _print(text: str) -> None:
+    """Print ``text`` on stdout; a non-UTF-8 name in it (surrogate escapes) is shown escaped (``\\xff``) where
+    stdout cannot encode it (a UTF-8 locale is strict), never a UnicodeEncodeError after the work is done."""
+    try:
+        print(text)
+    except UnicodeEncodeError:
+        print(output_file.printable(text))
 
 
 # -- the rest ----------------------------------------------------------------

@@ -181,9 +181,9 @@ def pytest_runtest_makereport(item: Any, call: Any):
         return
     path = os.path.join(_report_dir(item.config), _safe(item.nodeid) + ".json")
     try:
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(rep, fh, indent=2, default=str)
-            fh.write("\n")
+        from sanitizer.core import output_file
+
+        output_file.write_text(path, json.dumps(rep, indent=2, default=str) + "\n")  # never half a report
     except OSError:
         path = None
     from sanitizer.reporting.text import section_for_test

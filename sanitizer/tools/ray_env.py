@@ -36,6 +36,7 @@ import time
 from typing import Any, Dict, List, Mapping, Optional
 
 from sanitizer.core import options as _opts
+from sanitizer.core import output_file
 
 ENV_SWITCH = _opts.ENV_SWITCH
 ENV_OPTIONS = _opts.ENV_OPTIONS
@@ -168,10 +169,8 @@ def collect(report_dir: str, settle_s: float = 1.0, out: Optional[str] = None) -
         except ValueError:  # a worker killed while it wrote: the previous version was replaced atomically
             continue
     merged = rep.merge(reports)
-    if out:
-        with open(out, "w", encoding="utf-8") as fh:
-            json.dump(merged, fh, indent=2, default=str)
-            fh.write("\n")
+    if out:  # atomically, or through a device, a FIFO or a symlink's target (never replacing them)
+        output_file.write_text(os.fspath(out), json.dumps(merged, indent=2, default=str) + "\n")
     return merged
 
 
