@@ -66,10 +66,11 @@ def test_slices_and_get_tensors_are_ring_views_and_kept_ones_are_reported_not_er
         assert all(torch.equal(everything[k], tensors[k]) for k in tensors)
         assert sanitizer.errors() == [] and sanitizer.retentions() == []
         events = [e for e in sanitizer.report()["events"] if e["kind"] == "emulated_retention"]
-        assert len(events) == 1  # one per file
-        assert events[0]["count"] == 1 + len(tensors) + len(tensors)  # rows, KEPT, get_tensors' dict
-        assert "KEPT" in events[0]["holder"]["path"] or "everything" in events[0]["holder"]["path"]
-        assert "correct under safetensors' own" in events[0]["summary"]
+        # one per file and holder: each view named by what holds it (rows, KEPT, get_tensors' dict)
+        assert sum(e["count"] for e in events) == 1 + len(tensors) + len(tensors)
+        paths = {(e["holder"] or {}).get("path", "") for e in events}
+        assert any("KEPT" in p for p in paths) and any("everything" in p for p in paths), paths
+        assert all("correct under safetensors' own" in e["summary"] for e in events)
     finally:
         KEPT.clear()
 
