@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
-import stat
 import sys
 from typing import List, Optional, Sequence
 
 from sanitizer.audit.codes import CODES, CodeSelectionError, selected_codes
+from sanitizer.core import output_file
 
 EPILOG = "codes:\n" + "\n".join(f"  {c.code}  {c.name}: {c.meaning.split(':')[0].split(' (')[0]}"
                                  for c in CODES.values()) + \
@@ -121,36 +120,11 @@ def _encoded(text: str, encoding: str = "utf-8") -> bytes:
 
 
 def write_output(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` whole or not at all: into a new file beside it, renamed over it when
-    complete (an error half way, a full disk, an interrupt once left a truncated report that a CI step
-    read as the audit's). The file keeps the mode an existing one had; a new one gets 0666 less the
-    umask, as ``open`` would give it. A path that is no regular file (a FIFO) or is under ``/dev``
-    (``/dev/stdout``, even redirected to a file) is written in place, since renaming over it would
-    replace what it stands for."""
-    data = _encoded(text)
-    try:
-        st: Optional[os.stat_result] = os.stat(path)
-    except FileNotFoundError:
-        st = None
-    if (st is not None and not stat.S_ISREG(st.st_mode)) or os.path.abspath(path).startswith("/dev/"):
-        with open(path, "wb") as fh:
-            fh.write(data)
-        return
-    target = os.path.realpath(path)  # a symlinked report stays a symlink
-    tmp = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        if st is not None:
-            os.chmod(tmp, stat.S_IMODE(st.st_mode))
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    """Write ``text`` to ``path`` whole or not at all (an error half way, a full disk, an interrupt once
+    left a truncated report that a CI step read as the audit's): :func:`sanitizer.core.output_file.write_bytes`,
+    the one writer of every output file, atomic for a regular file (its mode kept, a symlink's target
+    written), written through for a FIFO, a device or ``/dev/stdout``, never replacing what those stand for."""
+    output_file.write_bytes(path, _encoded(text))
 
 
 def write_stdout(text: str) -> None:
