@@ -384,6 +384,14 @@ class FrameLocal:
         finally:  # this very frame is among them: a reference to it from its own locals is a cycle that
             del tops, frame  # would keep every caller's locals (the lent view) alive until the next gc
 
+    def of(self, frames: Dict[int, types.FrameType]) -> Any:
+        """The local's value, its frame looked up in ``frames`` (id -> frame, every stack's, made by the
+        caller once for many roots); None once the frame is gone."""
+        frame = frames.get(self.frame_id)
+        if frame is None or frame.f_code is not self.code:
+            return None
+        return locals_of(frame).get(self.name)
+
     def __eq__(self, other: Any) -> bool:
         return (isinstance(other, FrameLocal) and other.frame_id == self.frame_id and other.code is self.code
                 and other.name == self.name)

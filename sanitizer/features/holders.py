@@ -41,7 +41,7 @@ _EXTRA_LEVELS = 2  # levels walked on once every storage has a holder a person r
 _MAX_PATTERNS = 16  # holder paths remembered, most recent first
 _REPLAY_VISITS = 20_000  # objects one replay may visit before it gives up (it stops at the first match)
 _REPLAY_WINDOW = 64  # entries of one container a replay tries per wildcard step, newest first
-_MORE_TURNS = 4  # tensors each other known path may still offer once a storage was found (its other holders)
+_MORE_TURNS = 2  # tensors each other known path may still offer once a storage was found (its other holders)
 _patterns: List[tuple] = []  # (root getter: weakref, strong lambda or FrameLocal; steps, kind, head, site)
 _patterns_lock = threading.Lock()
 
@@ -167,6 +167,17 @@ def find_holders(keys: Iterable[int], *, depth: int = 8, budget_ms: float = 200.
         walk.result.ms = (time.perf_counter() - start) * 1000.0
         _remember(walk)
     return walk.result
+
+
+def _frames_by_id() -> Dict[int, types.FrameType]:
+    """Every executing frame of every thread by id: one pass for all the frame-local roots of a replay
+    (each root looking for its frame alone walked every stack once per path)."""
+    out: Dict[int, types.FrameType] = {}
+    for frame in sys._current_frames().values():
+        while frame is not None:
+            out[id(frame)] = frame
+            frame = frame.f_back
+    return out
 
 
 def replay(keys: Iterable[int], visits: int = _REPLAY_VISITS,
@@ -361,11 +372,14 @@ def _replay(walk: _Walk, visits: int, names: Optional[Dict[int, Optional[str]]] 
     # Every known path at once, one tensor of each in turn (newest first): a load that sends views to
     # five holders finds each in the first few entries of its own holder, not after the others' windows.
     live = []
+    frames = _frames_by_id() if any(isinstance(p[0], FrameLocal) for p in patterns) else {}
     for pattern in patterns:
-        obj = pattern[0]()
+        root = pattern[0]
+        obj = root.of(frames) if isinstance(root, FrameLocal) else root()
         if obj is not None:
             live.append((pattern, _follow(obj, pattern[1], 0, (), kinds, budget, hints)))
         del obj
+    frames.clear()
     # Once a storage is found, the other paths get a few more turns: a view kept in two places (a list
     # and a partial) is named in both, each only where it really is.
     after: Dict[int, int] = {}  # storage key found -> turns the other paths still get

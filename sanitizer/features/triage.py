@@ -149,6 +149,17 @@ def _holder_record(h: Holder, also: Sequence[Holder], lease: Lease, exported: Se
     return rec
 
 
+def _with_others(each: List[Dict[str, Any]], exported: Sequence[dict]) -> Dict[str, Any]:
+    """The first holder's record with the others as its ``also`` (copies: the record and ``holders`` share
+    nothing) and the aliases of the view."""
+    rec = dict(each[0])
+    if len(each) > 1:
+        rec["also"] = [dict(o) for o in each[1:]]
+    if exported:
+        rec["aliases"] = list(exported)
+    return rec
+
+
 def _reaches(h: Holder, lease: Lease) -> bool:
     """Does ``h``'s path still lead to a tensor of ``lease``'s storage?"""
     t = _holders.resolve(h.pattern)
@@ -467,12 +478,13 @@ class Triage:
             made = site_text(exported[0]["made_at"])
             summary += (f"; its memory was exported as a {exported[0]['kind']} alias{f' at {made}' if made else ''} "
                         f"while lent: reads through that alias are not checked and see the next tensor's bytes")
+        each = [_holder_record(h, (), lease, ()) for h in found]  # each holder's record built once
         record = {
             "summary": summary,
             "lease": lease.to_dict(),
             "event": p.event.to_dict(),
-            "holder": _holder_record(best, found[1:], lease, exported) if best else None,
-            "holders": [_holder_record(h, (), lease, ()) for h in found],
+            "holder": _with_others(each, exported) if best else None,
+            "holders": each,
             "lent_at": (to_records(lease.site[:1]) or [None])[0],
             "reused_at": (to_records(p.event.site[:1]) or [None])[0],
             "used_stale": used_stale,
