@@ -293,7 +293,7 @@ def _siblings_from(walk: _Walk, by_class: Dict[type, List[tuple]], wanted: Set[i
     try:
         for inst in instances[:_MAX_SIBLINGS]:
             for ref, segs, kind, head, site in by_class[type(inst)]:
-                for concrete, tensor in _follow(inst, segs, 0, (), set(), budget, hints):
+                for concrete, tensor in _follow(inst, segs, 0, (), budget, hints):
                     try:
                         key = tensor.untyped_storage()._cdata
                     except Exception:
@@ -365,7 +365,6 @@ def _replay(walk: _Walk, visits: int, names: Optional[Dict[int, Optional[str]]] 
         patterns = list(_patterns)
     if not patterns:
         return
-    kinds: Set[type] = set()
     budget = [visits]
     wanted = {k for k, bucket in walk.found.items() if not bucket}
     hints = tuple(n for k, n in (names or {}).items() if n and k in wanted)
@@ -377,7 +376,7 @@ def _replay(walk: _Walk, visits: int, names: Optional[Dict[int, Optional[str]]] 
         root = pattern[0]
         obj = root.of(frames) if isinstance(root, FrameLocal) else root()
         if obj is not None:
-            live.append((pattern, _follow(obj, pattern[1], 0, (), kinds, budget, hints)))
+            live.append((pattern, _follow(obj, pattern[1], 0, (), budget, hints)))
         del obj
     frames.clear()
     # Once a storage is found, the other paths get a few more turns: a view kept in two places (a list
@@ -413,7 +412,7 @@ def _replay(walk: _Walk, visits: int, names: Optional[Dict[int, Optional[str]]] 
     live.clear()
 
 
-def _follow(obj: Any, segs: Tuple[Seg, ...], i: int, done: Tuple[Seg, ...], kinds: Set[type],
+def _follow(obj: Any, segs: Tuple[Seg, ...], i: int, done: Tuple[Seg, ...],
             budget: List[int], hints: Tuple[str, ...] = ()) -> Iterable[Tuple[Tuple[Seg, ...], Any]]:
     if budget[0] <= 0:
         return
@@ -431,12 +430,12 @@ def _follow(obj: Any, segs: Tuple[Seg, ...], i: int, done: Tuple[Seg, ...], kind
                 except Exception:  # a dict subclass with an odd __getitem__
                     child = None
                 if child is not None:
-                    yield from _follow(child, segs, i + 1, done + (("k", name),), kinds, budget, hints)
+                    yield from _follow(child, segs, i + 1, done + (("k", name),), budget, hints)
         children = itertools.islice(step(obj, seg), _REPLAY_WINDOW)
     else:
         children = step(obj, seg)
     for concrete, child in children:
-        yield from _follow(child, segs, i + 1, done + (concrete,), kinds, budget, hints)
+        yield from _follow(child, segs, i + 1, done + (concrete,), budget, hints)
 
 
 def _run(walk: _Walk) -> None:

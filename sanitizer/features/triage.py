@@ -41,7 +41,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from inspect import CO_OPTIMIZED
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -50,7 +50,7 @@ from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.core.sites import site_text, to_records
 from sanitizer.features import aliases as _aliases
 from sanitizer.features import holders as _holders
-from sanitizer.features.holder import Holder, consumer_key, container_key
+from sanitizer.features.holder import Holder, consumer_key
 from sanitizer.features.holders import find_holders
 from sanitizer.features.store_site import held_shape, stored_at
 from sanitizer.features.timeline_log import TimelineLog
@@ -71,21 +71,9 @@ class _Pending:
     region: Region  # the lease's buffer (the timeline's death mark reads its generation)
     t: float  # when it was retired (the reuse's time)
     lends: int  # the lend counter when it was retired
-    site_key: Tuple[Any, ...]
     thread: str
     running: Tuple[frozenset, frozenset] = (frozenset(), frozenset())  # (frame ids, module dict ids) at the retire
     early: Optional[List[Holder]] = None  # its holders at the reuse, by a known path (the consumer's own frame alive)
-
-
-@dataclass
-class _Site:
-    """What triage did for the retentions of one (lend site, reuse site)."""
-
-    walked: int = 0  # retentions named by a heap walk (the others followed a known holder path)
-
-
-def _site_key(lease: Lease, event: ReuseEvent) -> Tuple[Any, ...]:
-    return (lease.site[:1], event.site[:1])
 
 
 def _running_code() -> Tuple[frozenset, frozenset]:
@@ -203,7 +191,6 @@ class Triage:
         self.log = log
         self.lends = 0
         self._pending: Dict[int, _Pending] = {}  # lease id -> pending retention
-        self._sites: Dict[Tuple[Any, ...], _Site] = {}
         self._confirmed: Dict[int, dict] = {}  # lease id -> its retention record
         self._used_stale: Set[int] = set()  # lease ids used stale (reported through the stale-use hook)
         self._best: Dict[int, Holder] = {}  # lease id -> the holder its retention was credited to (to re-check)
@@ -231,7 +218,7 @@ class Triage:
                 if running is None:
                     running = _running_code()
                 p = self._pending[lease.lease_id] = _Pending(lease, event, region, t, self.lends,
-                                                             _site_key(lease, event), thread, running)
+                                                             thread, running)
                 p.early = self._name_at_reuse(lease)
                 self.log.watch(lease, region)
 
@@ -338,7 +325,7 @@ class Triage:
             region = state.ledger.region(lease.region_id)
         except Exception:  # the buffer is gone from the ledger: nothing to draw it against
             return None
-        return _Pending(lease, event, region, self.log.reuse_time(event), self.lends, _site_key(lease, event),
+        return _Pending(lease, event, region, self.log.reuse_time(event), self.lends,
                         threading.current_thread().name)
 
     # -- deciding --------------------------------------------------------------------
@@ -374,7 +361,7 @@ class Triage:
         for p, _, evidence in due:
             cheap = self._still_early(p) if p.lease.alive else None
             if cheap is None:
-                cheap = self._name_cheaply(p.lease, self._sites.setdefault(p.site_key, _Site()), evidence)
+                cheap = self._name_cheaply(p.lease, evidence)
             if cheap is None:
                 to_walk.append(p.lease)
             else:
@@ -389,9 +376,8 @@ class Triage:
         """(Under the lock.) Name the holder of a confirmed retention (unless ``named`` already) and record it
         (None: no evidence)."""
         lease = p.lease
-        site = self._sites.setdefault(p.site_key, _Site())
         if named is None:
-            named = self._name_cheaply(lease, site, evidence) or self._walk([lease]).get(lease.lease_id, ([], _SKIPPED))
+            named = self._name_cheaply(lease, evidence) or self._walk([lease]).get(lease.lease_id, ([], _SKIPPED))
         found, walk = named
         if evidence:
             found = [h for h in found if not h.transient and not _was_running(h, p)]
@@ -402,7 +388,7 @@ class Triage:
         found = _by_consumer(found)
         best = found[0] if found else None
         if best is not None and walk["when"] == "walk":
-            self._learn(site, found)
+            self._learn(found)
         record = records.record_event("retention", self._record(p, found, walk, used_stale, read_at))
         lid = lease.lease_id
         if len(self._confirmed) >= _CONFIRMED_KEPT:  # bounded: forget the oldest half
@@ -417,7 +403,7 @@ class Triage:
         return record
 
     @staticmethod
-    def _name_cheaply(lease: Lease, site: _Site, evidence: bool) -> Optional[Tuple[List[Holder], Dict[str, Any]]]:
+    def _name_cheaply(lease: Lease, evidence: bool) -> Optional[Tuple[List[Holder], Dict[str, Any]]]:
         """The holders of a lease without a heap walk: none to name (dead, or walks off), or a known holder
         path followed again down to *this lease's own* tensor. None: only a walk can tell.
 
@@ -458,13 +444,12 @@ class Triage:
         return {lease.lease_id: (result.holders.get(key, []), dict(walk)) for key, lease in keys.items()}
 
     @staticmethod
-    def _learn(site: _Site, found: List[Holder]) -> None:
+    def _learn(found: List[Holder]) -> None:
         """Remember the holders' paths (to follow first next time: a consumer keeps its next view where it
-        kept the last) and count the walks of these sites."""
+        kept the last)."""
         for h in reversed(found):  # the best last: remembered paths are tried newest first
             if h.rank < 2 and h.kind != "unknown":
                 _holders.remember(h)
-        site.walked += 1
 
     @staticmethod
     def _record(p: _Pending, found: List[Holder], walk: Dict[str, Any], used_stale: bool,
@@ -575,7 +560,7 @@ def installed_hooks() -> Dict[str, bool]:
 # -- the module's face -------------------------------------------------------------
 def reset(records_too: bool = False) -> None:
     """Start afresh (a new test, a new fuzz case): a new triage and a new flight log, so nothing pending,
-    no site statistics, no timeline. ``records_too`` also drops the retention records already filed."""
+    no remembered holders of its own, no timeline. ``records_too`` also drops the retention records already filed."""
     global _TRIAGE
     _TRIAGE = Triage(TimelineLog(state.options["timeline_events"]))
     if records_too:
@@ -602,14 +587,14 @@ def name_holder(lease: Lease) -> Optional[dict]:
     account of views kept past an emulated contract: each view named by what holds *it*."""
     t = _TRIAGE
     with t._lock:
-        named = t._name_cheaply(lease, _Site(), False) or t._walk([lease]).get(lease.lease_id)
+        named = t._name_cheaply(lease, False) or t._walk([lease]).get(lease.lease_id)
         found = [h for h in (named[0] if named else [])]
         kept = [h for h in found if not h.transient]  # a loop variable is only named when nothing else holds it
         found = _by_consumer(kept or [_promote(h) for h in found])
         if not found:
             return None
         if named[1].get("when") == "walk":
-            t._learn(_Site(), found)
+            t._learn(found)
         return _holder_record(found[0], (), lease, ())
 
 
