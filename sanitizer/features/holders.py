@@ -25,7 +25,7 @@ import time
 import types
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 import torch
 
@@ -376,7 +376,7 @@ def _replay(walk: _Walk, visits: int, names: Optional[Dict[int, Optional[str]]] 
         root = pattern[0]
         obj = root.of(frames) if isinstance(root, FrameLocal) else root()
         if obj is not None:
-            live.append((pattern, _follow(obj, pattern[1], 0, (), budget, hints)))
+            live.append((pattern, _candidates(obj, pattern[1], budget, hints)))
         del obj
     frames.clear()
     # Once a storage is found, the other paths get a few more turns: a view kept in two places (a list
@@ -410,6 +410,69 @@ def _replay(walk: _Walk, visits: int, names: Optional[Dict[int, Optional[str]]] 
             if after[key] <= 0:
                 del after[key]
     live.clear()
+
+
+def _candidates(obj: Any, segs: Tuple[Seg, ...], budget: List[int],
+                hints: Tuple[str, ...] = ()) -> Iterator[Tuple[Tuple[Seg, ...], Any]]:
+    """The tensors a remembered path offers, newest first: :func:`_follow`'s answer. The common path (exact
+    steps, then at most one wildcard, last: ``lst[*]``, ``self.kept[*]``, ``params[*]``) is followed flat,
+    one generator per path instead of one per step: a replay runs at every retire, and the chain of nested
+    generators was most of its cost."""
+    last = len(segs) - 1
+    for j, seg in enumerate(segs):
+        if seg[0] in ("i", "k") and j != last:
+            return _follow(obj, segs, 0, (), budget, hints)
+    return _flat(obj, segs, budget, hints)
+
+
+def _flat(obj: Any, segs: Tuple[Seg, ...], budget: List[int],
+          hints: Tuple[str, ...]) -> Iterator[Tuple[Tuple[Seg, ...], Any]]:
+    done: Tuple[Seg, ...] = ()
+    tensor = torch.Tensor
+    for seg in segs:
+        if budget[0] <= 0:
+            return
+        budget[0] -= 1
+        tag = seg[0]
+        if tag == "i":  # the last step: the newest entries of a list or tuple
+            if type(obj) is list or type(obj) is tuple:
+                for i in range(len(obj) - 1, max(-1, len(obj) - 1 - _REPLAY_WINDOW), -1):
+                    if budget[0] <= 0:
+                        return
+                    budget[0] -= 1
+                    try:
+                        child = obj[i]
+                    except IndexError:  # shrunk meanwhile
+                        continue
+                    if isinstance(child, tensor):
+                        yield done + (("i", i),), child
+            return
+        if tag == "k":  # the last step: the wanted leases' own names first, then the newest keys
+            if isinstance(obj, dict):
+                tried = set()
+                for name in hints:
+                    try:
+                        child = obj[name] if name in obj else None
+                    except Exception:  # a dict subclass with an odd __getitem__
+                        child = None
+                    if child is not None:
+                        tried.add(name)
+                        budget[0] -= 1
+                        if isinstance(child, tensor):
+                            yield done + (("k", name),), child
+                for concrete, child in itertools.islice(step(obj, seg), _REPLAY_WINDOW):
+                    if budget[0] <= 0:
+                        return
+                    budget[0] -= 1
+                    if concrete[1] not in tried and isinstance(child, tensor):
+                        yield done + (concrete,), child
+            return
+        hit = next(iter(step(obj, seg)), None)  # an exact step: one child or none
+        if hit is None:
+            return
+        done, obj = done + (hit[0],), hit[1]
+    if isinstance(obj, tensor):
+        yield done, obj
 
 
 def _follow(obj: Any, segs: Tuple[Seg, ...], i: int, done: Tuple[Seg, ...],

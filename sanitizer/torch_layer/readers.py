@@ -130,10 +130,19 @@ def set_export_notes(on: bool, note: Optional[Note] = None) -> None:
     _sync()
 
 
+_synced_for: Optional[Tuple[bool, bool, int]] = None
+
+
 def _sync() -> None:
     """Install the wrappers the switches need (every reader while checking; the exporters while noting),
     restore the others."""
+    global _synced_for
     checking, noting = _now.check is not None, _now.note is not None
+    # What the wanted set depends on: the two switches and which third-party writers are imported. A stale
+    # mark calls this at every reuse (for writers imported since the last one): skip the rebuild then.
+    signature = (checking, noting, id(sys.modules.get("safetensors.torch")))
+    if signature == _synced_for:
+        return
     wanted = {(id(owner), name): (owner, name, where, kind) for owner, name, where, kind in _targets()
               if checking or (noting and where in _EXPORTERS)}
     for key, (owner, original, own) in list(_saved.items()):
@@ -154,6 +163,7 @@ def _sync() -> None:
         _saved[key] = (owner, original, own)
         _wrappers[key] = wrapper = _wrap(original, where, kind)
         setattr(owner, name, wrapper)
+    _synced_for = signature
 
 
 def hooked() -> bool:

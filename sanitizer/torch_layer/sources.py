@@ -196,10 +196,13 @@ def copy_into(dst: torch.Tensor, host: Optional[np.ndarray], offset: int, source
 
     ``source`` is a :class:`Prepared` (validated) or, for callers that validated themselves, a tensor,
     bytes or a file."""
-    if isinstance(source, Prepared):
-        source = source.payload
     if nbytes == 0:
         return
+    if isinstance(source, Prepared):
+        source = source.payload
+        if isinstance(source, torch.Tensor):  # prepare() already made it flat, contiguous uint8
+            dst[offset:offset + nbytes].copy_(source)
+            return
     if isinstance(source, torch.Tensor):
         flat = source.detach().contiguous().reshape(-1)
         if flat.dtype != torch.uint8:
