@@ -7,7 +7,7 @@ files them in its records as plain dicts (:meth:`Holder.to_dict`).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
 _NUMBER = re.compile(r"\d+")
@@ -29,6 +29,17 @@ class Holder:
     pattern: Optional[tuple] = None  # (weakref to the root, steps below it): to look again, cheaply
     detour: int = 0  # objects of the sanitizer's own classes the path runs through (a DeferralScope...)
     counted: bool = False  # named from its sites' earlier retentions, not seen holding this very view
+    # What it held of the view when triage last followed its path (``same``, ``slice``...: see
+    # store_site.held_shape), so a record built right after need not follow the path again.
+    held: Optional[str] = field(default=None, compare=False, repr=False)
+    _consumer: Optional[str] = field(default=None, init=False, compare=False, repr=False)
+
+    @property
+    def consumer(self) -> str:
+        """Its grouping key (:func:`consumer_key` of its path), computed once: ranking and the record ask."""
+        if self._consumer is None:
+            self._consumer = consumer_key(self.path)
+        return self._consumer
 
     @property
     def rank(self) -> int:
@@ -44,7 +55,7 @@ class Holder:
             or "." in self.path.split(")", 1)[-1]
 
     def to_dict(self) -> Dict[str, Any]:
-        out = {"kind": self.kind, "path": self.path, "site": self.site, "consumer": consumer_key(self.path)}
+        out = {"kind": self.kind, "path": self.path, "site": self.site, "consumer": self.consumer}
         if self.counted:
             out["counted"] = True
         return out

@@ -372,13 +372,15 @@ def _replay(walk: _Walk, visits: int, names: Optional[Dict[int, Optional[str]]] 
     # five holders finds each in the first few entries of its own holder, not after the others' windows.
     live = []
     frames = _frames_by_id() if any(isinstance(p[0], FrameLocal) for p in patterns) else {}
+    seen: Dict[int, Dict[str, Any]] = {}  # frame id -> its locals: one snapshot per frame, not one per path
     for pattern in patterns:
         root = pattern[0]
-        obj = root.of(frames) if isinstance(root, FrameLocal) else root()
+        obj = root.of(frames, seen) if isinstance(root, FrameLocal) else root()
         if obj is not None:
             live.append((pattern, _candidates(obj, pattern[1], budget, hints)))
         del obj
     frames.clear()
+    seen.clear()
     # Once a storage is found, the other paths get a few more turns: a view kept in two places (a list
     # and a partial) is named in both, each only where it really is.
     after: Dict[int, int] = {}  # storage key found -> turns the other paths still get

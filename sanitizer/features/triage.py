@@ -50,7 +50,7 @@ from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.core.sites import site_text, to_records
 from sanitizer.features import aliases as _aliases
 from sanitizer.features import holders as _holders
-from sanitizer.features.holder import Holder, consumer_key
+from sanitizer.features.holder import Holder
 from sanitizer.features.holders import find_holders
 from sanitizer.features.store_site import held_shape, stored_at
 from sanitizer.features.timeline_log import TimelineLog
@@ -112,12 +112,14 @@ def _by_consumer(found: List[Holder]) -> List[Holder]:
     """Best first, one holder per consumer (a consumer that holds the view twice is named once). A path
     through the sanitizer's own objects (a DeferralScope's retained calls, a rescue table) is never a
     consumer beside a user's holder: only when nothing else names the view."""
+    if len(found) == 1:  # the common case (a ring load: every view kept in one place), nothing to rank
+        return list(found)
     found = [h for h in found if not h.detour] or found
     out: Dict[str, Holder] = {}
     # Rank, then the consumer's text: the same program names the same holder first every run, whether
     # a walk or a known path found them (and in which order).
-    for h in sorted(found, key=lambda h: (h.rank, h.local is not None and not h.pattern_steps, consumer_key(h.path))):
-        out.setdefault(consumer_key(h.path), h)
+    for h in sorted(found, key=lambda h: (h.rank, h.local is not None and not h.pattern_steps, h.consumer)):
+        out.setdefault(h.consumer, h)
     return list(out.values())
 
 
@@ -159,8 +161,14 @@ def _reaches(h: Holder, lease: Lease) -> bool:
 
 def _held_shape(h: Holder, lease: Lease) -> Optional[str]:
     """What ``h`` holds of the lease's view (``same``, ``slice``, ``transpose``, ``reshape``), read from
-    the tensor its path reaches now; None when the path no longer reaches one."""
-    t = _holders.resolve(h.pattern)
+    the tensor its path reaches now (or when :meth:`Triage._still_early` just followed it); None when
+    the path no longer reaches one."""
+    if h.held is not None:
+        return h.held
+    return _shape_of(_holders.resolve(h.pattern), lease)
+
+
+def _shape_of(t: Any, lease: Lease) -> Optional[str]:
     if t is None or not hasattr(t, "storage_offset"):
         return None
     try:
@@ -247,9 +255,11 @@ class Triage:
             if t is not None:
                 try:
                     if t.untyped_storage()._cdata == p.lease.handle:
+                        h.held = _shape_of(t, p.lease)  # the record, built next, need not follow it again
                         kept.append(h)
                 except Exception:
                     pass
+                del t
             elif h.pattern is not None and h.pattern[0]() is None:
                 kept.append(h)
                 gone = True
@@ -304,7 +314,7 @@ class Triage:
         if not still and lease.alive and state.options["triage_budget_ms"] > 0:
             found, _ = self._walk([lease]).get(lid, ([], _SKIPPED))
             found = _by_consumer([_promote(h) if h.transient else h for h in found])
-            if found and (holder is None or consumer_key(found[0].path) != holder.get("consumer")):
+            if found and (holder is None or found[0].consumer != holder.get("consumer")):
                 now = _holder_record(found[0], found[1:], lease, ())
                 if holder is not None:
                     now["earlier"] = {k: holder[k] for k in ("kind", "path", "consumer", "stored_at") if k in holder}
