@@ -452,16 +452,11 @@ def _flat(obj: Any, segs: Tuple[Seg, ...], budget: List[int],
         if tag == "k":  # the last step: the wanted leases' own names first, then the newest keys
             if isinstance(obj, dict):
                 tried = set()
-                for name in hints:
-                    try:
-                        child = obj[name] if name in obj else None
-                    except Exception:  # a dict subclass with an odd __getitem__
-                        child = None
-                    if child is not None:
-                        tried.add(name)
-                        budget[0] -= 1
-                        if isinstance(child, tensor):
-                            yield done + (("k", name),), child
+                for name, child in _hinted(obj, hints):
+                    tried.add(name)
+                    budget[0] -= 1
+                    if isinstance(child, tensor):
+                        yield done + (("k", name),), child
                 for concrete, child in itertools.islice(step(obj, seg), _REPLAY_WINDOW):
                     if budget[0] <= 0:
                         return
@@ -477,6 +472,17 @@ def _flat(obj: Any, segs: Tuple[Seg, ...], budget: List[int],
         yield done, obj
 
 
+def _hinted(obj: dict, hints: Tuple[str, ...]) -> Iterator[Tuple[str, Any]]:
+    """The entries of ``obj`` under the wanted leases' own names (a consumer keeps ``params[name]``)."""
+    for name in hints:
+        try:
+            child = obj[name] if name in obj else None
+        except Exception:  # a dict subclass with an odd __getitem__
+            child = None
+        if child is not None:
+            yield name, child
+
+
 def _follow(obj: Any, segs: Tuple[Seg, ...], i: int, done: Tuple[Seg, ...],
             budget: List[int], hints: Tuple[str, ...] = ()) -> Iterable[Tuple[Tuple[Seg, ...], Any]]:
     if budget[0] <= 0:
@@ -489,13 +495,8 @@ def _follow(obj: Any, segs: Tuple[Seg, ...], i: int, done: Tuple[Seg, ...],
     seg = segs[i]
     if seg[0] in ("i", "k"):  # a wildcard: the wanted leases' own names first, then the newest entries
         if seg[0] == "k" and hints and isinstance(obj, dict):
-            for name in hints:
-                try:
-                    child = obj[name] if name in obj else None
-                except Exception:  # a dict subclass with an odd __getitem__
-                    child = None
-                if child is not None:
-                    yield from _follow(child, segs, i + 1, done + (("k", name),), budget, hints)
+            for name, child in _hinted(obj, hints):
+                yield from _follow(child, segs, i + 1, done + (("k", name),), budget, hints)
         children = itertools.islice(step(obj, seg), _REPLAY_WINDOW)
     else:
         children = step(obj, seg)
