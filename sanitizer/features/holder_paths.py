@@ -384,15 +384,13 @@ class FrameLocal:
         finally:  # this very frame is among them: a reference to it from its own locals is a cycle that
             del tops, frame  # would keep every caller's locals (the lent view) alive until the next gc
 
-    def of(self, frames: Dict[int, types.FrameType], seen: Optional[Dict[int, Dict[str, Any]]] = None) -> Any:
+    def of(self, frames: Dict[int, types.FrameType], seen: Dict[int, Dict[str, Any]]) -> Any:
         """The local's value, its frame looked up in ``frames`` (id -> frame, every stack's, made by the
         caller once for many roots); None once the frame is gone. ``seen`` (frame id -> locals, the
         caller's, cleared when it is done) shares one snapshot of a frame's locals among its roots."""
         frame = frames.get(self.frame_id)
         if frame is None or frame.f_code is not self.code:
             return None
-        if seen is None:
-            return locals_of(frame).get(self.name)
         loc = seen.get(self.frame_id)
         if loc is None:
             loc = seen[self.frame_id] = locals_of(frame)
