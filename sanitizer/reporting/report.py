@@ -350,15 +350,51 @@ def _arm_sigterm() -> None:
         pass
 
 
+class _FinalWrite:
+    """Who is writing the final report now, so a SIGTERM that lands during that write neither starts a
+    second one nor kills the first. A pool's worker often gets its sentinel, begins its exit (os._exit:
+    the report is written, triage settled under its lock) and is sent ``terminate()``'s SIGTERM a moment
+    later: the handler runs in that same thread, mid-write, and a second writer waiting on the triage lock
+    the first one holds lost the worker's whole report when its wait ran out."""
+
+    def __init__(self) -> None:
+        self.writer: Optional[int] = None  # ident of the thread writing it, None when no write is under way
+        self.done = threading.Event()
+        self.done.set()
+        self.die_after = False  # a SIGTERM landed in the writer's own thread: die of it once the write ends
+
+    def begin(self) -> None:
+        self.writer = threading.get_ident()
+        self.done.clear()
+
+    def end(self) -> None:
+        self.writer = None
+        self.done.set()
+        if self.die_after:
+            os.kill(os.getpid(), signal.SIGTERM)  # its action is the default again: the process ends as asked
+
+
+_final_write = _FinalWrite()
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
     """The report, written by a thread (the interrupted code may hold a lock the writer needs: then the
     wait times out and the process dies without it, never hangs), then SIGTERM again with its default
-    action: the process ends with the status a SIGTERM gives."""
+    action: the process ends with the status a SIGTERM gives. When the final report is being written
+    already, that write finishes first (in this very thread: the handler returns to it and it dies after;
+    in another thread: the handler waits for it), and no second write starts."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM kills at once
+    writer = _final_write.writer
+    if writer == threading.get_ident():
+        _final_write.die_after = True
+        return
     try:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM kills at once
-        writer = threading.Thread(target=_write_report_at_exit, name="ownsan-sigterm-report", daemon=True)
-        writer.start()
-        writer.join(_SIGTERM_WRITE_S)
+        if writer is None:
+            thread = threading.Thread(target=_write_report_at_exit, name="ownsan-sigterm-report", daemon=True)
+            thread.start()
+            thread.join(_SIGTERM_WRITE_S)
+        else:
+            _final_write.done.wait(_SIGTERM_WRITE_S)
     finally:
         os.kill(os.getpid(), signal.SIGTERM)
 
@@ -367,11 +403,14 @@ def _write_report_at_exit() -> None:
     path = runtime.state.options.get("report")
     if not path:
         return
+    _final_write.begin()
     try:
         write_report(path, final=True)
     except Exception as exc:  # one line, never a second traceback after the program's own
         print(f"ownership-sanitizer: could not write the report to {path!r}: {type(exc).__name__}: {exc}",
               file=sys.stderr)
+    finally:
+        _final_write.end()
 
 
 def _exit_after_writing_the_report(code: int) -> None:
@@ -386,8 +425,9 @@ def _exit_after_writing_the_report(code: int) -> None:
 
 @forking.in_child
 def _after_fork() -> None:
-    global _forked
+    global _forked, _final_write
     _forked = True
+    _final_write = _FinalWrite()  # a write under way in the parent is not this child's
     if _exit_writer_armed and os._exit is _os_exit:
         os._exit = _exit_after_writing_the_report
 
