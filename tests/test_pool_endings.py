@@ -46,3 +46,49 @@ def test_every_stale_read_of_a_terminated_pool_reaches_the_report(tmp_path, meth
         stale = [e for e in rep["errors"] if e["kind"] == "stale_use"]
         assert len(stale) == 4, (run, out.stdout, out.stderr[-2000:])
         assert out.returncode == 1  # findings: the run fails, as ASan's does
+        # One list, one consumer: a spawn or forkserver worker's functions keep the namespace runpy ran the
+        # script in while sys.modules['__main__'] holds a copy; both reach KEPT (it once read as three).
+        consumers = [g["consumer"] for g in rep["summary"]["retaining_consumers"]]
+        assert [c for c in consumers if "KEPT" in c] == ["__main__.KEPT[*]"], consumers
+
+
+_SIGTERM_MID_WRITE = textwrap.dedent('''
+    import os, signal, sys, torch
+    import sanitizer
+    from sanitizer.features import triage
+    KEPT = []
+    ring = sanitizer.StagingRing(4096, name="w")
+    a = ring.put("a", torch.ones(1024))
+    KEPT.append(a)
+    ring.put("b", torch.zeros(1024))
+    float(a.sum())  # a stale read
+    checkpoint = triage._TRIAGE._checkpoint
+    def checkpoint_then_terminated(*args, **kwargs):  # terminate()'s SIGTERM, landing mid-write
+        triage._TRIAGE._checkpoint = checkpoint
+        os.kill(os.getpid(), signal.SIGTERM)
+        return checkpoint(*args, **kwargs)
+    triage._TRIAGE._checkpoint = checkpoint_then_terminated
+    sys.stdout.flush()
+    os._exit(0)  # a pool worker's end: the final report is written under triage's lock
+''')
+
+
+def test_a_sigterm_that_lands_while_the_report_is_written_neither_loses_nor_delays_it(tmp_path):
+    """A worker that got its sentinel is writing its report (os._exit) when terminate()'s SIGTERM lands: the
+    handler runs in that thread, mid-write; a second writer used to wait on the lock the first one held and
+    the process died after 10 s without any report."""
+    import signal
+    import time
+
+    script = tmp_path / "mid.py"
+    script.write_text(_SIGTERM_MID_WRITE)
+    report = tmp_path / "r.json"
+    began = time.monotonic()
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=str(tmp_path),
+                         env={**__import__("os").environ, "OWNERSHIP_SANITIZE": "1",
+                              "OWNERSHIP_SANITIZE_OPTIONS": f"report={report},triage=1"})
+    took = time.monotonic() - began
+    assert out.returncode == -signal.SIGTERM, (out.returncode, out.stderr[-2000:])  # it died of SIGTERM, as asked
+    rep = json.loads(report.read_text())
+    assert [e["kind"] for e in rep["errors"]] == ["stale_use"]
+    assert took < 9, took  # no wait for a writer that could not run

@@ -257,6 +257,10 @@ def root(r: Any, child: Any, below: Tuple[Seg, ...], modules: Dict[int, Tuple[st
             if v is child and isinstance(k, str):
                 return _make("global", r, name, (("g", k),) + below, _module_site(mod, k), strong=True)
         return None
+    if tp is dict and "__builtins__" in r and type(r.get("__name__")) is str:
+        found = _namespace_root(r, child, below, modules)
+        if found is not None:
+            return found
     if tp is types.FrameType:
         if internal(r.f_code) or r.f_code.co_filename.startswith(torch_dir()):
             return None  # our own frames, torch's dispatch frames: they hold a read's arguments, nobody's holder
@@ -301,6 +305,23 @@ def root(r: Any, child: Any, below: Tuple[Seg, ...], modules: Dict[int, Tuple[st
     if seg is None:
         return None
     return _make("object", r, tp.__qualname__, join(seg, below), _site_of_class(tp))
+
+
+def _namespace_root(r: Dict[str, Any], child: Any, below: Tuple[Seg, ...],
+                    modules: Dict[int, Tuple[str, Any]]) -> Optional[Holder]:
+    """A module's namespace that ``sys.modules`` does not hold, named as its module: multiprocessing's spawn
+    and forkserver workers run the main script with ``runpy.run_path``, whose functions keep the namespace
+    they ran in while ``sys.modules['__main__']`` holds a copy of it. Both reach the same list: without this
+    one global read as a second consumer (``__main__.work<function>['KEPT']`` beside ``__main__.KEPT``)."""
+    mod = sys.modules.get(r["__name__"])
+    if not isinstance(mod, types.ModuleType):
+        return None
+    named = modules.get(id(getattr(mod, "__dict__", None)))
+    for k, v in r.items():
+        if v is child and isinstance(k, str):
+            return _make("global", r, named[0] if named else r["__name__"], (("g", k),) + below,
+                         _module_site(mod, k), strong=True)
+    return None
 
 
 def step(obj: Any, seg: Seg) -> Iterator[Tuple[Seg, Any]]:

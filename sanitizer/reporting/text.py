@@ -82,8 +82,11 @@ def format_triage(rep: Dict[str, Any], path: Optional[str] = None, top: int = 20
                 lines.append(f"{pad}holder lives at {g['site'] or '?'}")
             if g.get("also_held"):
                 lines.append(f"{pad}also held {g['also_held']} view(s) counted for another consumer")
-            lines.append(f"{pad}e.g. {first['holder']['path'] if first.get('holder') else '?'}")
-            lines.append(f"{pad}leases: {names}")
+            # This consumer's own path to a view (one only seen holding views counted for another consumer
+            # names its own path, not the other's), and its leases when some are counted for it.
+            lines.append(f"{pad}e.g. {g.get('holder') or '?'}")
+            if names:
+                lines.append(f"{pad}leases: {names}")
             reads = g.get("read_stale_at") or []
             if reads:
                 lines.append(f"{pad}read stale at {', '.join(reads)} ({g['used_stale']} of {g['count']})")
