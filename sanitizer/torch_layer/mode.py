@@ -186,13 +186,19 @@ class BorrowCheckMode(TorchDispatchMode):
         picked = [args[i] if i < len(args) else (kwargs or {}).get(name) for i, name in plan]
         self._scan(func, picked)
 
-    def _test(self, func: Any, t: torch.Tensor, stale: Mapping[int, Any]) -> None:
-        if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
-            # A wrapper subclass (TwoTensor-style) holds its data in inner tensors, which its own
-            # __torch_dispatch__ computes on below us, where we no longer see: look inside now.
-            for inner in _inner_tensors(t):
-                self._test(func, inner, stale)
-            return
+    def _test(self, func: Any, t: torch.Tensor, stale: Mapping[int, Any], depth: int = 0) -> None:
+        if type(t) is not torch.Tensor:
+            if hasattr(t, "__tensor_flatten__"):
+                # A wrapper subclass (TwoTensor-style) holds its data in inner tensors, which its own
+                # __torch_dispatch__ computes on below us, where we no longer see: look inside now.
+                for inner in _inner_tensors(t):
+                    self._test(func, inner, stale, depth + 1)
+                return
+            if depth < _MAX_WRAPPER_DEPTH:
+                # A wrapper without __tensor_flatten__ (an older or hand-written one) keeps its inner
+                # tensor in an attribute: it read the tombstone's NaN instead of raising.
+                for inner in _attribute_tensors(t):
+                    self._test(func, inner, stale, depth + 1)
         if t.layout is not torch.strided:
             # A sparse tensor built over a lease keeps the lease's storage as its values (or indices):
             # it has no storage of its own to look up.
@@ -232,6 +238,24 @@ def _inner_tensors(t: torch.Tensor) -> List[torch.Tensor]:
         return []
     inner = (getattr(t, n, None) for n in names)
     return [x for x in inner if isinstance(x, torch.Tensor)]
+
+
+_MAX_WRAPPER_DEPTH = 4  # wrappers of wrappers followed this deep (attributes may form a cycle)
+
+
+def _attribute_tensors(t: torch.Tensor) -> List[torch.Tensor]:
+    """The tensors a subclass instance keeps in its attributes (directly or in a list or tuple)."""
+    d = getattr(t, "__dict__", None)
+    if not d:
+        return []
+    out: List[torch.Tensor] = []
+    for v in d.values():
+        if isinstance(v, torch.Tensor):
+            if v is not t:
+                out.append(v)
+        elif type(v) in (list, tuple):
+            out.extend(x for x in v if isinstance(x, torch.Tensor) and x is not t)
+    return out
 
 
 def _is_meta(device: Any) -> bool:

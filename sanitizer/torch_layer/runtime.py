@@ -11,6 +11,7 @@ activation) composes the features first, then arms.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import weakref
 from typing import Any, Dict, Iterator, List, Optional
@@ -20,6 +21,7 @@ import torch
 from sanitizer.core import forking
 from sanitizer.core import options as _opts
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
+from sanitizer.core.retires_in_flight import RetiresInFlight
 from sanitizer.core.sites import Site, capture
 from sanitizer.torch_layer import interception, storage_handles
 from sanitizer.torch_layer.aliasing import _DTYPE_NAMES, byte_extent, device_key, dtype_name, storage_key
@@ -163,6 +165,7 @@ _dead_handles: List[int] = []
 def _after_fork() -> None:
     global _handles_lock
     _handles_lock = threading.Lock()
+    _RETIRES.after_fork_in_child()
 
 
 def _free_dead_handles() -> None:
@@ -211,15 +214,52 @@ def retire(region: Region, start: int, end: int, by: Optional[str]) -> ReuseEven
     return _retire_range(region, start, end, by, "retire")
 
 
+_RETIRES = RetiresInFlight()  # a reuse returns once the overlapping retires that took its victims marked them
+
+
 def _retire_range(region: Region, start: int, end: int, by: Optional[str], kind: str) -> ReuseEvent:
     depth = state.options["stack_depth"]
     site: Site = capture(depth) if depth else ()
-    event, victims = state.ledger.reuse(region.region_id, start, end, by, site, threading.current_thread().name, kind)
-    interception.retry_leave()
-    for hook in HOOKS.reuse:
-        hook(region, event)
-    _run_retire_hooks(region, event, victims)
+    ticket = _RETIRES.begin(region.region_id, start, end)
+    limit = ticket
+    try:
+        event, victims = state.ledger.reuse(region.region_id, start, end, by, site, threading.current_thread().name,
+                                            kind)
+        limit = _RETIRES.asked()
+        victims = _still_borrowed(region, victims)
+        interception.retry_leave()
+        for hook in HOOKS.reuse:
+            hook(region, event)
+        _run_retire_hooks(region, event, victims)
+    finally:
+        _RETIRES.end(ticket, limit)
     return event
+
+
+def _still_borrowed(region: Region, victims: List[Lease]) -> List[Lease]:
+    """The victims whose storage still spans their bytes in their buffer. ``share_memory_()`` of a lent
+    CPU view copies its bytes into shared memory and swaps its storage's pointer in place: that view owns
+    its bytes now, and a reuse of the staging bytes must not make it stale (it did: a false alarm at its
+    next read). Such a lease is disowned, as a rescue would. Trap mode's leases are left alone: each is a
+    mapping of its own over the buffer's pages, at another address by design."""
+    if not victims:
+        return victims
+    trap = sys.modules.get("sanitizer.torch_layer.trap")  # loaded only when trap mode was asked for
+    kept = []
+    for lease in victims:
+        storage = storage_of(lease) if lease.alive else None
+        if storage is not None and not (trap is not None and trap.covers(lease)):
+            try:
+                ptr, size = storage.data_ptr(), storage.nbytes()
+                home = region if lease.region_id == region.region_id else state.ledger.region(lease.region_id)
+            except Exception:  # no data of its own to point with (meta), or its buffer is gone: keep it
+                ptr = size = 0
+            del storage
+            if ptr and lease.end > lease.start and not ptr <= home.base + lease.start < ptr + size:
+                disown(lease)
+                continue
+        kept.append(lease)
+    return kept
 
 
 def close_region(region: Region, run_hooks: bool = True) -> ReuseEvent:
@@ -227,13 +267,19 @@ def close_region(region: Region, run_hooks: bool = True) -> ReuseEvent:
     (checksum verify, rescue, poison), for memory a third-party loader may already have freed."""
     depth = state.options["stack_depth"]
     site: Site = capture(depth) if depth else ()
-    event, victims = state.ledger.close(region.region_id, site, threading.current_thread().name)
-    for hook in HOOKS.reuse:
-        hook(region, event)
-    if run_hooks:
-        _run_retire_hooks(region, event, victims)
-    else:
-        _mark_stale(victims)
+    ticket = _RETIRES.begin(region.region_id, -1, 1 << 64)  # all of it, whatever offsets its reuses give
+    limit = ticket
+    try:
+        event, victims = state.ledger.close(region.region_id, site, threading.current_thread().name)
+        limit = _RETIRES.asked()
+        for hook in HOOKS.reuse:
+            hook(region, event)
+        if run_hooks:
+            _run_retire_hooks(region, event, victims)
+        else:
+            _mark_stale(victims)
+    finally:
+        _RETIRES.end(ticket, limit)
     return event
 
 
