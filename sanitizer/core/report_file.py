@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from typing import Any, Dict
 
+from sanitizer.core import journal
+
 FORMAT = "ownership-sanitizer-report"
 VERSION = 2
 MAX_DEPTH = 100  # a report nests about 8 levels; every reader (schema check, triage, audit) recurses on it
@@ -18,7 +20,14 @@ class ReportFileError(ValueError):
 
 
 def load(path: str) -> Dict[str, Any]:
-    """The report in ``path``, with a clear error naming the path when it is not one."""
+    """The report in ``path``, with a clear error naming the path when it is not one. A journal (the
+    findings of a process that ended before writing its report: :mod:`sanitizer.core.journal`) reads
+    as the report it stands for, without a summary."""
+    if str(path).endswith(journal.SUFFIX):
+        try:
+            return journal.load_journal(path)
+        except ValueError as exc:
+            raise ReportFileError(str(exc)) from None
     try:
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)

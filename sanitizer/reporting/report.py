@@ -16,18 +16,18 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import signal
 import sys
 import threading
 from typing import Any, Dict, Iterable, List, Optional, Set
 
-from sanitizer.core import forking, output_file
-from sanitizer.core.report_file import FORMAT, VERSION, load
+from sanitizer.core import forking, journal, output_file
+from sanitizer.core import report_file
+from sanitizer.core.report_file import FORMAT, VERSION
 from sanitizer.core.describe import fix_hint
 from sanitizer.core.sites import frame_text, site_text
 from sanitizer.core.units import format_bytes
 from sanitizer.torch_layer import records, runtime
-from sanitizer.torch_layer.hooks import add_enable_hook
+from sanitizer.torch_layer.hooks import add_enable_hook, add_record_hook
 
 SCHEMA_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "report_schema.json")
 
@@ -283,6 +283,14 @@ def _from_process(item: Any, rep: Dict[str, Any]) -> Any:
     return dict(item, pid=pid, rank=rank, process=process_label(pid, rank))
 
 
+def load(path: str) -> Dict[str, Any]:
+    """The report in ``path`` (see :func:`sanitizer.core.report_file.load`); a journal's gets its summary."""
+    rep = report_file.load(path)
+    if "summary" not in rep:
+        rep["summary"] = summarize(rep)
+    return rep
+
+
 def expand_path(path: str) -> str:
     """``{pid}`` and ``{rank}`` expanded. In a forked child a path without ``{pid}`` gets ``.<pid>`` before
     its extension: the child writes its own report, never over its parent's."""
@@ -320,97 +328,61 @@ def validate(rep: Dict[str, Any]) -> List[str]:
 _exit_writer_armed = False
 _forked = False  # this process is a forked child (of a process that had the sanitizer loaded)
 _os_exit = os._exit
+_JOURNAL = journal.Journal()
+_AGGREGATES = ("clone",)  # events updated in place after they were filed (counts): the report has them whole
 
 
 def _on_enable(options: Dict[str, Any]) -> None:
-    """Arm the exit writer (once) when enabled with a ``report`` path."""
+    """Arm the exit writer and the journal (once) when enabled with a ``report`` path."""
     global _exit_writer_armed
     if options.get("report") and not _exit_writer_armed:
         atexit.register(_write_report_at_exit)
+        add_record_hook(_journal_record)
         _exit_writer_armed = True
-        _arm_sigterm()
         if os._exit is _os_exit:  # a process that ends with os._exit (a forkserver's worker) writes it first
             os._exit = _exit_after_writing_the_report
 
 
-_SIGTERM_WRITE_S = 10.0  # how long a SIGTERM waits for the report before the process dies as asked
-
-
-def _arm_sigterm() -> None:
-    """Write the report on SIGTERM too, then die of it as asked: ``with multiprocessing.Pool()`` ends with
-    ``terminate()``, whose SIGTERM used to land while a worker still had its findings in memory (spawn and
-    forkserver pools lost every one). Only where SIGTERM has its default action and only from the main
-    thread: a program's own handler is never replaced, and one installed later wins."""
-    if threading.current_thread() is not threading.main_thread():
+def _journal_record(kind: str, record: Dict[str, Any]) -> None:
+    """Each kept error and event, on disk as it is made (see :mod:`sanitizer.core.journal`): a process
+    killed before its report is written (``Pool.terminate()``'s SIGTERM, SIGKILL) keeps its findings.
+    Left at SIGTERM's default action on purpose: a Python handler for it hung a worker whose main thread
+    was blocked in a lock when the signal landed on another thread."""
+    path = runtime.state.options.get("report")
+    if not path or record.get("kind") in _AGGREGATES:
         return
     try:
-        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, _on_sigterm)
-    except (ValueError, OSError, AttributeError):  # no SIGTERM here (an embedded interpreter, Windows)
+        key = (os.getpid(), path)
+        target = _journal_targets.get(key)
+        if target is None:  # once per process and path: where its journal goes, if anywhere
+            where = expand_path(path)
+            target = _journal_targets[key] = (journal.journal_path(where)
+                                              if journal.journals_to_regular_files(where) else "")
+        if target:
+            _JOURNAL.append(target, _journal_header, kind, record)
+    except Exception:  # never into the program: the report at exit still has the record
         pass
 
 
-class _FinalWrite:
-    """Who is writing the final report now, so a SIGTERM that lands during that write neither starts a
-    second one nor kills the first. A pool's worker often gets its sentinel, begins its exit (os._exit:
-    the report is written, triage settled under its lock) and is sent ``terminate()``'s SIGTERM a moment
-    later: the handler runs in that same thread, mid-write, and a second writer waiting on the triage lock
-    the first one holds lost the worker's whole report when its wait ran out."""
-
-    def __init__(self) -> None:
-        self.writer: Optional[int] = None  # ident of the thread writing it, None when no write is under way
-        self.done = threading.Event()
-        self.done.set()
-        self.die_after = False  # a SIGTERM landed in the writer's own thread: die of it once the write ends
-
-    def begin(self) -> None:
-        self.writer = threading.get_ident()
-        self.done.clear()
-
-    def end(self) -> None:
-        self.writer = None
-        self.done.set()
-        if self.die_after:
-            os.kill(os.getpid(), signal.SIGTERM)  # its action is the default again: the process ends as asked
+_journal_targets: Dict[tuple, str] = {}  # (pid, report option) -> the journal's path ("" for none)
 
 
-_final_write = _FinalWrite()
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    """The report, written by a thread (the interrupted code may hold a lock the writer needs: then the
-    wait times out and the process dies without it, never hangs), then SIGTERM again with its default
-    action: the process ends with the status a SIGTERM gives. When the final report is being written
-    already, that write finishes first (in this very thread: the handler returns to it and it dies after;
-    in another thread: the handler waits for it), and no second write starts."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM kills at once
-    writer = _final_write.writer
-    if writer == threading.get_ident():
-        _final_write.die_after = True
-        return
-    try:
-        if writer is None:
-            thread = threading.Thread(target=_write_report_at_exit, name="ownsan-sigterm-report", daemon=True)
-            thread.start()
-            thread.join(_SIGTERM_WRITE_S)
-        else:
-            _final_write.done.wait(_SIGTERM_WRITE_S)
-    finally:
-        os.kill(os.getpid(), signal.SIGTERM)
+def _journal_header() -> Dict[str, Any]:
+    return {"format": FORMAT, "version": VERSION, "pid": os.getpid(), **_rank_info(),
+            "argv": [str(a) for a in sys.argv], "options": runtime.options()}
 
 
 def _write_report_at_exit() -> None:
     path = runtime.state.options.get("report")
     if not path:
         return
-    _final_write.begin()
     try:
         write_report(path, final=True)
     except Exception as exc:  # one line, never a second traceback after the program's own
         print(f"ownership-sanitizer: could not write the report to {path!r}: {type(exc).__name__}: {exc}",
               file=sys.stderr)
-    finally:
-        _final_write.end()
+        return
+    _JOURNAL.finish()  # the report is whole: its journal goes
 
 
 def _exit_after_writing_the_report(code: int) -> None:
@@ -425,9 +397,9 @@ def _exit_after_writing_the_report(code: int) -> None:
 
 @forking.in_child
 def _after_fork() -> None:
-    global _forked, _final_write
+    global _forked
     _forked = True
-    _final_write = _FinalWrite()  # a write under way in the parent is not this child's
+    _JOURNAL.after_fork_in_child()
     if _exit_writer_armed and os._exit is _os_exit:
         os._exit = _exit_after_writing_the_report
 

@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from sanitizer.core import options as _opts
 from sanitizer.core import output_file
+from sanitizer.core.journal import SUFFIX as JOURNAL_SUFFIX, reports_or_journals
 from sanitizer.core.version import __version__
 from sanitizer.tools import startup
 
@@ -273,7 +274,7 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             print(f"ownsan run: cannot start {command[0]!r}: {exc.strerror or exc}", file=sys.stderr)
             return 127
         code = 128 - code if code < 0 else code  # killed by a signal: the shell's convention
-        return _finish_run(args, sorted(glob.glob(os.path.join(tmp, "report-*.json"))), code)
+        return _finish_run(args, _process_reports(tmp), code)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -314,6 +315,11 @@ def _write_report(merged: Dict[str, Any], path: str) -> str:
         return fallback
 
 
+def _process_reports(directory: str) -> List[str]:
+    """Each process's report, or its journal when it ended before writing one: its findings as made."""
+    return reports_or_journals(os.path.join(directory, "report-*.json"))
+
+
 def _finish_run(args: argparse.Namespace, files: List[str], code: int) -> int:
     rep_mod = _report_mod()
     if not files:
@@ -321,6 +327,10 @@ def _finish_run(args: argparse.Namespace, files: List[str], code: int) -> int:
               "os._exit): nothing was sanitized", file=sys.stderr)
         return code
     merged = rep_mod.merge([rep_mod.load(f) for f in files])
+    cut_short = [f for f in files if f.endswith(JOURNAL_SUFFIX)]
+    if cut_short:
+        print(f"ownsan run: {len(cut_short)} process{'es' * (len(cut_short) != 1)} ended before writing a report "
+              f"(killed?): their findings come from their journals, as they were made", file=sys.stderr)
     args.report = _write_report(merged, args.report)
     if args.quiet:
         print(merged["summary"]["line"], file=sys.stderr)

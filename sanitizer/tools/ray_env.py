@@ -28,7 +28,6 @@ the merged report (``ownsan triage`` reads it once written with ``out=``). Call 
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
 import threading
@@ -37,6 +36,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 from sanitizer.core import options as _opts
 from sanitizer.core import output_file
+from sanitizer.core.journal import reports_or_journals
 
 ENV_SWITCH = _opts.ENV_SWITCH
 ENV_OPTIONS = _opts.ENV_OPTIONS
@@ -158,7 +158,8 @@ def collect(report_dir: str, settle_s: float = 1.0, out: Optional[str] = None) -
     from sanitizer.reporting import report as rep
 
     time.sleep(max(0.0, settle_s))
-    files = sorted(glob.glob(os.path.join(os.fspath(report_dir), REPORT_NAME.replace("{pid}", "*"))))
+    # A worker killed before it wrote its report (ray kills idle workers) left its journal: its findings.
+    files = reports_or_journals(os.path.join(os.fspath(report_dir), REPORT_NAME.replace("{pid}", "*")))
     if not files:
         raise ValueError(f"no worker report in {os.fspath(report_dir)!r}: did the workers get "
                          f"runtime_env({os.fspath(report_dir)!r}), and import torch?")

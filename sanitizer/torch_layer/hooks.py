@@ -17,6 +17,8 @@ Kinds, in the order a lease meets them:
   which goes into the error as a value;
 * **export** ``(lease, where, result)``: a fresh lease's memory was handed to another library
   (``numpy()``, ``__array__``, DLPack); ``result`` is what the export returned (an ndarray, a capsule);
+* **record** ``(kind, record)``: an error or an event was kept (``kind`` is ``"error"`` or ``"event"``);
+  a journal writes it as it happens. Never raises;
 * **release** ``(lease)``: the lease's storage died (every view of it gone), rescued leases too. It
   runs wherever the last reference went, possibly inside the GC: keep it cheap and lock-free.
 """
@@ -60,6 +62,7 @@ RetireHook = Callable[[Region, ReuseEvent, List[Lease]], None]
 StaleUseHook = Callable[[Lease, StaleUse], Optional[Dict[str, Any]]]
 ExportHook = Callable[[Lease, str, Any], None]
 ReleaseHook = Callable[[Lease], None]
+RecordHook = Callable[[str, Dict[str, Any]], None]
 
 
 class HookSlots:
@@ -74,6 +77,7 @@ class HookSlots:
         self.stale_use: List[StaleUseHook] = []
         self.export: List[ExportHook] = []
         self.release: List[ReleaseHook] = []
+        self.record: List[RecordHook] = []
 
     def _add(self, slot: str, hook: Any) -> None:
         with self._lock:
@@ -105,10 +109,13 @@ class HookSlots:
     def add_release(self, hook: ReleaseHook) -> None:
         self._add("release", hook)
 
+    def add_record(self, hook: RecordHook) -> None:
+        self._add("record", hook)
+
     def discard(self, hook: Any) -> None:
         """Take ``hook`` out of every slot (a benchmark measuring the runtime without one feature)."""
         with self._lock:
-            for slot in ("enable", "lend", "reuse", "stale_use", "export", "release"):
+            for slot in ("enable", "lend", "reuse", "stale_use", "export", "release", "record"):
                 setattr(self, slot, [h for h in getattr(self, slot) if h is not hook])
             self.retire = [pair for pair in self.retire if pair[1] is not hook]
 
@@ -127,6 +134,7 @@ add_retire_hook = HOOKS.add_retire
 add_stale_use_hook = HOOKS.add_stale_use
 add_export_hook = HOOKS.add_export
 add_release_hook = HOOKS.add_release
+add_record_hook = HOOKS.add_record
 
 __all__ = ["RetireOrder", "StaleUse", "HookSlots", "HOOKS", "add_enable_hook", "add_lend_hook", "add_reuse_hook",
-           "add_retire_hook", "add_stale_use_hook", "add_export_hook", "add_release_hook"]
+           "add_retire_hook", "add_stale_use_hook", "add_export_hook", "add_release_hook", "add_record_hook"]

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Set
 from sanitizer.core import forking
 from sanitizer.core.errors import OwnershipError, rebuild
 from sanitizer.core.ledger import Lease
+from sanitizer.torch_layer.hooks import HOOKS
 from sanitizer.torch_layer.state import state
 
 
@@ -53,13 +54,20 @@ class RecordStore:
                     self.over_per_lease += 1
                     return
                 record["occurrence"] = n
-            if not self._keep(self._errors, record, cap):
+            kept = self._keep(self._errors, record, cap)
+            if not kept:
                 self.dropped_errors += 1
+        if kept:
+            for hook in HOOKS.record:  # (outside the lock: a journal writes a line)
+                hook("error", record)
 
     def add_event(self, kind: str, record: dict, cap: int) -> dict:
         record["kind"] = kind
         with self._lock:
-            self._keep(self._events, record, cap)
+            kept = self._keep(self._events, record, cap)
+        if kept:
+            for hook in HOOKS.record:
+                hook("event", record)
         return record
 
     def update_event(self, record: dict, **fields: Any) -> None:
