@@ -32,7 +32,10 @@ from sanitizer.torch_layer.state import state
 
 PER_LEASE = 4  # aliases kept per lease (the first ones: where the export pattern starts)
 _KINDS = {"Tensor.numpy": "numpy", "Tensor.__array__": "numpy", "Tensor.__dlpack__": "dlpack",
-          "torch.utils.dlpack.to_dlpack": "dlpack", "torch.to_dlpack": "dlpack"}
+          "torch.utils.dlpack.to_dlpack": "dlpack", "torch.to_dlpack": "dlpack",
+          # what makes a new object over an export's memory: that object is the alias
+          "torch.from_dlpack": "dlpack", "torch.utils.dlpack.from_dlpack": "dlpack", "torch.from_numpy": "numpy",
+          "numpy.from_dlpack": "dlpack"}
 
 
 @dataclass

@@ -525,10 +525,52 @@ def _run(walk: _Walk) -> None:
         for items in walk.aliases.values():
             ignore.add(id(items))
             ignore.update(id(item) for item in items)
+        if any(not gc.is_tracked(obj) for obj, _, _ in targets):  # an array alias: its holder may be hidden too
+            ignore.add(id(targets))
+            targets += _untracked_holders(targets, ignore)
         _bfs(walk, targets, local_map, ignore)
     finally:
         local_map.clear()
         stacks.clear()
+
+
+def _untracked_holders(targets: List[Tuple[Any, int, Tuple[Seg, ...]]],
+                       ignore: Set[int]) -> List[Tuple[Any, int, Tuple[Seg, ...]]]:
+    """The dicts and tuples that hold a target the gc does not track (issue 29, point 5).
+
+    A numpy array is not tracked by the gc, and neither is a dict or a tuple that holds only such arrays
+    (and strings, numbers): ``gc.get_referrers`` never names it, and ``CACHE = {"w": t.numpy()}`` read as
+    "held where Python cannot see". Such a container is found among the values of the heap's (tracked)
+    dicts and lists, and the walk goes on from it: what holds it is tracked. One pass over the heap's
+    dicts and lists, made only when a target is untracked (an array alias)."""
+    want = {id(obj): (key, suffix) for obj, key, suffix in targets if not gc.is_tracked(obj)}
+    out: List[Tuple[Any, int, Tuple[Seg, ...]]] = []
+    looked: Set[int] = set()
+    ignore.update((id(want), id(out), id(looked)))
+    objs = gc.get_objects()
+    try:
+        for o in objs:
+            to = type(o)
+            if (to is not dict and to is not list) or id(o) in ignore:
+                continue
+            try:
+                values = tuple(o.values()) if to is dict else tuple(o)  # (another thread may change it)
+            except RuntimeError:
+                continue
+            for v in values:
+                tv = type(v)
+                if (tv is not dict and tv is not tuple) or id(v) in looked or id(v) in ignore or gc.is_tracked(v):
+                    continue
+                looked.add(id(v))
+                for k, item in (v.items() if tv is dict else enumerate(v)):
+                    hit = want.get(id(item))
+                    if hit is not None:
+                        seg: Seg = (("i", k) if tv is tuple else ("k", k) if type(k) in (str, int)
+                                    else ("?", f"[<{type(k).__name__}>]"))
+                        out.append((v, hit[0], (seg,) + hit[1]))
+    finally:
+        del objs
+    return out
 
 
 def _bfs(walk: _Walk, targets: List[Tuple[Any, int, Tuple[Seg, ...]]],

@@ -53,6 +53,35 @@ _EXPORTERS = {"Tensor.numpy", "Tensor.__array__", "Tensor.__dlpack__", "torch.ut
               "torch.to_dlpack"}  # hand the tensor's memory itself to another library
 
 
+def _makers() -> List[Tuple[Any, str, str]]:
+    """Functions that make a new object over an export's memory (a tensor or an array with a storage of
+    its own, which nothing on the Python side links back to the lease): their result is noted as the
+    alias, so triage can name what holds it (issue 29, point 5). numpy's only when numpy is imported."""
+    out = [(torch, "from_dlpack", "torch.from_dlpack"), (torch.utils.dlpack, "from_dlpack",
+                                                           "torch.utils.dlpack.from_dlpack"),
+           (torch, "from_numpy", "torch.from_numpy")]
+    np = sys.modules.get("numpy")
+    if np is not None:
+        out.append((np, "from_dlpack", "numpy.from_dlpack"))
+    return [(owner, name, where) for owner, name, where in out if callable(getattr(owner, name, None))]
+
+
+_MAKERS = {"torch.from_dlpack", "torch.utils.dlpack.from_dlpack", "torch.from_numpy", "numpy.from_dlpack"}
+_EXPORTERS |= _MAKERS
+
+
+def _exported_tensor(obj: Any) -> Optional[torch.Tensor]:
+    """The tensor whose memory ``obj`` (what a maker was given) exports: the tensor itself, or the one at
+    the end of an array's ``.base`` chain (``t.numpy()`` is based on ``t``)."""
+    for _ in range(8):
+        if isinstance(obj, torch.Tensor):
+            return obj
+        obj = getattr(obj, "base", None)
+        if obj is None:
+            return None
+    return None
+
+
 class _Switches:
     """What the wrappers do now: stale checks (while a stale lease is reachable) and export notes (while a
     lease is alive). A wrapper reads these at each call; it is installed while either is on."""
@@ -96,8 +125,10 @@ def _wrap(original: Any, where: str, kind: type) -> Any:
         finally:
             _exporting.depth = depth
         note = _now.note
-        if note is not None and not depth and args and isinstance(args[0], torch.Tensor):
-            note(args[0], where, result)  # the outermost export only (``__array__`` calls ``numpy()``)
+        if note is not None and not depth and args:
+            source = _exported_tensor(args[0]) if where in _MAKERS else args[0]
+            if isinstance(source, torch.Tensor):
+                note(source, where, result)  # the outermost export only (``__array__`` calls ``numpy()``)
         return result
 
     return checked
@@ -112,6 +143,7 @@ def _targets() -> List[Tuple[Any, str, str, type]]:
     out += [(owner, name, f"{owner.__name__}.{name}", torch.Tensor) for owner, name in _FUNCTIONS + _loaded_writers()]
     out += [(storage, name, f"UntypedStorage.{name}", storage) for name in _STORAGE_METHODS if hasattr(storage, name)]
     out += [(owner, name, where, storage) for owner, name, where in _STORAGE_FUNCTIONS if hasattr(owner, name)]
+    out += [(owner, name, where, torch.Tensor) for owner, name, where in _makers()]
     return out
 
 
@@ -140,7 +172,7 @@ def _sync() -> None:
     checking, noting = _now.check is not None, _now.note is not None
     # What the wanted set depends on: the two switches and which third-party writers are imported. A stale
     # mark calls this at every reuse (for writers imported since the last one): skip the rebuild then.
-    signature = (checking, noting, id(sys.modules.get("safetensors.torch")))
+    signature = (checking, noting, id(sys.modules.get("safetensors.torch")), id(sys.modules.get("numpy")))
     if signature == _synced_for:
         return
     wanted = {(id(owner), name): (owner, name, where, kind) for owner, name, where, kind in _targets()
