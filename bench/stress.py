@@ -15,6 +15,11 @@
     sanitizer's look-up lock) show what the race does without it. ``--race-against DIR`` adds
     the sanitizer row for another checkout (older code). About 2 s of CPU per run.
 
+  * ``--soak-runs`` runs per start method (default 10; spawn, forkserver, fork) of one program that does
+    everything at once under ``ownsan run``: 4 threads reading stale views, a forked child with threads
+    of its own, a ``with Pool(2)`` that ends with ``terminate()``, and a real loader (safetensors through
+    a strict ring, when installed); each run's merged report must hold every stale read it made.
+
 Exit status 0 only when all hold. The CI runs a short version (tests/test_mode_placement.py,
 tests/test_mode_stress.py).
 """
@@ -42,11 +47,19 @@ def main(argv=None) -> int:
                     help="comma-separated, of: " + ", ".join(stress.LOOKUP_RACE_VARIANTS))
     ap.add_argument("--race-against", metavar="DIR", help="also run the sanitizer variant from this checkout")
     ap.add_argument("--only-race", action="store_true", help="run the op look-up race section alone")
+    ap.add_argument("--soak-runs", type=int, default=10, help="soak runs per start method (0: none)")
+    ap.add_argument("--only-soak", action="store_true", help="run the soak section alone")
     args = ap.parse_args(argv)
     ok = True
-    if args.race_runs:
+    if args.race_runs and not args.only_soak:
         ok &= lookup_race(args)
     if args.only_race:
+        print("ALL HOLD" if ok else "FAILED")
+        return 0 if ok else 1
+
+    if args.soak_runs:
+        ok &= soak(args)
+    if args.only_soak:
         print("ALL HOLD" if ok else "FAILED")
         return 0 if ok else 1
 
@@ -72,6 +85,25 @@ def main(argv=None) -> int:
               for r in modes.values())
     print("ALL HOLD" if ok else "FAILED")
     return 0 if ok else 1
+
+
+def soak(args) -> bool:
+    """Threads x a fork x a terminated pool x a real loader: every run's report whole, per start method."""
+    import multiprocessing
+    import tempfile
+
+    methods = [m for m in ("spawn", "forkserver", "fork") if m in multiprocessing.get_all_start_methods()]
+    with tempfile.TemporaryDirectory(prefix="ownsan-soak-") as tmp:
+        t0 = time.perf_counter()
+        result = stress.run_soak(args.soak_runs, methods, tmp)
+    print(f"soak (threads x fork x Pool.terminate() x safetensors ring; {time.perf_counter() - t0:.0f} s):")
+    good = True
+    for method, r in result.items():
+        print(f"  {method:<10} {r['whole']}/{r['runs']} runs with every stale read reported ({r['s_per_run']} s a run)")
+        for f in r["failures"]:
+            print("     ", f)
+        good &= r["whole"] == r["runs"]
+    return good
 
 
 def lookup_race(args) -> bool:

@@ -129,3 +129,13 @@ def test_a_journal_goes_once_the_report_is_written_and_a_cut_line_is_skipped(tmp
     (tmp_path / "x.json.journal").write_text("not a journal\n")
     with pytest.raises(ValueError, match="not an ownership-sanitizer journal"):
         R.load(str(tmp_path / "x.json.journal"))
+
+
+@pytest.mark.slow
+def test_the_soak_reports_every_stale_read_of_threads_a_fork_a_terminated_pool_and_a_real_loader(tmp_path):
+    """bench/stress.py --soak-runs, one run per start method (the bench runs ten)."""
+    from sanitizer.testing import stress
+
+    methods = [m for m in ("spawn", "forkserver", "fork") if m in multiprocessing.get_all_start_methods()]
+    result = stress.run_soak(1, methods, str(tmp_path))
+    assert all(r["whole"] == 1 for r in result.values()), result

@@ -350,7 +350,111 @@ def compile_with_lease_alive() -> Dict[str, object]:
     return {"compiled": compiled, "same_result": same, "stack_unchanged": foreign_stack() == before, "stale_read_caught": caught}
 
 
-__all__ = ["POOL_PROGRAM", "run_pool_exits", "LOOKUP_RACE_PROGRAM", "LOOKUP_RACE_VARIANTS", "LOOKUP_RACE_OUTCOMES",
+SOAK_PROGRAM = r"""
+import importlib.util, multiprocessing as mp, os, sys, threading, torch
+import sanitizer  # under ownsan run: enabled at import, halt_on_error=0, a strict safetensors ring
+LOADER = importlib.util.find_spec("safetensors") is not None
+PATH = sys.argv[2]
+
+def loader_read():
+    # A real loader through the sanitizer's ring: a tensor kept past the next get_tensor, then read.
+    from safetensors.torch import safe_open
+    with safe_open(PATH, framework="pt") as f:
+        kept = f.get_tensor("a")
+        f.get_tensor("b")
+        float(kept.sum())
+
+def ring_read(tag):
+    ring = sanitizer.StagingRing(4096, name=f"r{tag}")
+    a = ring.put("a", torch.ones(1024))
+    ring.put("b", torch.zeros(1024))
+    float(a.sum())
+
+def threads(n):
+    ts = [threading.Thread(target=ring_read, args=(f"t{os.getpid()}.{k}",)) for k in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if LOADER:
+        loader_read()
+    return n + LOADER
+
+def task(i):
+    ring_read(f"p{i}")
+    if LOADER:
+        loader_read()
+    return 1 + LOADER
+
+if __name__ == "__main__":
+    if LOADER and not os.path.exists(PATH):
+        from safetensors.torch import save_file
+        save_file({"a": torch.ones(4096), "b": torch.zeros(4096)}, PATH)  # 16 KiB each: a ring of one
+    expected = threads(4)  # the main thread and 4 others
+    r, w = os.pipe()
+    pid = os.fork()  # a forked child with threads of its own (while the parent's pool is not started yet)
+    if pid == 0:
+        os.write(w, str(threads(2)).encode())
+        os._exit(0)
+    os.close(w)
+    with mp.get_context(sys.argv[1]).Pool(2) as pool:  # ends with terminate()
+        expected += sum(pool.map(task, range(4)))
+    os.waitpid(pid, 0)
+    expected += int(os.read(r, 16) or b"0")
+    print("EXPECTED", expected)
+"""
+"""Threads, a fork, a pool that ends with ``terminate()`` and a real loader at once: every stale read of
+every process must reach the merged report (issue 29)."""
+
+
+def run_soak(runs: int, methods: List[str], directory: str, timeout: float = 300,
+             root: Optional[str] = None) -> Dict[str, object]:
+    """Run :data:`SOAK_PROGRAM` under ``ownsan run`` ``runs`` times per start method; per method, the runs
+    whose merged report had every stale read the program made (and exit 1, the findings' status)."""
+    import json
+    import time
+
+    root = root or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OWNERSHIP_SANITIZE")}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    script = os.path.join(directory, "soak.py")
+    with open(script, "w", encoding="utf-8") as fh:
+        fh.write(SOAK_PROGRAM)
+    weights = os.path.join(directory, "soak.safetensors")
+    out: Dict[str, object] = {}
+    for method in methods:
+        whole, failures, took = 0, [], []
+        for i in range(runs):
+            report = os.path.join(directory, f"soak-{method}-{i}.json")
+            t0 = time.perf_counter()
+            try:
+                proc = subprocess.run([sys.executable, "-m", "sanitizer", "run", "-o", "halt_on_error=0", "-o",
+                                       "safetensors_ring=16384", "-o", "safetensors_strict=1", "--report", report,
+                                       "--", sys.executable, script, method, weights],
+                                      env=env, capture_output=True, text=True, timeout=timeout, cwd=directory)
+            except subprocess.TimeoutExpired:
+                failures.append(f"run {i}: no end after {timeout:.0f} s (a hang)")
+                continue
+            took.append(time.perf_counter() - t0)
+            expected = [int(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("EXPECTED ")]
+            try:
+                with open(report, encoding="utf-8") as fh:
+                    rep = json.load(fh)
+                stale = sum(e.get("kind") == "stale_use" for e in rep["errors"])
+            except (OSError, ValueError, KeyError) as exc:
+                failures.append(f"run {i}: no report ({exc}); exit {proc.returncode}: {proc.stderr[-300:]}")
+                continue
+            if expected and stale == expected[0] and proc.returncode == 1:
+                whole += 1
+            else:
+                failures.append(f"run {i}: {stale} stale reads reported of {expected or '?'}, exit "
+                                f"{proc.returncode}: {proc.stderr[-300:]}")
+        out[method] = {"runs": runs, "whole": whole, "failures": failures[:3],
+                       "s_per_run": round(sum(took) / max(1, len(took)), 1)}
+    return out
+
+
+__all__ = ["POOL_PROGRAM", "SOAK_PROGRAM", "run_soak", "run_pool_exits", "LOOKUP_RACE_PROGRAM", "LOOKUP_RACE_VARIANTS", "LOOKUP_RACE_OUTCOMES",
            "run_lookup_race",
            "worker_drops_last_lease_then_reads_stale",
            "lends_inside_and_outside_user_modes", "compile_with_lease_alive", "foreign_stack"]
