@@ -45,7 +45,7 @@ class Journal:
     is given up with one line on stderr, the report at exit is still written."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # (a finalizer the write's allocation runs may record, in this thread)
         self._fd: Optional[int] = None
         self._path: Optional[str] = None
         self._failed = False
@@ -71,6 +71,9 @@ class Journal:
 
     def _open(self, path: str, header: Callable[[], Dict[str, Any]]) -> None:
         self._close()
+        directory = os.path.dirname(path)
+        if directory:
+            os.makedirs(directory, exist_ok=True)  # as the report's writer does at exit
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o666)
         self._fd, self._path = fd, path
         if os.fstat(fd).st_size == 0:
@@ -97,7 +100,7 @@ class Journal:
 
     def after_fork_in_child(self) -> None:
         """A forked child writes its own journal (under its own pid), never its parent's."""
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         if self._fd is not None:
             try:
                 os.close(self._fd)
