@@ -139,3 +139,39 @@ def test_the_soak_reports_every_stale_read_of_threads_a_fork_a_terminated_pool_a
     methods = [m for m in ("spawn", "forkserver", "fork") if m in multiprocessing.get_all_start_methods()]
     result = stress.run_soak(1, methods, str(tmp_path))
     assert all(r["whole"] == 1 for r in result.values()), result
+
+
+def test_no_journal_beside_a_device_or_a_descriptors_link_and_a_stale_journal_is_replaced(tmp_path):
+    import os
+
+    from sanitizer.core import output_file
+
+    assert not output_file.replaced_whole("/dev/null") and not output_file.replaced_whole("/dev/stdout")
+    assert not output_file.replaced_whole("/dev/fd/1") and not output_file.replaced_whole("/dev/null.123")
+    assert output_file.replaced_whole(str(tmp_path / "new.json"))
+    before = set(os.listdir("/dev"))
+    code = ("import os, torch, sanitizer\n"
+            "ring = sanitizer.StagingRing(4096, name='w')\n"
+            "a = ring.put('a', torch.ones(1024)); ring.put('b', torch.zeros(1024))\n"
+            "float(a.sum())\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    b = ring.put('c', torch.ones(1024)); ring.put('d', torch.zeros(1024)); float(b.sum()); os._exit(0)\n"
+            "os.waitpid(pid, 0)\n")
+    for report in ("/dev/null", "/dev/stdout"):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "OWNERSHIP_SANITIZE": "1",
+                                  "OWNERSHIP_SANITIZE_OPTIONS": f"report={report},halt_on_error=0"})
+        assert out.returncode == 0 and "journal" not in out.stderr, out.stderr[-2000:]
+    assert set(os.listdir("/dev")) == before  # no /dev/null.journal, no /dev/null.<pid> of the child
+    # A journal an earlier, killed process left at a fixed path is replaced, never appended to.
+    report = tmp_path / "r.json"
+    (tmp_path / "r.json.journal").write_text('{"kind": "ownership-sanitizer-journal", "pid": 1}\n{"k": "err')
+    killer = code.split("pid = os.fork()")[0] + "os.kill(os.getpid(), 9)\n"
+    subprocess.run([sys.executable, "-c", killer], capture_output=True, text=True, timeout=120,
+                   env={**os.environ, "OWNERSHIP_SANITIZE": "1",
+                        "OWNERSHIP_SANITIZE_OPTIONS": f"report={report},halt_on_error=0"})
+    from sanitizer.reporting import report as R
+
+    rep = R.load(str(report) + ".journal")
+    assert rep["pid"] != 1 and len(rep["errors"]) == 1 and rep["ended_before_report"]["lines_cut"] == 0

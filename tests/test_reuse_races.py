@@ -119,3 +119,50 @@ def test_a_wrapper_subclass_without_tensor_flatten_over_a_stale_lease_raises():
         buf.write(0, torch.zeros(16), name="b")
         with pytest.raises(sanitizer.StaleBorrowError, match="'a'"):
             x.sum()  # it read the tombstone's NaN before
+
+
+def test_a_reuse_from_a_finalizer_inside_our_own_work_never_stalls_on_another_threads_retire():
+    """A finalizer that reuses the same bytes can fire during a triage walk (which holds triage's lock) while
+    another thread's retire waits for that lock in its hooks: waiting for it there stalled each reuse until
+    the 10 s bound."""
+    import time
+    import weakref
+
+    buf = StagingBuffer(4096, name="b")
+    worst = [0.0]
+
+    def worker(k: int) -> None:
+        for i in range(40):
+            w = buf.write(0, torch.full((64,), float(k)), name=f"t{k}.{i}")
+            holder = type("Holder", (), {})()
+            weakref.finalize(holder, lambda: buf.write(0, torch.ones(64), name="fin"))
+            w._holder = holder
+            del holder
+            began = time.monotonic()
+            buf.write(0, torch.zeros(64), name=f"r{k}.{i}")
+            worst[0] = max(worst[0], time.monotonic() - began)
+            del w
+
+    with sanitizer.sanitize(triage=1):
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    assert worst[0] < 5, worst[0]
+
+
+def test_a_subclass_with_data_of_its_own_is_not_judged_by_what_its_attributes_hold():
+    buf = StagingBuffer(1024, name="ring")
+    with sanitizer.sanitize():
+        stale = buf.write(0, torch.ones(16), name="a")
+        buf.write(0, torch.zeros(16), name="b")
+        p = torch.nn.Parameter(torch.ones(16), requires_grad=False)
+        p.extra = stale  # an attribute the op never reads
+        assert float(p.sum()) == 16.0  # no false alarm
+        deep = stale
+        for _ in range(6):
+            deep = _Wrapper(deep)  # wrappers of wrappers, past any small depth
+        with pytest.raises(sanitizer.StaleBorrowError, match="'a'"):
+            deep.sum()

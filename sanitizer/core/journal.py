@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import sys
 import threading
 from typing import Any, Callable, Dict, List, Optional
@@ -27,17 +26,6 @@ KIND = "ownership-sanitizer-journal"
 
 def journal_path(report_path: str) -> str:
     return report_path + SUFFIX
-
-
-def journals_to_regular_files(target: str) -> bool:
-    """A journal goes only beside a report that is a regular file (or a new path): never beside
-    ``/dev/stdout``, a FIFO or a device."""
-    try:
-        return stat.S_ISREG(os.stat(target).st_mode)
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
 
 
 class Journal:
@@ -74,10 +62,11 @@ class Journal:
         directory = os.path.dirname(path)
         if directory:
             os.makedirs(directory, exist_ok=True)  # as the report's writer does at exit
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o666)
+        # Truncated: a journal left at this path by an earlier process (killed, as a journal's are) is that
+        # process's; this one's starts whole, with its own header, as its report will replace the old one.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o666)
         self._fd, self._path = fd, path
-        if os.fstat(fd).st_size == 0:
-            _write_all(fd, (json.dumps(dict(header(), kind=KIND), default=str) + "\n").encode("utf-8", "surrogateescape"))
+        _write_all(fd, (json.dumps(dict(header(), kind=KIND), default=str) + "\n").encode("utf-8", "surrogateescape"))
 
     def _close(self) -> None:
         if self._fd is not None:
@@ -160,5 +149,5 @@ def load_journal(path: str) -> Dict[str, Any]:
     return rep
 
 
-__all__ = ["Journal", "journal_path", "journals_to_regular_files", "load_journal", "reports_or_journals", "SUFFIX",
+__all__ = ["Journal", "journal_path", "load_journal", "reports_or_journals", "SUFFIX",
            "KIND"]

@@ -51,6 +51,25 @@ def _resolve(path: str) -> Optional[str]:
     raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
 
 
+def replaced_whole(path: str) -> bool:
+    """Is ``path`` written as a file of its own (a regular file, or a new path outside /dev and /proc),
+    not through (a device, a FIFO, a file descriptor's link)? Only such a path may get a sibling (a
+    journal beside it, a forked child's ``.<pid>`` copy): /dev/null.journal, /dev/stdout.<pid> are not ours
+    to make."""
+    try:
+        target = _resolve(path)
+    except OSError:
+        return False
+    if target is None or target.startswith(("/dev/", "/proc/")) or os.path.abspath(path).startswith(("/dev/", "/proc/")):
+        return False
+    try:
+        return stat.S_ISREG(os.stat(target).st_mode)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+
+
 def _write_through(path: str, data: bytes) -> None:
     """Write ``data`` into what ``path`` names, as it is: no create, no truncation, no rename (appending,
     so a stdout redirected to a file keeps what was printed before)."""
@@ -120,4 +139,4 @@ def write_text(path: str, text: str, encoding: str = "utf-8") -> str:
     return write_bytes(path, text.encode(encoding))
 
 
-__all__ = ["printable", "write_bytes", "write_text"]
+__all__ = ["printable", "replaced_whole", "write_bytes", "write_text"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 WAIT_S = 10.0  # the longest a reuse waits for another thread's retire (a hook stuck on a lock we cannot see)
 
@@ -43,18 +43,30 @@ class RetiresInFlight:
         too, so it cannot have taken this one's victims."""
         return self._seq
 
-    def end(self, ticket: int, limit: int, wait_s: float = WAIT_S) -> bool:
+    def end(self, ticket: int, limit: int, wait_s: float = WAIT_S,
+            may_wait: Optional[Callable[[], bool]] = None) -> bool:
         """Remove ``ticket``, then wait for the other threads' overlapping retires registered up to
-        ``limit``. False if the wait ran out (the caller goes on: a missed check is better than a hang)."""
+        ``limit``. False if it did not wait for them all: the wait ran out (the caller goes on: a missed
+        check is better than a hang), or ``may_wait()`` (asked only when there is something to wait for)
+        said no: a reuse made from inside the sanitizer's own work (a finalizer that fired during a
+        triage walk, which holds a lock the other retire's hooks need) must not wait at all."""
         with self._cond:
             entry = self._flight.pop(ticket, None)  # None: forgotten by a fork while under way
             self._cond.notify_all()
             if entry is None or not self._flight:
                 return True
             region_id, start, end, me = entry
+
+            def pending() -> bool:
+                return any(seq <= limit and r == region_id and a < end and start < b and t != me
+                           for seq, (r, a, b, t) in self._flight.items())
+
+            if not pending():
+                return True
+            if may_wait is not None and not may_wait():
+                return False
             deadline = time.monotonic() + wait_s
-            while any(seq <= limit and r == region_id and a < end and start < b and t != me
-                      for seq, (r, a, b, t) in self._flight.items()):
+            while pending():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False

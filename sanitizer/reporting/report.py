@@ -295,7 +295,7 @@ def expand_path(path: str) -> str:
     """``{pid}`` and ``{rank}`` expanded. In a forked child a path without ``{pid}`` gets ``.<pid>`` before
     its extension: the child writes its own report, never over its parent's."""
     rank = _rank_info()["rank"]
-    if _forked and "{pid}" not in path:
+    if _forked and "{pid}" not in path and output_file.replaced_whole(path):  # (/dev/null stays /dev/null)
         root, ext = os.path.splitext(path)
         path = f"{root}.{{pid}}{ext}"
     return path.replace("{pid}", str(os.getpid())).replace("{rank}", "0" if rank is None else str(rank))
@@ -355,9 +355,9 @@ def _journal_record(kind: str, record: Dict[str, Any]) -> None:
         key = (os.getpid(), path)
         target = _journal_targets.get(key)
         if target is None:  # once per process and path: where its journal goes, if anywhere
-            where = expand_path(path)
-            target = _journal_targets[key] = (journal.journal_path(where)
-                                              if journal.journals_to_regular_files(where) else "")
+            where = os.path.abspath(expand_path(path))  # (the program may chdir: finish() removes this one)
+            target = _journal_targets[key] = (journal.journal_path(where) if output_file.replaced_whole(where)
+                                              else "")
         if target:
             _JOURNAL.append(target, _journal_header, kind, record)
     except Exception:  # never into the program: the report at exit still has the record

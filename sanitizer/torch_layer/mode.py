@@ -194,10 +194,12 @@ class BorrowCheckMode(TorchDispatchMode):
                 for inner in _inner_tensors(t):
                     self._test(func, inner, stale, depth + 1)
                 return
-            if depth < _MAX_WRAPPER_DEPTH:
-                # A wrapper without __tensor_flatten__ (an older or hand-written one) keeps its inner
-                # tensor in an attribute: it read the tombstone's NaN instead of raising.
-                for inner in _attribute_tensors(t):
+            if depth < _MAX_WRAPPER_DEPTH and _is_wrapper(t):
+                # A wrapper without __tensor_flatten__ (an older or hand-written one: no data of its own)
+                # keeps its inner tensor in an attribute: it read the tombstone's NaN instead of raising.
+                # Only a wrapper: a subclass with data of its own (a Parameter) computes on that data,
+                # and what its attributes hold is not read by this op.
+                for inner in _wrapped_tensors(t):
                     self._test(func, inner, stale, depth + 1)
         if t.layout is not torch.strided:
             # A sparse tensor built over a lease keeps the lease's storage as its values (or indices):
@@ -240,7 +242,33 @@ def _inner_tensors(t: torch.Tensor) -> List[torch.Tensor]:
     return [x for x in inner if isinstance(x, torch.Tensor)]
 
 
-_MAX_WRAPPER_DEPTH = 4  # wrappers of wrappers followed this deep (attributes may form a cycle)
+_MAX_WRAPPER_DEPTH = 32  # wrappers of wrappers followed this deep (attributes may form a cycle)
+
+
+def _is_wrapper(t: torch.Tensor) -> bool:
+    """A subclass made with ``_make_wrapper_subclass``: its storage has no data (reading it raises)."""
+    try:
+        return t.untyped_storage().data_ptr() == 0 and t.numel() > 0
+    except (RuntimeError, NotImplementedError):
+        return True
+
+
+def _wrapped_tensors(t: torch.Tensor, limit: int = 64) -> List[torch.Tensor]:
+    """The tensors under a wrapper's attributes, through wrappers of wrappers (each looked at once:
+    attributes may form cycles), at most ``limit``; the wrappers themselves are left out."""
+    out: List[torch.Tensor] = []
+    seen = {id(t)}
+    todo = [t]
+    while todo and len(seen) <= limit:
+        for inner in _attribute_tensors(todo.pop()):
+            if id(inner) in seen:
+                continue
+            seen.add(id(inner))
+            if type(inner) is not torch.Tensor and not hasattr(inner, "__tensor_flatten__") and _is_wrapper(inner):
+                todo.append(inner)
+            else:
+                out.append(inner)
+    return out
 
 
 def _attribute_tensors(t: torch.Tensor) -> List[torch.Tensor]:

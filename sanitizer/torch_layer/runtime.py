@@ -11,6 +11,7 @@ activation) composes the features first, then arms.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 import weakref
@@ -232,8 +233,25 @@ def _retire_range(region: Region, start: int, end: int, by: Optional[str], kind:
             hook(region, event)
         _run_retire_hooks(region, event, victims)
     finally:
-        _RETIRES.end(ticket, limit)
+        _RETIRES.end(ticket, limit, may_wait=_not_inside_our_own_work)
     return event
+
+
+_OWN_WORK = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), part) + os.sep
+                  for part in ("features", "reporting"))  # hooks, walks, reports: never a user's entry
+
+
+def _not_inside_our_own_work() -> bool:
+    """May this retire wait for another thread's? Not when it runs from inside the sanitizer's own work (a
+    finalizer fired during a triage walk or a retire hook, which may hold the lock the other retire's hooks
+    wait for: each would wait for the other until the bound). Asked only when there is something to wait
+    for, so the stack is read rarely."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_OWN_WORK):
+            return False
+        frame = frame.f_back
+    return True
 
 
 def _still_borrowed(region: Region, victims: List[Lease]) -> List[Lease]:
@@ -279,7 +297,7 @@ def close_region(region: Region, run_hooks: bool = True) -> ReuseEvent:
         else:
             _mark_stale(victims)
     finally:
-        _RETIRES.end(ticket, limit)
+        _RETIRES.end(ticket, limit, may_wait=_not_inside_our_own_work)
     return event
 
 
