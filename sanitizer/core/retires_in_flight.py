@@ -16,9 +16,10 @@ thread idents and a condition variable.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 WAIT_S = 10.0  # the longest a reuse waits for another thread's retire (a hook stuck on a lock we cannot see)
 
@@ -72,6 +73,18 @@ class RetiresInFlight:
                     return False
                 self._cond.wait(left)
             return True
+
+    @contextlib.contextmanager
+    def retiring(self, region_id: int, start: int, end: int,
+                 may_wait: Optional[Callable[[], bool]] = None) -> Iterator[Callable[[], None]]:
+        """One retire, registered around its body: call what it yields once the ledger answered (the limit
+        of :meth:`end`); on the way out it waits as :meth:`end` does, even when the body raised."""
+        ticket = self.begin(region_id, start, end)
+        limit: List[int] = [ticket]
+        try:
+            yield lambda: limit.__setitem__(0, self.asked())
+        finally:
+            self.end(ticket, limit[0], may_wait=may_wait)
 
     def in_flight(self) -> int:
         return len(self._flight)

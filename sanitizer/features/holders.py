@@ -562,11 +562,10 @@ def _untracked_holders(targets: List[Tuple[Any, int, Tuple[Seg, ...]]],
                 if (tv is not dict and tv is not tuple) or id(v) in looked or id(v) in ignore or gc.is_tracked(v):
                     continue
                 looked.add(id(v))
-                for k, item in (v.items() if tv is dict else enumerate(v)):
+                for item in (v.values() if tv is dict else v):
                     hit = want.get(id(item))
-                    if hit is not None:
-                        seg: Seg = (("i", k) if tv is tuple else ("k", k) if type(k) in (str, int)
-                                    else ("?", f"[<{type(k).__name__}>]"))
+                    seg = label(v, item) if hit is not None else None  # (the walk's own step labels)
+                    if seg is not None:
                         out.append((v, hit[0], (seg,) + hit[1]))
     finally:
         del objs

@@ -194,7 +194,7 @@ class BorrowCheckMode(TorchDispatchMode):
                 for inner in _inner_tensors(t):
                     self._test(func, inner, stale, depth + 1)
                 return
-            if depth < _MAX_WRAPPER_DEPTH and _is_wrapper(t):
+            if depth < _MAX_WRAPPER_DEPTH and getattr(t, "__dict__", None) and _is_wrapper(t):
                 # A wrapper without __tensor_flatten__ (an older or hand-written one: no data of its own)
                 # keeps its inner tensor in an attribute: it read the tombstone's NaN instead of raising.
                 # Only a wrapper: a subclass with data of its own (a Parameter) computes on that data,

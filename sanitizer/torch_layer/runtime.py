@@ -221,19 +221,15 @@ _RETIRES = RetiresInFlight()  # a reuse returns once the overlapping retires tha
 def _retire_range(region: Region, start: int, end: int, by: Optional[str], kind: str) -> ReuseEvent:
     depth = state.options["stack_depth"]
     site: Site = capture(depth) if depth else ()
-    ticket = _RETIRES.begin(region.region_id, start, end)
-    limit = ticket
-    try:
+    with _RETIRES.retiring(region.region_id, start, end, _not_inside_our_own_work) as answered:
         event, victims = state.ledger.reuse(region.region_id, start, end, by, site, threading.current_thread().name,
                                             kind)
-        limit = _RETIRES.asked()
+        answered()
         victims = _still_borrowed(region, victims)
         interception.retry_leave()
         for hook in HOOKS.reuse:
             hook(region, event)
         _run_retire_hooks(region, event, victims)
-    finally:
-        _RETIRES.end(ticket, limit, may_wait=_not_inside_our_own_work)
     return event
 
 
@@ -285,19 +281,16 @@ def close_region(region: Region, run_hooks: bool = True) -> ReuseEvent:
     (checksum verify, rescue, poison), for memory a third-party loader may already have freed."""
     depth = state.options["stack_depth"]
     site: Site = capture(depth) if depth else ()
-    ticket = _RETIRES.begin(region.region_id, -1, 1 << 64)  # all of it, whatever offsets its reuses give
-    limit = ticket
-    try:
+    # All of the region, whatever offsets its reuses give.
+    with _RETIRES.retiring(region.region_id, -1, 1 << 64, _not_inside_our_own_work) as answered:
         event, victims = state.ledger.close(region.region_id, site, threading.current_thread().name)
-        limit = _RETIRES.asked()
+        answered()
         for hook in HOOKS.reuse:
             hook(region, event)
         if run_hooks:
             _run_retire_hooks(region, event, victims)
         else:
             _mark_stale(victims)
-    finally:
-        _RETIRES.end(ticket, limit, may_wait=_not_inside_our_own_work)
     return event
 
 
