@@ -21,6 +21,8 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
+from sanitizer.torch_layer import own_ops
+
 _SUPPORTED = ("cpu", "cuda")
 
 _NUMPY_SAME = {
@@ -90,8 +92,7 @@ def alias_view(
     if host is not None:
         np_dtype, retype = HOST_VIEWS.get(dtype) or host_view(dtype)
         piece = np.ndarray(shape, np_dtype, host, offset)  # one call: cheaper than slice+view+reshape
-        view = torch.from_numpy(piece)
-        return (view.view(dtype) if retype else view), piece
+        return own_ops.over_host(piece, dtype, retype), piece
     piece = _CudaRegion(buffer_u8, buffer_u8.data_ptr() + offset, nbytes)
     alias = torch.as_tensor(piece, device=buffer_u8.device)
     return alias.view(dtype).view(shape), piece

@@ -20,6 +20,8 @@ from typing import Any, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from sanitizer.torch_layer import own_ops
+
 Source = Any  # torch.Tensor | bytes | bytearray | memoryview | a binary file object with readinto/read
 
 
@@ -99,6 +101,18 @@ def layout(source: Source, shape: Optional[Sequence[int]], dtype: Optional[torch
     raise TypeError(f"cannot write a {type(source).__name__}: expected a tensor, bytes or a readable binary file")
 
 
+def _flat_bytes(source: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """``source``'s bytes as one flat, contiguous uint8 tensor (a view when it already is contiguous)."""
+    flat = source.detach().contiguous().reshape(-1)
+    if flat.dtype != torch.uint8 and nbytes:
+        flat = flat.view(torch.uint8)
+    return flat
+
+
+def _copy(dst: torch.Tensor, offset: int, nbytes: int, flat: torch.Tensor) -> None:
+    dst[offset:offset + nbytes].copy_(flat)
+
+
 def prepare(source: Source, shape: Optional[Sequence[int]], dtype: Optional[torch.dtype]) -> Prepared:
     """Validate a write completely, before any lease is touched.
 
@@ -108,10 +122,10 @@ def prepare(source: Source, shape: Optional[Sequence[int]], dtype: Optional[torc
     """
     shp, dt, nbytes = layout(source, shape, dtype)
     if isinstance(source, torch.Tensor):
-        flat = source.detach().contiguous().reshape(-1)
-        if flat.dtype != torch.uint8 and nbytes:
-            flat = flat.view(torch.uint8)
-        return Prepared(shp, dt, nbytes, flat)
+        if own_ops.plain(source) and source.is_contiguous():
+            # Views only, no read (the write checks the source before it copies): out of the mode's sight.
+            return Prepared(shp, dt, nbytes, own_ops.call(_flat_bytes, source, nbytes))
+        return Prepared(shp, dt, nbytes, _flat_bytes(source, nbytes))  # a copy (a read) or a subclass's own ops
     if isinstance(source, (bytes, bytearray, memoryview)) or nbytes == 0:
         return Prepared(shp, dt, nbytes, source if nbytes else b"")
     remaining = _remaining(source)
@@ -201,7 +215,10 @@ def copy_into(dst: torch.Tensor, host: Optional[np.ndarray], offset: int, source
     if isinstance(source, Prepared):
         source = source.payload
         if isinstance(source, torch.Tensor):  # prepare() already made it flat, contiguous uint8
-            dst[offset:offset + nbytes].copy_(source)
+            if own_ops.plain(source):  # checked by the write before its reuse: our copy into our buffer
+                own_ops.call(_copy, dst, offset, nbytes, source)
+            else:
+                _copy(dst, offset, nbytes, source)
             return
     if isinstance(source, torch.Tensor):
         flat = source.detach().contiguous().reshape(-1)

@@ -15,7 +15,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import numpy as np
 import torch
 
-from sanitizer.torch_layer import runtime
+from sanitizer.torch_layer import own_ops, runtime
 from sanitizer.torch_layer.aliasing import HOST_VIEWS, alias_view, check_device, device_key, dtype_name, host_array, host_view
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.torch_layer.sources import Prepared, Source, check_dtype, check_shape, copy_into, prepare
@@ -243,9 +243,7 @@ class StagingBuffer:
                 if 0 <= offset and offset + nbytes <= self.nbytes and not (self._base + offset) % itemsize:
                     hit = HOST_VIEWS.get(dtype) or host_view(dtype)
                     piece = np.ndarray(shape, hit[0], host, offset)  # what alias_view does, inline
-                    view = torch.from_numpy(piece)
-                    if hit[1]:
-                        view = view.view(dtype)
+                    view = own_ops.over_host(piece, dtype, hit[1])
                     runtime.track_lease(self._region, offset, nbytes, view, piece, name, dtype, shape)
                     if not _MARKER_ON_CLASS:
                         setattr(view, BORROWED_MARKER, True)  # the name is taken on torch.Tensor: mark the view

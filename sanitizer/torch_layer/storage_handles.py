@@ -23,6 +23,7 @@ import torch
 from cuda_hooks import devices
 from sanitizer.core import forking
 from sanitizer.core.pages import read_max_map_count
+from sanitizer.torch_layer import own_ops
 from sanitizer.torch_layer.aliasing import alias_view, host_array
 
 _S = torch.UntypedStorage
@@ -249,7 +250,7 @@ def repoint(storage: torch.UntypedStorage, fill: Optional[int] = None, *,
     if fill is not None and nbytes and storage.device.type == "cpu" and PoisonFile.AVAILABLE:
         keeper = POISON.map(nbytes, fill)
     if keeper is not None:
-        fresh = torch.from_numpy(keeper).untyped_storage()
+        fresh = own_ops.over_host(keeper, torch.uint8, False).untyped_storage()  # the poison is ours
     else:
         if fill is None:
             buf = torch.empty(nbytes, dtype=torch.uint8, device=storage.device)
