@@ -69,6 +69,7 @@ def _fst_loader(paths, borrowed=True):
                               accumulate_resident=not borrowed, use_tqdm_on_load=False, set_numa=False)
 
 
+@pytest.mark.slow
 def test_fastsafetensors_retaining_consumer_is_caught(ckpt_files, hooks):
     paths, oracle = ckpt_files
     loader = _fst_loader(paths)
@@ -122,6 +123,7 @@ def runai(monkeypatch):
     return mod
 
 
+@pytest.mark.slow
 def test_runai_retaining_consumer_is_caught(ckpt_files, hooks, runai):
     paths, oracle = ckpt_files
     with runai.SafetensorsStreamer() as streamer:
@@ -158,6 +160,7 @@ def test_runai_owned_mode_is_left_alone_and_exit_ends_open_leases(ckpt_files, ho
 
 
 # -- safetensors (emulated) ------------------------------------------------------------
+@pytest.mark.slow
 def test_safetensors_iterate_emulates_borrowing(ckpt_files):
     from sanitizer.adapters import safetensors_adapter
 
@@ -171,6 +174,7 @@ def test_safetensors_iterate_emulates_borrowing(ckpt_files):
     assert safetensors_adapter.largest_tensor_bytes(paths) == 32 * 16 * 4
 
 
+@pytest.mark.slow
 def test_safetensors_ring_option_patches_safe_open_but_not_load_file(ckpt_files):
     paths, oracle = ckpt_files
     sanitizer.enable(safetensors_ring=1 << 12, safetensors_strict=1)  # the borrowed contract (tests/test_loader_safetensors.py: both)
@@ -201,6 +205,7 @@ def test_hooks_cost_nothing_when_off():
     assert proc.stdout.split() == ["False", "False"]
 
 
+@pytest.mark.slow
 def test_hooks_patch_a_loader_imported_later():
     pytest.importorskip("fastsafetensors")
     code = textwrap.dedent("""
@@ -246,6 +251,7 @@ class safe_open:
 '''
 
 
+@pytest.mark.slow
 def test_instanttensor_adapter_on_a_stand_in_module(tmp_path):
     pkg = tmp_path / "instanttensor"
     pkg.mkdir()
@@ -309,6 +315,7 @@ def test_uninstall_restores_the_loaders(hooks):
     assert not any(type(f).__name__ == "_PostImportFinder" for f in sys.meta_path)
 
 
+@pytest.mark.slow
 def test_zero_code_activation_wraps_a_loader(ckpt_files):
     """OWNERSHIP_SANITIZE=1 and the start-up hook (what the .pth runs): no sanitizer import in the program."""
     pytest.importorskip("fastsafetensors")
@@ -336,6 +343,7 @@ def test_zero_code_activation_wraps_a_loader(ckpt_files):
     assert proc.stdout.strip() == "StaleBorrowError"
 
 
+@pytest.mark.slow
 def test_an_unknown_loader_version_is_reported_not_broken(tmp_path):
     pkg = tmp_path / "instanttensor"
     pkg.mkdir()

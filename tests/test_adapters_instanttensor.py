@@ -225,6 +225,7 @@ def _run(tmp_path, version, paths):
     return json.loads(proc.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_instanttensor_0_1_x_always_lends_ring_views(tmp_path, checkpoint):
     """0.1.5-0.1.8 have no copy parameter: the old adapter (copy is False) treated them as owning."""
     paths, names = checkpoint
@@ -235,6 +236,7 @@ def test_instanttensor_0_1_x_always_lends_ring_views(tmp_path, checkpoint):
     assert out["get_tensor_retain"]["stale"] == sorted(names)  # get_tensor draws from self.tensors()
 
 
+@pytest.mark.slow
 def test_instanttensor_0_2_x_lends_only_with_copy_false(tmp_path, checkpoint):
     paths, names = checkpoint
     out = _run(tmp_path, "0.2.2", paths)

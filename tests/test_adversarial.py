@@ -91,6 +91,7 @@ class TestErrorsTravel:
         assert pickle.loads(pickle.dumps(corrupted)).lease.name == "w"
         assert copy.deepcopy(corrupted).found == 2
 
+    @pytest.mark.slow
     def test_survives_a_process_pool_boundary(self):
         ctx = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:

@@ -84,6 +84,7 @@ def run_report(tmp_path_factory):
     return tmp
 
 
+@pytest.mark.slow
 def test_the_run_confirms_the_finding_and_names_what_the_audit_missed(run_report, capsys, monkeypatch):
     monkeypatch.chdir(run_report)
     code = cli.main(["audit", "--format", "json", "--report", "ownsan-report.json", "consumer.py"])

@@ -18,6 +18,7 @@ def _raw(t: torch.Tensor) -> bytes:
     return t.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
+@pytest.mark.slow
 def test_import_does_not_import_numba() -> None:
     proc = run_python("import sys, cuda_hooks; assert 'numba' not in sys.modules, 'numba imported'; print('ok')")
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr

@@ -135,6 +135,7 @@ def fails_anyway(weights):
 
 
 # -- correct consumers pass ------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("consume", [copy_into_model, owned_dict, state_dict_copy, deferred_owning])
 def test_a_correct_consumer_passes_every_example_bit_exactly(consume):
     result = check_consumer(consume, SD, examples=EXAMPLES)
@@ -155,6 +156,7 @@ def test_weights_may_be_a_file_a_list_of_files_a_directory_or_pairs(tmp_path):
 
 
 # -- retaining consumers fail, readably --------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("consume, holder", [
     (returns_views, "the value returns_views() returned"),
     (keeps_a_list, "the value keeps_a_list() returned"),
@@ -180,6 +182,7 @@ def test_a_retaining_consumer_fails_with_its_holder_the_fix_the_minimal_case_and
     assert err.found_at == 1 and err.report is not None and err.report["summary"]["retentions"] > 0
 
 
+@pytest.mark.slow
 def test_the_unsanitized_corruption_and_the_sanitized_stale_reads_are_both_shown():
     with pytest.raises(RetainedBorrowError) as info:
         check_consumer(deferred_retaining, SD, examples=EXAMPLES)
@@ -189,6 +192,7 @@ def test_the_unsanitized_corruption_and_the_sanitized_stale_reads_are_both_shown
     assert info.value.outcome.unsanitized_diff and info.value.outcome.errors_seen > 0
 
 
+@pytest.mark.slow
 def test_shrinking_reports_the_simplest_failing_case_of_the_space_searched():
     streams = borrowed_streams(orders=("sorted", "shuffled"), debug=("checksum+poison",), streams=("borrowed",))
     with pytest.raises(RetainedBorrowError) as info:
@@ -199,6 +203,7 @@ def test_shrinking_reports_the_simplest_failing_case_of_the_space_searched():
     assert "debug checksum+poison" in str(info.value) and "borrowed_iterator" in str(info.value)
 
 
+@pytest.mark.slow
 def test_replay_reruns_exactly_that_case():
     with pytest.raises(RetainedBorrowError) as info:
         check_consumer(returns_views, SD, examples=EXAMPLES)
@@ -265,6 +270,7 @@ def test_a_directory_without_weight_files_names_itself(tmp_path):
 
 
 # -- it leaves the program as it found it ------------------------------------------------------
+@pytest.mark.slow
 def test_the_check_leaves_state_options_threads_and_records_as_it_found_them():
     threads = torch.get_num_threads()
     buf = sanitizer.StagingBuffer(4096, name="mine")

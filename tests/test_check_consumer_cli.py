@@ -53,6 +53,7 @@ def test_a_correct_consumer_passes_with_counts_and_progress(checkpoint, in_root,
     assert "fuzz: 6/6 examples, 0 failures" in err and "fuzz:" not in out
 
 
+@pytest.mark.slow
 def test_a_retaining_consumer_fails_with_the_message_and_a_replay_line_that_reruns_it(checkpoint, in_root, capsys):
     assert cli.main(["fuzz", "--consumer", f"{HERE}:keeps", "--weights", checkpoint, "--examples", "6",
                      "-q"]) == 1
@@ -129,6 +130,7 @@ def test_the_runs_options_apply(borrowed_weights):
 '''
 
 
+@pytest.mark.slow
 def test_the_borrowed_weights_fixture_hands_out_borrowed_iterators_closed_after_the_test(pytester):
     pytester.makepyfile(test_fixture_suite=FIXTURE_SUITE)
     pytester._monkeypatch.setenv("PYTHONPATH", ROOT)
@@ -149,6 +151,7 @@ def _run_example(name: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, failing, passing, holder", [
     ("test_load_weights_ownership.py", "test_retaining_load_weights_is_caught",
      ["test_owning_load_weights_passes", "test_a_property_of_your_own"], "local 'parts' of _load()"),

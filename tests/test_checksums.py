@@ -133,6 +133,7 @@ def test_quarantine_grows_the_ring_rather_than_reuse_quarantined_bytes():
     assert all(float(v[0]) == i for i, v in enumerate(views))  # never overwritten: values intact
 
 
+@pytest.mark.slow
 def test_numba_is_imported_only_when_a_check_runs():
     code = (
         "import sys, torch, sanitizer\n"

@@ -57,6 +57,7 @@ def retaining_run(tmp_path_factory):
     return tmp, out
 
 
+@pytest.mark.slow
 def test_run_fails_on_a_retaining_consumer_and_names_it(retaining_run):
     tmp, out = retaining_run
     assert out.returncode == 1, out.stderr
@@ -79,6 +80,7 @@ def test_triage_prints_the_table_sorted_by_bytes(retaining_run, capsys):
     assert "lent at" in text and "reused at" in text and "errors (first of each kind):" in text
 
 
+@pytest.mark.slow
 def test_run_passes_a_correct_consumer(tmp_path):
     (tmp_path / "consumer.py").write_text(SCRIPT)
     out = _ownsan("run", "-q", "-o", "safetensors_ring=8192", "-o", "safetensors_strict=1", "--report", "rep.json", "--",
@@ -88,6 +90,7 @@ def test_run_passes_a_correct_consumer(tmp_path):
     assert out.stderr.strip().splitlines()[-1] == "ownership-sanitizer: 0 errors; no retentions"
 
 
+@pytest.mark.slow
 def test_run_passes_the_program_exit_status_through(tmp_path):
     out = _ownsan("run", "--report", "rep.json", "--", sys.executable, "-c", "import torch, sys; sys.exit(7)",
                   cwd=str(tmp_path))
@@ -109,6 +112,7 @@ def test_argument_errors_print_usage_and_exit_2(argv, message, capsys):
     assert "usage: ownsan" in err and message in err
 
 
+@pytest.mark.slow
 def test_option_report_is_taken_as_the_report_path(tmp_path):
     """``-o report=PATH`` means ``--report PATH`` (it used to be refused)."""
     out = _ownsan("run", "-q", "-o", "report=via-option.json", "--", sys.executable, "-c", "import torch",
@@ -223,6 +227,7 @@ def test_help_and_version_import_no_torch(tmp_path):
         assert _loaded_after(code, tmp_path) == [], argv
 
 
+@pytest.mark.slow
 def test_the_pytest_plugin_imports_no_torch_until_a_test_asks(tmp_path):
     assert _loaded_after("import sys\nimport sanitizer.tools.pytest_plugin", tmp_path) == []
     # A whole pytest session of an unrelated project, with the plugin loaded: still no torch.
@@ -256,6 +261,7 @@ def test_fuzz_without_its_extra_says_what_to_install(tmp_path):
     assert "needs safetensors" in out.stderr and "pip install 'ownership-sanitizer[fuzz]'" in out.stderr
 
 
+@pytest.mark.slow
 def test_demo_without_its_extra_runs_the_core_scenario_or_says_what_to_install(tmp_path):
     out = _without_safetensors(["demo"], tmp_path)
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
@@ -350,6 +356,7 @@ def _screen(raw: str) -> list:
     return lines + ["".join(cur)]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
 def test_the_progress_line_never_covers_the_programs_output(tmp_path):
     """On a terminal: the program writes a line, goes quiet (the progress line shows), writes again, and

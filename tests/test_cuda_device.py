@@ -225,6 +225,7 @@ def test_checks_queued_on_a_slow_side_stream_are_read_by_synchronize_and_survive
 
 
 # -- guard, rescue, own() with the staging buffer freed on another stream -------------------------------------
+@pytest.mark.slow
 def test_retained_stale_cuda_views_share_one_poison_block_and_read_poison(gpu):
     n = 16 * MIB
     buf = StagingBuffer(n, device="cuda", name="layer")
@@ -267,6 +268,7 @@ def _freed_under_a_slow_stream(gpu, action, n: int = 64 * MIB):
     return result, src, junk
 
 
+@pytest.mark.slow
 def test_rescue_on_a_slow_stream_copies_the_bytes_even_when_the_buffer_is_freed_meanwhile(gpu):
     with sanitizer.sanitize(rescue=1, guard=0):
         def retire(buf, w):
@@ -279,6 +281,7 @@ def test_rescue_on_a_slow_stream_copies_the_bytes_even_when_the_buffer_is_freed_
         assert not sanitizer.is_borrowed(w)
 
 
+@pytest.mark.slow
 def test_own_on_a_slow_stream_copies_the_bytes_even_when_the_buffer_is_freed_meanwhile(gpu):
     with sanitizer.sanitize():
         def own(buf, w):
@@ -289,6 +292,7 @@ def test_own_on_a_slow_stream_copies_the_bytes_even_when_the_buffer_is_freed_mea
         assert (_host(junk) == 0x55).all() and gpu.hazards() == []
 
 
+@pytest.mark.slow
 def test_poison_and_verify_on_a_slow_stream_never_touch_memory_reused_meanwhile(gpu):
     with sanitizer.sanitize(checksum=1, poison=1, guard=0, halt_on_error=0):
         def retire(buf, w):

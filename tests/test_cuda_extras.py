@@ -31,6 +31,7 @@ def test_the_messages_recommending_an_extra_name_existing_ones():
         assert named and named <= extras, (source, named - extras)
 
 
+@pytest.mark.slow
 def test_the_device_check_scripts_parse_and_never_pass_without_a_gpu():
     import shutil
     import subprocess

@@ -64,6 +64,7 @@ def report() -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_device_hashes_of_cuda_leases_equal_the_cpu_hash_of_the_same_bytes(report: dict) -> None:
     assert len(report["lends"]) == 7
     for lend in report["lends"]:

@@ -16,6 +16,7 @@ SMALL = ["--hidden", "64", "--intermediate", "128", "--moe-intermediate", "64", 
          "--experts", "2", "--repeat", "1"]
 
 
+@pytest.mark.slow
 def test_demo_end_to_end(tmp_path, capsys):
     out = tmp_path / "results.json"
     rc = demo.main(SMALL + ["--json", str(out), "--dir", str(tmp_path)])
@@ -64,6 +65,7 @@ def test_the_demo_says_what_it_simulates_what_corrupted_means_and_the_fix(tmp_pa
     assert "the unsafe load once more" not in printed  # --html '' --report '': no report run
 
 
+@pytest.mark.slow
 def test_the_debug_report_shows_the_consumer_and_says_whose_frames_are_whose(tmp_path):
     from sanitizer.testing.reference.checkpoint import write_checkpoint
     from sanitizer.testing.reference.fused_loaders import TinyConfig
@@ -134,6 +136,7 @@ def test_verdict_flags_a_corrupting_safe_strategy_and_a_missed_corruption():
     assert len(demo.format_table([ok, bad]).splitlines()) == 4
 
 
+@pytest.mark.slow
 def test_example_wrapper_and_bad_arguments():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "layerwise_reload.py"), "--help"],
                           capture_output=True, text=True, timeout=120)

@@ -165,6 +165,7 @@ def test_halt_on_error_0_records_and_continues_with_the_report():
     assert "w" in [lease["name"] for lease in rep["retained_stale_leases"]]
 
 
+@pytest.mark.slow
 def test_report_file_written_at_exit(tmp_path):
     path = tmp_path / "report-{pid}.json"
     code = (
@@ -251,6 +252,7 @@ def test_disable_removes_the_mode_and_the_thread_hook():
     w.tolist()
 
 
+@pytest.mark.slow
 def test_off_means_off_no_numba_no_mode_no_hook():
     code = (
         "import sys, threading, torch\n"

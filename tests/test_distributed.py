@@ -50,6 +50,7 @@ WORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_each_rank_reports_its_own_errors_and_no_rank_hangs(tmp_path):
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)

@@ -16,6 +16,7 @@ def _samples():
     return module
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["several_holders", "deferred_loader"])
 def test_the_docs_sample_is_what_a_real_run_prints(name):
     if name == "several_holders":

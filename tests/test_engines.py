@@ -307,7 +307,7 @@ def loader_folder(loader: str, version: str) -> str:
     folder = os.path.join(LOADERS_DIR, f"{DISTRIBUTIONS[loader]}-{version}")
     if not os.path.isfile(os.path.join(folder, ".complete")):
         pytest.skip(f"{DISTRIBUTIONS[loader]} {version} is not installed in {folder}: "
-                    f"run `bash .ci/loader_matrix.sh` (what .ci/run does)")
+                    f"run `./dev test --full` (or `bash .ci/loader_matrix.sh`), as .ci/run does")
     return folder
 
 

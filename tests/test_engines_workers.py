@@ -80,6 +80,7 @@ def _assert_every_rank_named(rep, ranks=(0, 1)):
     assert {label.split(" (")[0] for label in labels} >= {f"rank {r}" for r in ranks}
 
 
+@pytest.mark.slow
 def test_spawned_workers_under_ownsan_run_are_each_named(tmp_path):
     proc, rep = _ownsan_run(tmp_path, sys.executable, "worker.py", "spawn", str(tmp_path))
     assert "exit codes [0, 0]" in proc.stdout, proc.stderr[-3000:]
@@ -88,6 +89,7 @@ def test_spawned_workers_under_ownsan_run_are_each_named(tmp_path):
     _assert_every_rank_named(rep)
 
 
+@pytest.mark.slow
 def test_torchrun_ranks_under_ownsan_run_are_each_named(tmp_path):
     proc, rep = _ownsan_run(tmp_path, sys.executable, "-m", "torch.distributed.run", "--standalone",
                             "--nproc-per-node", "2", "worker.py", "torchrun", str(tmp_path))

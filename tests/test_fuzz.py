@@ -24,6 +24,7 @@ pytestmark = pytest.mark.fuzz
 EXAMPLES = int(os.environ.get("OWNSAN_FUZZ_EXAMPLES", "200"))  # about 10 ms a case (gc frozen per case)
 
 
+@pytest.mark.slow
 @settings(max_examples=EXAMPLES, derandomize=True, deadline=None, print_blob=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(case=fuzz.case_strategy())
@@ -94,6 +95,7 @@ def test_cli_prints_counts_and_replays(capsys):
     assert fuzz.Case.from_json(case.to_json()) == case
 
 
+@pytest.mark.slow
 def test_campaign_runs_over_processes_with_the_same_cases():
     one = fuzz.campaign(2, seed=5, jobs=1)
     two = fuzz.campaign(2, seed=5, jobs=2)

@@ -8,6 +8,7 @@ buffer whose leases cover the same bytes, each must be credited to its own lease
 """
 from __future__ import annotations
 
+import pytest
 import gc
 
 import numpy as np
@@ -35,6 +36,7 @@ def _consumer(buf: StagingBuffer) -> None:
         del w
 
 
+@pytest.mark.slow
 def test_each_hidden_holder_is_named_for_its_own_lease():
     buf = StagingBuffer(1024, name="ring")
     try:

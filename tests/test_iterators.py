@@ -241,6 +241,7 @@ def checkpoint(n=6, numel=64):
     return {f"layers.{i}.w": torch.full((numel,), float(i + 1)) for i in range(n)}
 
 
+@pytest.mark.slow
 def test_emulation_gives_real_borrowed_views_and_real_reuse():
     ckpt = checkpoint()
     ring = 2 * 64 * 4  # two tensors

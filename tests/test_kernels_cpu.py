@@ -153,6 +153,7 @@ def test_cache_key_tracks_the_hash_definition() -> None:
         assert hashdef.definition_digest() in cells
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_forked_child_hashes_after_the_parent_used_the_parallel_kernel() -> None:
     """numba's OpenMP pool aborts a forked child that uses it; the child must fall back."""
@@ -173,6 +174,7 @@ def test_forked_child_hashes_after_the_parent_used_the_parallel_kernel() -> None
     assert proc.stdout.strip() == "0", proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_first_hash_keeps_the_programs_torch_thread_count() -> None:
     """Starting numba's OpenMP pool used to reset torch.set_num_threads(1) to numba's thread count."""
     code = (

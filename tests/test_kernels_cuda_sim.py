@@ -98,6 +98,7 @@ def report() -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_simulated_hash_is_bit_identical_to_cpu(report: dict) -> None:
     assert len(report["hash"]) == 72
     for case in report["hash"]:

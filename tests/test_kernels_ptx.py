@@ -71,6 +71,7 @@ def ptx() -> dict[str, str]:
     return ptx
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cc", CCS, ids=lambda cc: f"sm_{cc[0]}{cc[1]}")
 @pytest.mark.parametrize("name", ["checksum", "verify", "poison"])
 def test_kernel_compiles_to_ptx(ptx: dict[str, str], name: str, cc: tuple[int, int]) -> None:

@@ -114,6 +114,7 @@ def _requests(draw):
     return out
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(_requests())
 def test_placed_labels_never_overlap_and_never_leave_their_bounds(requests):

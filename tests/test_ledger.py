@@ -326,6 +326,7 @@ def test_core_and_the_package_face_import_without_torch():
     assert proc.stdout.split() == ["ok"]
 
 
+@pytest.mark.slow
 def test_importing_the_package_loads_no_torch_until_a_torch_name_is_used():
     code = ("import sys, sanitizer\n"
             "print('torch' in sys.modules, 'numba' in sys.modules, 'sanitizer.torch_layer' in sys.modules)\n"
@@ -337,6 +338,7 @@ def test_importing_the_package_loads_no_torch_until_a_torch_name_is_used():
     assert proc.stdout.split() == ["False", "False", "False", "True", "False", "True", "False"]
 
 
+@pytest.mark.slow
 def test_importing_installs_no_feature_and_enable_composes_them_once():
     """Composition happens in one explicit place (sanitizer.activation.compose), called by enable: importing
     any module, the torch layer and the features included, installs no hook."""
@@ -377,6 +379,7 @@ def _shares_a_byte(a0, a1, b0, b1):
     return a0 < b1 and b0 < a1 and a0 < a1 and b0 < b1
 
 
+@pytest.mark.slow
 @_PROPERTY
 @given(st.data(), st.sampled_from([1, 2, 3, 512]))
 def test_interval_index_matches_brute_force(data, block):
@@ -497,6 +500,7 @@ class _LedgerModel:
         return not r["forgotten"] and (not r["closed"] or r["orphaned"])
 
 
+@pytest.mark.slow
 @_PROPERTY
 @given(st.data(), st.sampled_from([1, 3, 512]))
 def test_ledger_matches_a_brute_force_model(data, block):

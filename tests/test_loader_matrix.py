@@ -69,6 +69,7 @@ def test_the_install_script_and_the_contract_tables_list_the_same_versions():
     assert all(runai_adapter.CONTRACTS.knows(v) for v in runai_adapter.CONTRACTS.matrix)
 
 
+@pytest.mark.slow
 def test_a_version_outside_the_known_range_warns_once_naming_it_and_what_is_assumed(tmp_path):
     """A runai-model-streamer 0.99.0 (a stand-in with its own dist-info): one line, and still patched."""
     pkg = tmp_path / "runai_model_streamer" / "safetensors_streamer"

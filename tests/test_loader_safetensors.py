@@ -46,6 +46,7 @@ def emulation():
 KEPT = {}
 
 
+@pytest.mark.slow
 def test_slices_and_get_tensors_are_ring_views_and_kept_ones_are_reported_not_errors(ckpt, emulation):
     path, tensors = ckpt
     safe_open = emulation()

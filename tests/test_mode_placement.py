@@ -66,6 +66,7 @@ def test_a_thread_started_before_enable_that_lends_removes_its_mode_at_its_end()
     assert _ours_alive() == before
 
 
+@pytest.mark.slow
 def test_no_mode_of_ours_on_the_main_stack_at_interpreter_exit():
     code = (
         "import atexit, torch\n"

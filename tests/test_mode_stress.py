@@ -56,6 +56,7 @@ def test_run_lookup_race_rejects_a_bad_variant_naming_it():
 
 
 # -- the lock itself -------------------------------------------------------------------------
+@pytest.mark.slow
 def test_the_lock_is_installed_with_the_first_mode_and_not_before():
     code = r"""
 import threading, torch, sanitizer
@@ -120,6 +121,7 @@ def test_lookups_behave_as_before_behind_the_lock():
     assert original.__module__ == "torch._ops" and not hasattr(original, "__wrapped__")
 
 
+@pytest.mark.slow
 def test_a_child_forked_while_a_thread_held_the_lock_can_still_look_ops_up():
     code = r"""
 import os, signal, threading, torch

@@ -65,6 +65,7 @@ def test_bad_switch_value_fails_import_with_a_clear_error():
     assert "OWNERSHIP_SANITIZE='please'" in proc.stderr
 
 
+@pytest.mark.slow
 def test_environment_enables_with_options_at_import():
     proc = run_python(
         "import sanitizer; print(sanitizer.enabled(), sanitizer.options()['halt_on_error'], "

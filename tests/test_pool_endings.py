@@ -75,6 +75,7 @@ _SIGTERM_MID_WRITE = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_a_sigterm_that_lands_while_the_report_is_written_loses_no_finding_and_kills_at_once(tmp_path):
     """A worker that got its sentinel is writing its report (os._exit) when terminate()'s SIGTERM lands. A
     Python handler for SIGTERM first doubled the write and lost it after 10 s, then hung a worker whose
@@ -103,6 +104,7 @@ def test_a_sigterm_that_lands_while_the_report_is_written_loses_no_finding_and_k
     assert "1 error" in rep["summary"]["line"]
 
 
+@pytest.mark.slow
 def test_a_journal_goes_once_the_report_is_written_and_a_cut_line_is_skipped(tmp_path):
     import os
 
@@ -141,6 +143,7 @@ def test_the_soak_reports_every_stale_read_of_threads_a_fork_a_terminated_pool_a
     assert all(r["whole"] == 1 for r in result.values()), result
 
 
+@pytest.mark.slow
 def test_no_journal_beside_a_device_or_a_descriptors_link_and_a_stale_journal_is_replaced(tmp_path):
     import os
 

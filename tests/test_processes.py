@@ -17,6 +17,7 @@ from conftest import ROOT, run_python
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 
 
+@pytest.mark.slow
 def test_a_child_forked_while_another_thread_holds_the_sanitizers_locks_lends_and_exits():
     """The parent's helper thread holds every lock a lend, a reuse, a stale use and a report take; the
     child (which lacks that thread) must still lend, reuse, catch a stale read and write its report."""
@@ -69,6 +70,7 @@ _FORK_WORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_the_findings_of_a_multiprocessing_fork_worker_reach_ownsan_run(tmp_path):
     script = tmp_path / "fork_worker.py"
     script.write_text(_FORK_WORKER)
@@ -87,6 +89,7 @@ def test_the_findings_of_a_multiprocessing_fork_worker_reach_ownsan_run(tmp_path
     assert any(e["lease"]["name"] == "layers.0.w" for e in rep["errors"])
 
 
+@pytest.mark.slow
 def test_a_forked_child_reports_only_its_own_findings_and_never_over_its_parents_file(tmp_path):
     target = tmp_path / "r.json"
     code = textwrap.dedent(f"""
@@ -110,6 +113,7 @@ def test_a_forked_child_reports_only_its_own_findings_and_never_over_its_parents
     assert parent_rep["error_count"] == 1 and child_rep["error_count"] == 0  # not inherited, not overwritten
 
 
+@pytest.mark.slow
 def test_a_lease_made_stale_by_a_concurrent_reuse_is_never_missed():
     """Lenders and reusers race on one shared buffer: every read of a lease after its reuse is caught."""
     buf = sanitizer.StagingBuffer(1 << 16, name="shared")
@@ -144,6 +148,7 @@ def test_a_lease_made_stale_by_a_concurrent_reuse_is_never_missed():
     assert not misses, f"{len(misses)} stale reads of {reads[0]} missed"
 
 
+@pytest.mark.slow
 def test_eight_threads_each_putting_into_their_own_ring_under_triage():
     """triage's lend log and pending decisions are shared by every lending thread: no 'deque mutated'."""
     failures = []

@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 pytest_plugins = ["pytester"]
@@ -53,6 +55,7 @@ def _run(pytester, mark: str, *args: str):
                                          "--ownership-report-dir", str(pytester.path / "reports"), *args)
 
 
+@pytest.mark.slow
 def test_flag_fails_the_retaining_consumer_and_passes_the_correct_one(pytester):
     result = _run(pytester, "# (no marker)", "--ownership-sanitize")
     result.assert_outcomes(passed=2, failed=1)
@@ -69,6 +72,7 @@ def test_flag_fails_the_retaining_consumer_and_passes_the_correct_one(pytester):
     assert triage.returncode == 0 and "test_suite.KEPT[*]" in triage.stdout
 
 
+@pytest.mark.slow
 def test_marker_alone_sanitizes_marked_tests_and_nothing_else(pytester):
     result = _run(pytester, "@pytest.mark.ownership_sanitize(stack_depth=4)")
     result.assert_outcomes(passed=2, failed=1)
@@ -85,6 +89,7 @@ def test_marker_alone_sanitizes_marked_tests_and_nothing_else(pytester):
                                  "@pytest.mark.ownership_sanitize or run pytest --ownership-sanitize*"])
 
 
+@pytest.mark.slow
 def test_bad_marker_option_is_a_usage_error(pytester):
     result = _run(pytester, "@pytest.mark.ownership_sanitize(bogus=1)", "-k", "correct")
     result.assert_outcomes(errors=1)
@@ -94,6 +99,7 @@ def test_bad_marker_option_is_a_usage_error(pytester):
     result.stderr.fnmatch_lines(["*--ownership-sanitize-options: unknown option 'bogus'*"])
 
 
+@pytest.mark.slow
 def test_loading_the_plugin_enables_nothing_and_imports_no_numba():
     from conftest import run_python
 
@@ -136,6 +142,7 @@ def test_halting_error_traceback(staging_ring):
 '''
 
 
+@pytest.mark.slow
 def test_every_failing_sanitized_test_gets_a_section_without_internal_frames(pytester):
     pytester.makepyfile(test_failing=FAILING)
     pytester._monkeypatch.setenv("PYTHONPATH", ROOT)

@@ -143,6 +143,7 @@ def test_load_refuses_what_is_not_a_report(tmp_path):
         R.load(str(tmp_path / "missing.json"))
 
 
+@pytest.mark.slow
 def test_report_at_exit_expands_pid_and_holds_the_retention(tmp_path):
     code = """
 import torch, sanitizer
@@ -278,6 +279,7 @@ def _root_schemas():
     return st.one_of(body, with_ref)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_the_validator_agrees_with_jsonschema_on_generated_cases(data):

@@ -118,6 +118,7 @@ def test_a_lease_lent_before_enable_is_rescued_and_guarded_when_retired_after():
     assert torch.isnan(torch.from_numpy(guarded.numpy())).all()  # tombstoned: poison, never the next tensor's -7.0
 
 
+@pytest.mark.slow
 def test_off_means_no_rescue_hook():
     code = ("import sanitizer, sanitizer.torch_layer.hooks as h, sanitizer.features.rescue as s\n"
             "print(any(f is s._on_retire for _, f in h.HOOKS.retire))\n"
@@ -130,6 +131,7 @@ def test_off_means_no_rescue_hook():
     assert proc.stdout.split() == ["False", "False", "True"]
 
 
+@pytest.mark.slow
 def test_rescue_from_the_environment():
     code = ("import torch, sanitizer\n"
             "buf = sanitizer.StagingBuffer(4096)\n"

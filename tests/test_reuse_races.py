@@ -17,6 +17,7 @@ from sanitizer import StagingBuffer
 from sanitizer.core.retires_in_flight import RetiresInFlight
 
 
+@pytest.mark.slow
 def test_every_read_after_this_threads_own_reuse_raises_with_eight_threads_on_one_buffer():
     """The ledger hands a lease to whichever overlapping reuse asks first; the other thread's reuse used
     to return while the first was still marking the lease stale, and its read went unchecked (about 2%
@@ -121,6 +122,7 @@ def test_a_wrapper_subclass_without_tensor_flatten_over_a_stale_lease_raises():
             x.sum()  # it read the tombstone's NaN before
 
 
+@pytest.mark.slow
 def test_a_reuse_from_a_finalizer_inside_our_own_work_never_stalls_on_another_threads_retire():
     """A finalizer that reuses the same bytes can fire during a triage walk (which holds triage's lock) while
     another thread's retire waits for that lock in its hooks: waiting for it there stalled each reuse until

@@ -92,6 +92,7 @@ def test_a_report_to_a_device_node_never_replaces_it(tmp_path):
     assert os.listdir(tmp_path) == ["null"]
 
 
+@pytest.mark.slow
 def test_report_to_dev_stdout_prints_it_after_what_was_printed_before():
     proc = run_python("from sanitizer.reporting import report\nprint('before')\nreport.write_report('/dev/stdout')")
     assert proc.returncode == 0, proc.stderr
@@ -146,6 +147,7 @@ def test_triage_html_escapes_non_utf8_names_in_the_page(tmp_path, capsys):
     assert "\udcff" not in page
 
 
+@pytest.mark.slow
 def test_triage_prints_non_utf8_names_on_a_strict_stdout(tmp_path):
     src = _report_with_non_utf8_names(tmp_path)
     env = dict(os.environ, PYTHONIOENCODING="utf-8:strict")
@@ -243,6 +245,7 @@ def test_every_numeric_option_has_bounds_and_enable_takes_its_upper_bound():
         assert not sanitizer.enabled()
 
 
+@pytest.mark.slow
 def test_the_zero_code_hook_names_an_option_beyond_its_bound():
     proc = run_python("import torch\nprint('ran')", {"OWNERSHIP_SANITIZE": "1",
                                                      "OWNERSHIP_SANITIZE_OPTIONS": f"timeline_events={2**70}"})

@@ -63,6 +63,7 @@ def test_reuse_overlapping_and_leases_of_cost_the_same_at_100k_leases_as_at_1k()
     assert _best(lambda: big.leases_of(other.region_id)) < 3 * _best(lambda: small.leases_of(rs.region_id)) + 5e-6
 
 
+@pytest.mark.slow
 def test_one_reuse_retiring_k_fresh_leases_is_linear_in_k():
     per_lease = {}
     for k in (1_000, 30_000):  # quadratic would be 30x per lease
@@ -139,6 +140,7 @@ print(before, during, mapped, storage_handles.POISON.fallbacks, nan, storage_han
 """
 
 
+@pytest.mark.slow
 @MAPPING
 def test_2000_retained_stale_views_hold_no_file_descriptor_under_ulimit_256():
     proc = run_python(_RETAIN_UNDER_A_LOW_FD_LIMIT, timeout=300)
@@ -163,6 +165,7 @@ def _mapped_at(address: int) -> bool:
         return any(line.startswith(f"{address:x}-") for line in f)
 
 
+@pytest.mark.slow
 @MAPPING
 def test_a_tombstone_is_unmapped_and_its_lease_released_when_its_last_view_dies():
     live0 = storage_handles.POISON.live
@@ -183,6 +186,7 @@ def test_a_tombstone_is_unmapped_and_its_lease_released_when_its_last_view_dies(
     assert storage_handles.POISON.live == live0 and runtime.state.ledger.live_count == 0 and buf.leases() == []
 
 
+@pytest.mark.slow
 @MAPPING
 def test_repoint_returns_a_piece_that_dies_with_the_storage():
     storage = torch.arange(64, dtype=torch.uint8).untyped_storage()

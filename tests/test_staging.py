@@ -176,6 +176,7 @@ def test_use_after_close_is_an_error_not_a_segfault():
             w.sum()
 
 
+@pytest.mark.slow
 def test_lease_dies_with_its_last_view_and_garbage_collected_buffers_close():
     buf = StagingBuffer(1024)
     w = buf.lend(0, (4,), torch.float32, name="w")
@@ -238,6 +239,7 @@ def test_a_write_of_a_stale_source_changes_nothing_before_it_reports(halt):
             assert sanitizer.errors()[0]["op"] == "StagingBuffer.write"  # (then the copy's own read of it)
 
 
+@pytest.mark.slow
 def test_a_buffer_still_takes_puts_in_the_users_own_atexit_handlers(tmp_path):
     from conftest import run_python
 
@@ -251,6 +253,7 @@ def test_a_buffer_still_takes_puts_in_the_users_own_atexit_handlers(tmp_path):
         assert out.returncode == 0 and "late put 4.0" in out.stdout, out.stderr
 
 
+@pytest.mark.slow
 def test_two_buffers_adopted_over_the_same_memory_see_each_others_reuses():
     memory = torch.zeros(1024, dtype=torch.uint8)
     first = StagingBuffer.adopt(memory, name="first")

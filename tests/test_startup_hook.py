@@ -42,6 +42,7 @@ def test_unset_imports_nothing(site_dir):
     assert out.stdout.strip() == "[]"  # not even importlib.util: the line is one environ lookup
 
 
+@pytest.mark.slow
 def test_set_enables_a_program_that_never_imports_sanitizer(site_dir):
     code = ("assert 'torch' not in sys.modules and 'sanitizer' not in sys.modules\n"
             "import torch\n"
@@ -58,11 +59,13 @@ def test_set_without_torch_costs_only_the_finder(site_dir):
     assert out.stdout.split() == ["False", "False"], out.stderr
 
 
+@pytest.mark.slow
 def test_zero_sets_nothing(site_dir):
     out = _python("import torch\nprint('sanitizer' in sys.modules)", site_dir, {"OWNERSHIP_SANITIZE": "0"})
     assert out.stdout.split() == ["False"] and out.stderr == ""
 
 
+@pytest.mark.slow
 def test_a_bad_switch_value_stops_a_torch_program_once_and_leaves_others_alone(site_dir):
     out = _python(f"site.addsitedir({site_dir!r})  # processed twice, as a venv's lib64 link does\nprint('ran')",
                   site_dir, {"OWNERSHIP_SANITIZE": "maybe"})
@@ -73,6 +76,7 @@ def test_a_bad_switch_value_stops_a_torch_program_once_and_leaves_others_alone(s
     assert out.stderr.count("OWNERSHIP_SANITIZE='maybe' is not understood") == 1, out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options,named", [
     ("stack_dept=4", "unknown option 'stack_dept' (did you mean 'stack_depth'?)"),
     ("halt_on_eror=0:checksum=1", "unknown option 'halt_on_eror' (did you mean 'halt_on_error'?)"),
@@ -88,6 +92,7 @@ def test_a_bad_option_stops_the_program_naming_it(site_dir, options, named):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_a_bad_option_stops_the_program_from_a_thread_too(site_dir):
     code = ("import threading\n"
             "t = threading.Thread(target=lambda: __import__('torch'))\n"
@@ -98,6 +103,7 @@ def test_a_bad_option_stops_the_program_from_a_thread_too(site_dir):
     assert "did you mean 'stack_depth'?" in out.stderr
 
 
+@pytest.mark.slow
 def test_a_loader_package_import_with_a_bad_option_stops_too(site_dir):
     out = _python("import safetensors\nprint('ran unsanitized')", site_dir,
                   {"OWNERSHIP_SANITIZE": "1", "OWNERSHIP_SANITIZE_OPTIONS": "rescue=perhaps"})
@@ -105,6 +111,7 @@ def test_a_loader_package_import_with_a_bad_option_stops_too(site_dir):
     assert "option 'rescue': bad value 'perhaps'" in out.stderr
 
 
+@pytest.mark.slow
 def test_a_loader_package_import_activates_before_the_loader_runs(site_dir):
     """safetensors imported first: the adapters' finder must still see that very import."""
     code = ("import safetensors\n"
@@ -121,6 +128,7 @@ def test_loader_packages_cover_the_adapters_targets():
     assert {name.split(".")[0] for name in TARGETS} <= startup.LOADER_PACKAGES
 
 
+@pytest.mark.slow
 def test_wheel_and_editable_wheel_put_the_pth_at_the_top(tmp_path):
     """setup.py's build steps: `pip install .` and `pip install -e .` both install the hook."""
     import setuptools
@@ -159,6 +167,7 @@ def test_wheel_and_editable_wheel_put_the_pth_at_the_top(tmp_path):
     assert "ownsan = sanitizer.tools.cli:main" in text and "ownership_sanitizer = sanitizer.tools.pytest_plugin" in text
 
 
+@pytest.mark.slow
 def test_a_bad_option_when_torch_is_imported_during_start_up_exits_cleanly(tmp_path):
     """Another .pth imported torch before ours ran: the refusal happens inside site, and must still be a plain
     exit status 2 with our message, not a 'Fatal Python error' from the interpreter's start-up."""

@@ -277,6 +277,7 @@ def _collisions(panels: dict) -> list:
     return bad
 
 
+@pytest.mark.slow
 def test_by_construction_no_two_labels_overlap_and_none_leaves_its_panel(tmp_path, demo_report):
     _, page, _ = _page(tmp_path)
     for rep in (_scenario(), _dense_report(), _dense_report(3000, 5), demo_report):
@@ -371,6 +372,7 @@ def _png_pixels(data: bytes):
     return out.reshape(h, w, bpp)[:, :, :3]
 
 
+@pytest.mark.slow
 def test_headless_chromium_shows_the_buffers_and_the_red_retained_leases(tmp_path):
     browser = _chromium()
     if browser is None:
@@ -434,6 +436,7 @@ def _measure_in_chromium(browser: str, tmp_path, page: str, width: int, height: 
     return json.loads(html.unescape(found.group(1)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["scenario", "demo", "dense"])
 def test_in_chromium_no_two_labels_overlap_none_is_clipped_and_the_chart_uses_the_window(tmp_path, which,
                                                                                       demo_report):

@@ -49,6 +49,7 @@ def test_without_trap_an_alias_reads_the_next_tensor_the_bug_trap_closes():
     assert arr.tolist() == NEXT.tolist()  # the guard re-pointed w, but not the numpy alias
 
 
+@pytest.mark.slow
 def test_every_alias_reads_poison_after_reuse_and_torch_aliases_raise():
     sanitizer.enable(trap="poison")
     buf = StagingBuffer(64, name="trapbuf")
@@ -118,6 +119,7 @@ def test_a_correct_program_is_bit_identical_with_trap_on(quarantine):
     assert sanitizer.errors() == []
 
 
+@pytest.mark.slow
 def test_windows_are_unmapped_when_the_lease_dies():
     from sanitizer.torch_layer import trap
 
@@ -211,6 +213,7 @@ FAULT_PROGRAM = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,read", [
     ("w.numpy()", "float(kept[0])"),
     ("memoryview(w.numpy())", "bytes(kept)"),
@@ -227,6 +230,7 @@ def test_fault_mode_reports_the_lease_and_exits_non_zero(kind, read):
     assert "in consumer" in err  # the Python stack at the fault
 
 
+@pytest.mark.slow
 def test_fault_mode_leaves_other_segfaults_to_the_previous_handler():
     proc = run_python("import faulthandler, ctypes, sanitizer\nfrom sanitizer import StagingBuffer\n"
                       "import torch\nsanitizer.enable(trap='fault')\nb = StagingBuffer(64)\n"

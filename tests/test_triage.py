@@ -401,6 +401,7 @@ print("ok")
 '''
 
 
+@pytest.mark.slow
 def test_the_release_and_reuse_hooks_are_installed_by_enable_and_not_before(tmp_path):
     import os
     import subprocess
@@ -502,6 +503,7 @@ print("done")
 '''
 
 
+@pytest.mark.slow
 def test_ownsan_run_fails_on_retentions_alone_unless_told_not_to(tmp_path):
     import subprocess
     import sys

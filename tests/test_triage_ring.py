@@ -44,6 +44,7 @@ class _Holder:
         self.kept = []
 
 
+@pytest.mark.slow
 def test_every_view_of_a_one_tensor_ring_is_credited_to_the_holder_it_was_put_in():
     """Round robin over a list, a dict by name and an object attribute: 90 views, each named exactly where it
     is (the old site statistics credited all of them to whichever holder was seen first)."""
@@ -112,6 +113,7 @@ def _run_example(tmp_path, *options):
     return out, json.loads(report.read_text())
 
 
+@pytest.mark.slow
 def test_a_load_weights_that_sends_views_to_five_places_reports_five_consumers_with_their_own_leases(tmp_path):
     pytest.importorskip("safetensors", reason="the example loads through safetensors (pip install safetensors)")
     out, rep = _run_example(tmp_path, "safetensors_ring=16384", "safetensors_strict=1")
@@ -138,6 +140,7 @@ def test_a_load_weights_that_sends_views_to_five_places_reports_five_consumers_w
     assert {f["line"] for f in doc["findings"]} == {_line(EXAMPLE, "# " + m) for m in expect}
 
 
+@pytest.mark.slow
 def test_emulated_retentions_are_listed_marked_as_such(tmp_path):
     pytest.importorskip("safetensors", reason="the example loads through safetensors (pip install safetensors)")
     out, rep = _run_example(tmp_path, "safetensors_ring=16384")
@@ -264,6 +267,7 @@ def _adapters_on():
         _KEPT_G.clear()
 
 
+@pytest.mark.slow
 def test_fastsafetensors_views_sent_to_five_places_are_each_credited_to_their_own(tmp_path):
     fst = pytest.importorskip("fastsafetensors", reason="fastsafetensors is not installed (pip install "
                                                         "'ownership-sanitizer[fastsafetensors]')")
@@ -278,6 +282,7 @@ def test_fastsafetensors_views_sent_to_five_places_are_each_credited_to_their_ow
     del kept
 
 
+@pytest.mark.slow
 def test_runai_views_sent_to_five_places_are_each_credited_to_their_own(tmp_path, monkeypatch):
     runai = pytest.importorskip("runai_model_streamer", reason="runai-model-streamer is not installed (pip "
                                                               "install 'ownership-sanitizer[runai]')")
