@@ -221,10 +221,7 @@ def copy_into(dst: torch.Tensor, host: Optional[np.ndarray], offset: int, source
                 _copy(dst, offset, nbytes, source)
             return
     if isinstance(source, torch.Tensor):
-        flat = source.detach().contiguous().reshape(-1)
-        if flat.dtype != torch.uint8:
-            flat = flat.view(torch.uint8)
-        dst[offset:offset + nbytes].copy_(flat)
+        _copy(dst, offset, nbytes, _flat_bytes(source, nbytes))
         return
     if isinstance(source, np.ndarray):
         source = memoryview(source).cast("B")
