@@ -295,3 +295,56 @@ def test_runai_views_sent_to_five_places_are_each_credited_to_their_own(tmp_path
             rep = sanitizer.report(final=True)
     _assert_each_view_credited_to_its_own_place(rep)
     del kept
+
+
+_MODULE_LEVEL = '''\
+import sys
+import torch
+from safetensors.torch import save_file, safe_open
+save_file({f"l{i}.{p}": torch.full((32,), float(i)) for i in range(3) for p in "qvog"}, "w.safetensors")
+class Helper:
+    def __init__(self): self.os = []
+H = Helper(); PARAMS = {}
+def load_weights():
+    d = {}; pairs = []
+    with safe_open("w.safetensors", "pt") as f:
+        for name in f.keys():
+            t = f.get_tensor(name)
+            if name.endswith(".q"):
+                d[name] = t
+            elif name.endswith(".v"):
+                pairs.append((name, t))
+            elif name.endswith(".o"):
+                H.os.append(t)
+            else:
+                PARAMS[name] = t
+    return d, pairs
+d, pairs = load_weights()
+print(sum(float(x.sum()) for x in d.values()))
+'''
+
+
+@pytest.mark.slow
+def test_module_level_holders_live_at_their_binding_and_a_reading_genexpr_is_no_consumer(tmp_path):
+    """Holders decided at exit (CPython has deleted ``__main__.__file__`` by then) still say where they
+    live, and the generator expression that reads ``d.values()`` stale (its ``x`` and its ``.0`` iterator
+    hold each view it reads) is the reader, not a consumer: no extra rows, no "more holding" count."""
+    pytest.importorskip("safetensors", reason="the script loads through safetensors (pip install safetensors)")
+    script = tmp_path / "load.py"
+    script.write_text(_MODULE_LEVEL)
+    report = tmp_path / "report.json"
+    out = subprocess.run([sys.executable, "-m", "sanitizer", "run", "--report", str(report), "-o",
+                          "safetensors_ring=16384", "-o", "safetensors_strict=1", "--", sys.executable, str(script)],
+                         capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    text = out.stdout + out.stderr
+    rep = json.loads(report.read_text())
+    groups = rep["summary"]["retaining_consumers"]
+    assert "12 retentions by 4 consumers (1.5 KiB);" in text, text
+    assert not any("genexpr" in g["consumer"] or g["kind"] == "generator" for g in groups), text
+    assert "more holding the same views" not in text and "holder lives at ?" not in text, text
+    lines = {name: i for i, row in enumerate(_MODULE_LEVEL.splitlines(), 1)
+             for name in ("class Helper", "H = Helper(); PARAMS", "d, pairs = load_weights()") if row.startswith(name)}
+    site = {g["consumer"]: g["site"] for g in groups}
+    assert site["Helper.os[*]"] == f"{script}:{lines['class Helper']}", site
+    assert site["__main__.PARAMS[*]"] == f"{script}:{lines['H = Helper(); PARAMS']}", site
+    assert site["__main__.d[*]"] == site["__main__.pairs[*][*]"] == f"{script}:{lines['d, pairs = load_weights()']}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import keyword
 import os
 import re
 import sys
@@ -63,26 +64,72 @@ def _site_of_class(cls: type) -> Optional[Dict[str, Any]]:
                 line += 1  # findsource points at the first decorator; people look for `class`
             site = {"file": inspect.getsourcefile(cls), "line": line + 1, "function": cls.__qualname__}
         except (OSError, TypeError, IndexError):
-            module = sys.modules.get(getattr(cls, "__module__", ""), None)
-            file = getattr(module, "__file__", None)
-            site = {"file": file, "line": None, "function": cls.__qualname__} if file else None
+            file = _file_of(sys.modules.get(getattr(cls, "__module__", ""), None), vars(cls))
+            site = {"file": file, "line": _class_line(file, cls.__name__), "function": cls.__qualname__} \
+                if file else None
         _CLASS_SITES[cls] = site
     return _CLASS_SITES[cls]
 
 
-def _module_site(module: types.ModuleType, name: str) -> Optional[Dict[str, Any]]:
-    """The module's file and the first top-level line that binds ``name`` (best effort)."""
+_MODULE_FILES: Dict[str, str] = {}  # module name -> its file, as first seen (``__main__`` loses it)
+
+
+def _file_of(module: Optional[types.ModuleType], names: Optional[Dict[str, Any]] = None) -> Optional[str]:
+    """The file ``module`` was run from. CPython deletes ``__main__.__file__`` when the script returns,
+    so a holder named at exit (the report's final settle) would live at "?": fall back to the file seen
+    before, then to the code of a function defined in it (or in ``names``, a class's own dict)."""
+    if module is None:
+        return None
+    name = getattr(module, "__name__", None)
     file = getattr(module, "__file__", None)
+    if file:
+        if isinstance(name, str):
+            _MODULE_FILES[name] = file
+        return file
+    if name in _MODULE_FILES:
+        return _MODULE_FILES[name]
+    for value in list((names if names is not None else vars(module)).values()):
+        fn = getattr(value, "__func__", value)
+        code = getattr(fn, "__code__", None)
+        if isinstance(code, types.CodeType) and getattr(fn, "__module__", None) == name:
+            return code.co_filename
+    return None
+
+
+def _class_line(file: str, name: str) -> Optional[int]:
+    """The line of ``class name`` in ``file`` (the first one at any indent), or None."""
+    import linecache
+
+    pattern = re.compile(rf"^\s*class\s+{re.escape(name)}\b")
+    for i, text in enumerate(linecache.getlines(file), 1):
+        if pattern.match(text):
+            return i
+    return None
+
+
+_BINDS = re.compile(r"^\(?\s*([\w\s,*]+?)\s*\)?\s*(?::[^=]*)?=(?!=)")
+
+
+def _module_site(module: types.ModuleType, name: str) -> Optional[Dict[str, Any]]:
+    """The module's file and the first top-level statement that binds ``name`` (best effort: ``name =``,
+    ``name: T =``, ``a, name = ...`` and a statement after ``;`` on one line)."""
+    file = _file_of(module)
     if not file:
         return None
     line = None
     try:
         import linecache
 
-        pattern = re.compile(rf"^{re.escape(name)}\s*(:[^=]*)?=[^=]")
         for i, text in enumerate(linecache.getlines(file), 1):
-            if pattern.match(text):
-                line = i
+            if not text[:1].isidentifier() and text[:1] != "(":
+                continue  # top level only: a function's local of the same name is not the global
+            for part in text.split(";"):
+                m = _BINDS.match(part.strip())
+                words = m.group(1).replace(",", " ").replace("*", " ").split() if m else ()
+                if words and not keyword.iskeyword(words[0]) and name in words:
+                    line = i
+                    break
+            if line is not None:
                 break
     except Exception:  # a source we cannot read only costs the line number
         pass

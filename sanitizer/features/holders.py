@@ -606,7 +606,10 @@ def _bfs(walk: _Walk, targets: List[Tuple[Any, int, Tuple[Seg, ...]]],
                     steps, detour = without_detours(suffix)
                     pattern = (None if any(seg[0] in ("?", "al") for seg in steps)
                                else (FrameLocal(frame, name), suffix, kind, head, site))
-                    walk.add(key, Holder(kind, head + render(steps), site, transient=mine and not steps,
+                    # A plain local of running code, or an iterator it is stepping through (a genexpr's
+                    # ``.0``, a ``for`` loop's ``dict_valueiterator``): the reader or a loop, not a keeper.
+                    passing = mine and (not steps or steps[0][0] == "?")
+                    walk.add(key, Holder(kind, head + render(steps), site, transient=passing,
                                          frame_id=id(frame), local=name, pattern=pattern, detour=detour))
         if named_at is None and walk.done():
             named_at = level

@@ -313,7 +313,7 @@ class Triage:
         still = best is not None and _reaches(best, lease)
         if not still and lease.alive and state.options["triage_budget_ms"] > 0:
             found, _ = self._walk([lease]).get(lid, ([], _SKIPPED))
-            found = _by_consumer([_promote(h) if h.transient else h for h in found])
+            found = _by_consumer([h for h in found if not h.transient] or [_promote(h) for h in found])
             if found and (holder is None or found[0].consumer != holder.get("consumer")):
                 now = _holder_record(found[0], found[1:], lease, ())
                 if holder is not None:
@@ -393,8 +393,9 @@ class Triage:
             found = [h for h in found if not h.transient and not _was_running(h, p)]
             if not found:
                 return None  # nothing but the running code's own locals: cannot tell it from a loop variable
-        else:  # a plain local still holding it after its consumer's turn is a holder, after any container
-            found = [h for h in found if not h.transient] + [_promote(h) for h in found if h.transient]
+        else:  # a plain local still holding it after its consumer's turn is a holder when nothing else is
+            # (the genexpr reading ``d.values()`` holds each view it reads: the reader, not a consumer)
+            found = [h for h in found if not h.transient] or [_promote(h) for h in found]
         found = _by_consumer(found)
         best = found[0] if found else None
         if best is not None and walk["when"] == "walk":
