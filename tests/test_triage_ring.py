@@ -348,3 +348,38 @@ def test_module_level_holders_live_at_their_binding_and_a_reading_genexpr_is_no_
     assert site["Helper.os[*]"] == f"{script}:{lines['class Helper']}", site
     assert site["__main__.PARAMS[*]"] == f"{script}:{lines['H = Helper(); PARAMS']}", site
     assert site["__main__.d[*]"] == site["__main__.pairs[*][*]"] == f"{script}:{lines['d, pairs = load_weights()']}"
+
+
+def test_a_view_kept_in_another_threads_local_is_named_there_by_its_known_path():
+    """The retiring thread's replay finds a holder rooted in another thread's executing frame (a worker
+    that keeps each view it is handed in its own local list): the known path is followed from that
+    frame, found on the other thread's stack, for every view after the first walk."""
+    import queue
+    import threading
+
+    ring = sanitizer.StagingRing(4096, name="handoff")
+    hand, took, done = queue.Queue(), queue.Queue(), threading.Event()
+
+    def worker() -> None:
+        kept = []
+        for _ in range(12):
+            kept.append(hand.get())
+            took.put(None)
+        done.wait(30)
+        kept.clear()
+
+    t = threading.Thread(target=worker, name="keeper")
+    with sanitizer.sanitize(triage=1):
+        t.start()
+        try:
+            for i in range(12):
+                hand.put(ring.put(f"w{i}", torch.full((1024,), float(i))))
+                took.get(timeout=30)
+            rep = sanitizer.report(final=True)
+        finally:
+            done.set()
+            t.join(30)
+    rets = [e for e in rep["events"] if e["kind"] == "retention"]
+    assert len(rets) == 11
+    assert {e["holder"]["path"] for e in rets} == {f"local 'kept' of {worker.__qualname__}()[{i}]" for i in range(11)}
+    assert sum(e["walk"]["when"] == "known-path" for e in rets) >= 9, [e["walk"]["when"] for e in rets]

@@ -429,6 +429,46 @@ def step(obj: Any, seg: Seg) -> Iterator[Tuple[Seg, Any]]:
         return
 
 
+class Frames:
+    """Executing frames by id, found lazily: this thread's stack first, from ``start`` up, and only as far
+    as a look-up needs (a consumer's frame is a few frames above the put that retires its view), then
+    every thread's stacks once, when this one's misses. A replay runs at every retire: mapping every
+    frame of every thread first cost more than the rest of a short replay. :meth:`clear` drops the
+    references (a frame's locals hold the lent view)."""
+
+    __slots__ = ("_map", "_next", "_all")
+
+    def __init__(self, start: Optional[types.FrameType]) -> None:
+        self._map: Dict[int, types.FrameType] = {}
+        self._next = start
+        self._all = False
+
+    def get(self, frame_id: int) -> Optional[types.FrameType]:
+        found = self._map.get(frame_id)
+        if found is not None:
+            return found
+        frame = self._next
+        while frame is not None:
+            self._map[id(frame)] = frame
+            if id(frame) == frame_id:
+                self._next = frame.f_back
+                return frame
+            frame = frame.f_back
+        self._next = None
+        if not self._all:
+            self._all = True
+            for frame in list(sys._current_frames().values()):
+                while frame is not None:
+                    self._map.setdefault(id(frame), frame)
+                    frame = frame.f_back
+            return self._map.get(frame_id)
+        return None
+
+    def clear(self) -> None:
+        self._map.clear()
+        self._next = None
+
+
 class FrameLocal:
     """The root of a holder path that starts at an executing frame's local: found again by the frame's
     identity (id and code object; frames take no weak references, and we must not keep one alive).
@@ -440,21 +480,15 @@ class FrameLocal:
         self.frame_id, self.code, self.name = id(frame), frame.f_code, name
 
     def __call__(self) -> Any:
-        tops = list(sys._current_frames().values())
-        frame = None
+        frames = Frames(sys._getframe(1))
         try:
-            for frame in tops:
-                while frame is not None:
-                    if id(frame) == self.frame_id and frame.f_code is self.code:
-                        return locals_of(frame).get(self.name)
-                    frame = frame.f_back
-            return None
-        finally:  # this very frame is among them: a reference to it from its own locals is a cycle that
-            del tops, frame  # would keep every caller's locals (the lent view) alive until the next gc
+            return self.of(frames, {})
+        finally:  # this very frame may be among them: a reference to it from its own locals is a cycle that
+            frames.clear()  # would keep every caller's locals (the lent view) alive until the next gc
 
-    def of(self, frames: Dict[int, types.FrameType], seen: Dict[int, Dict[str, Any]]) -> Any:
-        """The local's value, its frame looked up in ``frames`` (id -> frame, every stack's, made by the
-        caller once for many roots); None once the frame is gone. ``seen`` (frame id -> locals, the
+    def of(self, frames: "Frames", seen: Dict[int, Dict[str, Any]]) -> Any:
+        """The local's value, its frame looked up in ``frames`` (made by the caller once for many
+        roots); None once the frame is gone. ``seen`` (frame id -> locals, the
         caller's, cleared when it is done) shares one snapshot of a frame's locals among its roots."""
         frame = frames.get(self.frame_id)
         if frame is None or frame.f_code is not self.code:
@@ -472,5 +506,5 @@ class FrameLocal:
         return hash((self.frame_id, self.name))
 
 
-__all__ = ["Seg", "FrameLocal", "DETOUR", "without_detours", "internal_class", "label", "join", "root", "render", "step", "locals_of", "internal",
+__all__ = ["Seg", "FrameLocal", "Frames", "DETOUR", "without_detours", "internal_class", "label", "join", "root", "render", "step", "locals_of", "internal",
            "qualname", "site_of_frame", "GEN_FLAGS"]

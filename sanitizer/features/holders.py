@@ -32,7 +32,7 @@ import torch
 from sanitizer.core import forking
 from sanitizer.core.sites import torch_dir
 from sanitizer.features.holder import Holder, consumer_key
-from sanitizer.features.holder_paths import (DETOUR, GEN_FLAGS, FrameLocal, Seg, internal,
+from sanitizer.features.holder_paths import (DETOUR, GEN_FLAGS, FrameLocal, Frames, Seg, internal,
                                              internal_class, join, label, locals_of, qualname, render, root,
                                              site_of_frame, step, without_detours)
 
@@ -167,17 +167,6 @@ def find_holders(keys: Iterable[int], *, depth: int = 8, budget_ms: float = 200.
         walk.result.ms = (time.perf_counter() - start) * 1000.0
         _remember(walk)
     return walk.result
-
-
-def _frames_by_id() -> Dict[int, types.FrameType]:
-    """Every executing frame of every thread by id: one pass for all the frame-local roots of a replay
-    (each root looking for its frame alone walked every stack once per path)."""
-    out: Dict[int, types.FrameType] = {}
-    for frame in sys._current_frames().values():
-        while frame is not None:
-            out[id(frame)] = frame
-            frame = frame.f_back
-    return out
 
 
 def replay(keys: Iterable[int], visits: int = _REPLAY_VISITS,
@@ -371,7 +360,7 @@ def _replay(walk: _Walk, visits: int, names: Optional[Dict[int, Optional[str]]] 
     # Every known path at once, one tensor of each in turn (newest first): a load that sends views to
     # five holders finds each in the first few entries of its own holder, not after the others' windows.
     live = []
-    frames = _frames_by_id() if any(isinstance(p[0], FrameLocal) for p in patterns) else {}
+    frames = Frames(sys._getframe(1))
     seen: Dict[int, Dict[str, Any]] = {}  # frame id -> its locals: one snapshot per frame, not one per path
     for pattern in patterns:
         root = pattern[0]

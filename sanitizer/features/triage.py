@@ -47,6 +47,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from sanitizer.core import forking
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
+from sanitizer.core.describe import describe_event, describe_lease
 from sanitizer.core.sites import site_text, to_records
 from sanitizer.features import aliases as _aliases
 from sanitizer.features import holders as _holders
@@ -468,7 +469,8 @@ class Triage:
         lease = p.lease
         best = found[0] if found else None
         where = best.path if best else "something the walk could not name (walk skipped or out of budget)"
-        summary = f"borrowed view {lease.describe()} was still held by {where} when {p.event.describe()}"
+        lease_rec, event_rec = lease.to_dict(), p.event.to_dict()  # (the summary reads them: built once)
+        summary = f"borrowed view {describe_lease(lease_rec)} was still held by {where} when {describe_event(event_rec)}"
         exported = _aliases.records_of(lease.lease_id)
         if exported:
             made = site_text(exported[0]["made_at"])
@@ -477,8 +479,8 @@ class Triage:
         each = [_holder_record(h, (), lease, ()) for h in found]  # each holder's record built once
         record = {
             "summary": summary,
-            "lease": lease.to_dict(),
-            "event": p.event.to_dict(),
+            "lease": lease_rec,
+            "event": event_rec,
             "holder": _with_others(each, exported) if best else None,
             "holders": each,
             "lent_at": (to_records(lease.site[:1]) or [None])[0],
