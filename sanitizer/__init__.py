@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 
 from sanitizer.core.version import __version__  # single-sourced: pyproject.toml reads it too
 
@@ -114,7 +115,17 @@ def __dir__():
     return sorted(set(globals()) | set(__all__))
 
 
-if os.environ.get("OWNERSHIP_SANITIZE") or os.environ.get("OWNERSHIP_SANITIZE_OPTIONS"):
+def _running_the_cli() -> bool:
+    """Is this process ``ownsan`` itself (the console script, or ``python -m sanitizer``)? The command
+    line is a tool, not the program to sanitize: ``ownsan run`` hands the switch to its child, and
+    ``ownsan doctor`` must answer about a bad switch or a missing torch rather than die of them."""
+    argv = list(getattr(sys, "orig_argv", None) or ())
+    if sys.argv and os.path.basename(sys.argv[0]) in ("ownsan", "ownsan.exe"):
+        return True
+    return any(a == "-m" and b == "sanitizer" for a, b in zip(argv, argv[1:])) or "-msanitizer" in argv
+
+
+if (os.environ.get("OWNERSHIP_SANITIZE") or os.environ.get("OWNERSHIP_SANITIZE_OPTIONS")) and not _running_the_cli():
     from sanitizer.activation import activate_from_environment as _activate_from_environment
 
     _activate_from_environment()  # activation asked for: enable (or reject bad options) at import

@@ -461,6 +461,12 @@ def cmd_uninstall_hook(args: argparse.Namespace, parser: argparse.ArgumentParser
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from sanitizer.tools import doctor
+
+    return doctor.main()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ownsan", description="ownership-sanitizer: catch consumers that keep "
                                 "borrowed tensor views past their lifetime, and name them.")
@@ -495,6 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
     audit = sub.add_parser("audit", help="find retaining consumers of borrowed weights statically, without "
                            "running the code (ownsan audit --help)")
     audit.add_argument("args", nargs=argparse.REMAINDER, help="paths and options (ownsan audit --help)")
+    sub.add_parser("doctor", help="say whether OWNERSHIP_SANITIZE=1 would sanitize a program run by this "
+                   "interpreter (the zero-code hook, the switch, the options, torch, numba, the loaders)")
     for name, text in (("install-hook", "write the zero-code activation .pth into site-packages"),
                        ("uninstall-hook", "remove the zero-code activation .pth")):
         hp = sub.add_parser(name, help=text)
@@ -503,7 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _COMMANDS = {"run": cmd_run, "triage": cmd_triage, "demo": cmd_demo, "options": cmd_options, "fuzz": cmd_fuzz,
-             "audit": cmd_audit, "install-hook": cmd_install_hook, "uninstall-hook": cmd_uninstall_hook}
+             "audit": cmd_audit, "doctor": cmd_doctor, "install-hook": cmd_install_hook, "uninstall-hook": cmd_uninstall_hook}
 
 
 _PASS_THROUGH = ("demo", "fuzz", "audit")  # their flags belong to the command itself (ownsan fuzz --seed 3 -j 2)
