@@ -157,3 +157,25 @@ def test_transformers_from_pretrained_under_the_emulation(tmp_path, tiny_model):
     assert any(h.endswith(".weight") and "Linear" in h for h in holders), holders  # the model's parameters
     assert any("state_dict" in h for h in holders), holders  # load_state_dict's dict
     assert rep["summary"]["emulated_retentions"] == 2 * result["n"]
+
+
+def test_load_file_is_left_alone_and_counted_as_unchecked_in_the_summary(ckpt, emulation):
+    """``load_file`` (peft's and diffusers' way in) returns owned tensors by contract and is never
+    emulated: the run says how many such loads it did not check and why, instead of passing silently."""
+    from sanitizer.reporting.report import summarize
+
+    path, tensors = ckpt
+    emulation()
+    from safetensors.torch import load_file
+
+    before = sanitizer.report()["events"]
+    a, b = load_file(path), load_file(path)
+    assert all(torch.equal(a[k], tensors[k]) and torch.equal(b[k], tensors[k]) for k in tensors)
+    assert not sanitizer.is_borrowed(a["layers.0.weight"])  # owned: nothing to check
+    rep = sanitizer.report()
+    new = [e for e in rep["events"] if e["kind"] == "unchecked_load" and e not in before]
+    assert len(new) == 1 and (new[0]["count"], new[0]["tensors"], new[0]["bytes"]) == (2, 8, 8 * 16 * 16 * 4)
+    line = summarize({"events": new, "errors": []})["line"]
+    assert "2 loads not checked (safetensors.torch.load_file: 8 tensors, 8.0 KiB; owned tensors" in line, line
+    assert new[0]["first_at"]["file"] == os.path.abspath(__file__)
+    sanitizer.disable()

@@ -5,7 +5,7 @@ safetensors (safetensors), read from versions 0.4.0 to below 1.0.0; outside them
 | versions | entry point | borrows when | valid until | checked |
 | --- | --- | --- | --- | --- |
 | 0.4.x-0.8.x | `safe_open(...).get_tensor`, `get_slice(name)[...]`, `get_tensors()` | never (owned views of a private file mapping); emulated with option `safetensors_ring=N` | the consumer's last reference (emulated: the ring coming round, or the file's close) | emulated: a view kept past the ring is moved onto an owned copy and reported as an `emulated_retention` (never an error); `safetensors_strict=1`: a retention and a stale use |
-| 0.4.x-0.8.x | `safetensors.torch.load_file` | never | the consumer's last reference | nothing (a whole-checkpoint dict by contract, never emulated) |
+| 0.4.x-0.8.x | `safetensors.torch.load_file`, `safetensors.torch.load` | never | the consumer's last reference | nothing (a whole-checkpoint dict by contract, never emulated); counted: the summary says how many loads were not checked |
 
 ``safe_open`` hands out tensors that are safe to retain, so nothing is wrong
 with a consumer that keeps them. To test that consumer against the borrowed
@@ -18,7 +18,8 @@ its tensors are served through a :class:`~sanitizer.torch_layer.ring.StagingRing
   (a slice of a borrowed tensor is borrowed) and ``get_tensors()`` return ring
   views, freed when the file is closed (the ``with`` block's end, or
   ``__exit__`` called by hand as transformers does). ``safetensors.torch.load_file``
-  keeps returning owned tensors: its contract is a whole-checkpoint dict.
+  (and ``load``) keep returning owned tensors: their contract is a whole-checkpoint dict. Each such load
+  is counted (an aggregated ``unchecked_load`` event), and the summary says how many were not checked.
 
 What a kept view means depends on whose contract is asked. Under safetensors'
 own contract (the default) keeping one is correct: a view still held when the
@@ -40,7 +41,7 @@ import torch
 
 from sanitizer.core.ledger import Lease
 from sanitizer.core.safetensors_header import read_header
-from sanitizer.core.sites import site_text
+from sanitizer.core.sites import capture as capture_site, site_text, to_records
 from sanitizer.core.units import format_bytes
 from sanitizer.adapters.contracts import Contract, LoaderContracts
 from sanitizer.torch_layer import records, runtime, storage_handles
@@ -58,8 +59,10 @@ CONTRACTS = LoaderContracts(
                  "the consumer's last reference (emulated: the ring coming round, or the file's close)",
                  "emulated: a view kept past the ring is moved onto an owned copy and reported as an "
                  "`emulated_retention` (never an error); `safetensors_strict=1`: a retention and a stale use"),
-        Contract("0.4.x-0.8.x", "`safetensors.torch.load_file`", "never", "the consumer's last reference",
-                 "nothing (a whole-checkpoint dict by contract, never emulated)"),
+        Contract("0.4.x-0.8.x", "`safetensors.torch.load_file`, `safetensors.torch.load`", "never",
+                 "the consumer's last reference",
+                 "nothing (a whole-checkpoint dict by contract, never emulated); counted: the summary says how "
+                 "many loads were not checked"),
     ),
 )
 _TORCH_FRAMEWORKS = ("pt", "torch", "pytorch")
@@ -262,16 +265,36 @@ def _name_holder(lease: Lease) -> Optional[dict]:
     return name_holder(lease)
 
 
-def _owned_loads(load_file: Any) -> Any:
-    @functools.wraps(load_file)
-    def load_file_owned(*args: Any, **kwargs: Any) -> Any:
+_UNCHECKED_WHY = "owned tensors by safetensors' contract (a whole-checkpoint dict): never emulated"
+
+
+def _note_unchecked(entry: str, out: Any) -> None:
+    """Count a load the emulation leaves alone, for the summary ("2 loads not checked (...)"): a program
+    that loads through ``load_file`` (peft and diffusers do) would otherwise pass as checked."""
+    if not runtime.enabled() or not isinstance(out, dict):
+        return
+    try:
+        tensors = [t for t in out.values() if isinstance(t, torch.Tensor)]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        first = {"loader": NAME, "entry": entry, "why": _UNCHECKED_WHY,
+                 "first_at": (to_records(capture_site(4)[:1]) or [None])[0]}
+        records.tally_event("unchecked_load", entry, first, count=1, tensors=len(tensors), bytes=nbytes)
+    except Exception:  # a count for the summary is never worth an error in the program's load
+        pass
+
+
+def _owned_loads(load: Any, entry: str) -> Any:
+    @functools.wraps(load)
+    def load_owned(*args: Any, **kwargs: Any) -> Any:
         _bypass.on = True
         try:
-            return load_file(*args, **kwargs)
+            out = load(*args, **kwargs)
         finally:
             _bypass.on = False
+        _note_unchecked(entry, out)
+        return out
 
-    return load_file_owned
+    return load_owned
 
 
 def patch(module: Any) -> None:
@@ -282,7 +305,9 @@ def patch(module: Any) -> None:
 
     replace(module, "safe_open", EmulatedSafeOpen)
     replace(st_torch, "safe_open", EmulatedSafeOpen)
-    replace(st_torch, "load_file", _owned_loads(st_torch.load_file))
+    replace(st_torch, "load_file", _owned_loads(st_torch.load_file, "safetensors.torch.load_file"))
+    if callable(getattr(st_torch, "load", None)):  # bytes in, a dict of owned tensors out: not emulated either
+        replace(st_torch, "load", _owned_loads(st_torch.load, "safetensors.torch.load"))
 
 
 __all__ = ["iterate", "header", "largest_tensor_bytes", "EmulatedSafeOpen", "patch", "wanted"]

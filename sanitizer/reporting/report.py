@@ -151,7 +151,7 @@ def summarize(rep: Dict[str, Any], pending: int = 0) -> Dict[str, Any]:
     retained_bytes = 0  # each retained lease once, whatever number of consumers held it
     for e in rep.get("events", ()):
         kind = e.get("kind", "?")
-        events_by_kind[kind] = events_by_kind.get(kind, 0) + (e.get("count", 1) if kind == "clone" else 1)
+        events_by_kind[kind] = events_by_kind.get(kind, 0) + (e.get("count", 1) if kind in _AGGREGATES else 1)
         if kind != "retention":
             continue
         retained_bytes += int(e["lease"].get("nbytes") or 0)
@@ -186,6 +186,10 @@ def summarize(rep: Dict[str, Any], pending: int = 0) -> Dict[str, Any]:
         parts.append(f"{views} emulated retention{'s' * (views != 1)} by {len(emulated)} consumer"
                      f"{'s' * (len(emulated) != 1)} ({format_bytes(sum(g['bytes'] for g in emulated))}; "
                      f"correct under the loader's own contract, safetensors_strict=1 makes them errors)")
+    unchecked = _unchecked_loads(rep.get("events", ()))
+    for g in unchecked:
+        parts.append(f"{g['count']} load{'s' * (g['count'] != 1)} not checked ({g['entry']}: {g['tensors']} "
+                     f"tensor{'s' * (g['tensors'] != 1)}, {format_bytes(g['bytes'])}; {g['why']})")
     return {
         "line": "ownership-sanitizer: " + "; ".join(parts),
         "errors_by_kind": errors_by_kind,
@@ -196,7 +200,23 @@ def summarize(rep: Dict[str, Any], pending: int = 0) -> Dict[str, Any]:
         "retaining_consumers": consumers,
         "emulated_retentions": sum(g["count"] for g in emulated),
         "emulated_consumers": emulated,
+        "unchecked_loads": unchecked,
     }
+
+
+def _unchecked_loads(events: Iterable[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Loads the sanitizer left alone (``safetensors.torch.load_file`` under the ring emulation), summed by
+    entry point across the processes of a merged report: a run that checked nothing of them says so."""
+    groups: Dict[str, Dict[str, Any]] = {}
+    for e in events:
+        if e.get("kind") != "unchecked_load":
+            continue
+        g = groups.setdefault(str(e.get("entry")), {"entry": str(e.get("entry")), "loader": e.get("loader"),
+                                                     "why": e.get("why"), "first_at": e.get("first_at"),
+                                                     "count": 0, "tensors": 0, "bytes": 0})
+        for k in ("count", "tensors", "bytes"):
+            g[k] += int(e.get(k) or 0)
+    return sorted(groups.values(), key=lambda g: g["entry"])
 
 
 def _emulated_consumers(events: Iterable[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -329,7 +349,7 @@ _exit_writer_armed = False
 _forked = False  # this process is a forked child (of a process that had the sanitizer loaded)
 _os_exit = os._exit
 _JOURNAL = journal.Journal()
-_AGGREGATES = ("clone",)  # events updated in place after they were filed (counts): the report has them whole
+_AGGREGATES = ("clone", "unchecked_load")  # events updated in place after they were filed (counts): the report has them whole
 
 
 def _on_enable(options: Dict[str, Any]) -> None:

@@ -32,6 +32,7 @@ class RecordStore:
         self.dropped_errors = 0  # the errors among them
         self.over_per_lease = 0  # errors not kept: their lease had max_errors_per_lease records already
         self._per_lease: Dict[int, int] = {}  # lease id -> stale uses seen
+        self._tallies: Dict[tuple, dict] = {}  # (kind, key) -> its one aggregated event, while kept
 
     def _keep(self, records: List[dict], record: dict, cap: int) -> bool:
         """(Under the lock.) Keep ``record`` unless the total cap is reached."""
@@ -70,6 +71,24 @@ class RecordStore:
                 hook("event", record)
         return record
 
+    def tally(self, kind: str, key: str, first: Dict[str, Any], cap: int, **add: int) -> dict:
+        """Count into the one aggregated event of (``kind``, ``key``), made from ``first`` when there is
+        none kept: a count of things (loads left unchecked), not a record each. A store emptied since (a
+        reset, a fork) starts a new one, so a count is never added to a record no report will show."""
+        made = None
+        with self._lock:
+            rec = self._tallies.get((kind, key))
+            if rec is None:
+                rec = dict(first, kind=kind, **{k: 0 for k in add})
+                if self._keep(self._events, rec, cap):
+                    self._tallies[(kind, key)] = made = rec
+            for k, v in add.items():
+                rec[k] = rec.get(k, 0) + v
+        if made is not None:
+            for hook in HOOKS.record:
+                hook("event", made)
+        return rec
+
     def update_event(self, record: dict, **fields: Any) -> None:
         """Add facts to a kept event (a retention read stale after it was confirmed), under the lock."""
         with self._lock:
@@ -90,6 +109,8 @@ class RecordStore:
                 self._events[:] = [e for e in self._events if e is not record]
             else:
                 self._events[:] = [e for e in self._events if kind is not None and e.get("kind") != kind]
+            kept = {id(e) for e in self._events}
+            self._tallies = {k: r for k, r in self._tallies.items() if id(r) in kept}
 
     def clear_errors(self) -> None:
         with self._lock:
@@ -172,6 +193,11 @@ def record_event(kind: str, record: dict) -> dict:
     return STORE.add_event(kind, record, state.options["max_records"])
 
 
+def tally_event(kind: str, key: str, first: Dict[str, Any], **add: int) -> dict:
+    """Count into the aggregated event of (``kind``, ``key``) (see :meth:`RecordStore.tally`)."""
+    return STORE.tally(kind, key, first, state.options["max_records"], **add)
+
+
 events = STORE.events
 errors = STORE.errors
 forget_events = STORE.forget_events
@@ -179,5 +205,6 @@ update_event = STORE.update_event
 clear_errors = STORE.clear_errors
 record_counts = STORE.counts
 
-__all__ = ["RecordStore", "STORE", "raise_or_record", "error_mark", "raised_since", "record_event", "events",
+__all__ = ["RecordStore", "STORE", "raise_or_record", "error_mark", "raised_since", "record_event", "tally_event",
+           "events",
            "errors", "forget_events", "update_event", "clear_errors", "record_counts"]
