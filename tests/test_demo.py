@@ -145,3 +145,15 @@ def test_example_wrapper_and_bad_arguments():
         demo.main(SMALL + ["--configs", "unsafe,yolo"])
     with pytest.raises(SystemExit, match="smaller than the largest tensor"):
         demo.main(SMALL + ["--configs", "unsafe", "--ring-bytes", "64"])
+
+
+def test_the_demo_says_what_it_is_doing_while_it_runs(tmp_path, capsys):
+    """The table comes when every run is done: meanwhile stderr says what runs and each round as it ends."""
+    rc = demo.main(SMALL + ["--dir", str(tmp_path / "made"), "--configs", "unsafe,clone-on-defer", "--html", "",
+                            "--report", "", "--repeat", "2"])
+    err = capsys.readouterr().err
+    assert rc == 0 and (tmp_path / "made").is_dir()  # an output directory that is missing is made
+    lines = err.splitlines()
+    assert lines[0].startswith("running 2 configurations (unsafe borrowed, clone-on-defer (own_arguments)): "
+                               "a warm-up, then 2 rounds"), err
+    assert [ln.split(" (")[0].strip() for ln in lines[1:3]] == ["round 1 of 2 done", "round 2 of 2 done"], err

@@ -45,7 +45,7 @@ import tempfile
 import textwrap
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -203,16 +203,21 @@ def _run_once(config: str, path: str, ring_bytes: int, reference: Dict[str, torc
 
 
 def run_configs(configs: Sequence[str], path: str, ring_bytes: int, reference: Dict[str, torch.Tensor],
-                repeat: int = 3) -> List[Result]:
+                repeat: int = 3, progress: Optional[Callable[[str], None]] = None) -> List[Result]:
     """Run in-process configurations: each warmed up once, then ``repeat`` rounds taken round-robin
-    (so load from other processes hits all alike); the best time of each, its worst corruption."""
+    (so load from other processes hits all alike); the best time of each, its worst corruption.
+    ``progress`` is told when each round is done (the rounds take most of the demo's time)."""
     for c in configs:
         if c not in CONFIGS or c == "debug":
             raise ValueError(f"in-process configurations are {', '.join(x for x in CONFIGS if x != 'debug')}; "
                              f"got {c!r}")
         _measure(c, path, ring_bytes)  # warm-up: first dispatch-mode use, allocator, file cache
     best: Dict[str, Result] = {}
-    for _ in range(max(1, repeat)):
+    rounds = max(1, repeat)
+    start = time.perf_counter()
+    for done in range(1, rounds + 1):
+        if progress is not None and done > 1:
+            progress(f"round {done - 1} of {rounds} done ({time.perf_counter() - start:.1f} s)")
         for c in configs:
             r = _run_once(c, path, ring_bytes, reference)
             prev = best.get(c)
@@ -222,6 +227,8 @@ def run_configs(configs: Sequence[str], path: str, ring_bytes: int, reference: D
                     prev.corrupted = r.corrupted
                     continue
             best[c] = r
+    if progress is not None:
+        progress(f"round {rounds} of {rounds} done ({time.perf_counter() - start:.1f} s)")
     return [best[c] for c in configs]
 
 
@@ -441,6 +448,11 @@ def _default_path(given: Optional[str], directory: Optional[str], name: str) -> 
     return os.path.join(directory or os.getcwd(), name)
 
 
+def _progress(line: str) -> None:
+    """What the demo is doing, on stderr as it happens (the table on stdout comes when every run is done)."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def _wrapped(lines: Sequence[str], width: int = 110) -> str:
     """Lines wrapped for a terminal, each continuation indented under its line."""
     return "\n".join(textwrap.fill(line, width, subsequent_indent=" " * (len(line) - len(line.lstrip()) + 2),
@@ -454,6 +466,11 @@ def _main(args: argparse.Namespace) -> int:
         raise SystemExit(f"unknown configuration(s) {unknown}; valid: {', '.join(CONFIGS)}")
     cfg = TinyConfig(hidden=args.hidden, intermediate=args.intermediate, dense_layers=args.dense_layers,
                      moe_layers=args.moe_layers, experts=args.experts, moe_intermediate=args.moe_intermediate)
+    if args.dir:
+        try:  # where its report and page go: made if missing, as an output directory is
+            os.makedirs(args.dir, exist_ok=True)
+        except OSError as exc:
+            raise SystemExit(f"--dir {args.dir!r}: cannot make that directory ({exc.strerror or exc})") from None
     print("\n".join(textwrap.fill(paragraph, 110) for paragraph in INTRO.split("\n")) + "\n")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         path = os.path.join(tmp, "tiny-moe.safetensors")
@@ -469,15 +486,21 @@ def _main(args: argparse.Namespace) -> int:
               f"window wider than the ring (largest {_size(max(windows.values(), default=0))})\n")
         # The debug child (mostly interpreter start-up) overlaps the in-process runs; its own time is its own.
         child = start_debug_subprocess(path, ring_bytes) if "debug" in configs else None
+        _progress(f"running {len(configs)} configurations ({', '.join(LABELS[c] for c in configs)}): a warm-up, "
+                  f"then {max(1, args.repeat)} rounds taken in turn" + ("; debug mode in a child process"
+                                                                         if child is not None else "") + " ...")
         try:
             reference = reference_state(path)
-            inproc = run_configs([c for c in configs if c != "debug"], path, ring_bytes, reference, args.repeat)
+            inproc = run_configs([c for c in configs if c != "debug"], path, ring_bytes, reference, args.repeat,
+                                 progress=lambda line: _progress("  " + line))
         finally:
             debug = [finish_debug_subprocess(child)] if child is not None else []
         order = {c: i for i, c in enumerate(CONFIGS)}
         results = sorted(inproc + debug, key=lambda r: order[r.config])
         html = _default_path(args.html, args.dir, "layerwise_reload_timeline.html")
         report_path = _default_path(args.report, args.dir, "layerwise_reload_report.json")
+        if html or report_path:
+            _progress("the triage=1 run (its report and timeline page) ...")
         run = report_run(path, ring_bytes, html, report_path, reference) if html or report_path else None
     print(format_table(results))
     print(f"\ncopy-everything would copy {_size(info['bytes'])} (the whole checkpoint); "
