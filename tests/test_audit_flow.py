@@ -149,3 +149,52 @@ def test_a_file_that_does_not_parse_is_named(tmp_path):
     result = audit_paths([str(tmp_path)])
     assert len(result.findings) == 1 and len(result.errors) == 1
     assert str(bad) in result.errors[0] and "does not parse" in result.errors[0]
+
+
+def test_a_dict_of_weights_iterated_whole_gives_names_not_tensors():
+    """``list(weights)``, ``sorted(weights)``, ``set(weights)`` of a ``Dict[str, Tensor]`` keep its names: no
+    finding; ``list(weights.values())`` and ``dict(weights)`` keep its tensors: findings."""
+    found = _audit('''
+        from typing import Dict
+        import torch
+        class Layer:
+            def load_hf_weights(self, weights: Dict[str, torch.Tensor]):
+                self.names = list(weights)
+                self.order = sorted(weights)
+                self.seen = set(weights)
+                self.kept = list(weights.values())
+                self.copy = dict(weights)
+    ''')
+    assert sorted((f.line, f.code) for f in found) == [(9, "OWN102"), (10, "OWN102")], \
+        [(f.line, f.code, f.message) for f in found]
+
+
+def test_a_self_call_reaches_the_overrides_in_subclasses_that_still_run_it():
+    """``self._process(w)`` in a base class runs a subclass's override for the subclass's instances: what
+    the override keeps, the call keeps. A subclass that overrides the calling method itself (without
+    ``super()``) never makes that call, so its own override of ``_process`` is not followed from it."""
+    found = _audit('''
+        from typing import Dict
+        import torch
+        class Base:
+            def load_hf_weights(self, weights: Dict[str, torch.Tensor]):
+                self._process(weights["w"])
+            def _process(self, w):
+                self.weight = w.clone()
+        class Keeps(Base):
+            def _process(self, w):
+                self.weight = w
+        class KeepsToo(Keeps):
+            pass
+        class Fused(Base):
+            def load_hf_weights(self, weights: Dict[str, torch.Tensor]):
+                self.parts = [weights["a"].clone(), weights["b"].clone()]
+                self._process(torch.cat(self.parts))
+            def _process(self, w):
+                self.weight = w
+        class Chained(Fused):
+            def load_hf_weights(self, weights: Dict[str, torch.Tensor]):
+                super().load_hf_weights(weights)
+    ''')
+    assert sorted((f.function, f.line, f.code) for f in found) == [("Keeps._process", 11, "OWN102")], \
+        [(f.function, f.line, f.code, f.message) for f in found]

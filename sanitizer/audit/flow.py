@@ -37,6 +37,7 @@ from sanitizer.audit.values import (ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR, ELEM_PAIR,
 
 _ACCESSORS = (ast.Attribute, ast.Subscript, ast.Call)  # values that may alias a container of a parameter/self
 _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+_MAPPING_COPIES = frozenset({"dict", "OrderedDict", "defaultdict"})  # of a dict: its tensors, by name
 _MATERIALISING_COMPS = {ast.ListComp: "list comprehension", ast.SetComp: "set comprehension",
                         ast.DictComp: "dict comprehension"}
 _CONDITIONAL = frozenset({"OWN101", "OWN102", "OWN106"})  # stores that a no-op conversion makes retentions
@@ -879,6 +880,8 @@ class Flow:
             if first.kind == ITER:
                 return self.materialise(node, first, f"`{name}({self.snip(node.args[0], 30)})`")
             if first.kind == HOLDER:
+                if first.mapping and last not in _MAPPING_COPIES:
+                    return None  # `list(weights)`, `sorted(weights)`: a dict iterates its names, not its tensors
                 return first
             if first.kind == TENSOR:
                 return first.then(HOLDER, link, elem=ELEM_TENSOR)

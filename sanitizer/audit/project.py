@@ -9,12 +9,14 @@ and kept in a small cache; a file outside the audited paths is never read.
 from __future__ import annotations
 
 import os
+import re
 from collections import OrderedDict
-from typing import Callable, Dict, Iterable, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from sanitizer.audit.sources import AuditInputError, Source, read
 
 CACHE_SIZE = 48
+_CLASS = re.compile(rb"^[ \t]*class[ \t]+(\w+)[ \t]*\(([^)]*)\)", re.M)
 
 
 def _dotted(path: str) -> Tuple[str, ...]:
@@ -35,6 +37,29 @@ class Project:
                 self._by_suffix.setdefault(parts[i:], f)
         self._cache: "OrderedDict[str, object]" = OrderedDict()
         self.texts: Dict[str, str] = {}  # path -> source text of every module read (for suppression comments)
+        self._subclasses: Optional[Dict[str, List[Tuple[str, str]]]] = None
+
+    def subclasses(self, name: str) -> List[Tuple[str, str]]:
+        """(file, class name) of every audited class that names ``name`` (its last dotted part) among its
+        bases: where an override of a method called through ``self.`` may live. Read once from the files'
+        bytes (a pattern, not a parse: a method call on ``self`` that needs it must not parse every file)."""
+        if self._subclasses is None:
+            found: Dict[str, List[Tuple[str, str]]] = {}
+            for path in self._abs.values():
+                try:
+                    with open(path, "rb") as fh:
+                        raw = fh.read()
+                except OSError:
+                    continue
+                for m in _CLASS.finditer(raw):
+                    for base in m.group(2).split(b","):
+                        base = base.strip()
+                        if not base or b"=" in base:  # metaclass=..., a keyword
+                            continue
+                        short = base.rsplit(b".", 1)[-1].split(b"[", 1)[0].decode("ascii", "replace")
+                        found.setdefault(short, []).append((path, m.group(1).decode("ascii", "replace")))
+            self._subclasses = found
+        return self._subclasses.get(name, [])
 
     def locate(self, importer: str, module: str, level: int) -> Optional[str]:
         """The audited file that ``from <level dots><module> import ...`` in ``importer`` names, if any."""

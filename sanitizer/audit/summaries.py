@@ -32,6 +32,7 @@ from sanitizer.audit.targets import root_of
 from sanitizer.audit.values import HOLDER, ITER, SOURCE, Val
 
 MAX_DEPTH = 3
+MAX_OVERRIDES = 16  # overrides of one method a ``self.`` call is followed into (a deep hierarchy: the nearest)
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,59 @@ class ModuleAnalysis:
                 if m is not None:
                     return Callee(m, 0 if m.is_static else 1, False)
         return None
+
+    def overrides(self, flow: Flow, node: ast.Call, target: Callee) -> List[Callee]:
+        """For ``self.name(...)``: the overrides of ``name`` in subclasses of the calling method's class
+        (same module first, then the project's other audited files), which the call reaches for an
+        instance of them (``MMWeightTpl.load_hf_weights`` calls ``self._process_weight(w)``, and
+        ``BMMWeightTpl._process_weight`` keeps ``w``). At most :data:`MAX_OVERRIDES`, nearest first."""
+        func = node.func
+        if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
+                and func.value.id in (flow._self_name(), "self", "cls")):
+            return []
+        cls = self._class_of(flow.info)
+        if cls is None:
+            return []
+        caller: Optional[FunctionInfo] = flow.info
+        while caller is not None and caller.cls is None:
+            caller = caller.parent
+        runs_here = caller.name if caller is not None else None  # the method the call is written in
+        out: List[Callee] = []
+        seen_nodes = {id(target.info.node)}
+        todo = [(self, cls.qualname.rpartition(".")[2])]
+        looked: set = set()
+        while todo and len(out) < MAX_OVERRIDES:
+            where, base = todo.pop(0)
+            if (where.path, base) in looked or len(looked) > 4 * MAX_OVERRIDES:
+                continue
+            looked.add((where.path, base))
+            places: List[Tuple["ModuleAnalysis", ClassInfo]] = [
+                (where, c) for c in where.index.all_classes
+                if any(b.rpartition(".")[2] == base for b in c.bases)]
+            for path, name in (self.project.subclasses(base) if self.project is not None else ()):
+                if path == where.path:
+                    continue
+                other = self._analysis_of(path)
+                sub = other.index.classes.get(name) if other is not None else None
+                if sub is not None:
+                    places.append((other, sub))
+            for other, sub in places:
+                mine = sub.methods.get(runs_here) if runs_here else None
+                if mine is not None and not _calls_super(mine.node, runs_here):
+                    continue  # it overrides the calling method too: its instances never make this call
+                m = sub.methods.get(func.attr)
+                if m is not None and id(m.node) not in seen_nodes:
+                    seen_nodes.add(id(m.node))
+                    out.append(Callee(m, 0 if m.is_static else 1, False, other if other is not self else None))
+                todo.append((other, sub.qualname.rpartition(".")[2]))
+        return out[:MAX_OVERRIDES]
+
+    def _analysis_of(self, path: str) -> Optional["ModuleAnalysis"]:
+        if self.project is None:
+            return None
+        other = self.project.module(path, lambda source: ModuleAnalysis(
+            source.path, build_index(source.path, source.tree), Snippets(source.text), self.project, self.settings))
+        return other if isinstance(other, ModuleAnalysis) else None
 
     def find_method(self, cls: ClassInfo, name: str, seen: set) -> Optional[Tuple[FunctionInfo, "ModuleAnalysis"]]:
         """``cls.name`` through the class, its same-module bases, and bases imported from other audited
@@ -203,6 +257,15 @@ class ModuleAnalysis:
         target = self.callee(flow, node)
         if target is None:
             return _UNRESOLVED
+        result = self._apply(flow, node, target)
+        for other in self.overrides(flow, node, target):  # what an override keeps is kept by this call too
+            got = self._apply(flow, node, other)
+            result = result if result is not None else got
+        return result
+
+    def _apply(self, flow: Flow, node: ast.Call, target: Callee) -> Optional[Val]:
+        """One callee's summaries applied to the call's tainted arguments: its findings emitted at its own
+        statements, the containers passed in judged here, its result returned."""
         callee = target.info
         params = callee.params
         bound: List[Tuple[int, ast.AST]] = []  # (parameter index, argument expression)
@@ -289,6 +352,16 @@ class ModuleAnalysis:
                 flow.out.into_param.append(IntoParam(index, flow.out.findings.pop()))
             return
         self._emit(flow, fact.template, val, call_link, callee)
+
+
+def _calls_super(fn: ast.AST, name: str) -> bool:
+    """Does ``fn`` call ``super().name(...)`` (so the overridden method, and the calls in it, still run)?"""
+    for n in ast.walk(fn):
+        if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == name
+                and isinstance(n.func.value, ast.Call) and isinstance(n.func.value.func, ast.Name)
+                and n.func.value.func.id == "super"):
+            return True
+    return False
 
 
 def constructor_result(outcome: Outcome) -> bool:
