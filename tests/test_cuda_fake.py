@@ -408,6 +408,32 @@ def test_a_missing_cuda_tool_chain_turns_device_checksums_off_with_one_warning(f
     del w, w2
 
 
+@pytest.mark.parametrize("where", ["warm", "checksum_into", "verify_into"])
+def test_a_driver_failure_in_a_lend_turns_device_checksums_off_never_raises(fake_cuda, monkeypatch, where):
+    """numba's CudaSupportError (no driver, a device-id query that fails) or a launch that fails, from inside
+    a loader's lend: CUDA checksums go off with one warning; the lend, and everything after, goes on."""
+    class CudaSupportError(RuntimeError):  # what numba.cuda raises, by name
+        pass
+
+    def broken(*args, **kwargs):
+        raise CudaSupportError("Error at driver init: CUDA driver library cannot be found (fake)")
+
+    monkeypatch.setattr(fake_cuda.gpu.inner if where == "warm" else cuda_hooks, where, broken)
+    buf = StagingBuffer(4096, device="cuda", name="r")
+    with pytest.warns(RuntimeWarning, match="checksums of CUDA tensors are off.*CudaSupportError") as warned:
+        with sanitizer.sanitize(checksum=1):
+            w = buf.write(0, torch.ones(16), name="w")
+            w2 = buf.write(1024, torch.ones(16), name="w2")
+            if where != "verify_into":  # (a verify's failure comes at the reuse below)
+                assert sanitizer.lease_of(w).checksum is None and sanitizer.lease_of(w2).checksum is None
+            buf.reuse(0, 4096, by="next")
+            sanitizer.synchronize()
+            with pytest.raises(StaleBorrowError):  # the rest of the sanitizer still works
+                w.sum()
+    assert len([x for x in warned if "checksums of CUDA" in str(x.message)]) == 1
+    del w, w2
+
+
 def test_the_kernels_load_at_enable_when_the_process_uses_cuda(fake_cuda):
     with sanitizer.sanitize(checksum=1):
         assert fake_cuda.gpu.module_loads == {0: 1}  # before any lend

@@ -133,21 +133,33 @@ class DeviceChecks:
         """Are the kernels loaded on ``device``? Loads them the first time; if that fails (no libNVVM, no
         driver, a compile error), CUDA checksums turn off for the process with one warning saying what
         to install, instead of an exception from inside a loader's lend."""
-        if device.index in self.loaded:
-            return True
         if self.off is not None:
             return False
+        if device.index in self.loaded:
+            return True
         try:
             _kernels().warm(device)
-        except _kernels().KernelsUnavailable as exc:
-            with self.lock:
-                first, self.off = self.off is None, str(exc)
-            if first:
-                warnings.warn(f"ownership-sanitizer: checksums of CUDA tensors are off for this process: {exc}",
-                              RuntimeWarning, stacklevel=4)
+        except Exception as exc:  # KernelsUnavailable, or numba's CudaSupportError from the driver itself
+            self.turn_off(exc)
             return False
         self.loaded.add(device.index)
         return True
+
+    def turn_off(self, exc: BaseException) -> None:
+        """CUDA checksums off for the process, with one warning that says why: the kernels, the driver or
+        a launch failed. Host checksums and the rest of the sanitizer go on."""
+        try:
+            known = isinstance(exc, _kernels().KernelsUnavailable)
+        except Exception:  # cuda_hooks itself cannot load (numba missing or broken)
+            known = False
+        why = str(exc) if known else f"{type(exc).__name__}: {exc}"
+        with self.lock:
+            first = self.off is None
+            if first:
+                self.off = why
+        if first:
+            warnings.warn(f"ownership-sanitizer: checksums of CUDA tensors are off for this process: {why}",
+                          RuntimeWarning, stacklevel=5)
 
     def table(self, device: torch.device) -> _SlotTable:
         """(Under the lock.) ``device``'s slot table, made at its first lease."""
@@ -240,19 +252,30 @@ def on_lend(lease: Lease, view: torch.Tensor) -> None:
         return
     if raw.numel() == 0:
         return  # no byte to change: no device slot, no launch
-    device = hooks.devices.device_of(raw)
-    if graph_capture.capturing(device):
-        graph_capture.skipped(f"the checksum of '{lease.name}'")
-        return
     checks = DEVICE_CHECKS
-    if not checks.ready(device):
+    if checks.off is not None:
         return
-    with checks.lock:
-        slot, reports = checks.take(lease, device)
-        table = checks.tables[device]
-        stream = hooks.checksum_into(raw, table.expected, slot)
-        checks.used(stream, lease.region_id, raw)
-    lease.checksum = (device, slot)
+    reports: List[Report] = []
+    try:  # the device-id query, the kernels' load and the launch all talk to the driver
+        device = hooks.devices.device_of(raw)
+        if graph_capture.capturing(device):
+            graph_capture.skipped(f"the checksum of '{lease.name}'")
+            return
+        if not checks.ready(device):
+            return
+        with checks.lock:
+            slot, reports = checks.take(lease, device)
+            table = checks.tables[device]
+            try:
+                stream = hooks.checksum_into(raw, table.expected, slot)
+                checks.used(stream, lease.region_id, raw)
+            except BaseException:
+                table.leases.pop(slot, None)  # no hash of it will land: the slot is not this lease's
+                table.free.append(slot)
+                raise
+        lease.checksum = (device, slot)
+    except Exception as exc:  # never out of a loader's lend: the checks go off, the load goes on
+        checks.turn_off(exc)
     _report(reports)
 
 
@@ -277,11 +300,17 @@ def _check(lease: Lease, where: str, event: Optional[ReuseEvent]) -> bool:
         graph_capture.skipped(f"the {where} check of '{lease.name}'")
         return False
     checks = DEVICE_CHECKS
-    with checks.lock:  # the tables are never replaced under a launch
-        table = checks.tables[device]
-        stream = hooks.verify_into(raw, table.expected, slot, table.flags)
-        checks.used(stream, lease.region_id, raw)
-        checks.pending[(device, slot)] = (where, event, site)
+    if checks.off is not None:
+        return False  # the checks went off after this lease was hashed: its verify would need the driver too
+    try:
+        with checks.lock:  # the tables are never replaced under a launch
+            table = checks.tables[device]
+            stream = hooks.verify_into(raw, table.expected, slot, table.flags)
+            checks.used(stream, lease.region_id, raw)
+            checks.pending[(device, slot)] = (where, event, site)
+    except Exception as exc:  # a failed launch: never out of a reuse or a read
+        checks.turn_off(exc)
+        return False
     return True
 
 
