@@ -359,6 +359,29 @@ def test_a_larger_cuda_tombstone_grows_the_block_and_older_ones_still_read_poiso
     del small, big
 
 
+def test_the_poison_block_goes_with_its_last_tombstone_and_fits_the_allocators_rounding(fake_cuda):
+    """It held a power of two for the process's life: a 2.2 GB embedding's tombstone pinned 4 GiB, kept
+    after every tombstone had died (issue 31, defect 5)."""
+    from sanitizer.torch_layer.storage_handles import DevicePoison
+
+    assert DevicePoison.block_size(2_200_000_000) == -(-2_200_000_000 // (2 << 20)) * (2 << 20) < 2_300_000_000
+    assert DevicePoison.block_size(3 << 18) == 3 << 18 and DevicePoison.block_size(100) == 1 << 16
+    assert DevicePoison.block_size(3 << 20, current=2 << 20) == 4 << 20  # small steps grow a little ahead
+    buf = StagingBuffer(4 << 20, device="cuda", name="ring0")
+    with sanitizer.sanitize(halt_on_error=0):
+        kept = [buf.write(0, torch.ones(3 << 18), name="w")]  # 3 MiB
+        buf.write(0, torch.ones(16), name="next")
+        assert guard.stats()["device_poison_bytes"] == 4 << 20  # 3 MiB, in the allocator's 2 MiB steps
+        assert math.isnan(float(kept[0][0]))
+        del kept
+        gc.collect()
+        assert guard.stats()["device_poison_bytes"] == 0  # no tombstone left: nothing held
+        again = buf.write(0, torch.ones(16), name="w2")
+        buf.write(0, torch.ones(16), name="next2")
+        assert math.isnan(float(again[0])) and guard.stats()["device_poison_bytes"] == 1 << 16
+    del again
+
+
 # -- defects: graph capture, missing tool chain -----------------------------------------------------------
 def test_graph_capture_skips_device_work_with_one_warning(fake_cuda):
     buf = StagingBuffer(4096, device="cuda", name="r")

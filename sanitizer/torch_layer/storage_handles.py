@@ -15,6 +15,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import weakref
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
@@ -187,10 +188,12 @@ class DevicePoison:
     A tombstone is a view of the block at offset 0 with a storage of its own, whose deleter keeps
     the block alive: a thousand retained stale views (a consumer keeping a layer's weights) cost the
     memory of the largest one, not their sum. The block is allocated and filled on the current
-    stream and waited for when it is made (so a view read on any stream sees poison), and it only
-    grows, to the next power of two and at least doubling, so that happens a few times per process;
-    an outgrown block is freed with its last tombstone. The current block is kept for the next
-    tombstones (:attr:`nbytes` says how much that is).
+    stream and waited for when it is made (so a view read on any stream sees poison). It is sized
+    to the caching allocator's own rounding (512 B, or 2 MiB past 1 MiB), grown by at most a
+    quarter past what a tombstone needs (a run of growing tombstones reallocates a few times, and a
+    2.2 GB embedding's tombstone holds ~2.2 GB, not the next power of two), and the table keeps it only
+    while a tombstone of it lives (each one counted, by a finalizer on its keeper): the last one gone,
+    its memory goes back to the allocator (:attr:`nbytes` says what the blocks hold now).
 
     Why not CUDA's virtual memory API (one physical granule mapped many times): it would cost 2 MiB
     whatever the sizes, but needs the driver API in the deleter of every tombstone, and is not
@@ -200,31 +203,50 @@ class DevicePoison:
     """
 
     MIN_BYTES = 1 << 16
+    SMALL, SMALL_ROUND, LARGE_ROUND = 1 << 20, 512, 2 << 20  # the CUDA caching allocator's block sizes
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._blocks: Dict[Tuple[int, int], torch.Tensor] = {}  # (device index, fill) -> uint8 block
+        # Re-entrant: a tombstone that dies while a view is being made here (a collection in the
+        # allocation) gives its count back from this very thread.
+        self._lock = threading.RLock()
+        self._blocks: Dict[Tuple[int, int], list] = {}  # (device, fill) -> [uint8 block, live tombstones]
 
     @property
     def nbytes(self) -> int:
         """Device memory the current blocks hold (outgrown blocks still aliased by tombstones aside)."""
         with self._lock:
-            return sum(b.numel() for b in self._blocks.values())
+            return sum(entry[0].numel() for entry in self._blocks.values())
+
+    @classmethod
+    def block_size(cls, nbytes: int, current: int = 0) -> int:
+        """The size of a new block for an ``nbytes`` tombstone, the current block holding ``current``."""
+        want = max(cls.MIN_BYTES, nbytes, min(2 * current, nbytes + nbytes // 4))
+        step = cls.SMALL_ROUND if want <= cls.SMALL else cls.LARGE_ROUND
+        return -(-want // step) * step
 
     def view(self, nbytes: int, fill: int, device: torch.device) -> Tuple[torch.Tensor, Any]:
         """``nbytes`` poison bytes on ``device``: a uint8 view of the block with a storage of its own,
         and the object its deleter keeps (weak-referenceable, it dies with the view's storage)."""
         key = (device.index or 0, fill)
         with self._lock:
-            block = self._blocks.get(key)
-            if block is None or block.numel() < nbytes:
-                size = max(self.MIN_BYTES, 1 << max(0, nbytes - 1).bit_length(),
-                           2 * block.numel() if block is not None else 0)
+            entry = self._blocks.get(key)
+            if entry is None or entry[0].numel() < nbytes:
+                size = self.block_size(nbytes, entry[0].numel() if entry is not None else 0)
                 block = devices.empty(size, device)
                 block.fill_(fill)
                 torch.cuda.current_stream(key[0]).synchronize()  # poisoned before any stream reads a view
-                self._blocks[key] = block
-        return alias_view(block, host_array(block), 0, nbytes, (nbytes,), torch.uint8)
+                entry = self._blocks[key] = [block, 0]
+            view, keeper = alias_view(entry[0], host_array(entry[0]), 0, nbytes, (nbytes,), torch.uint8)
+            entry[1] += 1
+            weakref.finalize(keeper, self._gone, key, entry)  # (the view's memory keeps the block itself)
+        return view, keeper
+
+    def _gone(self, key: Tuple[int, int], entry: list) -> None:
+        """A tombstone of ``entry``'s block died: the last one takes the block out of the table."""
+        with self._lock:
+            entry[1] -= 1
+            if entry[1] <= 0 and self._blocks.get(key) is entry:
+                del self._blocks[key]
 
 
 DEVICE_POISON = DevicePoison()
