@@ -33,7 +33,7 @@ def compose() -> None:
     with _lock:
         if _composed:
             return
-        from sanitizer.features import aliases, checksums, guard, rescue, trap_mode, triage
+        from sanitizer.features import aliases, checksums, guard, rescue, streams, trap_mode, triage
         from sanitizer.reporting import report
         from sanitizer.torch_layer import script_calls
 
@@ -43,6 +43,7 @@ def compose() -> None:
         rescue.install()  # enable(rescue=1) installs its hooks
         guard.install()  # enable(guard=1), the default, installs its hooks
         trap_mode.install()  # enable(trap=poison|fault) arms trap buffers
+        streams.install()  # record_stream on a CUDA lease reaches the memory it aliases
         report.install()  # enable(report=path) writes the report at exit
         script_calls.install()  # TorchScript keeps a sanitizer error's text
         _composed = True

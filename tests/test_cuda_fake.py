@@ -20,6 +20,7 @@ import sanitizer
 from cuda_hooks import devices, to_unsigned
 from sanitizer import BorrowCorruptedError, StagingBuffer, StaleBorrowError
 from sanitizer.features import checksums, guard
+from sanitizer.torch_layer import storage_handles
 from tests.fake_cuda import CAPTURE_ERROR, FakeStream, fake_cuda  # noqa: F401  (the fixture)
 
 
@@ -587,4 +588,26 @@ def test_a_forked_child_starts_with_no_device_state_and_fresh_locks(fake_cuda):
             checksums.DEVICE_CHECKS.lock.release()
         _, status = os.waitpid(pid, 0)
         assert os.WEXITSTATUS(status) == 0
+    del w
+
+
+def test_record_stream_on_a_lease_holds_the_staging_memory_it_aliases(fake_cuda):
+    """A consumer that reads a view on its own stream and calls ``w.record_stream(s)`` is correct
+    unsanitized (the view shares the buffer's block). A lease is an alias torch's allocator ignores:
+    the record must reach the buffer's block, and a tombstone's must reach the poison block (issue 31,
+    defect 2)."""
+    side = torch.cuda.Stream()
+    buf = StagingBuffer(4096, device="cuda", name="r")
+    with sanitizer.sanitize(halt_on_error=0):
+        w = buf.write(0, torch.ones(16), name="w")
+        w[:8].record_stream(side)  # a view of the lease, as a consumer would
+        assert side.cuda_stream in fake_cuda.recorded(buf._data)
+        buf.write(0, torch.ones(16), name="next")  # w is kept: the guard makes it a tombstone
+        other = torch.cuda.Stream()
+        w.record_stream(other)
+        block = storage_handles.DEVICE_POISON.block_at(w.untyped_storage().data_ptr())
+        assert block is not None and other.cuda_stream in fake_cuda.recorded(block)
+        plain = fake_cuda.alloc(64)
+        plain.record_stream(other)  # any other tensor: torch's own call, nothing more
+        assert fake_cuda.recorded(plain) == [other.cuda_stream]
     del w

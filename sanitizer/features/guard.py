@@ -15,7 +15,8 @@ memory now) and is counted in :func:`stats`. On CPU (Linux) every tombstone is a
 copy-on-write mapping of one shared poison file, so tombstones cost one ``mmap``
 each and, together, the memory of the largest; on CUDA every tombstone is a view
 of one shared poison block per device (``storage_handles.DEVICE_POISON``), so
-together they cost the largest one's memory, rounded up to a power of two.
+together they cost the largest one's memory, in the caching allocator's block sizes, and
+nothing once the last one is gone.
 """
 from __future__ import annotations
 

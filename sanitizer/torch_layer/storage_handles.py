@@ -241,6 +241,15 @@ class DevicePoison:
             weakref.finalize(keeper, self._gone, key, entry)  # (the view's memory keeps the block itself)
         return view, keeper
 
+    def block_at(self, address: int) -> Optional[torch.Tensor]:
+        """The current block that holds ``address`` (a tombstone's memory), or None."""
+        with self._lock:
+            for entry in self._blocks.values():
+                base = entry[0].data_ptr()
+                if base <= address < base + entry[0].numel():
+                    return entry[0]
+        return None
+
     def _gone(self, key: Tuple[int, int], entry: list) -> None:
         """A tombstone of ``entry``'s block died: the last one takes the block out of the table."""
         with self._lock:
