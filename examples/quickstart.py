@@ -17,6 +17,10 @@ import sanitizer
 ON_FROM_START = sanitizer.enabled()  # ownsan run / OWNERSHIP_SANITIZE=1 turned it on before this program
 
 
+# `ownsan audit` finds nothing here, and cannot: the view goes stale because this program itself writes the next
+# tensor into the same bytes (buf.write at offset 0, twice, in one call); the audit knows a view as good until
+# its loader's step ends (the loop over a loader's tensors moves on, or the call returns), knows no
+# StagingBuffer as a loader and compares no offsets. Only the sanitizer, running it, tells (docs/audit.md).
 def load_two_weights(buf):
     """A loader that reuses the same staging bytes for consecutive tensors, as fast loaders do."""
     w = buf.write(0, torch.full((256, 128), 1.0, dtype=torch.bfloat16), name="layers.0.mlp.gate_proj.weight")

@@ -76,3 +76,41 @@ def test_the_quickstart_under_ownsan_run_says_so_and_agrees_with_the_report(tmp_
         if line.strip().startswith("leases:"):
             names = re.findall(r"'[^']*'", line)
             assert len(names) == len(set(names)), line
+
+
+def _audited_lines(*paths: str, settings=None) -> list:
+    from sanitizer.audit import audit_paths
+
+    return sorted((os.path.basename(f.path), f.line, f.code) for f in audit_paths(list(paths), settings=settings).findings)
+
+
+def _lines_with(path: str, text: str) -> list:
+    """The lines of code (not comments) of ``path`` that hold ``text``."""
+    return [i for i, line in enumerate(open(path, encoding="utf-8"), 1)
+            if text in line and not line.lstrip().startswith("#")]
+
+
+def test_each_example_the_audit_misses_says_why_and_the_audit_page_names_it():
+    page = open(os.path.join(ROOT, "docs", "audit.md"), encoding="utf-8").read()
+    examples = sorted(f for f in os.listdir(os.path.join(ROOT, "examples")) if f.endswith(".py"))
+    for name in examples:  # every example consumer retains on purpose: found, or it says why not
+        path = os.path.join(ROOT, "examples", name)
+        if not _audited_lines(path):
+            assert re.search(r"ownsan audit[` a-z/.]*finds (nothing|this retention only)", open(path).read()), name
+            assert f"examples/{name}" in page or f"`{name}`" in page or "test_*_ownership.py" in page, name
+
+
+def test_the_audit_finds_what_the_examples_say_it_finds(tmp_path):
+    from sanitizer.audit import settings as audit_settings
+
+    holders = os.path.join(ROOT, "examples", "several_holders.py")
+    assert [line for _, line, _ in _audited_lines(holders)] == _lines_with(holders, "# STORE-")
+    reference = os.path.join(ROOT, "sanitizer", "testing", "reference")
+    loader = os.path.join(reference, "deferred_loader.py")
+    assert ("deferred_loader.py", _lines_with(loader, "info.loaded_weights.append((param_name, bound))")[0],
+            "OWN104") in _audited_lines(reference)
+    deferred = os.path.join(ROOT, "examples", "test_deferred_loader_ownership.py")
+    config = tmp_path / "pyproject.toml"
+    config.write_text('[tool.ownsan]\nconsumers = ["LayerwiseLoader.load:tensor"]\n')
+    assert _audited_lines(deferred, settings=audit_settings.load(str(config))) == [
+        ("test_deferred_loader_ownership.py", _lines_with(deferred, "calls.append(bound)")[0], "OWN104")]
