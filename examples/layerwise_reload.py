@@ -11,6 +11,11 @@ report with which frames are the consumer's, and a run with ``triage=1``
 whose JSON report (``--report``, for ``ownsan triage``) and timeline page
 (``--html``) it writes. ``--help`` lists the size and order options. The
 implementation is ``sanitizer/testing/demo.py``; ``ownsan demo`` runs the same.
+
+``ownsan audit examples`` finds nothing in this file because it holds no consumer, only the demo's entry:
+the retaining consumer is the reference loader, and ``ownsan audit sanitizer/testing/reference`` finds it
+(OWN104 at ``info.loaded_weights.append((param_name, bound))`` in ``online_process_loader``, the line the
+demo's fix and its report name).
 """
 from __future__ import annotations
 

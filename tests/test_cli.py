@@ -152,7 +152,16 @@ def test_demo_falls_back_to_the_core_scenario(monkeypatch, capsys):
                         lambda name, *a: None if name == "sanitizer.testing.demo" else real(name, *a))
     assert cli.main(["demo"]) == 0
     out = capsys.readouterr().out
-    assert "sanitized: the same read raises at once" in out and "StaleBorrowError" not in out.split("\n")[0]
+    assert "2. sanitized: the late read raises at once" in out and "StaleBorrowError" not in out.split("\n")[0]
+
+
+def test_demo_without_the_core_scenario_in_the_installation_says_so(monkeypatch, capsys, tmp_path):
+    real = cli.importlib.util.find_spec
+    monkeypatch.setattr(cli.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "sanitizer.testing.demo" else real(name, *a))
+    monkeypatch.setattr(cli, "_QUICKSTART", str(tmp_path / "examples" / "quickstart.py"))  # a wheel has none
+    assert cli.main(["demo"]) == 2
+    assert "the core scenario (examples/quickstart.py) is not part of this installation" in capsys.readouterr().err
 
 
 def test_fuzz_dispatches_or_says_it_is_missing(capsys):
@@ -266,7 +275,7 @@ def test_demo_without_its_extra_runs_the_core_scenario_or_says_what_to_install(t
     out = _without_safetensors(["demo"], tmp_path)
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
     assert "pip install 'ownership-sanitizer[demo]'" in out.stderr and "core scenario instead" in out.stderr
-    assert "sanitized: the same read raises at once" in out.stdout
+    assert "2. sanitized: the late read raises at once" in out.stdout
     out = _without_safetensors(["demo", "--order", "sorted"], tmp_path)  # the demo's own flags: no fallback
     assert out.returncode == 2 and "needs safetensors" in out.stderr and "Traceback" not in out.stderr
 

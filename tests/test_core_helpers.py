@@ -52,7 +52,7 @@ def test_one_rule_for_our_own_frames():
     assert sites.is_internal_file(join(_PKG, "torch_layer", "runtime.py"))
     assert sites.is_internal_file(join(_PKG, "features", "holders.py"))
     assert sites.is_internal_file(join(os.path.dirname(_PKG), "cuda_hooks", "gpu.py"))
-    for user in ("demo.py", "quickstart.py", "fuzz.py", join("reference", "deferred_loader.py")):
+    for user in ("demo.py", "fuzz.py", join("reference", "deferred_loader.py")):
         assert not sites.is_internal_file(join(_PKG, "testing", user))
     assert not sites.is_internal_file("/elsewhere/model.py")
 

@@ -56,13 +56,30 @@ def test_the_demo_says_what_it_simulates_what_corrupted_means_and_the_fix(tmp_pa
     assert rc == 0
     assert printed.startswith("What this simulates: vLLM's layerwise weight reload")
     assert "'corrupted' counts checkpoint tensors whose loaded (quantized) values differ, bit for bit" in printed
-    # the fix, at the line it goes on (found in the reference loader's source, so it cannot go stale)
-    where = demo.deferral_site()
-    path, line = where.rsplit(":", 1)
-    assert "scope.defer(bound)" in open(path, encoding="utf-8").read().splitlines()[int(line) - 1]
+    # no sanitized load ran (no debug row, no report run): the fix is named, but no line the demo did not see
     flat = " ".join(printed.split())
-    assert f"online_process_loader ({where})" in flat and "bound = sanitizer.own_arguments(bound)" in printed
+    assert "online_process_loader (deferred_loader.py, where it stores the call; the debug row's report names " \
+           "the line)" in flat and "bound = sanitizer.own_arguments(bound)" in printed
+    assert not re.search(r"deferred_loader\.py:\d+", printed)
     assert "the unsafe load once more" not in printed  # --html '' --report '': no report run
+
+
+@pytest.mark.slow
+def test_the_demo_names_the_fix_at_the_line_its_report_names(tmp_path, capsys):
+    rc = demo.main(SMALL + ["--dir", str(tmp_path), "--configs", "unsafe,debug", "--html", "", "--report", ""])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    prose = " ".join(printed[printed.index("The fix (the clone-on-defer row)"):printed.index("debug mode stopped")]
+                     .split())
+    said = re.search(r"online_process_loader \((\S+?):(\d+)[,)]", prose)
+    report = printed[printed.index("debug mode stopped"):]
+    fixed = re.search(r"^  fix: .*\((\S+):(\d+)\)$", report, re.M)
+    assert said and fixed, printed
+    assert os.path.realpath(said.group(1)) == os.path.realpath(fixed.group(1)) and said.group(2) == fixed.group(2)
+    guide = " ".join(report.split())
+    assert f"kept them at {said.group(1)}:{said.group(2)} (online_process_loader), where the fix goes" in guide
+    line = open(fixed.group(1), encoding="utf-8").read().splitlines()[int(fixed.group(2)) - 1]
+    assert "info.loaded_weights.append((param_name, bound))" in line  # what the prose's comment says it precedes
 
 
 @pytest.mark.slow
@@ -87,7 +104,8 @@ def test_the_debug_report_shows_the_consumer_and_says_whose_frames_are_whose(tmp
         assert not [f for f, where in frames if "runpy" in where or f in ("main", "_main", "_run_code")], stack
     guide = " ".join(r.guide.split())
     assert "stream_through_ring checkpoint.py:" in guide and "the consumer, LayerwiseLoader" in guide
-    assert f"kept them at {demo.deferral_site()} (online_process_loader), where the fix goes" in guide
+    assert f"kept them at {demo._shown_path(r.fix_site)} (online_process_loader), where the fix goes" in guide
+    assert r.report.rstrip().count(f"({r.fix_site})") >= 1  # the site the error's own fix: line names
 
 
 def test_the_demo_writes_its_report_for_ownsan_triage_and_explains_the_nans(tmp_path, capsys):

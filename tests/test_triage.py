@@ -491,6 +491,21 @@ def test_triage_text_reads_stale_at_each_consumer_shows_the_sites_once_and_the_f
     assert text.count("stale_use: borrowed view 'a'") == 1  # each distinct error once
 
 
+def test_triage_text_names_a_lease_name_that_repeats_in_one_row_once_with_its_count():
+    from sanitizer.reporting.text import format_triage
+
+    buf = sanitizer.StagingBuffer(4096, name="ring0")
+    with sanitizer.sanitize(triage=1, triage_budget_ms=10000):
+        for name in ["layers.0.w"] * 3 + ["other"]:  # one weight loaded three times, then another: all kept
+            _KEPT.append(_lend(buf, name))
+            _next(buf)
+        rep = sanitizer.report(final=True)
+    (row,) = [g for g in rep["summary"]["retaining_consumers"] if g["count"] == 4]
+    assert sorted(row["leases"]) == ["layers.0.w"] * 3 + ["other"]  # the report keeps every lease's name
+    rows = [line.strip() for line in format_triage(rep, "r.json").splitlines() if line.strip().startswith("leases:")]
+    assert rows == ["leases: 'layers.0.w' (3 leases), 'other'"], rows
+
+
 _RETAINING_SCRIPT = '''
 import torch, sanitizer
 KEPT = []

@@ -22,7 +22,7 @@ import copy
 import os
 import threading
 import types
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 from sanitizer.core.ledger import Lease, ReuseEvent
 from sanitizer.core.describe import describe_event, describe_lease, fix_hint
@@ -34,6 +34,13 @@ def _record(kind: str, summary: str, **fields: Any) -> Dict[str, Any]:
     the thread and process that raised it."""
     return {"kind": kind, "summary": summary, **fields,
             "thread": threading.current_thread().name, "pid": os.getpid()}
+
+
+def fix_site(holder: Optional[Mapping[str, Any]]) -> Optional[str]:
+    """``file:line`` where an error's fix goes: where its holder stored the view (else where the holder
+    lives); None when no holder is known. The one source of the line an error's ``fix:`` names."""
+    holder = holder or {}
+    return site_text(holder.get("stored_at") or holder.get("site"))
 
 
 def _event_lines(event: ReuseEvent) -> List[str]:
@@ -173,8 +180,7 @@ class StaleBorrowError(OwnershipError):
         holder = self.holder or {}
         # (one view: its own holder path, not the consumer's wildcarded group, which names
         # test_S*_MOCK()['tensor*.int*'] where the code says test_S3_MOCK()['tensor1.int64'])
-        self.fix = fix_hint(holder.get("kind"), holder.get("path") or holder.get("consumer") or "",
-                            site_text(holder.get("stored_at") or holder.get("site")))
+        self.fix = fix_hint(holder.get("kind"), holder.get("path") or holder.get("consumer") or "", fix_site(holder))
         self.record["fix"] = self.fix
         self._finish()
 
@@ -237,4 +243,4 @@ def stale_summary(lease: Lease, event: ReuseEvent, op: str) -> str:
     return f"borrowed view {lease.describe()} used after {event.describe()} in {op}"
 
 
-__all__ = ["OwnershipError", "StaleBorrowError", "BorrowCorruptedError", "stale_summary", "rebuild"]
+__all__ = ["OwnershipError", "StaleBorrowError", "BorrowCorruptedError", "stale_summary", "rebuild", "fix_site"]

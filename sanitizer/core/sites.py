@@ -20,7 +20,7 @@ _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The one rule for "our own frames", shared by stack capture here and the holder walk in
 # sanitizer.features.holder_paths: files under the sanitizer package and under cuda_hooks/
 # (its numba kernels) are internal, except sanitizer/testing/, which holds reference
-# *consumers* (the deferred loader, the demos, quickstart): a report must show their frames
+# *consumers* (the deferred loader, the demo): a report must show their frames
 # like any user code, so only the plumbing around them is internal.
 _HOOKS_DIR = os.path.join(os.path.dirname(_PKG_DIR), "cuda_hooks")
 _INTERNAL_PREFIXES: Tuple[str, ...] = (_PKG_DIR + os.sep, _HOOKS_DIR + os.sep)

@@ -45,6 +45,18 @@ def distinct_errors(errors: List[dict]) -> List[Tuple[dict, int]]:
     return out
 
 
+def lease_names(names: List[str], count: int, shown: int = 4) -> str:
+    """A consumer's lease names for its row: each distinct name once, in the order first seen, with how many of
+    its leases bear it when more than one does (a consumer that kept the same weight from three loads is
+    ``'w' (3 leases)``, not ``'w', 'w', 'w'``); ``...`` when names are left out (more than ``shown`` distinct
+    ones, or more leases than the report kept names of)."""
+    tally: Dict[str, int] = {}
+    for name in names:
+        tally[name] = tally.get(name, 0) + 1
+    parts = [repr(n) + (f" ({k} leases)" if k > 1 else "") for n, k in list(tally.items())[:shown]]
+    return ", ".join(parts) + (", ..." if len(tally) > shown or count > len(names) else "")
+
+
 def format_triage(rep: Dict[str, Any], path: Optional[str] = None, top: int = 20) -> str:
     """The human summary: one line, the retaining consumers by bytes with holder and sites, then the errors."""
     summary = rep["summary"]
@@ -71,7 +83,7 @@ def format_triage(rep: Dict[str, Any], path: Optional[str] = None, top: int = 20
             g = consumers[i - 1]
             pad = "  " + " " * (sum(widths) + 2 * 5)
             first = g["first"]
-            names = ", ".join(repr(n) for n in g["leases"][:4]) + (", ..." if g["count"] > 4 else "")
+            names = lease_names(g["leases"], g["count"])
             candidates = g.get("stored_candidates") or []
             if len(candidates) > 1:  # several statements store into that container alike
                 lines.append(f"{pad}stored at one of {', '.join(candidates)} (holder lives at {g['site'] or '?'}; "
@@ -101,7 +113,7 @@ def format_triage(rep: Dict[str, Any], path: Optional[str] = None, top: int = 20
         lines += ["", "emulated retentions (views kept past the emulated ring; each was moved onto an owned copy, "
                       "safetensors_strict=1 makes them errors):"]
         for g in emulated[:top]:
-            names = ", ".join(repr(n) for n in g["leases"][:4]) + (", ..." if g["count"] > 4 else "")
+            names = lease_names(g["leases"], g["count"])
             where = f"stored at {g['stored_at']}" if g.get("stored_at") else f"holder lives at {g['site'] or '?'}"
             lines.append(f"  {format_bytes(g['bytes'])}  {g['count']}  {g['kind']}  {g['consumer']} ({where})")
             lines.append(f"      leases: {names}")
@@ -155,4 +167,4 @@ def section_for_test(rep: Dict[str, Any], path: Optional[str]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["format_triage", "section_for_test", "lent_reused", "distinct_errors"]
+__all__ = ["format_triage", "section_for_test", "lent_reused", "distinct_errors", "lease_names"]

@@ -14,7 +14,7 @@ quantizer, and compares every checkpoint tensor bit for bit against
   (activation at import, for real): it stops at the first stale replay, and
   the demo says which frames of that report are the consumer's;
 * ``clone-on-defer``: ``own_arguments`` at the deferral point (the fix, printed
-  with the line it goes on: :func:`fix_text`);
+  at the line the sanitizer's own report names: :func:`fix_site`, :func:`fix_text`);
 * ``rescue``: unsafe consumer, sanitizer with ``rescue=1``;
 * ``copy-everything``: the loader hands out owned copies (``INSTANTTENSOR_COPY=1``).
 
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import json
 import os
 import subprocess
@@ -51,12 +50,11 @@ import torch
 
 from sanitizer import activation
 from sanitizer.core import output_file
-from sanitizer.core.errors import OwnershipError
+from sanitizer.core.errors import OwnershipError, fix_site as report_fix_site
 from sanitizer.core.options import OPTIONS
 from sanitizer.core.sites import frame_text
 from sanitizer.features import ownership
 from sanitizer.features import rescue
-from sanitizer.testing.reference import deferred_loader
 from sanitizer.testing.reference.checkpoint import (ORDERS, config_of, corrupted_tensors, deferral_windows,
                                                     read_header, reference_state, stream_through_ring,
                                                     write_checkpoint)
@@ -102,6 +100,7 @@ class Result:
     summary: str = ""
     report: str = ""
     guide: str = ""  # (debug) which frames of the report are the consumer's
+    fix_site: str = ""  # (debug) file:line of the error's fix (where the consumer stored the view)
 
 
 def load(path: str, ring_bytes: int, *, ownership_on: bool, copy: bool = False) -> TinyForCausalLM:
@@ -118,18 +117,25 @@ def load(path: str, ring_bytes: int, *, ownership_on: bool, copy: bool = False) 
     return model
 
 
-def deferral_site() -> str:
-    """``file:line`` of the deferral in the reference loader: where ``online_process_loader`` keeps a call
-    (and its borrowed arguments) for later; found in its source, so it names the line as it is now."""
-    source, first = inspect.getsourcelines(LayerwiseLoader.make_online_process_loader)
-    line = next((first + i for i, text in enumerate(source) if "scope.defer(bound)" in text), first)
-    return f"{_shown_path(deferred_loader.__file__)}:{line}"
+def fix_site(results: Sequence["Result"], run: Optional["ReportRun"] = None) -> Optional[str]:
+    """``file:line`` of the fix, as the sanitizer's own report names it: where the consumer stored the view
+    the debug load stopped at (that error's ``fix:``), else where the ``triage=1`` run's first retaining
+    consumer stored its views; shown relative to the working directory. None when no sanitized load ran."""
+    site = next((r.fix_site for r in results if r.config == "debug" and r.fix_site), None)
+    if site is None and run is not None:
+        site = next((g.get("stored_at") for g in run.report["summary"]["retaining_consumers"] if g.get("stored_at")),
+                    None)
+    return _shown_path(site) if site else None
 
 
-def fix_text() -> str:
-    """The fix, spelled out: where it goes and what it does."""
-    return (f"The fix (the clone-on-defer row): own the borrowed arguments where the call is deferred, in "
-            f"online_process_loader ({deferral_site()}):\n"
+def fix_text(site: Optional[str] = None) -> str:
+    """The fix, spelled out: where it goes (``site``, from :func:`fix_site`: the line the report names) and
+    what it does."""
+    where = (f"online_process_loader ({site}, where it stores the call)" if site else
+             "online_process_loader (deferred_loader.py, where it stores the call; the debug row's report names "
+             "the line)")
+    return (f"The fix (the clone-on-defer row): own the borrowed arguments before the deferred call is kept, in "
+            f"{where}:\n"
             "    bound = sanitizer.own_arguments(bound)   # before info.loaded_weights.append((param_name, bound))\n"
             "own_arguments copies only the tensor arguments that are borrowed views (the destination 'param' is "
             "skipped), so the copy costs the deferred bytes alone; the call that completes a layer is replayed at "
@@ -172,8 +178,10 @@ def stack_guide(record: Dict[str, Any]) -> str:
         lines.append(f"  used at: the consumer, LayerwiseLoader, replaying a deferred call "
                      f"({frame_text(replay, basename=True)}) into {frame_text(reader, basename=True)}, "
                      "which read the view after the ring had reused its bytes")
-    lines.append(f"  held by: the consumer's retained calls; it kept them at {deferral_site()} "
-                 "(online_process_loader), where the fix goes")
+    kept = report_fix_site(record.get("holder"))
+    if kept:
+        lines.append(f"  held by: the consumer's retained calls; it kept them at {_shown_path(kept)} "
+                     "(online_process_loader), where the fix goes")
     lines.append("  frames in demo.py are the demo's driver (it runs this load in a child process)")
     return "\n".join(lines)
 
@@ -244,7 +252,8 @@ def _child_debug(path: str, ring_bytes: int) -> Result:
         model = load(path, ring_bytes, ownership_on=False)
     except OwnershipError as err:
         return Result("debug", None, total, 1, type(err).__name__, time.perf_counter() - start, 0, 0, 0, 0,
-                      summary=err.summary, report=str(err), guide=stack_guide(err.record))
+                      summary=err.summary, report=str(err), guide=stack_guide(err.record),
+                      fix_site=report_fix_site(getattr(err, "holder", None)) or "")
     bad = corrupted_tensors(model, reference_state(path), config_of(path))
     return Result("debug", len(bad), total, 0, "", time.perf_counter() - start, 0, 0, 0, 0)
 
@@ -507,7 +516,7 @@ def _main(args: argparse.Namespace) -> int:
           "peak extra memory = owned copies alive at once; load time = best of "
           f"{max(1, args.repeat)} after a warm-up")
     print("\n" + "\n".join(line if line.startswith("    ") else textwrap.fill(line, 110)
-                            for line in fix_text().split("\n")))
+                            for line in fix_text(fix_site(results, run)).split("\n")))
     stopped = next((r for r in results if r.config == "debug" and r.report), None)
     if stopped is not None:
         print("\ndebug mode stopped at the first stale replay with the report below.")

@@ -406,21 +406,33 @@ def _missing(command: str, modules: Sequence[str], extra: str, args: Sequence[st
     return bool(missing)
 
 
+_QUICKSTART = os.path.join(_PKG_PARENT, "examples", "quickstart.py")
+
+
+def _quickstart(why: str) -> int:
+    """Run the core scenario, ``examples/quickstart.py``, as a program of its own (its own frames, its own
+    ``main``). A checkout, an editable install and an unpacked sdist have it; a wheel ships no examples, and
+    then this says what to install instead."""
+    if not os.path.isfile(_QUICKSTART):
+        print(f"ownsan demo: {why}, and the core scenario (examples/quickstart.py) is not part of this "
+              "installation", file=sys.stderr)
+        return 2
+    import runpy
+
+    return int(runpy.run_path(_QUICKSTART, run_name="ownsan_quickstart")["main"]() or 0)
+
+
 def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if importlib.util.find_spec("sanitizer.testing.demo") is not None:
         if _missing("demo", ["safetensors"], "demo", args.args):
-            if args.args:
+            if args.args or not os.path.isfile(_QUICKSTART):
                 return 2
             print("ownsan demo: running the core scenario instead (torch only)\n", file=sys.stderr)
-            from sanitizer.testing.quickstart import main as quickstart
-
-            return int(quickstart() or 0)
+            return _quickstart("safetensors is missing")
         return int(importlib.import_module("sanitizer.testing.demo").main(list(args.args)) or 0)
     if args.args:
         parser.error("the core scenario takes no arguments (the end-to-end demo is not installed)")
-    from sanitizer.testing.quickstart import main as quickstart
-
-    return int(quickstart() or 0)
+    return _quickstart("the end-to-end demo is not installed")
 
 
 def cmd_fuzz(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
