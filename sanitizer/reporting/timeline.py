@@ -319,9 +319,9 @@ class _Panel:
 
     def _gutter(self) -> float:
         """Room kept free of boxes at the plot's right end for the labels of the retained leases that end
-        there (a read at the last generation): beside their box, never over another one."""
+        near it (a read in the last generations, later leases after it): beside their box, over no other."""
         at_end = [lease for lease, _, _, red_end in self.spans
-                  if red_end is not None and red_end >= self.g1 - 0.02 * (self.g1 - self.g0)]
+                  if red_end is not None and red_end >= self.g1 - 0.15 * (self.g1 - self.g0)]
         if not at_end:
             return 0.0
         n = len([s for s in self.spans if s[3] is not None])
@@ -728,7 +728,10 @@ def render_html(rep: Dict[str, Any], title: Optional[str] = None, intro: Optiona
                      "<col style=\"width:27%\"></colgroup><tr><th>holder</th><th>count</th><th>bytes</th>"
                      "<th>read stale at</th><th>holder lives at</th><th>fix</th></tr>")
         for g in consumers:
-            parts.append(f"<tr><td><code>{_esc(g.get('consumer'))}</code></td><td class=\"num\">{g.get('count')}</td>"
+            also = (f' <span class="note">(holds {g.get("also_held")} view(s) counted above, beside their holder)'
+                    "</span>" if not g.get("count") and g.get("also_held") else "")
+            parts.append(f"<tr><td><code>{_esc(g.get('consumer'))}</code>{also}</td>"
+                         f"<td class=\"num\">{g.get('count')}</td>"
                          f"<td class=\"num\">{format_bytes(int(g.get('bytes') or 0))}</td>"
                          f"<td>{_esc(', '.join(g.get('read_stale_at') or []) or '-')}</td>"
                          f"<td>{_esc(g.get('site') or '?')}</td><td>{_esc(g.get('fix') or '')}</td></tr>")
