@@ -355,6 +355,7 @@ def nice_step(minimum: float) -> int:
         step *= 10
 
 
-__all__ = ["abbreviations", "Box", "Anchor", "LabelRequest", "Placed", "place_labels", "text_box", "text_width", "common_prefix",
+__all__ = ["abbreviations",
+           "Box", "Anchor", "LabelRequest", "Placed", "place_labels", "text_box", "text_width", "common_prefix",
            "common_suffix", "short_name", "shorten", "variants", "baseline_centred", "label_height", "nice_step",
            "CHAR_WIDTH", "ASCENT", "DESCENT"]
