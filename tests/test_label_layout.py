@@ -150,3 +150,33 @@ def test_a_thousand_labels_are_laid_out_fast():
 
 def test_nice_steps():
     assert [L.nice_step(x) for x in (0.2, 1, 1.5, 3, 7, 11, 45, 51)] == [1, 1, 2, 5, 10, 20, 50, 100]
+
+
+def test_a_free_anchor_keeps_clear_of_every_shape_and_a_guide_of_every_label():
+    inside = Box(0, 0, 100, 20)
+    # beside a box (free): not over another shape, even when the request is not solid
+    req = LabelRequest(["abc"], [Anchor(0, 15, free=True), Anchor(0, 45, free=True)], 10, Box(0, 0, 200, 200))
+    (got,) = L.place_labels([req], shapes=[inside])
+    assert got.at.y == 45 and not got.box.overlaps(inside)
+    # a guide from a label down: a later label on a lower row never crosses it, nor the guide a later label
+    first = LabelRequest(["a"], [Anchor(50, 10, guide=Box(49, 13.2, 51, 100))], 10, Box(0, 0, 200, 200))
+    second = LabelRequest(["crossing"], [Anchor(40, 40), Anchor(100, 40)], 10, Box(0, 0, 200, 200))
+    a, b = L.place_labels([first, second])
+    assert b.at.x == 100 and not b.box.overlaps(a.at.guide)
+    lower = LabelRequest(["zz"], [Anchor(45, 60)], 10, Box(0, 0, 200, 200))  # the label itself would cross it
+    late = LabelRequest(["g"], [Anchor(140, 10, guide=Box(139, 13, 141, 100)), Anchor(170, 10)], 10,
+                        Box(0, 0, 200, 200))
+    _, _, c, d = L.place_labels([first, second, lower, late])
+    assert c is None and d.at.x == 170  # 'late's guide would cross 'second' (placed at x=100..148)
+    # a gap: two labels on one row never touch
+    left = LabelRequest(["aaaa"], [Anchor(0, 10)], 10, Box(0, 0, 200, 20), gap=6)
+    right = LabelRequest(["bbbb"], [Anchor(24, 10), Anchor(30, 10)], 10, Box(0, 0, 200, 20), gap=6)
+    _, r = L.place_labels([left, right])
+    assert r.at.x == 30 and r.option == "bbbb"
+
+
+def test_abbreviations_say_what_each_initial_stands_for():
+    assert L.abbreviations("0.self_attn.q_proj", "0.s.q_proj") == [("s", "self_attn")]
+    assert L.abbreviations("3.mlp.experts.0.gate_proj", "3.m.e.0.gate_proj") == [("m", "mlp"), ("e", "experts")]
+    assert L.abbreviations("3.mlp.experts.0.gate_proj", "3.\u2026gate_proj") == []  # left out, not initials
+    assert L.abbreviations("x.y", "x.y") == []

@@ -510,3 +510,191 @@ def test_the_demo_writes_the_page_of_its_unsafe_load(demo_report):
     assert all("<td><code>LayerReloadingInfo." in row for row in listed)  # whole holders, never cut
     assert any("<td><code>LayerReloadingInfo.loaded_weights[" in row for row in listed)
     assert "http" not in text
+
+
+# -- the page as a new user read it (issue 32): the demo's and the quickstart's real reports ------------------
+@pytest.fixture(scope="module")
+def quickstart_report(tmp_path_factory) -> dict:
+    """The report ``ownsan run`` writes for ``examples/quickstart.py`` (a 1 MiB buffer of which 64 KiB are lent)."""
+    import sys
+
+    where = tmp_path_factory.mktemp("quickstart")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = where / "q.json"
+    proc = subprocess.run([sys.executable, "-m", "sanitizer", "run", "--report", str(out), "-q", "--",
+                           sys.executable, os.path.join(root, "examples", "quickstart.py")],
+                          capture_output=True, text=True, timeout=300, cwd=str(where))
+    assert out.exists(), (proc.returncode, proc.stderr[-2000:])
+    return json.loads(out.read_text(encoding="utf-8"))
+
+
+def _panels(rep: dict) -> list:
+    return [timeline._Panel(buf, i) for i, buf in enumerate(timeline.buffers_of(rep))]
+
+
+def _own_box(lay, pl):
+    """The box a label is drawn in (its own red box or lease box), or None for a label beside its box."""
+    kind, item = pl.request.key
+    if pl.at.within is None:
+        return None
+    if kind == "marker":
+        return next(b for lease, _, b in lay.reds if lease is item)
+    return next(b for lease, _, _, b in lay.boxes if lease is item)
+
+
+def _layout_faults(panel) -> list:
+    """What a panel's layout draws over something else: a label over a label, a guide, a cross or a box not
+    its own; a cross over a cross."""
+    lay = panel.layout()
+    shapes = [b for _, _, _, b in lay.boxes] + [b for _, _, b in lay.reds]
+    marks = [b for _, b in lay.marks]
+    bad = [("cross over cross", i, j) for i, a in enumerate(marks) for j, b in enumerate(marks[:i]) if a.overlaps(b)]
+    for i, pl in enumerate(lay.placed):
+        bad += [("label over label", pl.text, o.text) for o in lay.placed[:i] if pl.box.overlaps(o.box)]
+        bad += [("label over guide", pl.text, o.text) for o in lay.placed
+                if o.at.guide is not None and o is not pl and pl.box.overlaps(o.at.guide)]
+        bad += [("label over cross", pl.text) for m in marks if pl.box.overlaps(m)]
+        own = _own_box(lay, pl)
+        # a label in its red box is over the later leases of the same bytes only where its red box covers them
+        others = [b for _, _, b in lay.reds] if pl.request.key[0] == "marker" and own is not None else shapes
+        bad += [("label over another box", pl.text, b) for b in others if b is not own and pl.box.overlaps(b)]
+        if own is not None and not pl.box.inside(own):
+            bad.append(("label leaves its box", pl.text))
+        if not pl.box.inside(pl.request.within):
+            bad.append(("label leaves the panel", pl.text))
+    reuse = [pl for pl in lay.placed if pl.request.key[0] == "reuse"]
+    gaps = [(a.text, b.text) for i, a in enumerate(reuse) for b in reuse[:i]
+            if a.box.y0 == b.box.y0 and a.box.x0 - timeline.LABEL_GAP < b.box.x1 and b.box.x0 - timeline.LABEL_GAP
+            < a.box.x1]
+    return bad + [("reuse labels touch", g) for g in gaps]
+
+
+@pytest.mark.slow
+def test_no_label_or_cross_is_drawn_over_another_or_over_a_box_not_its_own(demo_report, quickstart_report):
+    for rep in (demo_report, quickstart_report):
+        panels = _panels(rep)
+        assert panels
+        for panel in panels:
+            assert _layout_faults(panel) == []
+    (demo,) = _panels(demo_report)
+    lay = demo.layout()
+    numbered = {pl.request.key[1]["lease_id"] for pl in lay.placed if pl.request.key[0] == "marker"}
+    assert numbered == set(lay.numbers)  # and every retained lease still gets its number in the chart
+    assert len(lay.marks) == len([l for l, _, _ in lay.reds if l["retained"]["until"] == "stale_read"]) > 0
+    # the reads at the last generation: their labels beside their box, in the room kept right of the boxes
+    assert demo.gutter > 0 and any(pl.at.x > demo.x(demo.g1) for pl in lay.placed)
+
+
+@pytest.mark.slow
+def test_the_byte_axis_is_zoomed_to_the_bytes_lent_and_says_so(quickstart_report, demo_report):
+    (panel,) = _panels(quickstart_report)
+    assert panel.nbytes == 1 << 20 and (panel.b0, panel.b1) == (0, 0x10000) and panel.zoomed
+    assert panel.offsets == [0, 0x4000, 0x8000, 0xC000, 0x10000]
+    assert panel.y(0x10000) == panel.plot.y1 and panel.y(1 << 20) == panel.plot.y1  # a close stays in the plot
+    page = timeline.render_html(quickstart_report)
+    assert "byte offset: 0x0-0x10000 of 1.0 MiB (the rest never lent)" in page
+    assert "byte axis zoomed to the bytes lent, 0x0-0x10000 (64.0 KiB of 1.0 MiB: the rest was never lent)" in page
+    (demo,) = _panels(demo_report)  # the demo's ring is used whole: drawn whole, nothing said
+    assert (demo.b0, demo.b1) == (0, demo.nbytes) and not demo.zoomed and "zoomed" not in timeline.render_html(
+        demo_report)
+    assert timeline.byte_range([(0, 64)], 1 << 20) == (0, 64, [0, 16, 32, 48, 64])
+    assert timeline.byte_range([(0x30000, 0x38000)], 1 << 20)[:2] == (0x30000, 0x38000)
+    assert timeline.byte_range([(0, 600)], 1000) == (0, 1000, [0, 250, 500, 750, 1000])
+    assert timeline.byte_range([], 1000)[:2] == (0, 1000)
+
+
+def test_the_sanitizers_own_objects_are_never_a_consumer_on_the_page(demo_report):
+    # the demo's loader keeps every deferred call in a DeferralScope (ours) as well as in the layer's info
+    page = timeline.render_html(demo_report)
+    consumers = page[page.index("<h2>Retaining consumers</h2>"):]
+    rows = re.findall(r'<tr><td><code>([^<]*)</code></td><td class="num">(\d+)', consumers)
+    counted = [holder for holder, count in rows if int(count)]
+    assert counted == [html.escape("LayerReloadingInfo.loaded_weights[*][*].arguments['loaded_weight']", quote=True)]
+    # a holder seen only beside it (the replay loop's variable) is said to be one, not counted as a second
+    assert all("counted above, beside their holder" in row for row in re.findall(r"<tr><td>.*?</tr>", consumers, re.S)
+               if '<td class="num">0' in row)
+    assert "DeferralScope" not in page.replace("DeferralScope.defer", "") and "_retained" not in page
+    held = re.findall(r'<tr data-lease="\d+">.*?</tr>', page)
+    assert held and all("DeferralScope" not in row and "LayerReloadingInfo" in row for row in held)
+
+
+@pytest.mark.slow
+def test_every_short_name_is_explained_on_the_page(demo_report, quickstart_report):
+    page = timeline.render_html(demo_report)
+    (panel,) = _panels(demo_report)
+    lay = panel.layout()
+    key = re.search(r'<p class="names">(.*?)</p>', page, re.S).group(1)
+    assert "<code>model.layers.</code> and <code>.weight</code>" in key and "Hover a label for its whole name" in key
+    initials = {pair for pl in lay.placed
+                for pair in label_layout.abbreviations(panel.names(panel.full_name(pl)), panel.shown_name(pl))}
+    assert initials  # 3.m.e.0.gate_proj: each initial said, with what it stands for
+    assert all(f"<code>{k}</code> = <code>" in key and part in key for k, part in initials)
+    left_out = [pl for pl in lay.placed if "\u2026" in panel.shown_name(pl)]
+    assert ("<code>\u2026</code>" in key) == bool(left_out)
+    # each label's tooltip is the whole name it stands for
+    tips = re.findall(r'<g class="label-of"><title>([^<]*)</title><text[^>]*>([^<]*)</text></g>', page)
+    assert len(tips) == len(lay.placed)
+    whole = {l["name"] for l in demo_report["timeline"]["leases"]} | {e.get("by") for e in
+                                                                     demo_report["timeline"]["events"]}
+    for tip, _ in tips:
+        name = html.unescape(tip).split(" ", 1)[1] if tip.startswith(("#", "reused for ")) else html.unescape(tip)
+        name = name[len("for "):] if name.startswith("for ") else name
+        assert name in whole, tip
+    assert "<p class=\"names\">" in timeline.render_html(quickstart_report)
+
+
+def test_a_counted_holder_is_said_in_words(tmp_path):
+    rep, _, _ = _page(tmp_path)
+    for lease in rep["timeline"]["leases"]:
+        if lease["retained"]:
+            lease["retained"]["counted"] = True
+    page = timeline.render_html(rep)
+    assert "counted" not in page.replace('"counted"', "") and "walked" not in page
+    assert html.escape(timeline.COUNTED, quote=True) in page
+    assert "not seen holding this view: named after what held the earlier views" in page
+
+
+def _png_size(path) -> tuple:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("width", [900, 1400, 2800])
+def test_in_chromium_at_900_1400_and_2800_px_the_text_keeps_its_size(tmp_path, width, demo_report,
+                                                                       quickstart_report):
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("no headless Chromium (chromium, chromium-browser or google-chrome on PATH): the page is not "
+                    "rendered, its layout is still checked by the tests above")
+    for name, rep in (("demo", demo_report), ("quickstart", quickstart_report)):
+        page = timeline.render_html(rep)
+        path = tmp_path / f"{name}.html"
+        path.write_text(page, encoding="utf-8")
+        png = tmp_path / f"{name}-{width}.png"  # kept under tmp_path, to look at
+        proc = subprocess.run([browser, "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                               f"--user-data-dir={tmp_path / 'profile'}", f"--window-size={width},1200",
+                               f"--screenshot={png}", path.as_uri()],
+                              capture_output=True, text=True, timeout=120, cwd=str(tmp_path),
+                              env={**os.environ, "HOME": str(tmp_path)})
+        assert png.exists(), proc.stderr[-2000:]
+        assert _png_size(png) == (width, 1200)
+        px = _png_pixels(png.read_bytes()).astype(int)
+        red = (px[:, :, 0] > 180) & (px[:, :, 1] < 90) & (px[:, :, 2] < 90)
+        assert red.sum() > 300, (name, width)  # the retained boxes are on screen
+        got = _measure_in_chromium(browser, tmp_path, page, width, 1200)
+        (svg,) = got["svgs"]
+        drawn = svg["box"][2] - svg["box"][0]
+        # never scaled below its viewBox (labels 12 px, axes 11 px): a narrow window scrolls it instead
+        assert timeline.WIDTH - 1 <= drawn <= timeline.MAX_WIDTH + 1, (name, width, drawn)
+        if width >= timeline.WIDTH + 100:
+            assert drawn >= min(timeline.MAX_WIDTH, 0.9 * (width - 48)) - 1  # a wide window: the chart widens
+        heights = [t["box"][3] - t["box"][1] for t in svg["texts"] if "transform" not in t.get("text", "")]
+        assert min(heights) >= 11 * 0.95, (name, width, min(heights))
+        eps = 0.5
+        texts = svg["texts"]
+        overlaps = [(a["text"], b["text"]) for i, a in enumerate(texts) for b in texts[:i]
+                    if a["box"][0] < b["box"][2] - eps and b["box"][0] < a["box"][2] - eps
+                    and a["box"][1] < b["box"][3] - eps and b["box"][1] < a["box"][3] - eps]
+        assert overlaps == [], (name, width, overlaps[:5])

@@ -208,12 +208,29 @@ def variants(text: str, shortest: int = 8) -> List[str]:
     return ordered
 
 
+def abbreviations(full: str, shown: str) -> List[Tuple[str, str]]:
+    """The components ``shown`` (one of :func:`variants` of ``full``) cut to their initials, as
+    ``(initial, component)`` pairs (``("s", "self_attn")`` for ``0.s.q_proj`` of ``0.self_attn.q_proj``): what
+    a page's key of short names says. None for a form that leaves components out instead, or for ``full``."""
+    a, b = _components(shown), _components(full)
+    if len(a) != len(b):
+        return []
+    out = []
+    for short, whole in zip(a, b):
+        if short != whole:
+            out.append((short.rstrip("./:"), whole.rstrip("./:")))
+    return out
+
+
 # -- the layout ----------------------------------------------------------------------
 @dataclass(frozen=True)
 class Anchor:
     """One place a label may go: its ``(x, baseline y)`` and text anchor; ``form``, how the text is written
     there (``"\u2193 {}"``: an arrow before it); ``within``, a box the label must also lie inside here (a
-    label inside a shape); ``style``, a tag for the caller (a label inside a box is drawn differently)."""
+    label inside a shape); ``style``, a tag for the caller (a label inside a box is drawn differently);
+    ``free``: here the label must lie clear of every shape (a label beside its box is never drawn over
+    another box); ``guide``: the box of a line drawn from the label (a reuse label's guide to its tick),
+    which must cross no other label and which no later label may cross."""
 
     x: float
     y: float
@@ -221,6 +238,8 @@ class Anchor:
     style: str = ""
     form: str = "{}"
     within: Optional[Box] = None
+    free: bool = False  # here the label must also cover none of the ``shapes`` (a label beside a box, not in one)
+    guide: Optional[Box] = None  # a line drawn with the label here (down to its tick): it must cross no label
 
 
 @dataclass
@@ -229,7 +248,8 @@ class LabelRequest:
     ``size``, the box it must lie ``within``, whether it must also avoid the solid shapes (``solid``), and
     ``key``, passed through to the result. ``place_first``: try every text at the first anchor before the
     next anchor (a short label where it belongs beats a long one further away); by default every anchor
-    is tried with the longest text first."""
+    is tried with the longest text first. ``gap``: the room kept, left and right, from every other label
+    (labels on one row that touch read as one)."""
 
     options: Sequence[str]
     anchors: Sequence[Anchor]
@@ -238,6 +258,7 @@ class LabelRequest:
     solid: bool = False
     key: Any = None
     place_first: bool = False
+    gap: float = 0.0
 
     def tries(self) -> Iterator[Tuple[str, Anchor]]:
         """The (text option, anchor) pairs in the order they are tried."""
@@ -248,12 +269,13 @@ class LabelRequest:
 
 @dataclass(frozen=True)
 class Placed:
-    """Where a request went: its text, its anchor, and the box it occupies."""
+    """Where a request went: its text, its anchor, the box it occupies, and the option it shows."""
 
     request: LabelRequest
     text: str
     at: Anchor
     box: Box
+    option: str = ""  # the text option chosen (``text`` is it in the anchor's form)
 
 
 class _Grid:
@@ -278,18 +300,24 @@ class _Grid:
 
 
 def place_labels(requests: Iterable[LabelRequest], obstacles: Iterable[Box] = (),
-                 solids: Iterable[Box] = ()) -> List[Optional[Placed]]:
+                 solids: Iterable[Box] = (), shapes: Iterable[Box] = ()) -> List[Optional[Placed]]:
     """Place ``requests`` in order (the first has the first pick): each at its first (text option, anchor)
-    whose box lies inside its ``within`` (and the anchor's), overlaps no label placed before it and no
-    ``obstacles`` box (and, for a ``solid`` request, no ``solids`` box). One result per request, None where
-    it fitted nowhere. By construction no two placed labels overlap and none leaves its bounds."""
+    whose box lies inside its ``within`` (and the anchor's), overlaps no label placed before it (nor comes
+    within the request's ``gap`` of one, left or right), no guide of one and no ``obstacles`` box (and, for
+    a ``solid`` request, no ``solids`` box; at a ``free`` anchor, no ``shapes`` or ``solids`` box), and
+    whose anchor's guide crosses no placed label. One result per request, None where it fitted nowhere. By
+    construction no two placed labels overlap, no label crosses a guide, and none leaves its bounds."""
     placed = _Grid()
+    guides = _Grid()
     blocked = _Grid()
     for b in obstacles:
         blocked.add(b)
     solid = _Grid()
     for b in solids:
         solid.add(b)
+    shape = _Grid()
+    for b in shapes:
+        shape.add(b)
     out: List[Optional[Placed]] = []
     for req in requests:
         got: Optional[Placed] = None
@@ -300,12 +328,19 @@ def place_labels(requests: Iterable[LabelRequest], obstacles: Iterable[Box] = ()
             box = text_box(text, at.x, at.y, req.size, at.anchor)
             if not box.inside(req.within) or (at.within is not None and not box.inside(at.within)):
                 continue
-            if placed.hits(box) or blocked.hits(box) or (req.solid and solid.hits(box)):
+            spaced = Box(box.x0 - req.gap, box.y0, box.x1 + req.gap, box.y1) if req.gap else box
+            if placed.hits(spaced) or guides.hits(box) or blocked.hits(box):
                 continue
-            got = Placed(req, text, at, box)
+            if (req.solid or at.free) and solid.hits(box) or at.free and shape.hits(box):
+                continue
+            if at.guide is not None and placed.hits(at.guide):
+                continue
+            got = Placed(req, text, at, box, option)
             break
         if got is not None:
             placed.add(got.box)
+            if got.at.guide is not None:
+                guides.add(got.at.guide)
         out.append(got)
     return out
 
@@ -320,6 +355,7 @@ def nice_step(minimum: float) -> int:
         step *= 10
 
 
-__all__ = ["Box", "Anchor", "LabelRequest", "Placed", "place_labels", "text_box", "text_width", "common_prefix",
+__all__ = ["abbreviations",
+           "Box", "Anchor", "LabelRequest", "Placed", "place_labels", "text_box", "text_width", "common_prefix",
            "common_suffix", "short_name", "shorten", "variants", "baseline_centred", "label_height", "nice_step",
            "CHAR_WIDTH", "ASCENT", "DESCENT"]

@@ -22,18 +22,22 @@ so the layout holds at any window size.
 from __future__ import annotations
 
 import html
+import math
 import os
+from dataclasses import dataclass
 from itertools import islice
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from sanitizer.core import output_file
 from sanitizer.core.sites import site_text
 from sanitizer.core.units import format_bytes
-from sanitizer.reporting.label_layout import (ASCENT, CHAR_WIDTH, DESCENT, Anchor, Box, LabelRequest, Placed,
+from sanitizer.reporting.label_layout import (ASCENT, CHAR_WIDTH, DESCENT, ELLIPSIS, Anchor, Box, LabelRequest, Placed,
+                                              abbreviations,
                                               baseline_centred, common_prefix, common_suffix, label_height,
                                               nice_step, place_labels, short_name, text_width, variants)
 
-WIDTH = 1100  # the viewBox width; the page draws the SVG at its own width (CSS), scaling everything alike
+WIDTH = 1100  # the viewBox width; the SVG is drawn at the page's width but never narrower (CSS min-width:
+MAX_WIDTH = 1600  # a narrower window scrolls the chart sideways, its text never shrinks) nor wider than this
 PLOT_HEIGHT = 400
 RIGHT = 16
 LABEL = 12.0  # font size of the labels in the chart (viewBox units)
@@ -45,11 +49,15 @@ MAX_LEASES = 3000  # boxes per panel (the most recent)
 MAX_LABELS = 400  # label requests per panel, in priority order (more would not fit; the rest: tooltips only)
 MAX_LISTED = 200  # retained leases listed under a panel
 MARK = 6.0  # half the size of a stale-read cross
+GUTTER = 220.0  # at most this much of the plot's right end is kept for labels beside the last boxes
+LABEL_GAP = CHAR_WIDTH * LABEL  # room between two reuse labels on one row: a character
 
 LEASE = "#4e79a7"  # a lease from lend to retire
 DEAD = "#a9c1dc"  # a lease that died before its bytes were reused (box ends at that reuse)
 RETAINED = "#d62728"  # held past the reuse of its bytes
 REUSE = "#444444"
+COUNTED = ("not seen holding this view: named after what held the earlier views lent and reused at the same "
+           "lines")
 _MONO = "'DejaVu Sans Mono', Menlo, Consolas, 'Liberation Mono', ui-monospace, monospace"
 
 _CSS = f"""
@@ -60,8 +68,10 @@ h3 {{ font-size: 14px; margin: 10px 0 2px; }}
 .summary {{ font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 13px; margin: 4px 0 8px; }}
 .legend span {{ display: inline-block; margin-right: 18px; font-size: 13px; }}
 .legend i {{ display: inline-block; width: 22px; height: 11px; margin-right: 5px; vertical-align: -1px; }}
-svg.timeline {{ display: block; width: 100%; height: auto; max-width: 1600px; background: #fbfbfb;
-               border: 1px solid #e3e3e3; box-sizing: border-box; }}
+div.chart {{ overflow-x: auto; max-width: {MAX_WIDTH}px; }}
+svg.timeline {{ display: block; width: 100%; height: auto; min-width: {WIDTH}px; max-width: {MAX_WIDTH}px;
+               background: #fbfbfb; border: 1px solid #e3e3e3; box-sizing: border-box; }}
+p.names {{ font-size: 13px; color: #444; margin: 4px 0 6px; }}
 svg text {{ font-family: {_MONO}; fill: #333; }}
 svg .axis text {{ fill: #666; }}
 svg text.out {{ paint-order: stroke; stroke: #fbfbfb; stroke-width: 3px; stroke-linejoin: round; }}
@@ -212,6 +222,42 @@ class _Names:
             return ""
         return f", tensor names shown as <code>{_esc(self.prefix)}&#8230;{_esc(self.suffix)}</code>"
 
+    def key(self, shown: Sequence[Tuple[str, str]]) -> str:
+        """The paragraph under a chart that says how its labels shorten names, as HTML: what every name
+        shares (left out), the initials the labels use with what each stands for, the ellipsis; where to
+        find a whole name. ``shown``: each label's (whole short name, text shown). '' when every label
+        shows its whole name."""
+        initials: Dict[str, List[str]] = {}
+        cut = False
+        for whole, text in shown:
+            if not text or text == whole:
+                continue
+            pairs = abbreviations(whole, text)
+            cut = cut or not pairs
+            for short, part in pairs:
+                if part not in initials.setdefault(short, []):
+                    initials[short].append(part)
+        if not self.prefix and not self.suffix and not initials and not cut:
+            return ""
+        out = ['<p class="names"><b>Short names in the chart.</b> ']
+        if self.prefix or self.suffix:
+            shared = " and ".join(f"<code>{_esc(x)}</code>" for x in (self.prefix, self.suffix) if x)
+            example = next((w for w, _ in shown if w), "")
+            out.append(f"Every name here shares {shared}: the labels leave it out" + (
+                f" (<code>{_esc(self.prefix + example + self.suffix)}</code> is shown as <code>{_esc(example)}</code>)"
+                if example else "") + ". ")
+        if initials or cut:
+            out.append("Where a label has no room for the rest, it keeps the first and the last parts of the "
+                       "name and shortens the parts between them: ")
+            if initials:
+                out.append("each to its initial (" + ", ".join(
+                    f"<code>{_esc(k)}</code> = <code>{_esc(' or '.join(v))}</code>"
+                    for k, v in sorted(initials.items())) + ")" + (", or " if cut else ". "))
+            if cut:
+                out.append(f"left out, as <code>{ELLIPSIS}</code>. ")
+        out.append("Hover a label for its whole name; the list under the chart gives them whole.</p>")
+        return "".join(out)
+
 
 class _Panel:
     """One buffer's SVG and its list of retained leases: geometry, shapes, then the labels laid out."""
@@ -245,22 +291,49 @@ class _Panel:
         retiring = {l.get("retired_by") for l, _, _, r in self.spans if r is not None}
         self.hurting = [e for e in self.events if e["event_id"] in retiring and e.get("by")]
         # geometry: offset labels on the left, a band of reuse labels above the plot, generations below
-        self.offsets = [self.nbytes * i / 4 for i in range(5)]
+        self.b0, self.b1, self.offsets = byte_range(
+            [l["byte_range"] for l in leases] + [e["byte_range"] for e in self.events if e.get("kind") != "close"],
+            self.nbytes)  # a close retires the whole buffer: it says nothing of the bytes used
         widest = max(text_width(f"{int(o):#x}", AXIS) for o in self.offsets)
         self.left = 6 + label_height(AXIS) + 8 + widest + 6
         self.band_rows = min(BAND_ROWS, max(1, len(self.hurting)))
         self.band = Box(2, 4, WIDTH - 2, 4 + self.band_rows * PITCH)
         top = self.band.y1 + 8
         self.plot = Box(self.left, top, WIDTH - RIGHT, top + PLOT_HEIGHT)
+        self.gutter = self._gutter()
         self.tick_y = self.plot.y1 + 6 + ASCENT * AXIS
         self.title_y = self.tick_y + 1.6 * AXIS
         self.height = self.title_y + DESCENT * AXIS + 6
 
+    @property
+    def zoomed(self) -> bool:
+        """Whether the byte axis shows less than the whole buffer (only the bytes lent)."""
+        return (self.b0, self.b1) != (0, self.nbytes)
+
+    def zoom_note(self) -> str:
+        """The heading's word on a zoomed byte axis ('' when the whole buffer is drawn)."""
+        if not self.zoomed:
+            return ""
+        return (f"; byte axis zoomed to the bytes lent, {self.b0:#x}-{self.b1:#x} ({format_bytes(self.b1 - self.b0)}"
+                f" of {format_bytes(self.nbytes)}: the rest was never lent)")
+
+    def _gutter(self) -> float:
+        """Room kept free of boxes at the plot's right end for the labels of the retained leases that end
+        near it (a read in the last generations, later leases after it): beside their box, over no other."""
+        at_end = [lease for lease, _, _, red_end in self.spans
+                  if red_end is not None and red_end >= self.g1 - 0.15 * (self.g1 - self.g0)]
+        if not at_end:
+            return 0.0
+        n = len([s for s in self.spans if s[3] is not None])
+        widest = max(len(self.names(_name(l))) for l in at_end)
+        return min(GUTTER, text_width(f"#{n} ", LABEL) + widest * CHAR_WIDTH * LABEL + 2 * MARK + 8)
+
     def x(self, g: float) -> float:
-        return self.plot.x0 + (g - self.g0) / (self.g1 - self.g0) * self.plot.width
+        return self.plot.x0 + (g - self.g0) / (self.g1 - self.g0) * (self.plot.width - self.gutter)
 
     def y(self, offset: float) -> float:
-        return self.plot.y0 + offset / self.nbytes * self.plot.height
+        offset = min(max(offset, self.b0), self.b1)
+        return self.plot.y0 + (offset - self.b0) / (self.b1 - self.b0) * self.plot.height
 
     # -- shapes ------------------------------------------------------------------------
     def _lease_boxes(self) -> List[Tuple[dict, str, float, Box]]:
@@ -286,12 +359,26 @@ class _Panel:
         return [(lease, end, box) for (lease, end, _), box in zip(out, _strips([b for _, _, b in out]))]
 
     def _marks(self, reds: List[Tuple[dict, float, Box]]) -> List[Tuple[dict, Box]]:
-        out = []
+        """A cross at the end of each red box that ended in a stale read, at the middle of its height; two
+        that would overlap (reads at the same time in the same bytes) are moved apart along the box's end,
+        else back along the box: each cross is seen."""
+        out: List[Tuple[dict, Box]] = []
         for lease, _, box in reds:
-            if lease["retained"].get("until") == "stale_read":
-                cx, cy = box.x1, (box.y0 + box.y1) / 2
-                cx = min(cx, self.plot.x1 + RIGHT - MARK - 1)  # a read at the very end stays in the panel
-                out.append((lease, Box(cx - MARK, cy - MARK, cx + MARK, cy + MARK)))
+            if lease["retained"].get("until") != "stale_read":
+                continue
+            cx, cy = box.x1, (box.y0 + box.y1) / 2
+            cx = min(cx, self.plot.x1 + RIGHT - MARK - 1)  # a read at the very end stays in the panel
+            step = 2 * MARK + 1
+            tries = [(cx, cy)] + [(cx, cy + k * d * step) for k in range(1, 6) for d in (1, -1)
+                                  if box.y0 <= cy + k * d * step <= box.y1]
+            tries += [(cx - k * step, cy) for k in range(1, 6) if cx - k * step >= box.x0]
+            for x, y in tries:
+                mark = Box(x - MARK, y - MARK, x + MARK, y + MARK)
+                if not any(mark.overlaps(m) for _, m in out):
+                    break
+            else:
+                mark = Box(cx - MARK, cy - MARK, cx + MARK, cy + MARK)
+            out.append((lease, mark))
         return out
 
     def _tick_x(self, ev: dict) -> float:
@@ -307,12 +394,19 @@ class _Panel:
             n = numbers[lease["lease_id"]]
             mid = (box.y0 + box.y1) / 2
             inside = Box(box.x0 + 1, box.y0, box.x1 - 1, box.y1)
-            anchors = [Anchor(box.x0 + 3, baseline_centred(mid, LABEL), "start", "in-red", within=inside)]
-            for dy in (0, -pitch, pitch, -2 * pitch, 2 * pitch):
+            # inside it, clear of the crosses of the reads drawn over it (a neighbour's read at its start)
+            anchors = [Anchor(x, baseline_centred(mid + dy, LABEL), "start", "in-red", within=inside)
+                       for x in (box.x0 + 3, box.x0 + 2 * MARK + 5) for dy in (0, -pitch, pitch)]
+            for dy in (0, -pitch, pitch, -2 * pitch, 2 * pitch):  # beside it: clear of every box
                 yb = baseline_centred(mid + dy, LABEL)
-                anchors += [Anchor(box.x1 + MARK + 3, yb, "start", "out"), Anchor(box.x0 - 3, yb, "end", "out")]
-            anchors += [Anchor(box.x0, box.y0 - DESCENT * LABEL - 2, "start", "out"),
-                        Anchor(box.x0, box.y1 + ASCENT * LABEL + 2, "start", "out")]
+                anchors += [Anchor(box.x1 + MARK + 3, yb, "start", "out", free=True),
+                            Anchor(box.x0 - 3, yb, "end", "out", free=True)]
+            if self.gutter:  # at its height in the room kept right of the last boxes
+                x_end = self.x(self.g1) + MARK + 3
+                anchors += [Anchor(x_end, baseline_centred(mid + dy, LABEL), "start", "out", free=True)
+                            for dy in (0, -pitch, pitch, -2 * pitch, 2 * pitch)]
+            anchors += [Anchor(box.x0, box.y0 - DESCENT * LABEL - 2, "start", "out", free=True),
+                        Anchor(box.x0, box.y1 + ASCENT * LABEL + 2, "start", "out", free=True)]
             options = [f"#{n} {s}" for s in variants(self.names(_name(lease)))] + [f"#{n}"]
             yield LabelRequest(options, anchors, LABEL, self.plot, key=("marker", lease), place_first=True)
         # 2. the reuses that retired a retained lease, in the band above: the tensor that took the bytes
@@ -320,9 +414,13 @@ class _Panel:
         half = CHAR_WIDTH * LABEL / 2  # the arrow's middle is over the tick
         for ev in self.hurting:
             xr = self._tick_x(ev)
-            anchors = [a for yb in rows for a in (Anchor(xr - half, yb, "start", "out", "\u2193 {}"),
-                                                   Anchor(xr + half, yb, "end", "out", "{} \u2193"))]
-            yield LabelRequest(variants(self.names(ev["by"])), anchors, LABEL, self.band, key=("reuse", ev))
+            anchors = []
+            for yb in rows:  # the guide from the label down to the plot crosses no label of a lower row
+                guide = Box(xr - 1, yb + DESCENT * LABEL, xr + 1, self.band.y1)
+                anchors += [Anchor(xr - half, yb, "start", "out", "\u2193 {}", guide=guide),
+                            Anchor(xr + half, yb, "end", "out", "{} \u2193", guide=guide)]
+            yield LabelRequest(variants(self.names(ev["by"])), anchors, LABEL, self.band, key=("reuse", ev),
+                               gap=LABEL_GAP)
         # 3. lease names inside their boxes, where no red box covers them
         for lease, how, _, box in boxes:
             if box.height < label_height(LABEL) + 2 or box.width < text_width("xxxx", LABEL) + 6:
@@ -336,17 +434,24 @@ class _Panel:
                                [Anchor(x, yb, "start", style, within=inside) for x in starts],
                                LABEL, self.plot, solid=True, key=("name", lease))
 
-    def svg(self) -> Tuple[str, List[Tuple[int, dict, Optional[dict]]]]:
-        """The panel's SVG, and its retained leases in number order (number, lease, the reuse that retired it)."""
-        info = self.buf.info
+    def layout(self) -> "Layout":
+        """Every shape of the panel and every label placed among them (what the page draws; tests read it)."""
         boxes = self._lease_boxes()
         reds = self._red_boxes()
         marks = self._marks(reds)
         numbers = {lease["lease_id"]: i + 1 for i, (lease, _, _) in enumerate(reds)}
-        by_id = {e["event_id"]: e for e in self.events}
         requests = islice(self._requests(boxes, reds, numbers), MAX_LABELS)
-        placed = [pl for pl in place_labels(requests, obstacles=[b for _, b in marks], solids=[b for _, _, b in reds])
+        placed = [pl for pl in place_labels(requests, obstacles=[b for _, b in marks], solids=[b for _, _, b in reds],
+                                            shapes=[b for _, _, _, b in boxes])
                   if pl is not None]
+        return Layout(boxes, reds, marks, numbers, placed)
+
+    def svg(self, lay: Optional["Layout"] = None) -> Tuple[str, List[Tuple[int, dict, Optional[dict]]]]:
+        """The panel's SVG, and its retained leases in number order (number, lease, the reuse that retired it)."""
+        info = self.buf.info
+        lay = lay or self.layout()
+        boxes, reds, marks, numbers, placed = lay.boxes, lay.reds, lay.marks, lay.numbers, lay.placed
+        by_id = {e["event_id"]: e for e in self.events}
         p = self.plot
         out = [f'<svg id="timeline-{self.index}" class="timeline" viewBox="0 0 {WIDTH} {self.height:.0f}" '
                f'preserveAspectRatio="xMinYMin meet" role="img" '
@@ -379,7 +484,7 @@ class _Panel:
             title = (f"#{numbers[lease['lease_id']]} RETAINED {_name(lease)}\n"
                      f"held by {r.get('holder') or 'an unnamed holder'}\n"
                      f"its bytes were reused{took}{_at_generation(end)}; {_ended(r)}"
-                     + ("\n(holder counted, not walked: the same sites' last holder)" if r.get("counted") else ""))
+                     + (f"\n({COUNTED})" if r.get("counted") else ""))
             out.append(f'<g class="retained" data-lease="{lease["lease_id"]}"><rect x="{b.x0:.1f}" y="{b.y0:.1f}" '
                        f'width="{b.width:.1f}" height="{b.height:.1f}" fill="{RETAINED}" stroke="#fff" '
                        f'stroke-width="0.75"/>'
@@ -403,13 +508,30 @@ class _Panel:
         listed = [(numbers[lease["lease_id"]], lease, by_id.get(lease.get("retired_by"))) for lease, _, _ in reds]
         return "\n".join(out), listed
 
+    def full_name(self, pl: Placed) -> str:
+        """The whole name a label stands for (the tensor's, or the one a reuse was for)."""
+        kind, item = pl.request.key
+        return str(item.get("by") or "") if kind == "reuse" else _name(item)
+
+    @staticmethod
+    def shown_name(pl: Placed) -> str:
+        """The part of a label that is the name (a retained lease's label starts with its number: ``#3 ``)."""
+        if pl.request.key[0] == "marker":
+            return pl.option.split(" ", 1)[1] if " " in pl.option else ""
+        return pl.option
+
     def _text(self, pl: Placed) -> str:
-        kind, _ = pl.request.key
+        """A label, with the whole name it stands for as its tooltip (a label may show a short form)."""
+        kind, item = pl.request.key
         cls = {"marker": "marker", "reuse": "reuse-label", "name": "lease-label"}[kind]
-        return (f'<text class="label {cls} {pl.at.style}" x="{pl.at.x:.1f}" y="{pl.at.y:.1f}" '
+        full = self.full_name(pl)
+        tip = (pl.text.split(" ", 1)[0] + " " if kind == "marker" else "reused for " if kind == "reuse"
+               else "") + full
+        return (f'<g class="label-of"><title>{_esc(tip)}</title>'
+                f'<text class="label {cls} {pl.at.style}" x="{pl.at.x:.1f}" y="{pl.at.y:.1f}" '
                 f'font-size="{pl.request.size:g}" text-anchor="{pl.at.anchor}" '
                 f'textLength="{text_width(pl.text, pl.request.size):.1f}" lengthAdjust="spacingAndGlyphs">'
-                f'{_esc(pl.text)}</text>')
+                f'{_esc(pl.text)}</text></g>')
 
     def _axes(self) -> str:
         """Byte offsets on the left, generations below: each in a margin of its own, spaced not to touch."""
@@ -423,9 +545,16 @@ class _Panel:
             out.append(_axis_text(text, p.x0 - 6, ty, "end"))
         cx = 6 + ASCENT * AXIS
         cy = (p.y0 + p.y1) / 2
-        out.append(f'<text x="{cx:.1f}" y="{cy:.1f}" transform="rotate(-90 {cx:.1f} {cy:.1f})" font-size="{AXIS:g}" '
-                   f'text-anchor="middle" textLength="{text_width("byte offset", AXIS):.1f}" '
-                   f'lengthAdjust="spacingAndGlyphs">byte offset</text>')
+        title = "byte offset"
+        if self.zoomed:
+            for title in (f"byte offset: {self.b0:#x}-{self.b1:#x} of {format_bytes(self.nbytes)} (the rest never "
+                          "lent)", f"byte offset: {self.b0:#x}-{self.b1:#x} of {format_bytes(self.nbytes)}",
+                          f"bytes {self.b0:#x}-{self.b1:#x}"):
+                if text_width(title, AXIS) <= p.height:
+                    break
+        out.append(f'<text class="byte-axis" x="{cx:.1f}" y="{cy:.1f}" transform="rotate(-90 {cx:.1f} {cy:.1f})" '
+                   f'font-size="{AXIS:g}" text-anchor="middle" textLength="{text_width(title, AXIS):.1f}" '
+                   f'lengthAdjust="spacingAndGlyphs">{_esc(title)}</text>')
         per_generation = p.width / (self.g1 - self.g0)
         widest = text_width(str(int(self.g1)), AXIS) + 2 * text_width("x", AXIS)
         step = nice_step(widest / per_generation)
@@ -442,6 +571,37 @@ class _Panel:
         out.append(_axis_text(title, WIDTH - RIGHT, self.title_y, "end"))
         out.append("</g>")
         return "\n".join(out)
+
+
+@dataclass
+class Layout:
+    """A panel's shapes and labels, in viewBox units: each lease's box (lease, how it ended, its end, box),
+    each retained lease's red box (lease, its retire, box), each stale read's cross (lease, box), the
+    retained leases' numbers (by lease id), and the labels placed."""
+
+    boxes: List[Tuple[dict, str, float, Box]]
+    reds: List[Tuple[dict, float, Box]]
+    marks: List[Tuple[dict, Box]]
+    numbers: Dict[int, int]
+    placed: List[Placed]
+
+
+def byte_range(ranges: Sequence[Sequence[int]], nbytes: int) -> Tuple[int, int, List[int]]:
+    """The byte offsets a panel draws, ``(lo, hi, ticks)``: the whole buffer, or, when its lends and reuses
+    used less than half of it, the used bytes rounded out to ticks a power of two apart (a 1 MiB buffer
+    of which 64 KiB were lent is drawn 0x0-0x10000, not as one thin line)."""
+    whole = (0, nbytes, [nbytes * i // 4 for i in range(5)])
+    used = [(int(a), int(b)) for a, b in ranges if b > a]
+    if not used:
+        return whole
+    lo, hi = min(a for a, _ in used), min(nbytes, max(b for _, b in used))
+    if hi - lo >= nbytes / 2:
+        return whole
+    step = 1 << max(0, math.ceil(math.log2(max(1, hi - lo) / 4)))
+    lo, hi = lo // step * step, min(nbytes, -(-hi // step) * step)
+    if hi - lo >= nbytes / 2:
+        return whole
+    return lo, hi, list(range(lo, hi + 1, step))
 
 
 def _strips(boxes: List[Box], limit: int = 400) -> List[Box]:
@@ -502,7 +662,7 @@ def _retained_list(name: Any, listed: List[Tuple[int, dict, Optional[dict]]]) ->
             took = f"{_esc(ev.get('by') or ev.get('kind'))}{_esc(_at_generation(_after(ev)))}"
         rows.append(f'<tr data-lease="{lease["lease_id"]}"><td class="num">#{n}</td><td><code>{_esc(_name(lease))}'
                     f'</code></td><td><code>{_esc(r.get("holder") or "an unnamed holder")}</code>'
-                    f'{" (counted, not walked)" if r.get("counted") else ""}</td><td>{took}</td>'
+                    f'{f" ({COUNTED})" if r.get("counted") else ""}</td><td>{took}</td>'
                     f"<td>{_esc(_ended(r))}</td></tr>")
     rows.append("</table>")
     if len(listed) > MAX_LISTED:
@@ -543,14 +703,16 @@ def render_html(rep: Dict[str, Any], title: Optional[str] = None, intro: Optiona
     for i, buf in enumerate(bufs[:MAX_BUFFERS]):
         info = buf.info
         panel = _Panel(buf, i)
-        svg, listed = panel.svg()
+        lay = panel.layout()
+        svg, listed = panel.svg(lay)
         extra = f", pid {info.get('pid')}" if rep.get("processes") else ""
         parts.append(f'<section class="buffer" data-buffer="{_esc(info.get("name"))}">'
                      f"<h2>{_esc(info.get('name'))} <small>{format_bytes(int(info.get('nbytes') or 0))} on "
                      f"{_esc(info.get('device', '?'))}, generation {_esc(info.get('generation'))}, "
                      f"{len(buf.leases)} lease{'s' * (len(buf.leases) != 1)} drawn, "
-                     f"{len(buf.retained)} retained{extra}{panel.names.note()}</small></h2>")
-        parts.append(svg)
+                     f"{len(buf.retained)} retained{extra}{panel.names.note()}{panel.zoom_note()}</small></h2>")
+        parts.append(f'<div class="chart">{svg}</div>')
+        parts.append(panel.names.key([(panel.names(panel.full_name(pl)), panel.shown_name(pl)) for pl in lay.placed]))
         parts.append(_retained_list(info.get("name"), listed))
         parts.append("</section>")
     if len(bufs) > MAX_BUFFERS:
@@ -566,7 +728,10 @@ def render_html(rep: Dict[str, Any], title: Optional[str] = None, intro: Optiona
                      "<col style=\"width:27%\"></colgroup><tr><th>holder</th><th>count</th><th>bytes</th>"
                      "<th>read stale at</th><th>holder lives at</th><th>fix</th></tr>")
         for g in consumers:
-            parts.append(f"<tr><td><code>{_esc(g.get('consumer'))}</code></td><td class=\"num\">{g.get('count')}</td>"
+            also = (f' <span class="note">(holds {g.get("also_held")} view(s) counted above, beside their holder)'
+                    "</span>" if not g.get("count") and g.get("also_held") else "")
+            parts.append(f"<tr><td><code>{_esc(g.get('consumer'))}</code>{also}</td>"
+                         f"<td class=\"num\">{g.get('count')}</td>"
                          f"<td class=\"num\">{format_bytes(int(g.get('bytes') or 0))}</td>"
                          f"<td>{_esc(', '.join(g.get('read_stale_at') or []) or '-')}</td>"
                          f"<td>{_esc(g.get('site') or '?')}</td><td>{_esc(g.get('fix') or '')}</td></tr>")
