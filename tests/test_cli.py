@@ -136,6 +136,28 @@ def test_options_lists_every_option_with_type_and_default(capsys):
         assert any(line.split()[:2] == [name, typ] for line in out.splitlines()), name
 
 
+@pytest.mark.parametrize("columns", [50, 80, 120])
+def test_options_wraps_to_the_terminal_with_a_hanging_indent(columns, monkeypatch, capsys):
+    """Each help once came on one line of 300+ characters."""
+    monkeypatch.setenv("COLUMNS", str(columns))
+    assert cli.main(["options"]) == 0
+    lines = capsys.readouterr().out.split("\n\n")[0].splitlines()[1:]  # the table, without its header
+    assert all(len(line) < columns for line in lines), max(lines, key=len)
+    helps: dict = {}
+    for line in lines:
+        if not line.startswith(" "):  # a row: name, type, default, then the start of its help (if it fits)
+            name, typ, default, *start = line.split(None, 3)
+            assert option_table.OPTIONS[name].type.__name__ == typ
+            helps[name] = start
+        else:  # a continuation, under one hanging indent (the help column, or four spaces when too narrow)
+            helps[name].append(line.strip())
+    indents = {len(line) - len(line.lstrip()) for line in lines if line.startswith(" ")}
+    assert len(indents) == 1
+    assert list(helps) == list(option_table.OPTIONS)
+    for name, opt in option_table.OPTIONS.items():
+        assert " ".join(helps[name]) == " ".join(opt.help.split()), name
+
+
 def test_python_dash_m_sanitizer_is_ownsan(tmp_path):
     out = _ownsan("options", cwd=str(tmp_path))
     assert out.returncode == 0 and "triage_budget_ms" in out.stdout

@@ -344,13 +344,33 @@ def table_rows() -> Iterable[tuple]:
         yield opt.name, opt.type.__name__, opt.default, opt.help
 
 
-def format_table() -> str:
+def format_table(width: Optional[int] = None) -> str:
+    """The option table as ``ownsan options`` prints it: one row per option, its help wrapped to ``width``
+    columns (default: the terminal's, 100 when unknown) under a hanging indent at the help column, so the
+    name, type and default columns stay readable. Too narrow a terminal for that: the help goes below the
+    row, indented by four."""
+    import shutil
+    import textwrap
+
+    if width is None:
+        width = shutil.get_terminal_size((100, 24)).columns
+    width = max(width, 40) - 1  # a line that fills the last column wraps on some terminals
     rows = list(table_rows())
-    width = max(len(r[0]) for r in rows)
-    lines = [f"{'option':<{width}}  {'type':<5}  {'default':<8}  help"]
+    name_w = max(len(r[0]) for r in rows)
+    cells = []
     for name, typ, default, text in rows:
         shown = int(default) if isinstance(default, bool) else (repr(default) if default == "" else default)
-        lines.append(f"{name:<{width}}  {typ:<5}  {str(shown):<8}  {text}")
+        cells.append((f"{name:<{name_w}}  {typ:<5}  {str(shown):<8}  ", text))
+    indent = max(len(head) for head, _ in cells)
+    lines = [f"{'option':<{name_w}}  {'type':<5}  {'default':<8}  help"]
+    for head, text in cells:
+        if width - indent >= 30:
+            lines.extend(textwrap.wrap(text, width, initial_indent=head.ljust(indent),
+                                       subsequent_indent=" " * indent, break_on_hyphens=False))
+        else:
+            lines.append(head.rstrip())
+            lines.extend(textwrap.wrap(text, width, initial_indent="    ", subsequent_indent="    ",
+                                       break_on_hyphens=False))
     return "\n".join(lines)
 
 

@@ -444,9 +444,13 @@ def cmd_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             return 2
         print(f"{args.sync_readme}: {'updated' if changed else 'already in sync'}")
         return 0
-    print(_opts.format_table())
-    print(f"\nSet them with {_opts.ENV_OPTIONS}=\"name=value:name=value\", sanitizer.enable(name=value), "
-          f"or ownsan run -o name=value.")
+    import textwrap
+
+    width = max(shutil.get_terminal_size((100, 24)).columns, 40) - 1
+    print(_opts.format_table(width + 1))
+    print("\n" + textwrap.fill(f"Set them with {_opts.ENV_OPTIONS}=\"name=value:name=value\", "
+                               "sanitizer.enable(name=value), or ownsan run -o name=value.",
+                               width, break_on_hyphens=False, break_long_words=False))
     return 0
 
 
