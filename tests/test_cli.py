@@ -112,6 +112,15 @@ def test_argument_errors_print_usage_and_exit_2(argv, message, capsys):
     assert "usage: ownsan" in err and message in err
 
 
+def test_run_takes_a_quoted_option_value_holding_separators():
+    """``-o report='/tmp/a,b.json'`` was refused ("may not contain ':' or ','") though the options string
+    quotes it: the child's options string escapes it, and it reads back whole."""
+    parser = cli.build_parser()
+    got = cli._parse_options(["report='/runs/12:30/a,b.json'", "stack_depth=3"], parser)
+    assert got == {"report": "/runs/12:30/a,b.json", "stack_depth": "3"}
+    assert option_table.parse_options_string(option_table.format_options_string(got)) == got
+
+
 @pytest.mark.slow
 def test_option_report_is_taken_as_the_report_path(tmp_path):
     """``-o report=PATH`` means ``--report PATH`` (it used to be refused)."""

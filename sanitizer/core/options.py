@@ -260,13 +260,19 @@ def parse_options_string(text: str) -> Dict[str, str]:
     ``report='/runs/12:30/r.json'`` (single or double quotes), or has them escaped with a backslash,
     ``report=/runs/12\\:30/r.json``."""
     out: Dict[str, str] = {}
-    for item in _split_items(text):
+    previous: Optional[Tuple[str, str]] = None  # the last option read and the text of its value
+    for item, before in _split_with_separators(text):
         if not item.strip():
             continue
         name, sep, value = item.partition("=")
         name = name.strip()
         if not sep:
-            raise OptionError(f"{ENV_OPTIONS}: '{item.strip()}' is not of the form name=value")
+            hint = ""
+            if previous is not None and OPTIONS[previous[0]].type is str:  # a value cut at a separator it holds
+                joined = _unquote(previous[1].strip(), previous[0]) + before + item.strip()
+                hint = f" (did you mean {previous[0]}={_quoted(joined)}?)"
+            raise OptionError(f"{ENV_OPTIONS}: '{item.strip()}' is not of the form name=value{hint}; {QUOTING}")
+        previous = (name, value)
         if name not in OPTIONS:
             raise _unknown(name)
         out[name] = _unquote(value.strip(), name)
@@ -283,9 +289,29 @@ def format_options_string(values: Mapping[str, Any]) -> str:
     return ":".join(f"{k}={escape(v)}" for k, v in values.items())
 
 
+QUOTING = ("':' and ',' separate options, so a value holding one is quoted (report='/runs/12:30/r.json', "
+           "single or double quotes) or escapes it with a backslash (report=/runs/12\\:30/r.json)")
+
+
+def _quoted(value: str) -> str:
+    """``value`` as an options string writes it: in quotes when it holds a separator."""
+    if not any(c in value for c in ":,"):
+        return value
+    for quote in "'\"":
+        if quote not in value:
+            return quote + value + quote
+    return "".join("\\" + c if c in ":,'\"\\" else c for c in value)
+
+
 def _split_items(text: str) -> List[str]:
     """Split at ``:`` and ``,`` outside quotes and not after a backslash (kept in the items, for _unquote)."""
+    return [item for item, _ in _split_with_separators(text)]
+
+
+def _split_with_separators(text: str) -> List[Tuple[str, str]]:
+    """:func:`_split_items`, each item with the separator before it ('' for the first)."""
     items, current, quote, i = [], [], None, 0
+    before = ""
     while i < len(text):
         ch = text[i]
         if ch == "\\" and i + 1 < len(text):
@@ -298,15 +324,15 @@ def _split_items(text: str) -> List[str]:
         elif ch in "'\"":
             quote = ch
         elif ch in ":,":
-            items.append("".join(current))
-            current = []
+            items.append(("".join(current), before))
+            current, before = [], ch
             i += 1
             continue
         current.append(ch)
         i += 1
     if quote:
         raise OptionError(f"{ENV_OPTIONS}: unterminated {quote} quote in {text!r}")
-    items.append("".join(current))
+    items.append(("".join(current), before))
     return items
 
 
@@ -434,5 +460,5 @@ def sync_readme(path: str) -> bool:
 
 __all__ = ["Option", "OPTIONS", "OptionError", "defaults", "resolve", "parse_options_string", "format_options_string",
            "switch_from_env", "format_table", "table_rows", "ENV_SWITCH", "ENV_OPTIONS", "parse_bool",
-           "markdown_table", "sync_readme", "ReadmeError"]
+           "markdown_table", "sync_readme", "ReadmeError", "QUOTING"]
 

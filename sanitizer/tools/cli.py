@@ -69,9 +69,6 @@ def _parse_options(items: Sequence[str], parser: argparse.ArgumentParser) -> Dic
             out.update(_opts.parse_options_string(item))
         except _opts.OptionError as exc:
             parser.error(str(exc))
-    for name, value in out.items():
-        if ":" in value or "," in value:
-            parser.error(f"option '{name}': value {value!r} may not contain ':' or ','")
     try:
         _opts.resolve(out)
     except _opts.OptionError as exc:
@@ -449,7 +446,7 @@ def cmd_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     width = max(shutil.get_terminal_size((100, 24)).columns, 40) - 1
     print(_opts.format_table(width + 1))
     print("\n" + textwrap.fill(f"Set them with {_opts.ENV_OPTIONS}=\"name=value:name=value\", "
-                               "sanitizer.enable(name=value), or ownsan run -o name=value.",
+                               f"sanitizer.enable(name=value), or ownsan run -o name=value. {_opts.QUOTING[0].upper()}{_opts.QUOTING[1:]}.",
                                width, break_on_hyphens=False, break_long_words=False))
     return 0
 
