@@ -97,6 +97,46 @@ def test_bad_arguments_are_usage_errors_naming_the_value(args, named, checkpoint
     assert named in err and "usage: ownsan fuzz" in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("spec, meant", [
+    (f"{HERE}:copeis", f"{HERE}:copies"),
+    (f"{HERE}:zzzqqxw", None),
+    ("tests/test_check_consumer_clii.py:copies", "tests/test_check_consumer_cli.py"),
+])
+def test_a_consumer_name_that_does_not_resolve_gets_the_closest_one(spec, meant, checkpoint, in_root, capsys):
+    assert cli.main(["fuzz", "--consumer", spec, "--weights", checkpoint]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if ": error: " in line]
+    assert len(errors) == 1 and repr(spec) in errors[0], errors
+    if meant is None:
+        assert "did you mean" not in errors[0]
+    else:
+        assert f"(did you mean {meant!r}?)" in errors[0], errors
+
+
+def test_a_missing_module_gets_the_closest_module_and_a_function_the_closest_function(tmp_path, monkeypatch):
+    from sanitizer.testing.consumer_check import load_consumer
+
+    pkg = tmp_path / "ownsan_hint_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "loaders.py").write_text("def load_weights(w):\n    pass\nclass Loader:\n    def load(self, w):\n"
+                                    "        pass\nload_wieghts_count = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cases = {"ownsan_hint_pkg.loaderz:load_weights": "ownsan_hint_pkg.loaders",
+             "ownsan_hint_pk.loaders:load_weights": "ownsan_hint_pkg",
+             "ownsan_hint_pkg.loaders:load_wieghts": "ownsan_hint_pkg.loaders:load_weights",  # not the int
+             "ownsan_hint_pkg.loaders:Loader.lod": "ownsan_hint_pkg.loaders:Loader.load",
+             "ownsan_hint_pkg.loaders:Loadr.load": "ownsan_hint_pkg.loaders:Loader"}
+    for spec, meant in cases.items():
+        with pytest.raises(ValueError) as err:
+            load_consumer(spec)
+        assert f"(did you mean {meant!r}?)" in str(err.value), (spec, str(err.value))
+    # A module that exists but fails on an import of its own is not called missing.
+    (pkg / "broken.py").write_text("import ownsan_no_such_dependency\n")
+    with pytest.raises(ValueError, match="ModuleNotFoundError.*ownsan_no_such_dependency") as err:
+        load_consumer("ownsan_hint_pkg.broken:f")
+    assert "did you mean" not in str(err.value)
+
+
 def test_the_campaign_keeps_its_flags(capsys):
     assert fuzz.main(["--examples", "2", "--seed", "3", "-q"]) == 0
     assert "cases: 2 (seed 3" in capsys.readouterr().out

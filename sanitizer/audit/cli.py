@@ -14,6 +14,7 @@ from typing import List, Optional, Sequence
 
 from sanitizer.audit.codes import CODES, CodeSelectionError, selected_codes
 from sanitizer.core import output_file
+from sanitizer.core.suggest import HintingParser
 
 def epilog(width: Optional[int] = None) -> str:
     """The codes with their whole meaning (never cut at a parenthesis or a colon), each wrapped to ``width``
@@ -32,7 +33,7 @@ def epilog(width: Optional[int] = None) -> str:
 
 
 def build_parser(prog: str = "ownsan audit") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = HintingParser(
         prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=epilog(),
         description="Find, without running it, every statement of a code base that keeps a tensor a weight "
                     "loader yielded (or a view of it) past the loader's step. Reads the source with ast; "

@@ -191,11 +191,10 @@ def defaults() -> Dict[str, Any]:
 
 
 def _unknown(name: str) -> OptionError:
-    import difflib
+    from sanitizer.core.suggest import hint  # the CLI's did-you-mean too (commands, flags, consumers)
 
-    close = difflib.get_close_matches(name, OPTIONS, n=1, cutoff=0.75)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
-    return OptionError(f"unknown option '{name}'{hint}; valid options: {', '.join(sorted(OPTIONS))}")
+    return OptionError(f"unknown option '{name}'{hint(name, OPTIONS, cutoff=0.75)}; valid options: "
+                       f"{', '.join(sorted(OPTIONS))}")
 
 
 class Options(dict):

@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from sanitizer.core import options as _opts
 from sanitizer.core import output_file
+from sanitizer.core.suggest import HintingParser
 from sanitizer.core.journal import SUFFIX as JOURNAL_SUFFIX, reports_or_journals
 from sanitizer.core.version import __version__
 from sanitizer.tools import startup
@@ -344,14 +345,24 @@ def _finish_run(args: argparse.Namespace, files: List[str], code: int) -> int:
 from sanitizer.reporting.text import format_triage  # noqa: E402  (torch-free; also the pytest plugin's text)
 
 
+_SCHEMA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "reporting",
+                       "report_schema.json")
+
+
 def cmd_triage(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    rep_mod = _report_mod()
+    """Reads JSON only: torch is not imported (the runtime's report module is, for a journal's summary)."""
+    from sanitizer.core import report_file
+    from sanitizer.reporting.schema import validate
+
     try:
-        rep = rep_mod.load(args.report)
+        rep = report_file.load(args.report)
     except ValueError as exc:
         print(f"ownsan triage: {exc}", file=sys.stderr)
         return 2
-    problems = rep_mod.validate(rep)
+    if "summary" not in rep:  # a journal (the process was killed before it wrote its report)
+        rep["summary"] = _report_mod().summarize(rep)
+    with open(_SCHEMA, encoding="utf-8") as fh:
+        problems = validate(rep, json.load(fh))
     if problems:
         print(f"ownsan triage: {args.report} does not match the report schema:", file=sys.stderr)
         for p in problems[:10]:
@@ -384,13 +395,6 @@ def _print(text: str) -> None:
 
 
 # -- the rest ----------------------------------------------------------------
-def _dispatch(module: str, argv: Sequence[str], missing: str) -> int:
-    if importlib.util.find_spec(module) is None:
-        print(missing, file=sys.stderr)
-        return 2
-    return int(importlib.import_module(module).main(list(argv)) or 0)
-
-
 def _missing(command: str, modules: Sequence[str], extra: str, args: Sequence[str] = ()) -> bool:
     """Say which optional packages ``command`` lacks (and the extra that installs them); False when none.
     ``--help`` never needs them."""
@@ -421,10 +425,17 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def cmd_fuzz(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if importlib.util.find_spec("sanitizer.testing.fuzz") is None:
+        print("ownsan fuzz: the fuzz campaign is not part of this installation (no sanitizer/testing/fuzz.py)",
+              file=sys.stderr)
+        return 2
+    from sanitizer.testing.fuzz_args import build_parser as fuzz_parser
+
+    fuzz = fuzz_parser()
+    parsed = fuzz.parse_args(list(args.args))  # --help and usage errors first, before torch is imported
     if _missing("fuzz", ["safetensors"], "fuzz", args.args):
         return 2
-    return _dispatch("sanitizer.testing.fuzz", args.args,
-                     "ownsan fuzz: the fuzz campaign is not part of this installation (no sanitizer/fuzz.py)")
+    return int(importlib.import_module("sanitizer.testing.fuzz").run(parsed, fuzz) or 0)
 
 
 def cmd_audit(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -463,7 +474,7 @@ def cmd_uninstall_hook(args: argparse.Namespace, parser: argparse.ArgumentParser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ownsan", description="ownership-sanitizer: catch consumers that keep "
+    p = HintingParser(prog="ownsan", description="ownership-sanitizer: catch consumers that keep "
                                 "borrowed tensor views past their lifetime, and name them.")
     p.add_argument("--version", action="version", version=f"ownsan (ownership-sanitizer) {__version__}")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND", required=True)
@@ -518,8 +529,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             sub = parser._subparsers._group_actions[0].choices[argv[0]]  # type: ignore[union-attr]
             rest = argv[1:][1:] if argv[1:2] == ["--"] else argv[1:]
             return _COMMANDS[argv[0]](argparse.Namespace(cmd=argv[0], args=rest), sub)
-        args = parser.parse_args(argv)
+        args, extras = parser.parse_known_args(argv)
         sub = parser._subparsers._group_actions[0].choices[args.cmd]  # type: ignore[union-attr]
+        if extras:  # named by the subcommand, with its usage and the closest of its own flags
+            sub.unrecognized(extras)
         if getattr(args, "args", None) and args.args[:1] == ["--"]:
             args.args = args.args[1:]
         if getattr(args, "top", 1) < 1:
