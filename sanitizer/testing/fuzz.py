@@ -444,6 +444,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         small = case if args.no_shrink else shrink(case)
         print(f"\nFAILED case {f['index']} of seed {args.seed}: " + "; ".join(f["violations"]))
         print(f"  minimal case: ownsan fuzz --replay '{small.to_json()}'")
+    print("\nFAILED" if c["failures"] else "\npassed")  # the verdict, last, as the exit status says it
     return 1 if c["failures"] else 0
 
 
