@@ -17,7 +17,10 @@ into one. Exit status: the program's own when it failed, else 1 when the
 sanitizer recorded an error or confirmed a retention (as LeakSanitizer fails a
 run that leaked; ``-o fail_on_retention=0`` keeps retentions from failing it),
 else 0. ``-o report=PATH`` is ``--report PATH``. Argument errors print the
-usage and exit 2.
+usage of the command they were given to and one line naming the bad value, with
+the closest valid name when one is close (``ownsan audti``: did you mean
+'audit'?), and exit 2. ``--help`` and argument errors never import torch: each
+command parses its arguments before it imports what its work needs.
 """
 from __future__ import annotations
 
