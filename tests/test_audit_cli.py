@@ -173,6 +173,29 @@ def test_audit_help_is_its_own_and_lists_the_codes(capsys):
     assert out.startswith("usage: ownsan audit") and "OWN101" in out and "OWN120" in out and "--report" in out
 
 
+@pytest.mark.parametrize("columns", [60, 100, 200])
+def test_audit_help_gives_each_codes_whole_meaning_wrapped_to_the_terminal(columns, monkeypatch, capsys):
+    """Once cut at the first parenthesis ("OWN101 container-store: a yielded tensor")."""
+    from sanitizer.audit.codes import CODES
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    assert audit_cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    block = out[out.index("codes:\n"):].split("\n\n")[0].splitlines()[1:]
+    entries = {}  # code -> its lines joined: a line that starts with a code opens an entry, the rest continue it
+    for line in block:
+        if line.strip().split()[0] in CODES and not line.startswith(" " * 8):
+            current = line.split()[0]
+            entries[current] = line.split(None, 1)[1]
+            continue
+        assert line.startswith(" " * 8), line  # a hanging indent under the code column
+        entries[current] += " " + line.strip()
+    assert list(entries) == list(CODES)
+    for code, c in CODES.items():
+        assert entries[code] == f"{c.name}: {' '.join(c.meaning.split())}", code
+    assert all(len(line) < columns for line in block)
+
+
 def test_the_pre_commit_hooks_run_ownsan_audit():
     path = os.path.join(ROOT, ".pre-commit-hooks.yaml")
     with open(path, encoding="utf-8") as fh:

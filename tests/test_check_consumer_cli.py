@@ -48,7 +48,7 @@ def test_a_correct_consumer_passes_with_counts_and_progress(checkpoint, in_root,
     assert fuzz.main(["--consumer", f"{HERE}:copies", "--weights", checkpoint, "--examples", "6"]) == 0
     out, err = capsys.readouterr()
     assert f"consumer: {HERE}:copies" in out and "weights: " in out and "(6 tensors, 6.0 KiB)" in out
-    assert re.search(r"examples: 6 \(seed 0, 1 job\(s\), [\d.]+ s, \d+ examples/s\)", out), out
+    assert re.search(r"examples: 6 \(seed 0, 1 job\(s\), [\d.]+ s, [\d.]+ examples/s\)", out), out
     assert "passed: every example bit-exact" in out
     assert "fuzz: 6/6 examples, 0 failures" in err and "fuzz:" not in out
 
@@ -95,6 +95,46 @@ def test_bad_arguments_are_usage_errors_naming_the_value(args, named, checkpoint
     assert cli.main(["fuzz", *[a.replace("{ckpt}", checkpoint) for a in args]]) == 2
     err = capsys.readouterr().err
     assert named in err and "usage: ownsan fuzz" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("spec, meant", [
+    (f"{HERE}:copeis", f"{HERE}:copies"),
+    (f"{HERE}:zzzqqxw", None),
+    ("tests/test_check_consumer_clii.py:copies", "tests/test_check_consumer_cli.py"),
+])
+def test_a_consumer_name_that_does_not_resolve_gets_the_closest_one(spec, meant, checkpoint, in_root, capsys):
+    assert cli.main(["fuzz", "--consumer", spec, "--weights", checkpoint]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if ": error: " in line]
+    assert len(errors) == 1 and repr(spec) in errors[0], errors
+    if meant is None:
+        assert "did you mean" not in errors[0]
+    else:
+        assert f"(did you mean {meant!r}?)" in errors[0], errors
+
+
+def test_a_missing_module_gets_the_closest_module_and_a_function_the_closest_function(tmp_path, monkeypatch):
+    from sanitizer.testing.consumer_check import load_consumer
+
+    pkg = tmp_path / "ownsan_hint_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "loaders.py").write_text("def load_weights(w):\n    pass\nclass Loader:\n    def load(self, w):\n"
+                                    "        pass\nload_wieghts_count = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cases = {"ownsan_hint_pkg.loaderz:load_weights": "ownsan_hint_pkg.loaders",
+             "ownsan_hint_pk.loaders:load_weights": "ownsan_hint_pkg",
+             "ownsan_hint_pkg.loaders:load_wieghts": "ownsan_hint_pkg.loaders:load_weights",  # not the int
+             "ownsan_hint_pkg.loaders:Loader.lod": "ownsan_hint_pkg.loaders:Loader.load",
+             "ownsan_hint_pkg.loaders:Loadr.load": "ownsan_hint_pkg.loaders:Loader"}
+    for spec, meant in cases.items():
+        with pytest.raises(ValueError) as err:
+            load_consumer(spec)
+        assert f"(did you mean {meant!r}?)" in str(err.value), (spec, str(err.value))
+    # A module that exists but fails on an import of its own is not called missing.
+    (pkg / "broken.py").write_text("import ownsan_no_such_dependency\n")
+    with pytest.raises(ValueError, match="ModuleNotFoundError.*ownsan_no_such_dependency") as err:
+        load_consumer("ownsan_hint_pkg.broken:f")
+    assert "did you mean" not in str(err.value)
 
 
 def test_the_campaign_keeps_its_flags(capsys):
@@ -168,6 +208,82 @@ def test_the_shipped_examples_catch_the_retaining_loader_and_pass_its_fix(name, 
     assert holder in out and "fix: own the tensor where" in out and "replay: check_consumer(" in out
     for test in passing:
         assert f"FAILED examples/{name}::{test}" not in out
+
+
+def _examples_line(out: str) -> "tuple[int, float, float]":
+    m = re.search(r"^examples: (\d+) \(seed \d+, \d+ job\(s\), ([\d.]+) s, ([\d.]+) examples/s\)$", out, re.M)
+    assert m, out
+    return int(m.group(1)), float(m.group(2)), float(m.group(3))
+
+
+@pytest.mark.slow  # two spawned workers import torch: ~10 s here
+def test_a_failing_run_over_jobs_gives_one_count_and_its_rate(checkpoint, in_root, capsys):
+    """Once: the progress line and the examples line gave two different counts, the failure a third
+    ("example 1 of 12"), and the rate of a run that took seconds read "0 examples/s"."""
+    assert fuzz.main(["--consumer", f"{HERE}:keeps", "--weights", checkpoint, "--examples", "20", "-j", "2"]) == 1
+    out, err = capsys.readouterr()
+    done, seconds, rate = _examples_line(out)
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"fuzz: {done}/20 examples, 1 failure,"), (last, done)
+    assert rate > 0 and abs(rate - done / seconds) <= 0.1 * done / seconds + 0.05, (done, seconds, rate)
+    at = re.search(r"\(example (\d+) of (.*?) failed first", out)
+    assert at and at.group(2).startswith("a worker's batch of") and "of 20 asked" in at.group(2), out
+
+
+def test_a_failure_over_jobs_counts_every_workers_examples(monkeypatch):
+    """The failing batch's result counts its examples to the failure; the ticks, the other workers'
+    examples too: the run's count is the larger, the progress line ends at it (below a tenth too)."""
+    import argparse
+    import io
+
+    from sanitizer.testing import consumer_cli
+    from sanitizer.testing.progress import ProgressLine
+
+    class _Results(list):
+        def close(self) -> None:
+            pass
+
+    batch = []
+
+    def failing(fn, calls, jobs, on_tick=None):
+        on_tick(2)  # the failing batch's two examples ...
+        on_tick(3)  # ... and three of the other worker's
+        batch.append(calls[0][2])
+        text = f"check_consumer(f): ... minimal case (example 2 of {batch[0]} failed first; hypothesis shrank it)"
+        return _Results([{"examples": 2, "failure": text, "found_at": 2, "batch": batch[0]}])
+
+    monkeypatch.setattr(consumer_cli, "in_processes", failing)
+    args = argparse.Namespace(deadline=None, jobs=2, examples=100, consumer="m:f", weights="w", seed=0)
+    err = io.StringIO()
+    done, failure = consumer_cli._in_processes(args, ProgressLine(err, noun="examples"))
+    assert done == 5
+    assert err.getvalue().splitlines()[-1].startswith("fuzz: 5/100 examples, 1 failure")
+    assert f"(example 2 of a worker's batch of {batch[0]}, of 100 asked, failed first;" in failure
+
+
+@pytest.mark.parametrize("done, seconds", [(1, 7.2), (3, 11.5), (6, 2.0), (400, 3.0)])
+def test_the_rate_never_reads_zero_and_says_what_it_is(done, seconds):
+    from sanitizer.testing.consumer_cli import _rate
+
+    shown = float(_rate(done, seconds))
+    assert shown > 0 and abs(shown - done / seconds) <= 0.05 * done / seconds + 0.5 * (done / seconds >= 10)
+
+
+def test_the_campaign_ends_with_its_verdict_as_its_exit_status(monkeypatch, capsys):
+    """It ended with counts only: the last line is now passed or FAILED, as the exit status."""
+    assert fuzz.main(["--examples", "2", "--seed", "5", "-q"]) == 0
+    assert capsys.readouterr().out.rstrip().splitlines()[-1] == "passed"
+    real = fuzz.campaign
+
+    def with_a_failure(examples, seed, jobs=1, progress=None):
+        counts = real(examples, seed, jobs, progress)
+        counts["failures"].append({"index": 0, "case": fuzz.case_for(seed, 0).to_json(), "violations": ["(test)"]})
+        return counts
+
+    monkeypatch.setattr(fuzz, "campaign", with_a_failure)
+    assert fuzz.main(["--examples", "1", "--seed", "5", "-q", "--no-shrink"]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED case 0 of seed 5: (test)" in out and out.rstrip().splitlines()[-1] == "FAILED"
 
 
 def test_progress_ends_at_the_results_count_when_the_last_ticks_are_still_on_their_way(monkeypatch):

@@ -112,6 +112,44 @@ def test_argument_errors_print_usage_and_exit_2(argv, message, capsys):
     assert "usage: ownsan" in err and message in err
 
 
+def test_run_takes_a_quoted_option_value_holding_separators():
+    """``-o report='/tmp/a,b.json'`` was refused ("may not contain ':' or ','") though the options string
+    quotes it: the child's options string escapes it, and it reads back whole."""
+    parser = cli.build_parser()
+    got = cli._parse_options(["report='/runs/12:30/a,b.json'", "stack_depth=3"], parser)
+    assert got == {"report": "/runs/12:30/a,b.json", "stack_depth": "3"}
+    assert option_table.parse_options_string(option_table.format_options_string(got)) == got
+
+
+@pytest.mark.parametrize("argv, bad, meant, usage", [
+    (["audti", "."], "'audti'", "'audit'", "usage: ownsan "),
+    (["trage", "r.json"], "'trage'", "'triage'", "usage: ownsan "),
+    (["run", "--reprot", "x", "--", "python", "-c", "pass"], "'--reprot'", "'--report'", "usage: ownsan run"),
+    (["triage", "--tpo", "3", "r.json"], "'--tpo'", "'--top'", "usage: ownsan triage"),
+    (["fuzz", "--exmples", "3"], "'--exmples'", "'--examples'", "usage: ownsan fuzz"),
+    (["audit", "--formt", "json", "."], "'--formt'", "'--format'", "usage: ownsan audit"),
+    (["run", "-o", "stack_dept=4", "--", "python", "-c", "pass"], "'stack_dept'", "'stack_depth'",
+     "usage: ownsan run"),
+])
+def test_a_near_miss_gets_one_line_naming_it_and_the_closest_name(argv, bad, meant, usage, capsys):
+    """A mistyped subcommand, flag or option: exit 2, the usage of the command it was given to, and one
+    error line with the bad value and the suggestion (a flag of run once got the top-level usage and none)."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if ": error: " in line]
+    assert len(errors) == 1 and bad in errors[0] and f"(did you mean {meant}?)" in errors[0], err
+    assert err.startswith(usage), err
+
+
+def test_a_far_miss_gets_no_suggestion(capsys):
+    assert cli.main(["zzzzqx"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'zzzzqx'" in err and "did you mean" not in err
+    assert cli.main(["run", "--zzzzqx", "--", "python", "-c", "pass"]) == 2
+    err = capsys.readouterr().err
+    assert "unrecognized argument '--zzzzqx'" in err and "did you mean" not in err
+
+
 @pytest.mark.slow
 def test_option_report_is_taken_as_the_report_path(tmp_path):
     """``-o report=PATH`` means ``--report PATH`` (it used to be refused)."""
@@ -134,6 +172,28 @@ def test_options_lists_every_option_with_type_and_default(capsys):
     out = capsys.readouterr().out
     for name, typ, _, _ in option_table.table_rows():
         assert any(line.split()[:2] == [name, typ] for line in out.splitlines()), name
+
+
+@pytest.mark.parametrize("columns", [50, 80, 120])
+def test_options_wraps_to_the_terminal_with_a_hanging_indent(columns, monkeypatch, capsys):
+    """Each help once came on one line of 300+ characters."""
+    monkeypatch.setenv("COLUMNS", str(columns))
+    assert cli.main(["options"]) == 0
+    lines = capsys.readouterr().out.split("\n\n")[0].splitlines()[1:]  # the table, without its header
+    assert all(len(line) < columns for line in lines), max(lines, key=len)
+    helps: dict = {}
+    for line in lines:
+        if not line.startswith(" "):  # a row: name, type, default, then the start of its help (if it fits)
+            name, typ, default, *start = line.split(None, 3)
+            assert option_table.OPTIONS[name].type.__name__ == typ
+            helps[name] = start
+        else:  # a continuation, under one hanging indent (the help column, or four spaces when too narrow)
+            helps[name].append(line.strip())
+    indents = {len(line) - len(line.lstrip()) for line in lines if line.startswith(" ")}
+    assert len(indents) == 1
+    assert list(helps) == list(option_table.OPTIONS)
+    for name, opt in option_table.OPTIONS.items():
+        assert " ".join(helps[name]) == " ".join(opt.help.split()), name
 
 
 def test_python_dash_m_sanitizer_is_ownsan(tmp_path):
@@ -234,6 +294,18 @@ def test_help_and_version_import_no_torch(tmp_path):
         code = ("import sys\nfrom sanitizer.tools.cli import main\n"
                 f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n")
         assert _loaded_after(code, tmp_path) == [], argv
+
+
+@pytest.mark.parametrize("argv", [["fuzz", "--help"], ["fuzz", "--exmples", "3"], ["audit", "--help"],
+                                  ["triage", "missing.json"], ["run", "--help"], ["audti"],
+                                  ["run", "--reprot", "x", "--", "python", "-c", "pass"]])
+def test_help_and_usage_errors_answer_without_torch(argv, tmp_path):
+    """Arguments are parsed first: torch (seconds to import) only for the work that needs it. ``ownsan
+    fuzz --help`` and ``ownsan triage missing.json`` once imported it before saying anything."""
+    code = ("import sys\nfrom sanitizer.tools.cli import main\n"
+            f"try:\n    code = main({argv!r})\nexcept SystemExit as exc:\n    code = exc.code\n"
+            "assert code in (0, 2), code\n")
+    assert _loaded_after(code, tmp_path) == [], argv
 
 
 @pytest.mark.slow

@@ -115,6 +115,27 @@ def test_a_report_path_with_separators_can_be_given_quoted_or_escaped(text, repo
     assert opts.parse_options_string(text) == {"report": report, "stack_depth": "4"}
 
 
+@pytest.mark.parametrize("report, sep", [("/tmp/a,b.json", ","), ("/runs/12:30/r.json", ":")])
+def test_a_value_cut_at_a_separator_says_how_to_write_it(report, sep):
+    """Once only "'b.json' is not of the form name=value"."""
+    cut = report.split(sep, 1)[1]
+    with pytest.raises(OptionError) as err:
+        opts.parse_options_string(f"report={report}:stack_depth=4")
+    text = str(err.value)
+    assert f"'{cut}' is not of the form name=value" in text
+    assert "':' and ',' separate options" in text and "quoted" in text and "backslash" in text
+    suggested = text.split("(did you mean ", 1)[1].split("?)", 1)[0]
+    assert opts.parse_options_string(suggested) == {"report": report}  # the suggestion is the value, written right
+    for example in ("report='/runs/12:30/r.json'", r"report=/runs/12\:30/r.json"):  # the ways it names work
+        assert example in text and opts.parse_options_string(example) == {"report": "/runs/12:30/r.json"}
+
+
+def test_a_bad_item_after_a_number_gets_no_quoting_guess():
+    with pytest.raises(OptionError) as err:
+        opts.parse_options_string("stack_depth=4:bogus")
+    assert "'bogus' is not of the form name=value" in str(err.value) and "did you mean" not in str(err.value)
+
+
 def test_an_options_string_built_from_values_reads_back_the_same():
     values = {"report": "/a:b,c'd\"e\\f/r-{pid}.json", "halt_on_error": False, "stack_depth": 3}
     assert opts.parse_options_string(opts.format_options_string(values)) == {

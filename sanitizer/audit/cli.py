@@ -14,15 +14,27 @@ from typing import List, Optional, Sequence
 
 from sanitizer.audit.codes import CODES, CodeSelectionError, selected_codes
 from sanitizer.core import output_file
+from sanitizer.core.suggest import HintingParser
 
-EPILOG = "codes:\n" + "\n".join(f"  {c.code}  {c.name}: {c.meaning.split(':')[0].split(' (')[0]}"
-                                 for c in CODES.values()) + \
-    "\n\nsuppress one statement with `# ownsan: ignore[OWN101]` (or a bare `# ownsan: ignore`)."
+def epilog(width: Optional[int] = None) -> str:
+    """The codes with their whole meaning (never cut at a parenthesis or a colon), each wrapped to ``width``
+    (the terminal's, 100 when unknown) under a hanging indent, so the code column stays readable."""
+    import shutil
+    import textwrap
+
+    width = max(40, width or shutil.get_terminal_size((100, 24)).columns) - 1
+    lines = ["codes:"]
+    for c in CODES.values():
+        head = f"  {c.code}  "
+        lines.extend(textwrap.wrap(f"{c.name}: {c.meaning}", width, initial_indent=head,
+                                   subsequent_indent=" " * len(head), break_on_hyphens=False))
+    return "\n".join(lines) + \
+        "\n\nsuppress one statement with `# ownsan: ignore[OWN101]` (or a bare `# ownsan: ignore`)."
 
 
 def build_parser(prog: str = "ownsan audit") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+    p = HintingParser(
+        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=epilog(),
         description="Find, without running it, every statement of a code base that keeps a tensor a weight "
                     "loader yielded (or a view of it) past the loader's step. Reads the source with ast; "
                     "never imports it, never imports torch.")

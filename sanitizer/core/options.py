@@ -191,11 +191,10 @@ def defaults() -> Dict[str, Any]:
 
 
 def _unknown(name: str) -> OptionError:
-    import difflib
+    from sanitizer.core.suggest import hint  # the CLI's did-you-mean too (commands, flags, consumers)
 
-    close = difflib.get_close_matches(name, OPTIONS, n=1, cutoff=0.75)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
-    return OptionError(f"unknown option '{name}'{hint}; valid options: {', '.join(sorted(OPTIONS))}")
+    return OptionError(f"unknown option '{name}'{hint(name, OPTIONS, cutoff=0.75)}; valid options: "
+                       f"{', '.join(sorted(OPTIONS))}")
 
 
 class Options(dict):
@@ -260,13 +259,19 @@ def parse_options_string(text: str) -> Dict[str, str]:
     ``report='/runs/12:30/r.json'`` (single or double quotes), or has them escaped with a backslash,
     ``report=/runs/12\\:30/r.json``."""
     out: Dict[str, str] = {}
-    for item in _split_items(text):
+    previous: Optional[Tuple[str, str]] = None  # the last option read and the text of its value
+    for item, before in _split_with_separators(text):
         if not item.strip():
             continue
         name, sep, value = item.partition("=")
         name = name.strip()
         if not sep:
-            raise OptionError(f"{ENV_OPTIONS}: '{item.strip()}' is not of the form name=value")
+            hint = ""
+            if previous is not None and OPTIONS[previous[0]].type is str:  # a value cut at a separator it holds
+                joined = _unquote(previous[1].strip(), previous[0]) + before + item.strip()
+                hint = f" (did you mean {previous[0]}={_quoted(joined)}?)"
+            raise OptionError(f"{ENV_OPTIONS}: '{item.strip()}' is not of the form name=value{hint}; {QUOTING}")
+        previous = (name, value)
         if name not in OPTIONS:
             raise _unknown(name)
         out[name] = _unquote(value.strip(), name)
@@ -283,9 +288,29 @@ def format_options_string(values: Mapping[str, Any]) -> str:
     return ":".join(f"{k}={escape(v)}" for k, v in values.items())
 
 
+QUOTING = ("':' and ',' separate options, so a value holding one is quoted (report='/runs/12:30/r.json', "
+           "single or double quotes) or escapes it with a backslash (report=/runs/12\\:30/r.json)")
+
+
+def _quoted(value: str) -> str:
+    """``value`` as an options string writes it: in quotes when it holds a separator."""
+    if not any(c in value for c in ":,"):
+        return value
+    for quote in "'\"":
+        if quote not in value:
+            return quote + value + quote
+    return "".join("\\" + c if c in ":,'\"\\" else c for c in value)
+
+
 def _split_items(text: str) -> List[str]:
     """Split at ``:`` and ``,`` outside quotes and not after a backslash (kept in the items, for _unquote)."""
+    return [item for item, _ in _split_with_separators(text)]
+
+
+def _split_with_separators(text: str) -> List[Tuple[str, str]]:
+    """:func:`_split_items`, each item with the separator before it ('' for the first)."""
     items, current, quote, i = [], [], None, 0
+    before = ""
     while i < len(text):
         ch = text[i]
         if ch == "\\" and i + 1 < len(text):
@@ -298,15 +323,15 @@ def _split_items(text: str) -> List[str]:
         elif ch in "'\"":
             quote = ch
         elif ch in ":,":
-            items.append("".join(current))
-            current = []
+            items.append(("".join(current), before))
+            current, before = [], ch
             i += 1
             continue
         current.append(ch)
         i += 1
     if quote:
         raise OptionError(f"{ENV_OPTIONS}: unterminated {quote} quote in {text!r}")
-    items.append("".join(current))
+    items.append(("".join(current), before))
     return items
 
 
@@ -344,13 +369,33 @@ def table_rows() -> Iterable[tuple]:
         yield opt.name, opt.type.__name__, opt.default, opt.help
 
 
-def format_table() -> str:
+def format_table(width: Optional[int] = None) -> str:
+    """The option table as ``ownsan options`` prints it: one row per option, its help wrapped to ``width``
+    columns (default: the terminal's, 100 when unknown) under a hanging indent at the help column, so the
+    name, type and default columns stay readable. Too narrow a terminal for that: the help goes below the
+    row, indented by four."""
+    import shutil
+    import textwrap
+
+    if width is None:
+        width = shutil.get_terminal_size((100, 24)).columns
+    width = max(width, 40) - 1  # a line that fills the last column wraps on some terminals
     rows = list(table_rows())
-    width = max(len(r[0]) for r in rows)
-    lines = [f"{'option':<{width}}  {'type':<5}  {'default':<8}  help"]
+    name_w = max(len(r[0]) for r in rows)
+    cells = []
     for name, typ, default, text in rows:
         shown = int(default) if isinstance(default, bool) else (repr(default) if default == "" else default)
-        lines.append(f"{name:<{width}}  {typ:<5}  {str(shown):<8}  {text}")
+        cells.append((f"{name:<{name_w}}  {typ:<5}  {str(shown):<8}  ", text))
+    indent = max(len(head) for head, _ in cells)
+    lines = [f"{'option':<{name_w}}  {'type':<5}  {'default':<8}  help"]
+    for head, text in cells:
+        if width - indent >= 30:
+            lines.extend(textwrap.wrap(text, width, initial_indent=head.ljust(indent),
+                                       subsequent_indent=" " * indent, break_on_hyphens=False))
+        else:
+            lines.append(head.rstrip())
+            lines.extend(textwrap.wrap(text, width, initial_indent="    ", subsequent_indent="    ",
+                                       break_on_hyphens=False))
     return "\n".join(lines)
 
 
@@ -414,5 +459,5 @@ def sync_readme(path: str) -> bool:
 
 __all__ = ["Option", "OPTIONS", "OptionError", "defaults", "resolve", "parse_options_string", "format_options_string",
            "switch_from_env", "format_table", "table_rows", "ENV_SWITCH", "ENV_OPTIONS", "parse_bool",
-           "markdown_table", "sync_readme", "ReadmeError"]
+           "markdown_table", "sync_readme", "ReadmeError", "QUOTING"]
 

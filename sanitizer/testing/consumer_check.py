@@ -56,6 +56,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 import sanitizer
+from sanitizer.core.suggest import close_to
 from sanitizer.testing import isolation
 from sanitizer.testing.results import differences, reachable
 from sanitizer.testing.streams import StreamCase, is_count, open_stream
@@ -478,6 +479,20 @@ def consumer_spec(fn: Any) -> Optional[str]:
     return None if module == "__main__" else f"{module}:{qualname}"
 
 
+def _module_hint(missing: str) -> str:
+    """`` (did you mean 'pkg.loader'?)`` for a module name that does not exist: the closest module beside
+    it (in its package, or on sys.path for a top-level name), or ``""``."""
+    import pkgutil
+
+    parent, _, leaf = missing.rpartition(".")
+    try:
+        where = importlib.import_module(parent).__path__ if parent else None  # type: ignore[attr-defined]
+    except (ImportError, AttributeError):
+        return ""
+    near = close_to(leaf, (m.name for m in pkgutil.iter_modules(where)))
+    return f" (did you mean '{parent + '.' if parent else ''}{near}'?)" if near else ""
+
+
 def load_consumer(spec: str) -> Callable[..., Any]:
     """The function ``spec`` names: ``package.module:function`` (``Class.method`` works), or ``path/file.py:function``.
     ValueError naming the spec and what is wrong."""
@@ -488,7 +503,11 @@ def load_consumer(spec: str) -> Callable[..., Any]:
         if module_part.endswith(".py") or os.sep in module_part:
             path = os.path.abspath(module_part)
             if not os.path.isfile(path):
-                raise ValueError(f"{spec!r}: no file {module_part!r}")
+                folder = os.path.dirname(path)
+                files = sorted(f for f in os.listdir(folder) if f.endswith(".py")) if os.path.isdir(folder) else []
+                near = close_to(os.path.basename(path), files)
+                hint = f" (did you mean {os.path.join(os.path.dirname(module_part), near)!r}?)" if near else ""
+                raise ValueError(f"{spec!r}: no file {module_part!r}{hint}")
             name = "_ownsan_consumer_" + "".join(c if c.isalnum() else "_" for c in os.path.splitext(module_part)[0])
             module = sys.modules.get(name)
             if module is None:
@@ -504,13 +523,25 @@ def load_consumer(spec: str) -> Callable[..., Any]:
             module = importlib.import_module(module_part)
     except ValueError:
         raise
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if missing and (module_part == missing or module_part.startswith(missing + ".")):  # not a dependency's
+            raise ValueError(f"{spec!r}: cannot import {module_part!r}: no module named {missing!r}"
+                             f"{_module_hint(missing)}") from None
+        raise ValueError(f"{spec!r}: cannot import {module_part!r}: {type(exc).__name__}: {exc}") from None
     except Exception as exc:
         raise ValueError(f"{spec!r}: cannot import {module_part!r}: {type(exc).__name__}: {exc}") from None
     obj: Any = module
+    where, reached = module_part, []  # what is found so far: the module, then Class, Class.method
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"{spec!r}: {module_part!r} has no attribute {attr!r}")
+            names = [n for n in dir(obj) if not n.startswith("__") and callable(getattr(obj, n, None))]
+            near = close_to(part, names)
+            hint = f" (did you mean '{module_part}:{'.'.join(reached + [near])}'?)" if near else ""
+            raise ValueError(f"{spec!r}: {where!r} has no attribute {part!r}{hint}")
         obj = getattr(obj, part)
+        reached.append(part)
+        where = f"{module_part}:{'.'.join(reached)}"
     if not callable(obj):
         raise ValueError(f"{spec!r}: {attr!r} is a {type(obj).__name__}, not a function")
     return obj

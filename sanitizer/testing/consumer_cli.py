@@ -90,7 +90,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     else:
         done, failure = _in_processes(args, progress)
     elapsed = time.perf_counter() - start
-    rate = f", {done / elapsed:.0f} examples/s" if done and elapsed > 0 else ""
+    rate = f", {_rate(done, elapsed)} examples/s" if done and elapsed > 0 else ""
     print(f"examples: {done} (seed {args.seed}, {args.jobs} job(s), {elapsed:.1f} s{rate})")
     if failure is not None:
         print(f"\nFAILED: {failure}")
@@ -98,6 +98,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print("passed: every example bit-exact unsanitized, sanitized and against the owned oracle; "
           "no error, no retention")
     return 0
+
+
+def _rate(done: int, elapsed: float) -> str:
+    """Examples per second, with the digits that say something: 12, 3.4, 0.14 (never 0 for a slow run)."""
+    rate = done / elapsed
+    return f"{rate:.0f}" if rate >= 10 else f"{rate:.2g}"
 
 
 def _batch_seed(seed: int, index: int) -> int:
@@ -126,20 +132,29 @@ def _in_processes(args: argparse.Namespace, progress: Optional[ProgressLine]) ->
         for part in results:
             done += part["examples"]
             if part["failure"] is not None:
-                failure = part["failure"]
+                failure = _in_all(part, args.examples)
                 state["failures"] = 1
-                if progress is not None:
-                    progress(min(state["done"], args.examples), args.examples, 1)
-                break  # the other workers' results are not waited for
-        else:
-            if progress is not None and state["done"] < done:
-                # The workers' ticks travel apart from their results: the last ones can still be on their
-                # way when the last result is in. The results' count is the true one: show it last.
-                state["done"] = done
-                progress(min(done, args.examples), args.examples, state["failures"])
+                break  # no other batch starts; those running end their example (their ticks still count)
     finally:
         results.close()
+    # One total across the workers: every example run, in every batch (the results count the batches that
+    # came back; the ticks, each example as it ended, the other workers' unfinished batches too). The
+    # workers' ticks travel apart from their results: the last ones can still be on their way when the
+    # last result is in, so the larger count is the true one, and the progress line ends at it.
+    done = max(done, state["done"])
+    if progress is not None:
+        state["done"] = done
+        getattr(progress, "end", progress)(min(done, args.examples), args.examples, state["failures"])
     return done, failure
+
+
+def _in_all(part: Dict[str, Any], asked: int) -> str:
+    """A batch's failure, its example numbered within the batch said so (not read as the run's count)."""
+    at, size = part.get("found_at"), part.get("batch")
+    if not at or not size:
+        return part["failure"]
+    return part["failure"].replace(f"(example {at} of {size} failed first;",
+                                   f"(example {at} of a worker's batch of {size}, of {asked} asked, failed first;", 1)
 
 
 _WEIGHTS: Dict[str, Any] = {}  # in a worker: the weights, read once for all the batches it runs
@@ -159,7 +174,7 @@ def check_batch(spec: str, weights: str, examples: int, seed: int, stop_at: Opti
         result = check_consumer(load_consumer(spec), _WEIGHTS[weights], examples=examples, seed=seed,
                                 deadline=deadline, progress=lambda done, total, failures: tick())
     except ConsumerCheckError as exc:
-        return {"examples": exc.found_at or 1, "failure": str(exc)}
+        return {"examples": exc.found_at or 1, "failure": str(exc), "found_at": exc.found_at, "batch": examples}
     return {"examples": result.examples, "failure": None}
 
 

@@ -40,6 +40,7 @@ from torch import nn
 import sanitizer
 from sanitizer.core.options import OPTIONS
 from sanitizer.testing import consumer_cli, isolation
+from sanitizer.testing.fuzz_args import build_parser
 from sanitizer.testing.pool import batches, in_processes
 from sanitizer.testing.progress import ProgressLine
 from sanitizer.testing.results import differences
@@ -406,17 +407,12 @@ def campaign(examples: int, seed: int, jobs: int = 1, progress: Optional[Progres
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="ownsan fuzz", description="Fuzz the sanitizer: no miss, no false alarm; "
-                                     "or, with --consumer, fuzz your own consumer over borrowed streams.")
-    parser.add_argument("--examples", type=int, default=None,
-                        help="cases to run (default 200; with --consumer, examples, default 100)")
-    parser.add_argument("--seed", type=int, default=0, help="campaign seed: case i is generated from (seed, i)")
-    parser.add_argument("-j", "--jobs", type=int, default=1, help="worker processes")
-    parser.add_argument("--replay", metavar="JSON", help="run one case (as printed on a failure) and show it")
-    parser.add_argument("--no-shrink", action="store_true", help="report failures without minimizing them")
-    parser.add_argument("-q", "--quiet", action="store_true", help="no progress line on stderr")
-    consumer_cli.add_arguments(parser)
-    args = parser.parse_args(argv)
+    parser = build_parser()
+    return run(parser.parse_args(argv), parser)
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``ownsan fuzz`` with its arguments parsed (by :func:`~sanitizer.testing.fuzz_args.build_parser`)."""
     if args.consumer:
         args.examples = 100 if args.examples is None else args.examples
         return consumer_cli.run(args, parser)
@@ -448,6 +444,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         small = case if args.no_shrink else shrink(case)
         print(f"\nFAILED case {f['index']} of seed {args.seed}: " + "; ".join(f["violations"]))
         print(f"  minimal case: ownsan fuzz --replay '{small.to_json()}'")
+    print("\nFAILED" if c["failures"] else "\npassed")  # the verdict, last, as the exit status says it
     return 1 if c["failures"] else 0
 
 

@@ -52,6 +52,7 @@ def in_processes(fn: Callable[..., Any], calls: Sequence[tuple], jobs: int,
         finally:
             for future in pending:
                 future.cancel()
+    _drain(ticks, on_tick)  # the running calls finished (shutdown waits for them): their last ticks count too
 
 
 def _drain(ticks: Any, on_tick: Optional[Callable[[int], None]]) -> None:

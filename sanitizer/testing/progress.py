@@ -32,5 +32,12 @@ class ProgressLine:
             return
         self.stream.flush()
 
+    def end(self, done: int, total: int, failures: int) -> None:
+        """The last line, always shown (a run stopped at a failure ends short of ``total``, between tenths)."""
+        elapsed = time.monotonic() - self.start
+        line = f"fuzz: {done}/{total} {self.noun}, {failures} failure{'s' * (failures != 1)}, {elapsed:.1f} s"
+        self.stream.write((f"\r{line}\x1b[K\n") if self.tty else line + "\n")
+        self.stream.flush()
+
 
 __all__ = ["ProgressLine"]

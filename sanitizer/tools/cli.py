@@ -17,7 +17,10 @@ into one. Exit status: the program's own when it failed, else 1 when the
 sanitizer recorded an error or confirmed a retention (as LeakSanitizer fails a
 run that leaked; ``-o fail_on_retention=0`` keeps retentions from failing it),
 else 0. ``-o report=PATH`` is ``--report PATH``. Argument errors print the
-usage and exit 2.
+usage of the command they were given to and one line naming the bad value, with
+the closest valid name when one is close (``ownsan audti``: did you mean
+'audit'?), and exit 2. ``--help`` and argument errors never import torch: each
+command parses its arguments before it imports what its work needs.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from sanitizer.core import options as _opts
 from sanitizer.core import output_file
+from sanitizer.core.suggest import HintingParser
 from sanitizer.core.journal import SUFFIX as JOURNAL_SUFFIX, reports_or_journals
 from sanitizer.core.version import __version__
 from sanitizer.tools import startup
@@ -69,9 +73,6 @@ def _parse_options(items: Sequence[str], parser: argparse.ArgumentParser) -> Dic
             out.update(_opts.parse_options_string(item))
         except _opts.OptionError as exc:
             parser.error(str(exc))
-    for name, value in out.items():
-        if ":" in value or "," in value:
-            parser.error(f"option '{name}': value {value!r} may not contain ':' or ','")
     try:
         _opts.resolve(out)
     except _opts.OptionError as exc:
@@ -347,14 +348,24 @@ def _finish_run(args: argparse.Namespace, files: List[str], code: int) -> int:
 from sanitizer.reporting.text import format_triage  # noqa: E402  (torch-free; also the pytest plugin's text)
 
 
+_SCHEMA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "reporting",
+                       "report_schema.json")
+
+
 def cmd_triage(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    rep_mod = _report_mod()
+    """Reads JSON only: torch is not imported (the runtime's report module is, for a journal's summary)."""
+    from sanitizer.core import report_file
+    from sanitizer.reporting.schema import validate
+
     try:
-        rep = rep_mod.load(args.report)
+        rep = report_file.load(args.report)
     except ValueError as exc:
         print(f"ownsan triage: {exc}", file=sys.stderr)
         return 2
-    problems = rep_mod.validate(rep)
+    if "summary" not in rep:  # a journal (the process was killed before it wrote its report)
+        rep["summary"] = _report_mod().summarize(rep)
+    with open(_SCHEMA, encoding="utf-8") as fh:
+        problems = validate(rep, json.load(fh))
     if problems:
         print(f"ownsan triage: {args.report} does not match the report schema:", file=sys.stderr)
         for p in problems[:10]:
@@ -387,13 +398,6 @@ def _print(text: str) -> None:
 
 
 # -- the rest ----------------------------------------------------------------
-def _dispatch(module: str, argv: Sequence[str], missing: str) -> int:
-    if importlib.util.find_spec(module) is None:
-        print(missing, file=sys.stderr)
-        return 2
-    return int(importlib.import_module(module).main(list(argv)) or 0)
-
-
 def _missing(command: str, modules: Sequence[str], extra: str, args: Sequence[str] = ()) -> bool:
     """Say which optional packages ``command`` lacks (and the extra that installs them); False when none.
     ``--help`` never needs them."""
@@ -436,10 +440,17 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def cmd_fuzz(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if importlib.util.find_spec("sanitizer.testing.fuzz") is None:
+        print("ownsan fuzz: the fuzz campaign is not part of this installation (no sanitizer/testing/fuzz.py)",
+              file=sys.stderr)
+        return 2
+    from sanitizer.testing.fuzz_args import build_parser as fuzz_parser
+
+    fuzz = fuzz_parser()
+    parsed = fuzz.parse_args(list(args.args))  # --help and usage errors first, before torch is imported
     if _missing("fuzz", ["safetensors"], "fuzz", args.args):
         return 2
-    return _dispatch("sanitizer.testing.fuzz", args.args,
-                     "ownsan fuzz: the fuzz campaign is not part of this installation (no sanitizer/fuzz.py)")
+    return int(importlib.import_module("sanitizer.testing.fuzz").run(parsed, fuzz) or 0)
 
 
 def cmd_audit(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -456,9 +467,13 @@ def cmd_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             return 2
         print(f"{args.sync_readme}: {'updated' if changed else 'already in sync'}")
         return 0
-    print(_opts.format_table())
-    print(f"\nSet them with {_opts.ENV_OPTIONS}=\"name=value:name=value\", sanitizer.enable(name=value), "
-          f"or ownsan run -o name=value.")
+    import textwrap
+
+    width = max(shutil.get_terminal_size((100, 24)).columns, 40) - 1
+    print(_opts.format_table(width + 1))
+    print("\n" + textwrap.fill(f"Set them with {_opts.ENV_OPTIONS}=\"name=value:name=value\", "
+                               f"sanitizer.enable(name=value), or ownsan run -o name=value. {_opts.QUOTING[0].upper()}{_opts.QUOTING[1:]}.",
+                               width, break_on_hyphens=False, break_long_words=False))
     return 0
 
 
@@ -480,7 +495,7 @@ def cmd_doctor(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ownsan", description="ownership-sanitizer: catch consumers that keep "
+    p = HintingParser(prog="ownsan", description="ownership-sanitizer: catch consumers that keep "
                                 "borrowed tensor views past their lifetime, and name them.")
     p.add_argument("--version", action="version", version=f"ownsan (ownership-sanitizer) {__version__}")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND", required=True)
@@ -537,8 +552,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             sub = parser._subparsers._group_actions[0].choices[argv[0]]  # type: ignore[union-attr]
             rest = argv[1:][1:] if argv[1:2] == ["--"] else argv[1:]
             return _COMMANDS[argv[0]](argparse.Namespace(cmd=argv[0], args=rest), sub)
-        args = parser.parse_args(argv)
+        args, extras = parser.parse_known_args(argv)
         sub = parser._subparsers._group_actions[0].choices[args.cmd]  # type: ignore[union-attr]
+        if extras:  # named by the subcommand, with its usage and the closest of its own flags
+            sub.unrecognized(extras)
         if getattr(args, "args", None) and args.args[:1] == ["--"]:
             args.args = args.args[1:]
         if getattr(args, "top", 1) < 1:
