@@ -121,6 +121,8 @@ class FakeStream:
         self.paused = False
         self.queue: List[Tuple[str, Callable[[], None], List[_Alloc]]] = []
         self.pins: List[list] = []  # per queued item: objects keeping its operands' memory allocated
+        self.seqs: List[int] = []  # per queued item: its place in the stream's order (1, 2, ...)
+        self.issued = 0  # launches issued on this stream so far: an event records this point
         self.syncs = 0
         self.synced_at = -1  # tick of the last time the host waited for this stream
 
@@ -142,17 +144,24 @@ class FakeStream:
         if fake.capturing is self:
             fake.graph.append((name, self.device.index, self.cuda_stream))
             return
+        self.issued += 1
         if self.paused:
             self.queue.append((name, work, allocs))
             self.pins.append([])
+            self.seqs.append(self.issued)
         else:
             work()
 
-    def flush(self) -> None:
-        while self.queue:
+    def flush(self, upto: Optional[int] = None) -> None:
+        """Run the queued launches, all of them or those issued up to the point ``upto`` (an event's)."""
+        while self.queue and (upto is None or self.seqs[0] <= upto):
             _, work, _ = self.queue[0]
             work()
-            del self.queue[0], self.pins[0]  # (its pins are dropped only once it ran)
+            del self.queue[0], self.pins[0], self.seqs[0]  # (its pins are dropped only once it ran)
+
+    def pending_upto(self, point: int) -> bool:
+        """Is a launch issued up to ``point`` still queued?"""
+        return bool(self.seqs) and self.seqs[0] <= point
 
     def synchronize(self) -> None:
         self._fake._refuse_in_capture(f"synchronize {self!r}")
@@ -176,26 +185,31 @@ class FakeStream:
 
 
 class FakeEvent:
-    """``torch.cuda.Event``: remembers the stream it was recorded on."""
+    """``torch.cuda.Event``: the point of the stream it was recorded on. As in CUDA, waiting for it (from
+    the host or from another stream) orders only after the work issued on that stream before the record,
+    never after work issued later (a later kernel on the recording stream may still be queued)."""
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
         self._stream: Optional[FakeStream] = None
+        self._point = 0
 
     def record(self, stream: Optional[FakeStream] = None) -> None:
         self._stream = stream or _fake().current_stream()
+        self._point = self._stream.issued
 
     def synchronize(self) -> None:
         if self._stream is not None:
             _fake()._refuse_in_capture("event synchronize")
-            self._stream.flush()
-            self._stream.synced_at = _fake()._tick()
+            self._stream.flush(self._point)
+            if not self._stream.queue:
+                self._stream.synced_at = _fake()._tick()
 
     def wait(self, stream: Optional[FakeStream] = None) -> None:
         if self._stream is not None:
-            self._stream.flush()
+            self._stream.flush(self._point)
 
     def query(self) -> bool:
-        return self._stream is None or not self._stream.queue
+        return self._stream is None or not self._stream.pending_upto(self._point)
 
 
 class TwinKernels:

@@ -471,6 +471,57 @@ def test_the_kernels_load_at_enable_when_the_process_uses_cuda(fake_cuda):
 
 
 
+def test_fake_event_orders_after_its_recorded_point_only(fake_cuda):
+    """The harness as CUDA: a wait on an event runs what was issued before the record, not what came after."""
+    side = torch.cuda.Stream()
+    out = devices.zeros(2, torch.int64, devices.device_of(fake_cuda.alloc(8)))
+    fake_cuda.pause(side)
+    with torch.cuda.stream(side):
+        out[:1].fill_(1)
+        ev = torch.cuda.Event()
+        ev.record()
+        out[1:].fill_(2)  # after the record
+    assert not ev.query()
+    torch.cuda.current_stream().wait_event(ev)
+    assert ev.query() and out.tolist() == [1, 0]  # the later fill is still queued on the paused stream
+    side.synchronize()
+    assert out.tolist() == [1, 2]
+
+
+def test_a_verify_on_the_consumers_stream_waits_for_the_lends_hash_not_only_for_the_ready_event(fake_cuda):
+    """Issue 31, defect 1: the loader writes on its stream, records "ready", lends (the hash is queued
+    after the event); the consumer waits for "ready" only, and a reuse on its stream queues the verify.
+    The verify must still run after the hash, or it compares against an empty (or recycled) slot and a
+    correct program gets a false BorrowCorruptedError."""
+    buf = StagingBuffer(4096, device="cuda", name="ring")
+    producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
+    with sanitizer.sanitize(checksum=1, halt_on_error=0):
+        fake_cuda.pause(producer)  # a busy loader stream: its work runs when something waits for it
+        with torch.cuda.stream(producer):
+            buf.tensor[:64].copy_(torch.arange(16.0).view(torch.uint8))
+            ready = torch.cuda.Event()
+            ready.record()
+            w = buf.lend(0, (16,), torch.float32, name="w")  # its hash: queued after "ready"
+        with torch.cuda.stream(consumer):
+            consumer.wait_event(ready)
+            assert w.tolist() == list(range(16))  # (the consumer reads the bytes: the copy ran)
+            buf.reuse(0, 64, by="next")  # the verify of w, queued on the consumer's stream
+        sanitizer.synchronize()
+        assert _mismatches() == []
+    del w
+
+
+def test_the_expected_hash_of_a_lease_hashed_on_a_slow_stream_is_read_after_the_hash(fake_cuda):
+    buf = StagingBuffer(4096, device="cuda", name="r")
+    side = torch.cuda.Stream()
+    with sanitizer.sanitize(checksum=1):
+        fake_cuda.pause(side)
+        with torch.cuda.stream(side):
+            w = buf.write(0, torch.arange(16.0), name="w")
+        assert checksums.expected_hash(sanitizer.lease_of(w)) == cuda_hooks.checksum(torch.arange(16.0))
+    del w
+
+
 # -- the rest of the CUDA surface -----------------------------------------------------------------------
 def test_verify_wait_raises_a_cuda_corruption_at_once(fake_cuda):
     buf = StagingBuffer(4096, device="cuda", name="r")

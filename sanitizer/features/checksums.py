@@ -273,7 +273,7 @@ def on_lend(lease: Lease, view: torch.Tensor) -> None:
                 table.leases.pop(slot, None)  # no hash of it will land: the slot is not this lease's
                 table.free.append(slot)
                 raise
-        lease.checksum = (device, slot)
+        lease.checksum = (device, slot, stream)  # the stream its hash is queued on: a verify orders after it
     except Exception as exc:  # never out of a loader's lend: the checks go off, the load goes on
         checks.turn_off(exc)
     _report(reports)
@@ -295,7 +295,7 @@ def _check(lease: Lease, where: str, event: Optional[ReuseEvent]) -> bool:
         if found != expected:
             records.raise_or_record(BorrowCorruptedError(lease, expected, found, where, site, event), lease)
         return False
-    device, slot = expected
+    device, slot, hashed_on = expected
     if graph_capture.capturing(device):
         graph_capture.skipped(f"the {where} check of '{lease.name}'")
         return False
@@ -305,6 +305,7 @@ def _check(lease: Lease, where: str, event: Optional[ReuseEvent]) -> bool:
     try:
         with checks.lock:  # the tables are never replaced under a launch
             table = checks.tables[device]
+            _after_hash(device, hashed_on)
             stream = hooks.verify_into(raw, table.expected, slot, table.flags)
             checks.used(stream, lease.region_id, raw)
             checks.pending[(device, slot)] = (where, event, site)
@@ -312,6 +313,17 @@ def _check(lease: Lease, where: str, event: Optional[ReuseEvent]) -> bool:
         checks.turn_off(exc)
         return False
     return True
+
+
+def _after_hash(device: torch.device, hashed_on: Any) -> None:
+    """Order the work queued next on ``device``'s current stream after the lease's hash, queued on
+    ``hashed_on`` at the lend. A consumer's stream that waited only for the producer's "ready" event is
+    not ordered after a hash queued on the producer's stream after that event: a verify there could read
+    the slot before the hash lands (a false mismatch against zero, or against a recycled slot's old
+    hash). A wait between streams, no host synchronisation; nothing when both are one stream."""
+    current = torch.cuda.current_stream(device.index)
+    if hashed_on is not None and current != hashed_on:
+        current.wait_stream(hashed_on)
 
 
 def on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
@@ -417,7 +429,10 @@ def expected_hash(lease: Lease) -> Optional[int]:
     taken = lease.checksum
     if taken is None or isinstance(taken, int):
         return taken
-    return DEVICE_CHECKS.expected(*taken)
+    device, slot, hashed_on = taken
+    if hashed_on is not None:
+        hashed_on.synchronize()  # the hash may still be queued on its own stream, not the current one
+    return DEVICE_CHECKS.expected(device, slot)
 
 
 _exit_hook = threading.Lock()
