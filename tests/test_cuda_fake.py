@@ -253,6 +253,25 @@ def test_rescue_keeps_a_retained_cuda_view_correct(fake_cuda):
     assert sanitizer.errors() == []
 
 
+def test_a_rescued_cuda_view_read_from_another_stream_reads_the_copy(fake_cuda):
+    """Issue 31, defect 3: the rescue copy is queued on the retiring (loader's) stream while the view
+    points at the new memory at once; a consumer reading it from another stream, or from the host, must
+    see the copied bytes, never the copy's destination before the copy landed."""
+    buf = StagingBuffer(4096, device="cuda", name="ring0")
+    loader, consumer = torch.cuda.Stream(), torch.cuda.Stream()
+    with sanitizer.sanitize(rescue=1, guard=0):
+        w = buf.write(0, torch.arange(64, dtype=torch.float32), name="w")
+        kept = w[8:16]
+        del w
+        fake_cuda.pause(loader)  # a busy loader stream
+        with torch.cuda.stream(loader):
+            buf.write(0, torch.full((64,), -7.0), name="next")  # retire: the rescue copy, then the new bytes
+        with torch.cuda.stream(consumer):
+            assert kept.tolist() == [float(i) for i in range(8, 16)]
+        assert not sanitizer.is_borrowed(kept)
+    assert sanitizer.errors() == []
+
+
 def test_guard_makes_a_retained_cuda_view_read_poison_and_still_reports(fake_cuda):
     buf = StagingBuffer(4096, device="cuda", name="ring0")
     with sanitizer.sanitize():

@@ -8,7 +8,9 @@ copies the bytes into fresh memory of the same size and swaps the storage's
 data pointer, so the lent tensor *and every view derived from it* now read the
 copy; then the lease is disowned (no longer a borrow: never stale, not counted
 live). On CUDA the copy is ordinary caching-allocator memory, queued on the
-current stream (see ``storage_handles.repoint``). A view nobody retained is
+current stream (see ``storage_handles.repoint``), and the host waits for that
+stream once per reuse that copied: the view reads its new memory at once, from a
+stream nobody here knows. A view nobody retained is
 already dead and costs nothing, so the copy is paid only for views that really
 were retained.
 
@@ -69,6 +71,7 @@ def _wanted() -> bool:
 def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
     if not _wanted():
         return
+    copied_on: set = set()  # CUDA device indices whose current stream has a rescue copy queued
     for lease in victims:
         if not lease.alive or lease.rescued:
             continue
@@ -78,7 +81,15 @@ def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
             continue
         storage = runtime.storage_of(lease)  # None: already dead (or no weak handles in this torch)
         if storage is not None and not _capturing(storage, lease):
-            _rescue(lease, storage, event)
+            device = _rescue(lease, storage, event)
+            if device is not None:
+                copied_on.add(device.index or 0)
+    # A CUDA copy is queued on the retiring stream, but the view reads the new memory at once: a
+    # consumer on another stream (or the host) could read it before the copy lands, and which streams
+    # will read it is not known here. So the host waits for the copies, once per reuse, not per view
+    # (only a view that really was retained is copied: the cost is paid for retentions only).
+    for index in copied_on:
+        torch.cuda.current_stream(index).synchronize()
 
 
 def _capturing(storage: torch.UntypedStorage, lease: Lease) -> bool:
@@ -90,10 +101,12 @@ def _capturing(storage: torch.UntypedStorage, lease: Lease) -> bool:
     return False
 
 
-def _rescue(lease: Lease, storage: torch.UntypedStorage, event: ReuseEvent) -> None:
+def _rescue(lease: Lease, storage: torch.UntypedStorage, event: ReuseEvent) -> Optional[torch.device]:
+    """Move ``lease`` onto a copy; returns the CUDA device whose current stream the copy was queued on
+    (None: nothing queued, a host copy or an in-place one)."""
     holders = storage_handles.holders(storage)
     if holders <= 0:
-        return  # nobody holds it: it dies now, nothing to keep correct
+        return None  # nobody holds it: it dies now, nothing to keep correct
     # the lease's storage (and its views) now own a copy; on CUDA the copy is queued on the current stream,
     # which the staging memory records, so that freeing the buffer meanwhile cannot hand its bytes to another
     in_place = _trap_rescue(lease)  # trap mode: the lease's own pages become the copy, aliases and all
@@ -116,6 +129,8 @@ def _rescue(lease: Lease, storage: torch.UntypedStorage, event: ReuseEvent) -> N
     if exported and not in_place:  # they point at the staging bytes, not at the storage: the copy misses them
         record["aliases_not_rescued"] = exported
     _remember(record)
+    device = devices.storage_device(storage)
+    return device if device.type == "cuda" and not in_place else None
 
 
 def _trap_rescue(lease: Lease) -> bool:
