@@ -27,9 +27,11 @@ driver how many blocks of :data:`THREADS` fit on the device at once (the
 occupancy query, so the grid matches the kernel's real register use), and
 each configured launch ``kernel[blocks, threads, stream]`` is built once
 and reused (grid sizes are powers of two below that cap, so there are few).
-Building one is the only place numba emits its low-occupancy
-``NumbaPerformanceWarning`` (small tensors need few blocks by design): it is
-silenced there and nowhere else.
+A launch calls the dispatcher directly (:class:`_Launch`), not through numba's
+configuration object, whose constructor emits a low-occupancy
+``NumbaPerformanceWarning`` for small grids (small tensors need few blocks by
+design): no warning is made, so none is silenced, and the process's warning
+filters are never touched.
 
 Importing this module imports numba; ``cuda_hooks.bridge`` imports it lazily.
 Under ``NUMBA_ENABLE_CUDASIM=1`` the same kernels run in numba's simulator,
@@ -40,11 +42,10 @@ test harness treats such memory as device memory).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
-import re
 import threading
 import time
-import warnings
 from typing import Any, Dict, Iterator, Tuple
 
 import numpy as np
@@ -81,10 +82,24 @@ THREADS = 64 if SIMULATED else 256
 IMPLEMENTATION: str = getattr(cuda, "implementation", "unknown")
 
 
-_mix = cuda.jit(device=True, inline=True)(hashdef.mix)
-_position_key = cuda.jit(device=True, inline=True)(hashdef.position_key)
-_tail_word = cuda.jit(device=True, inline=True)(hashdef.tail_word)
-_finalize = cuda.jit(device=True, inline=True)(hashdef.finalize)
+def force_inline(jit: Any) -> Dict[str, Any]:
+    """The keyword that inlines a device function at the NVVM IR level, in the spelling ``jit`` takes.
+
+    numba's built-in CUDA target spells it ``inline=True``. The NVIDIA numba-cuda package renamed it
+    ``forceinline=True`` and made ``inline`` a Numba-IR option (``"always"``/``"never"``), where a bool
+    is deprecated and taken for ``"always"``: IR inlining, not the one these helpers were tuned with."""
+    try:
+        params = inspect.signature(jit).parameters
+    except (TypeError, ValueError):  # a callable without a signature: the built-in spelling
+        return {"inline": True}
+    return {"forceinline": True} if "forceinline" in params else {"inline": True}
+
+
+_INLINE = force_inline(cuda.jit)
+_mix = cuda.jit(device=True, **_INLINE)(hashdef.mix)
+_position_key = cuda.jit(device=True, **_INLINE)(hashdef.position_key)
+_tail_word = cuda.jit(device=True, **_INLINE)(hashdef.tail_word)
+_finalize = cuda.jit(device=True, **_INLINE)(hashdef.finalize)
 
 _ZERO = np.uint64(0)
 _ONE = np.uint64(1)
@@ -96,7 +111,7 @@ _EIGHT = np.uint64(8)
 _SIXTY_FOUR = np.uint64(64)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **_INLINE)
 def _byte_word(data, i, nbytes):
     """Hash word ``i`` assembled from bytes (the head word and the tail words only)."""
     start = i * _EIGHT
@@ -258,15 +273,24 @@ def _after_fork_in_child() -> None:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
-# numba warns when a grid has fewer than 128 blocks; a 4 KiB tensor needs one. numba-cuda raises its
-# own class (numba.cuda.core.errors), the built-in target numba.core.errors': silence whichever exist.
-_LOW_OCCUPANCY = re.escape("will likely result in GPU under-utilization")
-_PERF_WARNINGS = []
-for _mod in ("numba.cuda.core.errors", "numba.core.errors"):
-    try:
-        _PERF_WARNINGS.append(__import__(_mod, fromlist=["NumbaPerformanceWarning"]).NumbaPerformanceWarning)
-    except (ImportError, AttributeError):
-        pass
+class _Launch:
+    """``kernel[blocks, THREADS, stream]``, without numba's launch-configuration object.
+
+    That object's constructor is where numba warns about a grid of fewer than 128 blocks (a 4 KiB tensor
+    needs one, by design); silencing it with ``warnings.catch_warnings()`` swaps the process's warning
+    filters, which is not thread-safe (a filter a user's thread adds meanwhile is lost at the restore,
+    and its own warnings are filtered meanwhile). The configuration object only calls the dispatcher's
+    ``call(args, griddim, blockdim, stream, sharedmem)``, in numba's built-in target and in numba-cuda
+    alike: that is called here, and no warning is made to silence."""
+
+    __slots__ = ("_call", "_grid", "_block", "_stream")
+
+    def __init__(self, dispatcher: Any, blocks: int, stream: Any):
+        self._call = dispatcher.call
+        self._grid, self._block, self._stream = (blocks, 1, 1), (THREADS, 1, 1), stream
+
+    def __call__(self, *args: Any) -> Any:
+        return self._call(args, self._grid, self._block, self._stream, 0)
 
 
 def as_array(t: Any, dtype: Any = None) -> Any:
@@ -357,15 +381,15 @@ def _grid(name: str, nitems: int, per_thread: int, device: int) -> int:
 
 
 def _launcher(name: str, blocks: int, stream: Any) -> Any:
-    """``kernel[blocks, THREADS, stream]``, built once (building it is where numba would warn)."""
+    """``kernel[blocks, THREADS, stream]``, built once per grid size and stream."""
     key = (name, blocks, id(stream))
     hit = _launchers.get(key)
     if hit is not None:
         return hit[0]
-    with _lock, warnings.catch_warnings():
-        for category in _PERF_WARNINGS:
-            warnings.filterwarnings("ignore", message=f".*{_LOW_OCCUPANCY}", category=category)
-        launcher = _DISPATCHERS[name][blocks, THREADS, stream]
+    dispatcher = _DISPATCHERS[name]
+    with _lock:
+        # (the simulator's kernels never warn, and take only the indexing form)
+        launcher = dispatcher[blocks, THREADS, stream] if SIMULATED else _Launch(dispatcher, blocks, stream)
         if len(_launchers) >= _MAX_LAUNCHERS:
             _launchers.clear()
         _launchers[key] = (launcher, stream)  # the stream is kept so that its id stays unique

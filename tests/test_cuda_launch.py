@@ -67,7 +67,12 @@ class StubDispatcher:
         self.configured += 1
         if blocks < 128:  # what numba's _LaunchConfiguration.__init__ does
             warnings.warn(NumbaPerformanceWarning(LOW_OCCUPANCY.format(blocks)))
-        return lambda *args: self.launches.append((blocks, threads, stream, args))
+        return lambda *args: self.call(args, (blocks, 1, 1), (threads, 1, 1), stream, 0)
+
+    def call(self, args: tuple, griddim: tuple, blockdim: tuple, stream: object, sharedmem: int) -> None:
+        """What numba's launch configuration calls (in the built-in target and in numba-cuda alike)."""
+        assert len(griddim) == len(blockdim) == 3 and sharedmem == 0
+        self.launches.append((griddim[0], blockdim[0], stream, args))
 
 
 @pytest.fixture
@@ -115,7 +120,53 @@ def test_launch_configurations_are_built_once_and_grids_are_few(stubs):
         for n in range(1000, 400_000, 3000):  # 133 sizes of small tensors
             _hash(n)
     assert len(stubs["checksum"].launches) == 133
-    assert stubs["checksum"].configured <= 8  # powers of two up to the 98 blocks of the largest
+    assert len(gpu._launchers) <= 8  # powers of two up to the 98 blocks of the largest
+    assert len({launch[0] for launch in stubs["checksum"].launches}) <= 8
+
+
+def test_launching_never_touches_the_process_warning_filters(stubs):
+    """Issue 31, defect 6: the launch path swapped the process's warning filters (catch_warnings), which
+    is not thread-safe: a filter another thread adds meanwhile is lost at the restore. No launch may
+    read or replace ``warnings.filters`` (a list kept by identity and content here)."""
+    before = warnings.filters
+    snapshot = list(before)
+
+    class Watched(list):
+        touched = False
+
+        def __iter__(self):  # catch_warnings copies the list on entry, filterwarnings inserts into it
+            Watched.touched = True
+            return super().__iter__()
+
+        def insert(self, *a):
+            Watched.touched = True
+            return super().insert(*a)
+
+    watched = Watched(snapshot)
+    warnings.filters = watched
+    try:
+        for n in (100, 4096, 1 << 20):
+            _hash(n)
+            _hash(n, stream="s1")
+        touched = Watched.touched  # (read first: the comparison below iterates the list itself)
+        assert warnings.filters is watched and list(watched) == snapshot and not touched
+    finally:
+        warnings.filters = before
+    assert len(stubs["checksum"].launches) == 6 and stubs["checksum"].configured == 0
+
+
+def test_device_helpers_are_force_inlined_in_the_spelling_each_numba_takes():
+    """numba's built-in CUDA target: ``inline=True``; numba-cuda: ``forceinline=True`` (its ``inline`` is
+    Numba-IR inlining, and a bool there is deprecated)."""
+    def builtin_jit(func_or_sig=None, device=False, inline=False, link=None, debug=None, **kws):
+        pass
+
+    def numba_cuda_jit(func_or_sig=None, device=False, inline="never", forceinline=False, link=(), **kws):
+        pass
+
+    assert gpu.force_inline(builtin_jit) == {"inline": True}
+    assert gpu.force_inline(numba_cuda_jit) == {"forceinline": True}
+    assert gpu.force_inline(gpu.cuda.jit) == gpu._INLINE
 
 
 def test_misaligned_bytes_are_hashed_from_aligned_interior_words(stubs):
