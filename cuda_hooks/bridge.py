@@ -163,6 +163,9 @@ class _ArrayCache:
         with _lock:
             self._entries.clear()
 
+    def __len__(self) -> int:
+        return len(self._entries)
+
 
 _arrays = _ArrayCache()
 _warm: set = set()  # device indices whose kernels are loaded
@@ -251,10 +254,19 @@ def checksum(t: torch.Tensor) -> int:
     raw = _raw_bytes(t)
     if not devices.is_cuda(raw):
         return _cpu().hash_bytes(raw.numpy())
-    out = devices.zeros(1, torch.int64, devices.device_of(raw))
-    stream = checksum_into(raw, out, 0)
+    device = devices.device_of(raw)
+    out = devices.zeros(1, torch.int64, device)
+    # (a one-shot output: its numba array is made for this launch, not cached, or every call would
+    # push a long-lived entry, a slot table's or a scratch's, out of the bounded cache)
+    stream = _enqueue(raw, device, lambda gpu, data, scratch, stream, index: gpu.checksum_async(
+        data, scratch, gpu.as_array(out, np.uint64), 0, stream, device=index))
     stream.synchronize()
     return to_unsigned(int(out.item()))
+
+
+def cached_arrays() -> int:
+    """How many tensors' numba arrays the CUDA calls keep converted (bounded; for tests and tools)."""
+    return len(_arrays)
 
 
 def checksum_host(buf: np.ndarray) -> int:

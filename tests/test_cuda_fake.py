@@ -606,6 +606,21 @@ def test_bridge_caches_the_numba_arrays_of_long_lived_tensors_only_by_identity(f
     assert len(bridge._arrays._entries) <= bridge._ArrayCache.LIMIT  # bounded: the oldest go first
 
 
+def test_one_shot_checksums_leave_the_bridges_array_cache_to_long_lived_tensors(fake_cuda):
+    """Issue 31, defect 6: ``cuda_hooks.checksum(t)`` made a new output per call and cached its numba
+    array, so every call pushed a long-lived entry (a slot table's, a scratch's) out of the bounded cache
+    and kept up to its bound of dead outputs alive."""
+    from cuda_hooks import bridge
+
+    dev = fake_cuda.tensor(torch.arange(256, dtype=torch.uint8))
+    want = cuda_hooks.checksum(torch.arange(256, dtype=torch.uint8))
+    assert cuda_hooks.checksum(dev) == want
+    cached = bridge.cached_arrays()  # the stream's scratch
+    for _ in range(100):
+        assert cuda_hooks.checksum(dev) == want
+    assert bridge.cached_arrays() == cached
+
+
 def test_bridge_refuses_to_load_kernels_inside_a_capture_and_warm_takes_any_cuda_device(fake_cuda):
     t = fake_cuda.tensor(torch.arange(64, dtype=torch.uint8))
     out = fake_cuda.zeros(1, torch.int64, torch.device("cuda", 0))
