@@ -1,7 +1,9 @@
 """The CUDA extras exist, the errors that recommend them name them right, and the device check scripts parse."""
 from __future__ import annotations
 
+import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,5 +48,9 @@ def test_the_device_check_scripts_parse_and_never_pass_without_a_gpu():
         assert proc.returncode == 0, (script, proc.stderr)
     if torch.cuda.is_available():
         return
-    proc = subprocess.run([bash, str(ROOT / "bench/device_check.sh")], capture_output=True, text=True, timeout=120)
+    # the interpreter running this test (its torch), not the script's default (.venv/bin/python or python3,
+    # which from a clone installed elsewhere may have no torch, and the script would fail for that reason)
+    env = dict(os.environ, PYTHON=sys.executable)
+    proc = subprocess.run([bash, str(ROOT / "bench/device_check.sh")], capture_output=True, text=True, timeout=120,
+                          env=env)
     assert proc.returncode == 2 and "nothing can be checked on a GPU" in proc.stderr, proc.stderr
