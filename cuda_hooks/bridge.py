@@ -25,7 +25,7 @@ import threading
 import time
 from contextlib import contextmanager, nullcontext
 from types import ModuleType
-from typing import Any, Callable, ContextManager, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -40,6 +40,7 @@ _U64 = 1 << 64
 _modules: Dict[str, ModuleType] = {}
 _import_seconds: Dict[str, float] = {}
 _scratch: Dict[Tuple[int, int], torch.Tensor] = {}
+_graph_scratches: List[torch.Tensor] = []  # scratches captured into CUDA graphs (see _graph_scratch)
 _lock = threading.Lock()
 
 
@@ -174,9 +175,9 @@ _warm: set = set()  # device indices whose kernels are loaded
 def _after_fork_in_child() -> None:
     """A forked child cannot use its parent's CUDA context: a fresh lock, and none of the parent's
     device arrays, scratch or loaded kernels."""
-    global _lock, _arrays, _scratch, _warm
+    global _lock, _arrays, _scratch, _warm, _graph_scratches
     _lock = threading.Lock()
-    _arrays, _scratch, _warm = _ArrayCache(), {}, set()
+    _arrays, _scratch, _warm, _graph_scratches = _ArrayCache(), {}, set(), []
 
 
 if hasattr(os, "register_at_fork"):
@@ -191,6 +192,19 @@ def _scratch_for(device: torch.device, stream: Any) -> torch.Tensor:
         with torch.cuda.stream(stream):  # the memset must precede the kernels on their own stream
             s = devices.zeros(2, torch.int64, device)
         _scratch[key] = s
+    return s
+
+
+def _graph_scratch(device: torch.device) -> torch.Tensor:
+    """(While the current stream captures a graph.) A scratch of the graph's own, made and zeroed in the
+    capture: the memset is captured, so it runs at each replay, not now. Never the stream's cached one,
+    which two graphs captured on one stream would share (racing when both replay), and never cached for
+    eager launches, which would run on memory whose zeroing never ran. Kept for the process's life: the
+    graph reads it at every replay, and it has no way to say when the graph is gone (16 bytes, one
+    allocator block, per check captured)."""
+    s = devices.zeros(2, torch.int64, device)
+    with _lock:
+        _graph_scratches.append(s)
     return s
 
 
@@ -214,7 +228,10 @@ def _enqueue(raw: torch.Tensor, device: torch.device, launch: Callable[..., None
     stream = torch.cuda.current_stream(index)
     with _device_scope(gpu, index):
         _warm_locked(gpu, index)
-        scratch = _arrays.get(gpu, _scratch_for(device, stream), np.uint64)
+        if torch.cuda.is_current_stream_capturing():
+            scratch = gpu.as_array(_graph_scratch(device), np.uint64)
+        else:
+            scratch = _arrays.get(gpu, _scratch_for(device, stream), np.uint64)
         launch(gpu, gpu.as_array(raw), scratch, gpu.stream_for(stream.cuda_stream, index), index)
     return stream
 

@@ -290,15 +290,30 @@ class FakeGpu:
                 found.append(alloc)
         return found
 
+    def _zero_scratch(self, name: str, scratch: Any) -> None:
+        """The hashing kernels need their scratch zero when they run (they leave it zero): a scratch
+        that is not, e.g. one whose zeroing was captured into a graph and never ran, gives a wrong hash
+        on a device. The twin would not notice, so the harness files it as a hazard."""
+        if np.asarray(scratch).any():
+            self._fake.hazards.append(f"{name} ran with a non-zero scratch {np.asarray(scratch).tolist()}")
+
     def checksum_async(self, data, scratch, out, slot, stream, blocks=None, device=0) -> None:
         inner = self.inner
-        stream.launch("checksum", lambda: inner.checksum_async(data, scratch, out, slot, 0, blocks, device),
-                      self._allocs(data, scratch, out))
+
+        def run() -> None:
+            self._zero_scratch("checksum", scratch)
+            inner.checksum_async(data, scratch, out, slot, 0, blocks, device)
+
+        stream.launch("checksum", run, self._allocs(data, scratch, out))
 
     def verify_async(self, data, scratch, expected, slot, flags, stream, blocks=None, device=0) -> None:
         inner = self.inner
-        stream.launch("verify", lambda: inner.verify_async(data, scratch, expected, slot, flags, 0, blocks, device),
-                      self._allocs(data, scratch, expected, flags))
+
+        def run() -> None:
+            self._zero_scratch("verify", scratch)
+            inner.verify_async(data, scratch, expected, slot, flags, 0, blocks, device)
+
+        stream.launch("verify", run, self._allocs(data, scratch, expected, flags))
 
     def poison_async(self, data, byte, stream, device=0) -> None:
         inner = self.inner
@@ -390,6 +405,7 @@ class FakeCuda:
         t = _REAL_EMPTY(nbytes, dtype=torch.uint8)
         if nbytes == 0:
             return t
+        _REAL_FILL(t, 0xA5)  # fresh device memory holds whatever was there: never assume zeros
         with self._lock:
             alloc = _Alloc(self._next_alloc, t.data_ptr(), nbytes, torch.device("cuda", index),
                            self._current[index], self.capturing is not None)
@@ -488,7 +504,7 @@ class FakeCuda:
         if torch.device(device).type != "cuda":
             return _REAL_ZEROS(n, dtype=dtype, device=device)
         t = self.alloc(n * dtype.itemsize, device).view(dtype)
-        t.zero_()
+        t.fill_(0)  # a memset on the current stream: queued, or captured into a graph, like any work
         return t
 
     def empty_like(self, t: torch.Tensor) -> torch.Tensor:
@@ -670,7 +686,7 @@ class FakeCuda:
         def zeros(*size: Any, dtype: Any = None, device: Any = None, **kw: Any) -> torch.Tensor:
             if not on_device(device):
                 return _REAL_ZEROS(*size, dtype=dtype, device=device, **kw)
-            return empty(*size, dtype=dtype, device=device).zero_()
+            return empty(*size, dtype=dtype, device=device).fill_(0)  # (queued or captured, as a memset)
 
         def zeros_like(t: torch.Tensor, **kw: Any) -> torch.Tensor:
             if not fake.is_cuda(t):

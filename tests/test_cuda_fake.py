@@ -635,7 +635,33 @@ def test_bridge_refuses_to_load_kernels_inside_a_capture_and_warm_takes_any_cuda
         cuda_hooks.warm("cpu")
     with fake_cuda.capture(torch.cuda.current_stream()) as graph:
         cuda_hooks.checksum_into(t, out, 0)  # loaded: the launch is captured into the graph, as any kernel
-    assert [name for name, _, _ in graph] == ["checksum"]
+    assert [name for name, _, _ in graph] == ["fill_", "checksum"]  # (the graph's own scratch, zeroed in it)
+
+
+def test_a_capture_on_a_new_stream_gives_the_graph_its_own_scratch(fake_cuda):
+    """Issue 31, defect 6: the scratch of a stream first used inside a capture was made there, its
+    zeroing captured only (run at replay, never now), and cached: an eager hash on that stream afterwards
+    ran on memory never zeroed (a wrong hash on a device), and two graphs captured on one stream shared it."""
+    from cuda_hooks import bridge
+
+    t = fake_cuda.tensor(torch.arange(64, dtype=torch.uint8))
+    out = fake_cuda.zeros(3, torch.int64, torch.device("cuda", 0))
+    cuda_hooks.warm()
+    side = torch.cuda.Stream()  # never used for a hash before
+    captured = []
+    for slot in (0, 1):  # two graphs on one stream
+        before = len(fake_cuda.allocations)
+        with fake_cuda.capture(side) as graph:
+            cuda_hooks.checksum_into(t, out, slot)
+        assert [name for name, _, _ in graph] == ["fill_", "checksum"]
+        captured += [a for a in fake_cuda.allocations[before:] if a.during_capture]
+    assert len(captured) == 2 and captured[0].base != captured[1].base  # one scratch per graph
+    with torch.cuda.stream(side):
+        cuda_hooks.checksum_into(t, out, 2)  # eager, on the stream the graphs were captured on
+    side.synchronize()
+    assert to_unsigned(int(out[2])) == cuda_hooks.checksum(torch.arange(64, dtype=torch.uint8))
+    assert fake_cuda.hazards == []
+    assert bridge.cached_arrays() <= 4  # the eager scratch and out; the graphs' scratches are not cached
 
 
 def test_empty_cuda_leases_take_no_device_slot(fake_cuda):
