@@ -19,8 +19,8 @@ Which tensors are CUDA tensors, and where device memory comes from, is
 from __future__ import annotations
 
 from . import devices
-from .bridge import (checksum, checksum_host, checksum_into, compile_seconds, kernel_info, poison, to_signed,
-                     to_unsigned, verify_into, warm)
+from .bridge import (checksum, checksum_host, checksum_into, compile_seconds, kernel_info, poison,
+                     reset_device_state, to_signed, to_unsigned, verify_into, warm)
 from .errors import KernelsUnavailable
 from .hashdef import HASH_VERSION
 
@@ -34,6 +34,7 @@ __all__ = [
     "devices",
     "kernel_info",
     "poison",
+    "reset_device_state",
     "to_signed",
     "to_unsigned",
     "verify_into",

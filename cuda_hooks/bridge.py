@@ -281,6 +281,27 @@ def checksum(t: torch.Tensor) -> int:
     return to_unsigned(int(out.item()))
 
 
+def reset_device_state() -> None:
+    """Forget every device object this module keeps: converted arrays, scratches (the graphs' too) and
+    which devices have their kernels loaded. For a test harness between tests, or after the devices
+    were reset; a forked child gets the same at the fork."""
+    _arrays.clear()  # (under the lock itself: not re-entrant)
+    with _lock:
+        _scratch.clear()
+        _warm.clear()
+        _graph_scratches.clear()
+
+
+def use_kernels(gpu: Optional[ModuleType]) -> None:
+    """Launch through ``gpu`` (a module with :mod:`cuda_hooks.gpu`'s functions) instead of the real CUDA
+    kernels; None goes back to them. For a test harness that runs the CUDA paths without a GPU."""
+    with _lock:
+        if gpu is None:
+            _modules.pop("gpu", None)
+        else:
+            _modules["gpu"] = gpu
+
+
 def cached_arrays() -> int:
     """How many tensors' numba arrays the CUDA calls keep converted (bounded; for tests and tools)."""
     return len(_arrays)

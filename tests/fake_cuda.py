@@ -606,7 +606,7 @@ class FakeCuda:
         from cuda_hooks import devices
 
         fake = self
-        _reset_device_state(monkeypatch)
+        reset_device_state()
         for name in ("is_cuda", "device_of", "storage_device", "empty", "zeros", "empty_like"):
             monkeypatch.setattr(devices, name, getattr(self, name))
         cuda = torch.cuda
@@ -707,7 +707,7 @@ class FakeCuda:
         monkeypatch.setattr(torch, "zeros", zeros)
         monkeypatch.setattr(torch, "zeros_like", zeros_like)
         monkeypatch.setattr(torch, "cat", cat)
-        monkeypatch.setitem(bridge._modules, "gpu", self.gpu)
+        bridge.use_kernels(self.gpu)
         monkeypatch.setattr(sys.modules[__name__], "_ACTIVE", self)
         return self
 
@@ -717,37 +717,27 @@ class FakeCuda:
             s.paused = False
             s.flush()
 
+    def uninstall(self) -> None:
+        """(After :meth:`settle`, the sanitizer disabled and the test's tensors collected.) The real
+        kernels again, and no device state of this test left behind; the patches go with the monkeypatch."""
+        import cuda_hooks.bridge as bridge
 
-def _reset_device_state(monkeypatch: Any) -> None:
-    """Give the sanitizer's device state fresh objects for one test (restored after it)."""
-    import cuda_hooks.bridge as bridge
+        bridge.use_kernels(None)
+        reset_device_state()
+
+
+def reset_device_state() -> None:
+    """Give the sanitizer's device state a fresh start (before and after each test), through the public
+    hooks each module that keeps some has: the bridge's caches and scratches, the checksums' slot
+    tables, the poison blocks, the capture warning."""
+    import cuda_hooks
     from sanitizer.features import checksums
-    from sanitizer.torch_layer import storage_handles
+    from sanitizer.torch_layer import graph_capture, storage_handles
 
-    try:
-        from sanitizer.torch_layer import graph_capture
-
-        monkeypatch.setattr(graph_capture, "_warned", False)  # its warning is once per process: once per test here
-    except ImportError:  # the first version had none
-        pass
-    monkeypatch.setattr(bridge, "_scratch", {})
-    monkeypatch.setattr(bridge, "_arrays", bridge._ArrayCache())
-    monkeypatch.setattr(bridge, "_warm", set())
-    for module, name, factory in _DEVICE_STATE(checksums, storage_handles):
-        monkeypatch.setattr(module, name, factory())
-
-
-def _DEVICE_STATE(checksums: Any, storage_handles: Any) -> List[Tuple[Any, str, Callable[[], Any]]]:
-    """(module, attribute, fresh value) of each piece of device state the sanitizer keeps."""
-    state: List[Tuple[Any, str, Callable[[], Any]]] = []
-    if hasattr(checksums, "DEVICE_CHECKS"):
-        state.append((checksums, "DEVICE_CHECKS", type(checksums.DEVICE_CHECKS)))
-    else:  # the module-level tables of the first version
-        state.append((checksums, "_slots", dict))
-        state.append((checksums, "_pending_events", dict))
-    if hasattr(storage_handles, "DEVICE_POISON"):
-        state.append((storage_handles, "DEVICE_POISON", type(storage_handles.DEVICE_POISON)))
-    return state
+    cuda_hooks.reset_device_state()
+    checksums.reset_device_state()
+    storage_handles.reset_device_state()
+    graph_capture.reset_device_state()
 
 
 try:  # the fixture, for test modules that import it
@@ -767,7 +757,9 @@ try:  # the fixture, for test modules that import it
 
             sanitizer.disable()
             gc.collect()
+            fake.uninstall()
 except ImportError:  # pragma: no cover - the simulator child imports this module without pytest
     pass
 
-__all__ = ["FakeCuda", "FakeStream", "FakeEvent", "FakeGpu", "TwinKernels", "CAPTURE_ERROR", "fake_cuda"]
+__all__ = ["FakeCuda", "FakeStream", "FakeEvent", "FakeGpu", "TwinKernels", "CAPTURE_ERROR", "fake_cuda",
+           "reset_device_state"]

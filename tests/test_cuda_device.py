@@ -117,10 +117,10 @@ class FakeGpuEnv:
 
 @pytest.fixture
 def gpu(monkeypatch) -> Iterator[Any]:
-    from tests.fake_cuda import FakeCuda, _reset_device_state
+    from tests.fake_cuda import FakeCuda, reset_device_state
 
     if REAL:
-        _reset_device_state(monkeypatch)  # fresh slot tables and poison blocks, the capture warning not yet given
+        reset_device_state()  # fresh slot tables and poison blocks, the capture warning not yet given
         yield RealGpu()
         torch.cuda.synchronize()
         sanitizer.disable()
@@ -134,6 +134,7 @@ def gpu(monkeypatch) -> Iterator[Any]:
     fake.settle()
     sanitizer.disable()
     gc.collect()
+    fake.uninstall()
 
 
 def _mismatches() -> list:

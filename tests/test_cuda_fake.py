@@ -603,7 +603,7 @@ def test_bridge_caches_the_numba_arrays_of_long_lived_tensors_only_by_identity(f
     assert bridge._arrays.get(fake_cuda.gpu, out[:], np.uint64) is not a  # another tensor object: converted anew
     for _ in range(bridge._ArrayCache.LIMIT + 1):
         bridge._arrays.get(fake_cuda.gpu, fake_cuda.zeros(1, torch.int64, torch.device("cuda", 0)), None)
-    assert len(bridge._arrays._entries) <= bridge._ArrayCache.LIMIT  # bounded: the oldest go first
+    assert bridge.cached_arrays() <= bridge._ArrayCache.LIMIT  # bounded: the oldest go first
 
 
 def test_one_shot_checksums_leave_the_bridges_array_cache_to_long_lived_tensors(fake_cuda):
@@ -677,6 +677,24 @@ def test_empty_cuda_leases_take_no_device_slot(fake_cuda):
     del e, w
 
 
+def test_reset_device_state_forgets_every_device_object_through_public_hooks(fake_cuda):
+    """What a harness calls between tests (issue 31: the fake reached into private module state)."""
+    import cuda_hooks.bridge as bridge
+    from sanitizer.torch_layer import storage_handles
+    from tests.fake_cuda import reset_device_state
+
+    buf = StagingBuffer(4096, device="cuda", name="r")
+    with sanitizer.sanitize(checksum=1):
+        w = buf.write(0, torch.ones(16), name="w")
+        buf.write(0, torch.ones(16), name="next")  # w retained: a tombstone, a poison block
+        assert checksums.DEVICE_CHECKS.tables and storage_handles.DEVICE_POISON.nbytes and bridge.cached_arrays()
+    del w
+    gc.collect()
+    reset_device_state()
+    assert not checksums.DEVICE_CHECKS.tables and storage_handles.DEVICE_POISON.nbytes == 0
+    assert bridge.cached_arrays() == 0
+
+
 def test_a_forked_child_starts_with_no_device_state_and_fresh_locks(fake_cuda):
     import os
 
@@ -687,13 +705,13 @@ def test_a_forked_child_starts_with_no_device_state_and_fresh_locks(fake_cuda):
     with sanitizer.sanitize(checksum=1):
         w = buf.write(0, torch.ones(16), name="w")
         buf.write(0, torch.ones(16), name="next")  # w retained: a tombstone, a poison block
-        assert checksums.DEVICE_CHECKS.tables and storage_handles.DEVICE_POISON.nbytes and bridge._scratch
+        assert checksums.DEVICE_CHECKS.tables and storage_handles.DEVICE_POISON.nbytes and bridge.cached_arrays()
         checksums.DEVICE_CHECKS.lock.acquire()  # held at the fork, as by another thread
         try:
             pid = os.fork()
             if pid == 0:  # the child: the parent's CUDA state is not usable here, and no lock is held
                 ok = (not checksums.DEVICE_CHECKS.tables and storage_handles.DEVICE_POISON.nbytes == 0
-                      and not bridge._scratch and checksums.DEVICE_CHECKS.lock.acquire(timeout=5))
+                      and not bridge.cached_arrays() and checksums.DEVICE_CHECKS.lock.acquire(timeout=5))
                 os._exit(0 if ok else 1)
         finally:
             checksums.DEVICE_CHECKS.lock.release()

@@ -474,6 +474,13 @@ def install() -> None:
     add_retire_hook(on_poison, RetireOrder.POISON)
 
 
+def reset_device_state() -> None:
+    """Forget the slot tables, the streams checks ran on, the pending verifies and why checks went off:
+    the state a new process starts with. For a test harness between tests, or after the devices were
+    reset (the tables are device memory of the old context)."""
+    DEVICE_CHECKS.__init__()
+
+
 @forking.in_child
 def _after_fork() -> None:
     """A forked child starts with fresh locks and no device state: the slot tables are the parent's CUDA
@@ -484,4 +491,4 @@ def _after_fork() -> None:
 
 
 __all__ = ["verify", "verify_queued", "synchronize", "expected_hash", "install", "on_lend", "on_retire", "on_poison",
-           "DeviceChecks", "DEVICE_CHECKS"]
+           "DeviceChecks", "DEVICE_CHECKS", "reset_device_state"]

@@ -32,7 +32,7 @@ import torch
 
 from sanitizer.core import forking
 
-__all__ = ["capturing", "skipped"]
+__all__ = ["capturing", "skipped", "reset_device_state"]
 
 _lock = threading.Lock()
 _warned = False
@@ -59,6 +59,14 @@ def skipped(what: str) -> None:
                   "rest of the sanitizer's device work (checksum, poison, rescue, guard, reading device flags) "
                   "skip the CUDA leases lent and retired during captures; stale uses are still reported "
                   "(said once)", RuntimeWarning, stacklevel=3)
+
+
+def reset_device_state() -> None:
+    """Say the capture warning again at the next skip (it is once per process: a test harness resets it
+    between tests)."""
+    global _warned
+    with _lock:
+        _warned = False
 
 
 @forking.in_child

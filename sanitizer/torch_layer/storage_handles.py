@@ -322,6 +322,11 @@ def _repoint_on_device(storage: torch.UntypedStorage, nbytes: int, device: torch
     return fresh, storage
 
 
+def reset_device_state() -> None:
+    """Forget the CUDA poison blocks (a test harness between tests, or after the devices were reset)."""
+    DEVICE_POISON.__init__()
+
+
 @forking.in_child
 def _after_fork() -> None:
     POISON._lock = threading.RLock()  # (the poison file itself is shared: every mapping is private)
@@ -329,4 +334,4 @@ def _after_fork() -> None:
 
 
 __all__ = ["AVAILABLE", "UNAVAILABLE_REASON", "upgrade", "free_weak_handle", "PoisonFile", "POISON", "DevicePoison",
-           "DEVICE_POISON", "holders", "repoint"]
+           "DEVICE_POISON", "holders", "repoint", "reset_device_state"]
