@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["is_cuda", "device_of", "storage_device", "empty", "zeros", "empty_like"]
+from typing import Any
+
+__all__ = ["is_cuda", "device_of", "storage_device", "empty", "zeros", "empty_like", "from_interface"]
 
 
 def is_cuda(t: torch.Tensor) -> bool:
@@ -50,3 +52,10 @@ def zeros(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 def empty_like(t: torch.Tensor) -> torch.Tensor:
     """Contiguous uninitialised memory of ``t``'s shape, dtype and device, from its device's allocator."""
     return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
+def from_interface(region: Any, device: torch.device) -> torch.Tensor:
+    """A tensor over the device memory ``region`` exposes through ``__cuda_array_interface__`` (no copy):
+    a storage of its own, whose deleter keeps ``region`` (torch's ``as_tensor``). How a CUDA lease
+    aliases its staging buffer's bytes."""
+    return torch.as_tensor(region, device=device)

@@ -507,6 +507,21 @@ class FakeCuda:
         t.fill_(0)  # a memset on the current stream: queued, or captured into a graph, like any work
         return t
 
+    def from_interface(self, region: Any, device: torch.device) -> torch.Tensor:
+        """``torch.as_tensor`` of a ``__cuda_array_interface__`` object over fake device memory: a storage
+        of its own over those bytes whose deleter keeps ``region`` (so a lease's death is seen when its
+        storage dies, as with the real alias). Memory that is not fake device memory is refused."""
+        iface = region.__cuda_array_interface__
+        (nbytes,), ptr = iface["shape"], iface["data"][0]
+        alloc = self._find(ptr)
+        if alloc is None or ptr + nbytes > alloc.base + alloc.nbytes:
+            raise RuntimeError(f"as_tensor of {nbytes} bytes at {ptr:#x}: not (fake) device memory")
+        if nbytes == 0:
+            return _REAL_EMPTY(0, dtype=torch.uint8)
+        raw = (ctypes.c_char * nbytes).from_address(ptr)
+        raw.region = region  # the new storage keeps the numpy array, which keeps this, which keeps region
+        return torch.from_numpy(np.frombuffer(raw, dtype=np.uint8))
+
     def empty_like(self, t: torch.Tensor) -> torch.Tensor:
         if not self.is_cuda(t):
             return torch.empty_like(t, memory_format=torch.contiguous_format)
@@ -607,7 +622,7 @@ class FakeCuda:
 
         fake = self
         reset_device_state()
-        for name in ("is_cuda", "device_of", "storage_device", "empty", "zeros", "empty_like"):
+        for name in ("is_cuda", "device_of", "storage_device", "empty", "zeros", "empty_like", "from_interface"):
             monkeypatch.setattr(devices, name, getattr(self, name))
         cuda = torch.cuda
         monkeypatch.setattr(cuda, "is_available", lambda: True)

@@ -51,6 +51,29 @@ def test_fake_device_memory_is_cuda_to_the_sanitizer_and_views_follow(fake_cuda)
     assert torch.cuda.current_stream().cuda_stream == 0
 
 
+def test_a_cuda_lease_is_made_by_the_real_cuda_lend_a_storage_of_its_own_over_the_buffer(fake_cuda, monkeypatch):
+    """The CUDA branch of the lend (a ``__cuda_array_interface__`` region and its alias), not the host
+    one: the fake's memory is CPU memory, and the harness used to send its leases down the numpy path."""
+    made = []
+
+    def spy(region, device):
+        made.append((type(region).__name__, device))
+        return fake_cuda.from_interface(region, device)
+
+    monkeypatch.setattr(devices, "from_interface", spy)
+    buf = StagingBuffer(4096, device="cuda:1", name="r")
+    with sanitizer.sanitize():
+        w = buf.write(256, torch.arange(16.0), name="w")
+        assert made == [("_CudaRegion", torch.device("cuda", 1))]
+        assert devices.is_cuda(w) and devices.device_of(w) == torch.device("cuda", 1)
+        assert w.untyped_storage()._cdata != buf.tensor.untyped_storage()._cdata  # the lease's own storage
+        assert w.data_ptr() == buf.tensor.data_ptr() + 256 and w.tolist() == list(range(16))
+        lease = sanitizer.lease_of(w)
+        del w
+        gc.collect()
+        assert not lease.alive  # its storage died with the view: the region's weak reference saw it
+
+
 def test_fake_record_stream_counts_only_on_the_storage_that_owns_the_memory(fake_cuda):
     t = fake_cuda.alloc(256)
     side = torch.cuda.Stream()

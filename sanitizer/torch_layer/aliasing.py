@@ -21,6 +21,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
+from cuda_hooks import devices
 from sanitizer.torch_layer import own_ops
 
 _SUPPORTED = ("cpu", "cuda")
@@ -72,7 +73,7 @@ def check_device(device: torch.device) -> None:
 
 def host_array(buffer_u8: torch.Tensor) -> Optional[np.ndarray]:
     """The numpy array over a CPU buffer (None on CUDA): the parent of every CPU lease."""
-    return buffer_u8.numpy() if buffer_u8.device.type == "cpu" else None
+    return None if devices.is_cuda(buffer_u8) else buffer_u8.numpy()
 
 
 def alias_view(
@@ -94,7 +95,7 @@ def alias_view(
         piece = np.ndarray(shape, np_dtype, host, offset)  # one call: cheaper than slice+view+reshape
         return own_ops.over_host(piece, dtype, retype), piece
     piece = _CudaRegion(buffer_u8, buffer_u8.data_ptr() + offset, nbytes)
-    alias = torch.as_tensor(piece, device=buffer_u8.device)
+    alias = devices.from_interface(piece, devices.device_of(buffer_u8))
     return alias.view(dtype).view(shape), piece
 
 

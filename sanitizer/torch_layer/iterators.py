@@ -280,7 +280,9 @@ def raw_bytes(device: torch.device, address: int, nbytes: int) -> torch.Tensor:
 
         return torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address)))
     if device.type == "cuda":
-        return torch.as_tensor(_DeviceBytes(address, nbytes), device=device)
+        from cuda_hooks import devices
+
+        return devices.from_interface(_DeviceBytes(address, nbytes), device)
     raise ValueError(f"buffers on '{device}' are not tracked (staging leases support {_TRACKED_DEVICES})")
 
 
