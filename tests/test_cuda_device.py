@@ -306,6 +306,93 @@ def test_poison_and_verify_on_a_slow_stream_never_touch_memory_reused_meanwhile(
         assert sanitizer.errors() == [] and gpu.hazards() == []
 
 
+
+# -- stream order across the sanitizer's own work (issue 31, defects 1-3) -----------------------------------------
+def test_a_verify_on_the_consumers_stream_runs_after_the_lends_hash(gpu):
+    """Defect 1: the loader writes on its stream, records "ready" and lends (the hash queued behind a slow
+    stretch); the consumer waits for "ready" only, and a reuse on its stream queues the verify. The
+    verify must still run after the hash, or a correct program gets a false BorrowCorruptedError."""
+    buf = StagingBuffer(1 << 16, device="cuda", name="ring")
+    src = gpu.random_bytes(4096)
+    producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
+    producer.wait_stream(torch.cuda.current_stream())
+    with sanitizer.sanitize(checksum=1, halt_on_error=0):
+        with torch.cuda.stream(producer):
+            buf.tensor[:4096].copy_(src)
+            ready = torch.cuda.Event()
+            ready.record()
+            gpu.delay(producer)  # the hash, queued next, runs late
+            w = buf.lend(0, (4096,), torch.uint8, name="w")
+        consumer.wait_event(ready)
+        with torch.cuda.stream(consumer):
+            buf.reuse(0, 4096, by="next")  # the verify of w, on the consumer's stream
+        sanitizer.synchronize()
+    assert _mismatches() == [] and gpu.hazards() == []
+    del w
+
+
+def test_record_stream_on_a_lease_keeps_the_staging_memory_for_that_stream(gpu):
+    """Defect 2: a consumer reading a lease on its own stream and calling ``record_stream`` is correct
+    unsanitized; the lease is an alias the allocator ignores, so the record must reach the buffer's
+    memory, or the freed buffer's block is handed out while the read is still queued."""
+    n = 16 * MIB
+    src = gpu.random_bytes(n)
+    side = torch.cuda.Stream()
+    with sanitizer.sanitize():
+        buf = StagingBuffer(n, device="cuda", name="staging")
+        w = buf.write(0, src, name="w")
+        side.wait_stream(torch.cuda.current_stream())
+        gpu.delay(side)
+        with torch.cuda.stream(side):
+            out = torch.empty_like(w)
+            out.copy_(w)  # read on the slow stream
+        w.record_stream(side)
+        del w
+        buf.close()
+        del buf
+        gc.collect()
+        junk = torch.full((n,), 0x55, dtype=torch.uint8, device="cuda") if REAL else gpu.fake.alloc(n).fill_(0x55)
+        torch.cuda.synchronize()
+    assert torch.equal(_host(out), _host(src)), "the read on the recorded stream saw memory reused meanwhile"
+    assert (_host(junk) == 0x55).all() and gpu.hazards() == []
+
+
+def test_a_rescued_view_read_on_another_stream_reads_the_rescued_bytes(gpu):
+    """Defect 3: the rescue copy is queued on the retiring (loader's, slow) stream while the view points at
+    the new memory at once; a consumer reading it on another stream must see the copy, not its
+    destination before the copy landed."""
+    buf = StagingBuffer(4 * MIB, device="cuda", name="ring")
+    src = gpu.random_bytes(4 * MIB)
+    loader, consumer = torch.cuda.Stream(), torch.cuda.Stream()
+    with sanitizer.sanitize(rescue=1, guard=0):
+        w = buf.write(0, src, name="w")
+        loader.wait_stream(torch.cuda.current_stream())
+        gpu.delay(loader)
+        with torch.cuda.stream(loader):
+            buf.write(0, gpu.random_bytes(4 * MIB + 1)[1:], name="next")  # the rescue copy, behind the delay
+        with torch.cuda.stream(consumer):
+            got = torch.empty_like(w)
+            got.copy_(w)
+        torch.cuda.synchronize()
+        assert not sanitizer.is_borrowed(w)
+    assert torch.equal(_host(got), _host(src)), "a rescued view read on another stream saw the copy's destination"
+    assert gpu.hazards() == []
+    del w
+
+
+def test_poison_fills_the_retired_bytes_on_the_device(gpu):
+    """``poison=1``: the bytes of a retired lease that the reuse does not overwrite read as the poison byte
+    on the device (the fill is a kernel on the current stream)."""
+    buf = StagingBuffer(1 << 16, device="cuda", name="ring")
+    with sanitizer.sanitize(poison=1, guard=0):
+        w = buf.write(0, gpu.random_bytes(8192), name="w")
+        buf.reuse(0, 1024, by="next")  # w's bytes past 1024 are poisoned
+        torch.cuda.synchronize()
+        poisoned = gpu.peek(buf.tensor[1024:], 8192 - 1024)
+        assert (poisoned == 0xFF).all(), f"{int((poisoned != 0xFF).sum())} retired bytes are not poison"
+    del w
+
+
 # -- graph capture ---------------------------------------------------------------------------------------------
 def test_a_graph_captured_with_the_sanitizer_on_works_and_is_warned_about_once(gpu):
     buf = StagingBuffer(MIB, device="cuda", name="graph")
