@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, in one prepared run (a few minutes on one H200, at most ~9; no network needed):
+# The GPU check, in one prepared run (at most 6 minutes on one GPU, whatever hangs; no network needed):
 #   1. the environment: python, torch and its CUDA, the GPUs, numba and its CUDA target (numba's built-in
 #      one or NVIDIA's numba-cuda), the CUDA toolkit found as tests/test_kernels_ptx.py finds it (exported
 #      as CUDA_HOME), the NVVM version, the kernels compiled and loaded (seconds, registers, resident blocks)
@@ -7,11 +7,16 @@
 #   3. the CUDA tests: tests/test_cuda_device.py on the GPU (OWNSAN_REQUIRE_CUDA=1: never the fake devices),
 #      the device half of tests/test_bridge.py, the PTX/ptxas check, the launch tests, InstantTensor on CUDA;
 #      a skip is a failure, except the multi-GPU case on a one-GPU machine and the ptxas check without ptxas
-#   4. the hash against the device's own memory bandwidth (bench/device_hash.py) and its verdicts
+#   4. the hash against torch's int64 sum of the same bytes (>= 0.9), misaligned against aligned, and the
+#      host synchronisations per CUDA lend with checksum=1 (torch's sync debug mode: none), bench/device_hash.py
 #   5. a real InstantTensor load through the adapter with checksum=1: bit-exact, a retained view caught
-# Each section prints PASS, FAIL or SKIP with its figures; the summary comes last.
+# Each section prints PASS, FAIL or SKIP with its figures as soon as it ends, on stdout and into
+# $OUT/device_check.txt (the section logs into $OUT/device_check.log), so a run cut short still says what
+# it found; the summary comes last. Every section runs under what is left of the budget (360 s on a GPU).
 # Usage: bench/device_check.sh [--cpu-ok]
 #   PYTHON=...  the interpreter (default: .venv/bin/python if present, else python3)
+#   OUT=...     where the verdicts and the log go (default: a new directory under $TMPDIR, kept)
+#   DEVICE_CHECK_BUDGET=...  seconds for the whole check (default 360 on a GPU, 900 with --cpu-ok)
 #   --cpu-ok    without a CUDA device, run the CPU-safe parts instead (the PTX/ptxas check, the fake-device
 #               and simulator suites, the launch tests) and exit 0 if they pass (default: exit 2, since
 #               nothing was checked on a GPU)
@@ -22,7 +27,7 @@ CPU_OK=0
 for arg in "$@"; do
   case "$arg" in
     --cpu-ok) CPU_OK=1 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "device_check: unknown argument '$arg' (known: --cpu-ok, --help)" >&2; exit 2 ;;
   esac
 done
@@ -34,19 +39,32 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the checkout, installed 
 unset OWNERSHIP_SANITIZE OWNERSHIP_SANITIZE_OPTIONS NUMBA_ENABLE_CUDASIM
 START=$SECONDS
 RESULTS=()
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/device_check-XXXXXX")
-LOG="$WORK/log"
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/device_check-XXXXXX")  # scratch (pip's, the wheel's site): removed at exit
 trap 'rm -rf "$WORK"' EXIT
 
-record() {  # record NAME STATUS DETAIL
-  RESULTS+=("$(printf '%-22s %-5s %s' "$1" "$2" "$3")")
+record() {  # record NAME STATUS DETAIL: printed and written at once (a run cut short keeps what it found)
+  local line
+  line=$(printf '%-22s %-5s %s' "$1" "$2" "$3")
+  RESULTS+=("$line")
   echo "== $1: $2 $3"
+  echo "$line" >>"$VERDICTS"
 }
 
-run_bounded() {  # run_bounded SECONDS CMD...: output to the terminal and $LOG; status 124 on time-out
-  local limit=$1
+left() {  # seconds of the budget left, less a margin for the summary
+  echo $((BUDGET - (SECONDS - START) - 5))
+}
+
+run_bounded() {  # run_bounded SECONDS CMD...: output to the terminal, $LOG and $FULL_LOG; 124 on time-out
+  local limit=$1 rest
   shift
-  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$LOG"
+  rest=$(left)
+  if [ "$rest" -lt "$limit" ]; then limit=$rest; fi
+  if [ "$limit" -lt 10 ]; then
+    echo "(not run: the check's ${BUDGET} s budget is spent)" | tee "$LOG" >>"$FULL_LOG"
+    return 124
+  fi
+  echo "--- $* (at most $limit s)" >>"$FULL_LOG"
+  timeout --kill-after=5 "$limit" "$@" 2>&1 | tee "$LOG" | tee -a "$FULL_LOG"
   return "${PIPESTATUS[0]}"
 }
 
@@ -64,6 +82,17 @@ if [ "$CUDA" != 1 ] && [ "$CPU_OK" != 1 ]; then
   echo "device_check: torch sees no CUDA device: nothing can be checked on a GPU (--cpu-ok runs the CPU-safe parts)" >&2
   exit 2
 fi
+if [ "$CUDA" = 1 ]; then BUDGET=${DEVICE_CHECK_BUDGET:-360}; else BUDGET=${DEVICE_CHECK_BUDGET:-900}; fi
+# (only a run that checks something writes its files: one that stops above leaves $OUT as it was)
+DEST=${OUT:-}
+if [ -z "$DEST" ]; then DEST=$(mktemp -d "${TMPDIR:-/tmp}/device_check-out-XXXXXX"); fi
+mkdir -p "$DEST"
+VERDICTS="$DEST/device_check.txt"
+FULL_LOG="$DEST/device_check.log"
+LOG="$WORK/section"  # the running section's output (also appended to $FULL_LOG)
+: >"$VERDICTS"
+: >"$FULL_LOG"
+echo "device_check: verdicts go to $VERDICTS as each section ends, the sections' output to $FULL_LOG"
 
 # 1. The environment, the toolkit, the kernels.
 t0=$SECONDS
@@ -71,7 +100,7 @@ if TOOLKIT=$("$PY" tests/cuda_toolkit.py --export 2>"$WORK/toolkit"); then
   eval "$TOOLKIT"
 fi
 echo "toolkit: $(cat "$WORK/toolkit")${CUDA_HOME:+ (CUDA_HOME=$CUDA_HOME)}"
-CUDA=$CUDA run_bounded 120 "$PY" - <<'EOF'
+CUDA=$CUDA run_bounded 60 "$PY" - <<'EOF'
 import json, os, platform, time
 import torch
 print(f"python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda})")
@@ -109,13 +138,14 @@ fi
 if [ "$CUDA" = 1 ]; then
   if "$PY" -c 'import instanttensor' 2>/dev/null; then
     record "InstantTensor wheel" PASS "already installed"
-  elif ls .whl/instanttensor-*.whl >/dev/null 2>&1 && \
-      "$PY" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --find-links .whl \
+  elif ! ls .whl/instanttensor-*.whl >/dev/null 2>&1; then
+    record "InstantTensor wheel" FAIL "no .whl/instanttensor-*.whl here: .whl/ is git-ignored, so it reaches the device machine only when the run carries it (the run tool's carry: [\".whl\"]), after bench/device_prepare.sh filled it where there is network"
+  elif timeout 60 "$PY" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --find-links .whl \
         --target "$WORK/site" instanttensor >"$WORK/pip" 2>&1; then
     export PYTHONPATH="$PYTHONPATH:$WORK/site"
     record "InstantTensor wheel" PASS "$(ls "$WORK/site" | grep -m1 dist-info) from .whl/"
   else
-    record "InstantTensor wheel" FAIL "not installable offline: run bench/device_prepare.sh first ($(tail -n 1 "$WORK/pip" 2>/dev/null))"
+    record "InstantTensor wheel" FAIL "not installable offline from .whl/ (none for this Python?): $(tail -n 1 "$WORK/pip" 2>/dev/null)"
   fi
 fi
 
@@ -126,7 +156,7 @@ if [ "$CUDA" = 1 ]; then
          tests/test_cuda_extras.py tests/test_adapters.py::test_instanttensor_real_on_cuda)
   ALLOWED='ptxas is not on the PATH'  # (the kernels' registers are then read from the loaded module, section 1)
   [ "$NGPU" -lt 2 ] && ALLOWED="$ALLOWED|needs 2 CUDA devices"
-  LIMIT=330
+  LIMIT=180
 else
   TESTS=(tests/test_kernels_ptx.py tests/test_cuda_fake.py tests/test_cuda_device.py tests/test_cuda_launch.py
          tests/test_cuda_extras.py tests/test_kernels_cuda_sim.py tests/test_cuda_fake_simulator.py tests/test_bridge.py)
@@ -138,7 +168,7 @@ code=$?
 summary=$(grep -E '[0-9]+ (passed|failed|error)' "$LOG" | tail -n 1)
 skips=$(unexpected_skips "$ALLOWED")
 regs=$(grep -oE '(checksum|verify): [0-9]+ registers per thread on sm_90' "$LOG" | sed 's/ registers.*//' | tr '\n' ' ')
-if [ "$code" = 124 ] || [ "$code" = 137 ]; then record "tests" FAIL "timed out after $LIMIT s"
+if [ "$code" = 124 ] || [ "$code" = 137 ]; then record "tests" FAIL "timed out (limit $LIMIT s, budget $BUDGET s): $summary"
 elif [ "$code" != 0 ]; then record "tests" FAIL "$summary"
 elif [ -n "$skips" ]; then record "tests" FAIL "$summary; unexpected skips: $(echo "$skips" | tr '\n' ';')"
 else record "tests" PASS "$summary; sm_90 registers: ${regs:-?}($((SECONDS - t0)) s)"
@@ -147,10 +177,10 @@ fi
 # 4. The hash against the memory bandwidth.
 t0=$SECONDS
 if [ "$CUDA" = 1 ]; then
-  run_bounded 150 "$PY" bench/device_hash.py --mib 1024 --repeats 5
+  run_bounded 75 "$PY" bench/device_hash.py --mib 1024 --repeats 3
   code=$?
   verdicts=$(grep '^VERDICT' "$LOG" | sed 's/^VERDICT //' | tr '\n' ';')
-  figures=$(grep -E 'GB/s (read|of traffic)' "$LOG" | sed 's/^ *//; s/ GB\/s.*/ GB\/s/' | tr '\n' ';')
+  figures=$(grep -E 'GB/s (read|of traffic)|synchronisations per CUDA lend' "$LOG" | sed 's/^ *//; s/ GB\/s.*/ GB\/s/' | tr '\n' ';')
   if [ "$code" = 0 ]; then record "hash throughput" PASS "$figures $verdicts ($((SECONDS - t0)) s)"
   else record "hash throughput" FAIL "status $code: ${verdicts:-$(tail -n 1 "$LOG")}"
   fi
@@ -161,7 +191,7 @@ fi
 # 5. A real InstantTensor load through the adapter, checksums on.
 t0=$SECONDS
 if [ "$CUDA" = 1 ]; then
-  run_bounded 90 "$PY" - <<'EOF'
+  run_bounded 45 "$PY" - <<'EOF'
 import os, tempfile, time
 import torch
 from safetensors.torch import save_file
@@ -205,7 +235,8 @@ else
 fi
 
 echo
-echo "device check summary ($((SECONDS - START)) s, $NGPU GPU(s)):"
+echo "device check summary ($((SECONDS - START)) s of a ${BUDGET} s budget, $NGPU GPU(s)); also in $VERDICTS:"
 printf '  %s\n' "${RESULTS[@]}"
+echo "summary: $((SECONDS - START)) s, $NGPU GPU(s)" >>"$VERDICTS"
 if printf '%s\n' "${RESULTS[@]}" | grep -q ' FAIL '; then exit 1; fi
 exit 0

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Fetch, on a machine with network, what bench/device_check.sh needs on a GPU machine without it.
-#   .whl/ (git-ignored; carried with the working tree): the InstantTensor wheels for CPython 3.10-3.13
+#   .whl/: the InstantTensor wheels for CPython 3.10-3.13. It is git-ignored, so it reaches the GPU machine only
+#   when the run carries it (the device run tool: carry [".whl"]), never with the working tree alone
 #   (InstantTensor is CUDA only, and its wheels are per Python version: the GPU machine's is unknown here).
 # The check installs them with `pip install --no-index --find-links .whl`, never from the network.
 # Not fetched: a CUDA toolkit's libNVVM (64 MB unpacked, over what travels with a working tree): the GPU

@@ -34,7 +34,7 @@ def test_the_messages_recommending_an_extra_name_existing_ones():
 
 
 @pytest.mark.slow
-def test_the_device_check_scripts_parse_and_never_pass_without_a_gpu():
+def test_the_device_check_scripts_parse_and_never_pass_without_a_gpu(tmp_path):
     import shutil
     import subprocess
 
@@ -50,7 +50,8 @@ def test_the_device_check_scripts_parse_and_never_pass_without_a_gpu():
         return
     # the interpreter running this test (its torch), not the script's default (.venv/bin/python or python3,
     # which from a clone installed elsewhere may have no torch, and the script would fail for that reason)
-    env = dict(os.environ, PYTHON=sys.executable)
+    env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path))  # (never the files of a check running this)
     proc = subprocess.run([bash, str(ROOT / "bench/device_check.sh")], capture_output=True, text=True, timeout=120,
                           env=env)
     assert proc.returncode == 2 and "nothing can be checked on a GPU" in proc.stderr, proc.stderr
+    assert list(tmp_path.iterdir()) == []  # a check that checked nothing writes no verdicts
