@@ -55,3 +55,21 @@ def test_the_device_check_scripts_parse_and_never_pass_without_a_gpu(tmp_path):
                           env=env)
     assert proc.returncode == 2 and "nothing can be checked on a GPU" in proc.stderr, proc.stderr
     assert list(tmp_path.iterdir()) == []  # a check that checked nothing writes no verdicts
+
+
+def test_the_device_seam_is_torch_itself_outside_a_harness():
+    """cuda_hooks.devices is where a harness stands in for CUDA; in production each call is the torch call
+    it names (checked here on CPU tensors, where the answers are known)."""
+    import torch
+
+    from cuda_hooks import devices
+
+    t = torch.arange(6, dtype=torch.float32).view(2, 3).t()
+    assert not devices.is_cuda(t) and devices.device_of(t) == torch.device("cpu")
+    assert devices.storage_device(t.untyped_storage()) == torch.device("cpu")
+    e = devices.empty(10, torch.device("cpu"))
+    assert e.dtype == torch.uint8 and e.shape == (10,)
+    z = devices.zeros(3, torch.int64, torch.device("cpu"))
+    assert z.tolist() == [0, 0, 0]
+    like = devices.empty_like(t)
+    assert like.shape == t.shape and like.is_contiguous() and not t.is_contiguous()

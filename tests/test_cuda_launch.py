@@ -175,3 +175,64 @@ def test_misaligned_bytes_are_hashed_from_aligned_interior_words(stubs):
         words, data, head = stubs["checksum"].launches[-1][3][:3]
         assert head == (8 - offset) % 8 and words.ctypes.data % 8 == 0
         assert words.ctypes.data == data.ctypes.data + head and words.size == (1000 - head) // 8
+
+
+# -- the rest of the real-device plumbing, with numba's CUDA driver calls stubbed --------------------------------
+def test_a_kernel_that_cannot_be_built_says_what_to_install(stubs, monkeypatch):
+    def broken(sig):
+        raise OSError("libnvvm.so: cannot open shared object file")
+
+    monkeypatch.setattr(stubs["verify"], "compile", broken)
+    with pytest.raises(gpu.KernelsUnavailable, match=r"libnvvm.*OSError"):
+        gpu.warm()
+    assert 0 not in gpu._warm_devices  # not marked warm: the next call tries (and says) again
+
+
+def test_warm_reports_registers_blocks_and_first_use_seconds(stubs):
+    gpu.warm()
+    gpu.warm()  # once per device
+    info = gpu.kernel_info()
+    assert info["registers"] == {"checksum": 39, "verify": 39, "poison": 39}
+    assert info["resident_blocks"] == {f"{k}@0": RESIDENT * SMS for k in ("checksum", "verify", "poison")}
+    assert set(info["compile_seconds"]) == {"cuda_checksum", "cuda_verify", "cuda_poison"}
+    assert not info["simulated"] and "nvvm" in info  # a version, or why there is none
+
+
+def test_external_streams_device_scopes_and_arrays_go_through_numba_once(stubs, monkeypatch):
+    made, scopes, converted = [], [], []
+
+    class Scope:
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            scopes.append(self.index)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(gpu.cuda, "external_stream", lambda handle: made.append(handle) or f"stream{handle}")
+    monkeypatch.setattr(gpu.cuda, "gpus", {0: Scope(0), 1: Scope(1)})
+    monkeypatch.setattr(gpu.cuda, "as_cuda_array", lambda t, sync: converted.append(sync) or t.numpy().view(DeviceLike))
+    assert gpu.stream_for(7, 1) == gpu.stream_for(7, 1) == "stream7" and made == [7]  # wrapped once per stream
+    with gpu.device_scope(1):
+        pass
+    assert scopes == [1]
+    import torch
+
+    arr = gpu.as_array(torch.arange(4, dtype=torch.int64), np.uint64)
+    assert converted == [False] and arr.dtype == np.uint64  # no synchronisation: the caller orders the work
+
+
+def test_launchers_are_bounded_and_a_forked_child_starts_with_none(stubs, monkeypatch):
+    monkeypatch.setattr(gpu, "_MAX_LAUNCHERS", 4)
+    for i in range(10):
+        _hash(100, stream=f"s{i}")
+    assert 1 <= len(gpu._launchers) <= 4 and len(stubs["checksum"].launches) == 10
+    gpu.warm()
+    gpu._after_fork_in_child()
+    assert not gpu._launchers and not gpu._warm_devices
+
+
+def test_force_inline_of_a_jit_without_a_signature_takes_the_built_in_spelling():
+    assert gpu.force_inline(dict) == {"inline": True}  # (inspect.signature raises ValueError for it)
