@@ -743,6 +743,41 @@ def test_a_forked_child_starts_with_no_device_state_and_fresh_locks(fake_cuda):
     del w
 
 
+def test_record_stream_forwarding_is_put_in_place_once_and_never_with_a_broken_driver(fake_cuda, monkeypatch):
+    from sanitizer.features import streams
+
+    with sanitizer.sanitize():
+        installed = torch.Tensor.record_stream
+        assert getattr(installed, "_ownsan_forwards", False)
+        streams._on_enable({})  # a second enable: the same wrapper, never a wrapper of a wrapper
+        assert torch.Tensor.record_stream is installed
+
+    def broken() -> bool:
+        raise RuntimeError("CUDA driver initialization failed")
+
+    monkeypatch.setattr(torch.Tensor, "record_stream", installed.__wrapped__)
+    monkeypatch.setattr(torch.cuda, "is_available", broken)
+    streams._on_enable({})  # no CUDA lease can exist: nothing to forward, and no error out of enable
+    assert not getattr(torch.Tensor.record_stream, "_ownsan_forwards", False)
+
+
+def test_memory_owner_of_a_lease_whose_storage_cannot_be_read_is_none(fake_cuda, monkeypatch):
+    from sanitizer.features import streams
+
+    buf = StagingBuffer(4096, device="cuda", name="r")
+    with sanitizer.sanitize():
+        w = buf.write(0, torch.ones(16), name="w")
+        assert streams.memory_owner(w) is not None  # the buffer's bytes
+
+        def unreadable(*a):
+            raise RuntimeError("storage of a tensor subclass without storage")
+
+        monkeypatch.setattr(storage_handles.DEVICE_POISON, "block_at", unreadable)
+        assert streams.memory_owner(w) is None
+        assert streams.memory_owner(torch.ones(2)) is None  # not a lease
+    del w
+
+
 def test_record_stream_on_a_lease_holds_the_staging_memory_it_aliases(fake_cuda):
     """A consumer that reads a view on its own stream and calls ``w.record_stream(s)`` is correct
     unsanitized (the view shares the buffer's block). A lease is an alias torch's allocator ignores:
