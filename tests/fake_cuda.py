@@ -19,9 +19,17 @@ test may rely on:
   torch. Work on memory from a stream other than its allocation stream (the
   kernels, and ``fill_``/``copy_`` issued while that stream is current) is a
   *use*; when the memory is freed, a use on a stream that was neither recorded
-  nor synchronised since is a :attr:`FakeCuda.hazards` entry: the real allocator
-  would hand the bytes to the next allocation on the allocation stream while
-  that work may still run.
+  nor synchronised since is a :attr:`FakeCuda.hazards` entry.
+* **Freed blocks are reused, as the caching allocator reuses them.** The fake
+  holds every block's memory itself (so queued work never reads unmapped
+  memory), and queued work holds no operand alive: a storage dies when its last
+  Python reference goes, work still queued or not. Its block then goes back to
+  the pool of its allocation stream, and the next allocation of that size on
+  that stream gets it (its old bytes and all), at once, unless a stream the
+  block was recorded on still has work queued from before the free: then only
+  after that work ran. So a use nobody recorded reads (or writes) the next
+  owner's bytes, a wrong value a test can see, as on a GPU. Fresh memory holds
+  garbage (``0xA5``), never zeros.
 * **Streams.** A stream per ``(device, handle)``; the default stream has handle
   0 as in torch; ``torch.cuda.stream``/``device``/``current_stream``/
   ``Stream``/``Event``/``synchronize`` behave as documented, the current device
@@ -120,7 +128,6 @@ class FakeStream:
         self.cuda_stream = handle
         self.paused = False
         self.queue: List[Tuple[str, Callable[[], None], List[_Alloc]]] = []
-        self.pins: List[list] = []  # per queued item: objects keeping its operands' memory allocated
         self.seqs: List[int] = []  # per queued item: its place in the stream's order (1, 2, ...)
         self.issued = 0  # launches issued on this stream so far: an event records this point
         self.syncs = 0
@@ -147,7 +154,6 @@ class FakeStream:
         self.issued += 1
         if self.paused:
             self.queue.append((name, work, allocs))
-            self.pins.append([])
             self.seqs.append(self.issued)
         else:
             work()
@@ -157,7 +163,7 @@ class FakeStream:
         while self.queue and (upto is None or self.seqs[0] <= upto):
             _, work, _ = self.queue[0]
             work()
-            del self.queue[0], self.pins[0], self.seqs[0]  # (its pins are dropped only once it ran)
+            del self.queue[0], self.seqs[0]
 
     def pending_upto(self, point: int) -> bool:
         """Is a launch issued up to ``point`` still queued?"""
@@ -220,7 +226,14 @@ class TwinKernels:
     IMPLEMENTATION = "fake (CPU twin)"
 
     def as_array(self, t: torch.Tensor, dtype: Any = None) -> np.ndarray:
-        arr = t.numpy()
+        """The tensor's bytes by address: like numba's device array, it keeps no storage alive once the
+        launch that took it is queued (the fake holds device memory itself)."""
+        nbytes = t.numel() * t.element_size()
+        if nbytes == 0:
+            arr = t.numpy()
+        else:
+            raw = np.frombuffer((ctypes.c_char * nbytes).from_address(t.data_ptr()), dtype=np.uint8)
+            arr = raw.view(t.numpy().dtype).reshape(t.shape)  # (t.numpy() only for its dtype: not kept)
         return arr if dtype is None else arr.view(dtype)
 
     def warm(self) -> None:
@@ -351,6 +364,9 @@ class FakeCuda:
         self._bases: List[int] = []
         self._allocs: List[_Alloc] = []
         self._owners: Dict[int, _Alloc] = {}  # StorageImpl address -> the allocation it owns
+        self._memory: Dict[int, np.ndarray] = {}  # base address -> the block's memory, held for the fake's life
+        # (device index, allocation stream) -> freed blocks: (base, nbytes, [(recorded stream, issued at the free)])
+        self._free: Dict[Tuple[int, "FakeStream"], List[Tuple[int, int, List[Tuple["FakeStream", int]]]]] = {}
         self._watched: set = set()
         self.capturing: Optional[FakeStream] = None
         self.graph: List[Tuple[str, int, int]] = []
@@ -402,13 +418,21 @@ class FakeCuda:
         index = self._index(device)
         if not 0 <= index < self.n:
             raise RuntimeError(f"CUDA error: invalid device ordinal {index} (the fake has {self.n})")
-        t = _REAL_EMPTY(nbytes, dtype=torch.uint8)
         if nbytes == 0:
-            return t
-        _REAL_FILL(t, 0xA5)  # fresh device memory holds whatever was there: never assume zeros
+            return _REAL_EMPTY(0, dtype=torch.uint8)
+        stream = self._current[index]
         with self._lock:
-            alloc = _Alloc(self._next_alloc, t.data_ptr(), nbytes, torch.device("cuda", index),
-                           self._current[index], self.capturing is not None)
+            base = self._reusable(index, stream, nbytes)
+            if base is None:
+                mem = np.empty(nbytes, dtype=np.uint8)
+                mem.fill(0xA5)  # fresh device memory holds whatever was there: never assume zeros
+                base = mem.ctypes.data
+                self._memory[base] = mem
+            # a storage of its own over the block (the fake holds the memory: the storage's death frees
+            # nothing, it hands the block back to the pool)
+            t = torch.from_numpy(np.frombuffer((ctypes.c_char * nbytes).from_address(base), dtype=np.uint8))
+            alloc = _Alloc(self._next_alloc, base, nbytes, torch.device("cuda", index), stream,
+                           self.capturing is not None)
             self._next_alloc += 1
             at = bisect.bisect(self._bases, alloc.base)
             self._bases.insert(at, alloc.base)
@@ -446,17 +470,19 @@ class FakeCuda:
                 if stream != alloc.stream and stream not in alloc.recorded and stream.synced_at < tick:
                     self.hazards.append(f"{alloc!r} freed after work on {stream!r} that was neither recorded "
                                         f"(record_stream) nor waited for")
+            # back to its stream's pool; a recorded stream's work queued before now holds it back
+            waits = [(s, s.issued) for s in alloc.recorded if s != alloc.stream]
+            self._free.setdefault((alloc.device.index, alloc.stream), []).append((alloc.base, alloc.nbytes, waits))
 
-    def _pin_queued(self, *storages: torch.UntypedStorage) -> None:
-        """After a data pointer swap: queued work on memory that now sits in one of ``storages`` keeps that
-        storage (so its memory) alive until it ran, as a GPU's queued work keeps using the memory it was
-        given (whether the memory may be *reused* meanwhile is the record_stream rule, checked apart)."""
-        for stream in self._streams.values():
-            for (_, _, allocs), pins in zip(stream.queue, stream.pins):
-                for storage in storages:
-                    found = self._find(storage.data_ptr())
-                    if found is not None and found in allocs:
-                        pins.append(storage)
+    def _reusable(self, index: int, stream: "FakeStream", nbytes: int) -> Optional[int]:
+        """(Under the lock.) The base of a freed block of ``nbytes`` in ``stream``'s pool that no recorded
+        stream still needs, taken out of the pool; None: a new block."""
+        pool = self._free.get((index, stream), [])
+        for i, (base, size, waits) in enumerate(pool):
+            if size == nbytes and not any(s.pending_upto(point) for s, point in waits):
+                del pool[i]
+                return base
+        return None
 
     def _tick(self) -> int:
         with self._lock:
@@ -642,7 +668,6 @@ class FakeCuda:
 
         def swap(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
             _REAL_SWAP(a, b)
-            fake._pin_queued(a, b)
             with fake._lock:
                 ka, kb = a._cdata, b._cdata
                 oa, ob = fake._owners.pop(ka, None), fake._owners.pop(kb, None)
@@ -672,11 +697,13 @@ class FakeCuda:
                     fake.current_stream(allocs[0].device.index).launch(name, lambda: None, allocs)
                     return target
                 frozen = [_address_alias(x) if isinstance(x, (torch.Tensor, torch.UntypedStorage)) else x
-                          for x in (target, *args)]
-                keep = touched
+                          for x in (target, *args)]  # (by address: the work holds no device operand alive)
+                # Host memory is another matter: a copy from pageable host memory reads it when issued, so
+                # a host operand the caller drops at once (a temporary) must still be there when it runs.
+                host = [x for x in touched if fake._find(x.data_ptr()) is None]
 
                 def work() -> None:
-                    keep  # noqa: B018  (the operands' memory stays allocated until the op ran)
+                    host  # noqa: B018
                     _REAL_TENSOR_COPY(frozen[0], frozen[1]) if name != "fill_" else _REAL_FILL(frozen[0], *frozen[1:])
 
                 fake.current_stream(allocs[0].device.index).launch(name, work, allocs)

@@ -348,7 +348,7 @@ def test_own_returns_allocator_memory_on_cuda(fake_cuda):
         w = buf.write(0, torch.arange(16.0), name="w")
         with torch.cuda.stream(side):
             o = sanitizer.own(w)
-        assert fake_cuda.owns(o) and o.untyped_storage().resizable()  # record_stream, IPC and resize_ work
+        assert fake_cuda.owns(o)  # allocator memory, not an alias: record_stream, IPC and resize_ work on a device
         assert side.cuda_stream in fake_cuda.recorded(buf.tensor)  # the copy read the staging bytes on `side`
 
 
@@ -511,6 +511,28 @@ def test_the_kernels_load_at_enable_when_the_process_uses_cuda(fake_cuda):
     del w, w1
 
 
+
+
+@pytest.mark.parametrize("recorded", [False, True])
+def test_fake_a_freed_block_goes_to_the_next_allocation_unless_a_recorded_stream_still_needs_it(fake_cuda, recorded):
+    """The harness as the caching allocator: queued work holds nothing alive, a freed block is handed to the
+    next allocation of its size on its stream at once, so a read queued on another stream sees the next
+    owner's bytes, unless ``record_stream`` told the allocator about that stream."""
+    side = torch.cuda.Stream()
+    a = fake_cuda.tensor(torch.arange(256, dtype=torch.uint8))  # allocated on the default stream
+    out = fake_cuda.alloc(256)
+    fake_cuda.pause(side)
+    with torch.cuda.stream(side):
+        out.copy_(a)  # a read of a, queued on a slow stream
+    if recorded:
+        a.record_stream(side)
+    del a
+    gc.collect()
+    junk = fake_cuda.alloc(256).fill_(0x55)  # the next allocation of that size on the default stream
+    side.synchronize()
+    assert out.tolist() == (list(range(256)) if recorded else [0x55] * 256)
+    assert (fake_cuda.hazards == []) == recorded
+    del junk
 
 
 def test_fake_event_orders_after_its_recorded_point_only(fake_cuda):
