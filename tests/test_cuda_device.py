@@ -335,24 +335,14 @@ def test_record_stream_on_a_lease_keeps_the_staging_memory_for_that_stream(gpu):
     """Defect 2: a consumer reading a lease on its own stream and calling ``record_stream`` is correct
     unsanitized; the lease is an alias the allocator ignores, so the record must reach the buffer's
     memory, or the freed buffer's block is handed out while the read is still queued."""
-    n = 16 * MIB
-    src = gpu.random_bytes(n)
-    side = torch.cuda.Stream()
+    def read_and_record(buf, w):
+        out = torch.empty_like(w)
+        out.copy_(w)  # read on the slow stream (the current one here)
+        w.record_stream(torch.cuda.current_stream())
+        return out
+
     with sanitizer.sanitize():
-        buf = StagingBuffer(n, device="cuda", name="staging")
-        w = buf.write(0, src, name="w")
-        side.wait_stream(torch.cuda.current_stream())
-        gpu.delay(side)
-        with torch.cuda.stream(side):
-            out = torch.empty_like(w)
-            out.copy_(w)  # read on the slow stream
-        w.record_stream(side)
-        del w
-        buf.close()
-        del buf
-        gc.collect()
-        junk = torch.full((n,), 0x55, dtype=torch.uint8, device="cuda") if REAL else gpu.fake.alloc(n).fill_(0x55)
-        torch.cuda.synchronize()
+        out, src, junk = _freed_under_a_slow_stream(gpu, read_and_record, 16 * MIB)
     assert torch.equal(_host(out), _host(src)), "the read on the recorded stream saw memory reused meanwhile"
     assert (_host(junk) == 0x55).all() and gpu.hazards() == []
 

@@ -722,17 +722,27 @@ def test_empty_cuda_leases_take_no_device_slot(fake_cuda):
     del e, w
 
 
+def _device_state_in_use() -> torch.Tensor:
+    """(checksum=1 on.) A CUDA lease retained past a reuse: a slot table, a tombstone's poison block and
+    the bridge's arrays now exist; returns the retained view."""
+    import cuda_hooks.bridge as bridge
+    from sanitizer.torch_layer import storage_handles
+
+    buf = StagingBuffer(4096, device="cuda", name="r")
+    w = buf.write(0, torch.ones(16), name="w")
+    buf.write(0, torch.ones(16), name="next")  # w retained: a tombstone, a poison block
+    assert checksums.DEVICE_CHECKS.tables and storage_handles.DEVICE_POISON.nbytes and bridge.cached_arrays()
+    return w
+
+
 def test_reset_device_state_forgets_every_device_object_through_public_hooks(fake_cuda):
     """What a harness calls between tests (issue 31: the fake reached into private module state)."""
     import cuda_hooks.bridge as bridge
     from sanitizer.torch_layer import storage_handles
     from tests.fake_cuda import reset_device_state
 
-    buf = StagingBuffer(4096, device="cuda", name="r")
     with sanitizer.sanitize(checksum=1):
-        w = buf.write(0, torch.ones(16), name="w")
-        buf.write(0, torch.ones(16), name="next")  # w retained: a tombstone, a poison block
-        assert checksums.DEVICE_CHECKS.tables and storage_handles.DEVICE_POISON.nbytes and bridge.cached_arrays()
+        w = _device_state_in_use()
     del w
     gc.collect()
     reset_device_state()
@@ -746,11 +756,8 @@ def test_a_forked_child_starts_with_no_device_state_and_fresh_locks(fake_cuda):
     import cuda_hooks.bridge as bridge
     from sanitizer.torch_layer import storage_handles
 
-    buf = StagingBuffer(4096, device="cuda", name="r")
     with sanitizer.sanitize(checksum=1):
-        w = buf.write(0, torch.ones(16), name="w")
-        buf.write(0, torch.ones(16), name="next")  # w retained: a tombstone, a poison block
-        assert checksums.DEVICE_CHECKS.tables and storage_handles.DEVICE_POISON.nbytes and bridge.cached_arrays()
+        w = _device_state_in_use()
         checksums.DEVICE_CHECKS.lock.acquire()  # held at the fork, as by another thread
         try:
             pid = os.fork()
