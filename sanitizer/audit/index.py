@@ -88,9 +88,6 @@ class FunctionInfo:
     def is_method(self) -> bool:
         return self.cls is not None and not self.is_static
 
-    def param_names(self) -> List[str]:
-        return [a.arg for a in self.params]
-
 
 @dataclass(eq=False)
 class ClassInfo:

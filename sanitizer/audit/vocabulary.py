@@ -49,9 +49,6 @@ SPLIT_FUNCTIONS = frozenset({"torch.split", "torch.chunk", "torch.unbind", "torc
 # -- containers ----------------------------------------------------------------------------------------
 STORE_METHODS = frozenset({"append", "extend", "insert", "add", "appendleft", "extendleft", "put", "put_nowait",
                            "push", "update", "setdefault", "__setitem__"})
-# ``C.meth(...)`` that returns (a view of) what C holds.
-HOLDER_READ_METHODS = frozenset({"pop", "get", "popitem", "popleft", "values", "items", "copy", "setdefault",
-                                 "__getitem__", "args", "kwargs", "arguments"})
 CONTAINER_FACTORIES = frozenset({
     "list", "dict", "set", "tuple", "frozenset", "defaultdict", "collections.defaultdict", "OrderedDict",
     "collections.OrderedDict", "deque", "collections.deque", "Counter", "collections.Counter", "queue.Queue",

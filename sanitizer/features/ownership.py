@@ -315,10 +315,6 @@ class _Owner:
                             f"(its constructor does not take an iterable of items)") from None
 
 
-def _own_value(value: Any, policy: str, scope: Optional["DeferralScope"]) -> Any:
-    return _Owner(policy, scope)(value)
-
-
 def _walk_tensors(value: Any, out: List[torch.Tensor], seen: set) -> None:
     """Append every tensor inside ``value`` (any depth of lists, tuples, dicts, sets) to ``out``."""
     if isinstance(value, torch.Tensor):

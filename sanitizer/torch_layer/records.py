@@ -126,10 +126,6 @@ class RecordStore:
         with self._lock:
             return {id(e) for e in self._errors} | {id(e) for e in self._events}
 
-    def stale_uses_of(self, lease_id: int) -> int:
-        with self._lock:
-            return self._per_lease.get(lease_id, 0)
-
     def counts(self) -> Dict[str, int]:
         with self._lock:
             return {"errors_seen": self.error_total, "errors_kept": len(self._errors),
