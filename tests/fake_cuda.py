@@ -428,9 +428,12 @@ class FakeCuda:
                 mem.fill(0xA5)  # fresh device memory holds whatever was there: never assume zeros
                 base = mem.ctypes.data
                 self._memory[base] = mem
-            # a storage of its own over the block (the fake holds the memory: the storage's death frees
-            # nothing, it hands the block back to the pool)
-            t = torch.from_numpy(np.frombuffer((ctypes.c_char * nbytes).from_address(base), dtype=np.uint8))
+            # a storage of its own over the block: its death frees nothing (the fake holds the memory and
+            # hands the block back to the pool), and it holds the memory too, so a tensor that outlives
+            # the fake (a test's leftover) never reads freed memory
+            raw = (ctypes.c_char * nbytes).from_address(base)
+            raw.memory = self._memory[base]
+            t = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8))
             alloc = _Alloc(self._next_alloc, base, nbytes, torch.device("cuda", index), stream,
                            self.capturing is not None)
             self._next_alloc += 1

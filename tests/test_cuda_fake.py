@@ -575,6 +575,25 @@ def test_a_verify_on_the_consumers_stream_waits_for_the_lends_hash_not_only_for_
     del w
 
 
+def test_leases_hashed_on_one_stream_share_one_stream_object(fake_cuda):
+    """A lease keeps the stream its hash went to; torch's ``current_stream()`` makes a new object per call
+    (the fake's does not), and a real checkpoint lends 100,000+ leases: they share one per stream."""
+    import types
+
+    def torch_like(handle, index=0):  # what torch.cuda.current_stream() returns: a new object each call
+        return types.SimpleNamespace(device=torch.device("cuda", index), cuda_stream=handle)
+
+    checks = checksums.DeviceChecks()
+    first = checks.canonical(torch_like(7))
+    assert checks.canonical(torch_like(7)) is first
+    assert checks.canonical(torch_like(8)) is not first and checks.canonical(torch_like(7, 1)) is not first
+    buf = StagingBuffer(1 << 16, device="cuda", name="r")
+    with sanitizer.sanitize(checksum=1):
+        kept = [buf.write(256 * i, torch.ones(16), name=f"w{i}") for i in range(8)]
+        assert len({id(sanitizer.lease_of(w).checksum[2]) for w in kept}) == 1
+    del kept
+
+
 def test_the_expected_hash_of_a_lease_hashed_on_a_slow_stream_is_read_after_the_hash(fake_cuda):
     buf = StagingBuffer(4096, device="cuda", name="r")
     side = torch.cuda.Stream()

@@ -128,6 +128,18 @@ class DeviceChecks:
         self.kept: set = set()  # (region id, device index, stream handle) already recorded on the staging memory
         self.loaded: set = set()  # device indices whose kernels are compiled and loaded
         self.off: Optional[str] = None  # why CUDA checksums are off (the kernels cannot be built here)
+        self._canonical: Dict[Tuple[int, int], Any] = {}  # (device index, handle) -> one stream object for all
+
+    def canonical(self, stream: Any) -> Any:
+        """(Under the lock.) One object per stream for the leases to keep (``current_stream()`` makes a new
+        one per call: a lease each would cost 100,000 of them at a real checkpoint's scale)."""
+        key = (stream.device.index, stream.cuda_stream)
+        known = self._canonical.get(key)
+        if known is None:
+            if len(self._canonical) >= 4096:  # a bound: a process making streams without end
+                self._canonical.clear()
+            known = self._canonical[key] = stream
+        return known
 
     def ready(self, device: torch.device) -> bool:
         """Are the kernels loaded on ``device``? Loads them the first time; if that fails (no libNVVM, no
@@ -269,11 +281,12 @@ def on_lend(lease: Lease, view: torch.Tensor) -> None:
             try:
                 stream = hooks.checksum_into(raw, table.expected, slot)
                 checks.used(stream, lease.region_id, raw)
+                hashed_on = checks.canonical(stream)  # the hash's stream: a verify elsewhere orders after it
             except BaseException:
                 table.leases.pop(slot, None)  # no hash of it will land: the slot is not this lease's
                 table.free.append(slot)
                 raise
-        lease.checksum = (device, slot, stream)  # the stream its hash is queued on: a verify orders after it
+        lease.checksum = (device, slot, hashed_on)
     except Exception as exc:  # never out of a loader's lend: the checks go off, the load goes on
         checks.turn_off(exc)
     _report(reports)
