@@ -169,6 +169,23 @@ def test_a_dict_of_weights_iterated_whole_gives_names_not_tensors():
         [(f.line, f.code, f.message) for f in found]
 
 
+def test_a_dict_of_parameters_is_the_models_own_not_a_weight_source():
+    """``params_dict: dict[str, nn.Parameter]`` (built from ``named_parameters()``) is where a loader copies
+    to, never what it lends: writing into its entries is no finding (lmdeploy's ``_load_weight_experts``
+    gave five false OWN120s), while the loaded tensor kept beside it still is one."""
+    found = _audit('''
+        import torch
+        from torch import nn
+        class Model:
+            def _load_experts(self, name: str, loaded_weight: torch.Tensor, params_dict: dict[str, nn.Parameter]):
+                param = params_dict[name]
+                param.data.copy_(loaded_weight)
+                params_dict[name].data[:4].copy_(loaded_weight[:4])
+                self.kept = loaded_weight
+    ''')
+    assert [(f.line, f.code) for f in found] == [(9, "OWN102")], [(f.line, f.code, f.message) for f in found]
+
+
 def test_a_self_call_reaches_the_overrides_in_subclasses_that_still_run_it():
     """``self._process(w)`` in a base class runs a subclass's override for the subclass's instances: what
     the override keeps, the call keeps. A subclass that overrides the calling method itself (without

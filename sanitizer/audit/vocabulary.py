@@ -117,9 +117,11 @@ TENSOR_ANNOTATION = re.compile(r"\b(torch\.)?(Tensor|Parameter|nn\.Parameter)\b"
 ITER_ANNOTATION = re.compile(r"\b(Iterable|Iterator|Generator|AsyncIterator|AsyncIterable)\s*\[.*\bstr\b")
 PAIR_ANNOTATION = re.compile(r"^\s*(tuple|Tuple)\[\s*str\s*,\s*(torch\.)?(Tensor|nn\.Parameter|Parameter)\s*\]\s*$")
 TENSOR_ARG_NAME = re.compile(r"^(w|weight|weights?_\w+|\w+_weight|tensor|\w+_tensor|data|value|val|t|x|loaded\w*)$")
-# A dict of weights by name (one file's tensors, handed to each layer): ``Dict[str, torch.Tensor]``.
+# A dict of weights by name (one file's tensors, handed to each layer): ``Dict[str, torch.Tensor]``. Not a dict of
+# ``nn.Parameter``: that is the model's own parameters (``params_dict: dict[str, nn.Parameter]``, built from
+# ``named_parameters()``), the destination a loader copies into, never what it lends.
 MAPPING_OF_TENSORS = re.compile(r"^\s*(dict|Dict|Mapping|MutableMapping|OrderedDict)\s*\[\s*str\s*,\s*"
-                                r"(torch\.)?(Tensor|nn\.Parameter|Parameter)\s*\]\s*$")
+                                r"(torch\.)?Tensor\s*\]\s*$")
 # A list of (name, tensor) pairs already materialised by the caller (one update bucket).
 LIST_OF_PAIRS = re.compile(r"^\s*(list|List|Sequence|tuple|Tuple)\s*\[\s*(tuple|Tuple)\[\s*str\s*,\s*(torch\.)?"
                            r"(Tensor|nn\.Parameter|Parameter)\s*\]")
