@@ -17,9 +17,9 @@ ordinary caching-allocator memory allocated on the current stream, so
 
 from __future__ import annotations
 
-import torch
-
 from typing import Any
+
+import torch
 
 __all__ = ["is_cuda", "device_of", "storage_device", "empty", "zeros", "empty_like", "from_interface"]
 

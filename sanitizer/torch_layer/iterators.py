@@ -25,6 +25,7 @@ from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
+from cuda_hooks import devices
 from sanitizer.torch_layer import runtime
 from sanitizer.torch_layer.aliasing import byte_extent, device_key
 from sanitizer.core.ledger import Lease
@@ -280,8 +281,6 @@ def raw_bytes(device: torch.device, address: int, nbytes: int) -> torch.Tensor:
 
         return torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address)))
     if device.type == "cuda":
-        from cuda_hooks import devices
-
         return devices.from_interface(_DeviceBytes(address, nbytes), device)
     raise ValueError(f"buffers on '{device}' are not tracked (staging leases support {_TRACKED_DEVICES})")
 
