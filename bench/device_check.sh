@@ -83,10 +83,16 @@ if [ "$CUDA" != 1 ] && [ "$CPU_OK" != 1 ]; then
   exit 2
 fi
 if [ "$CUDA" = 1 ]; then BUDGET=${DEVICE_CHECK_BUDGET:-360}; else BUDGET=${DEVICE_CHECK_BUDGET:-900}; fi
+case "$BUDGET" in
+  ''|*[!0-9]*) echo "device_check: DEVICE_CHECK_BUDGET must be a whole number of seconds, got '$BUDGET'" >&2; exit 2 ;;
+esac
 # (only a run that checks something writes its files: one that stops above leaves $OUT as it was)
 DEST=${OUT:-}
 if [ -z "$DEST" ]; then DEST=$(mktemp -d "${TMPDIR:-/tmp}/device_check-out-XXXXXX"); fi
-mkdir -p "$DEST"
+if ! mkdir -p "$DEST" 2>/dev/null || [ ! -w "$DEST" ]; then
+  echo "device_check: OUT='$DEST' is not a directory this run can write its verdicts to" >&2
+  exit 2
+fi
 VERDICTS="$DEST/device_check.txt"
 FULL_LOG="$DEST/device_check.log"
 LOG="$WORK/section"  # the running section's output (also appended to $FULL_LOG)

@@ -73,3 +73,18 @@ def test_the_device_seam_is_torch_itself_outside_a_harness():
     assert z.tolist() == [0, 0, 0]
     like = devices.empty_like(t)
     assert like.shape == t.shape and like.is_contiguous() and not t.is_contiguous()
+
+
+@pytest.mark.parametrize("env, named", [({"DEVICE_CHECK_BUDGET": "6min"}, "'6min'"),
+                                        ({"OUT": "/proc/no-such-dir"}, "'/proc/no-such-dir'")])
+def test_the_device_check_names_a_bad_budget_or_output_directory(env, named, tmp_path):
+    import shutil
+    import subprocess
+
+    bash = shutil.which("bash")
+    if bash is None:
+        pytest.skip("no bash")
+    full = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path), **env)
+    proc = subprocess.run([bash, str(ROOT / "bench/device_check.sh"), "--cpu-ok"], capture_output=True, text=True,
+                          timeout=120, env=full)
+    assert proc.returncode == 2 and named in proc.stderr, proc.stderr
