@@ -84,7 +84,7 @@ def test_the_device_check_names_a_bad_budget_or_output_directory(env, named, tmp
     bash = shutil.which("bash")
     if bash is None:
         pytest.skip("no bash")
-    full = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path), **env)
+    full = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path), **env}
     proc = subprocess.run([bash, str(ROOT / "bench/device_check.sh"), "--cpu-ok"], capture_output=True, text=True,
                           timeout=120, env=full)
     assert proc.returncode == 2 and named in proc.stderr, proc.stderr
