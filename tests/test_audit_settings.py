@@ -80,6 +80,7 @@ def test_show_settings_and_cli_use_the_nearest_pyproject(tmp_path, capsys, monke
     ('colour = 1', "unknown key 'colour'"),
     ('[tool.ownsan.per-path-ignores]\n"a/*" = ["OWN999"]', "'OWN999'"),
     ('producers = [', "not valid TOML"),
+    ('producers = ["weights.get_tensor=blob"]', "producers entry 'weights.get_tensor=blob'"),
 ])
 def test_bad_settings_are_one_named_line_and_exit_2(tmp_path, capsys, table, needle):
     (tmp_path / "m.py").write_text("x = 1\n")
@@ -95,3 +96,76 @@ def test_config_option_names_a_missing_file(tmp_path, capsys):
     (tmp_path / "m.py").write_text("x = 1\n")
     assert main(["--config", str(tmp_path / "nope.toml"), str(tmp_path / "m.py")]) == 2
     assert "nope.toml" in capsys.readouterr().err
+
+
+GETTER_CODE = textwrap.dedent('''
+    import torch
+    from dataclasses import dataclass
+    from torch import nn
+
+
+    @dataclass
+    class Scales:
+        k: torch.Tensor
+        v: torch.Tensor
+
+
+    class Norm(nn.Module):
+        def __init__(self, weight, eps):
+            super().__init__()
+            self.weight = nn.Parameter(weight)          # kept by a module: the fix belongs here
+            self.eps = eps
+
+        @classmethod
+        def load(cls, prefix, weights, eps=1e-6):
+            weight = weights.get_tensor(f"{prefix}.weight")
+            return cls(weight, eps)                     # hands it to the constructor
+
+
+    class Plain:
+        def __init__(self, weight):
+            self.weight = weight
+
+
+    def load_scales(weights, prefix):
+        k = weights.get_tensor(f"{prefix}.k_scale")
+        v = weights.get_tensor(f"{prefix}.v_scale")
+        return Scales(k=k, v=v)                         # an object built around what this call fetched
+
+
+    def load_bias(weights, prefix):
+        return weights.get_tensor(f"{prefix}.bias")     # handed on: the caller's step
+
+
+    def summed(weights, prefix):
+        parts = [weights.get_tensor(f"{prefix}.{i}") for i in range(2)]
+        return Plain(torch.cat(parts))                  # a copy
+
+
+    def transient(weights, prefix):
+        w = Plain(weights.get_tensor(prefix))           # a plain object that dies in the call
+        return w.weight.shape
+''')
+GETTER_CONFIG = '[tool.ownsan]\nproducers = ["weights.get_tensor=tensor"]\n'
+
+
+def test_a_getter_producer_returns_one_tensor_valid_for_the_call(tmp_path):
+    """TGI's shape: a `Weights` object whose getters return one borrowed tensor a call. With the getter
+    declared `=tensor`, a module constructor that keeps it is found at its own store, a dataclass built
+    around it and returned is found in the function that fetched it, and handing it on is not."""
+    (tmp_path / "m.py").write_text(GETTER_CODE)
+    (tmp_path / "pyproject.toml").write_text(GETTER_CONFIG)
+    result = audit_paths([str(tmp_path / "m.py")], settings=resolve([str(tmp_path / "m.py")]))
+    got = sorted((f.function, f.line, f.code) for f in result.findings)
+    assert got == [("Norm.__init__", 16, "OWN102"), ("load_scales", 33, "OWN101")], got
+    assert "returned by `weights.get_tensor(" in " ".join(link.text for link in result.findings[0].chain)
+    # declared as an iterator (the default kind), the same getter yields pairs: nothing is a tensor
+    (tmp_path / "pyproject.toml").write_text(GETTER_CONFIG.replace("=tensor", ""))
+    assert audit_paths([str(tmp_path / "m.py")], settings=resolve([str(tmp_path / "m.py")])).findings == []
+
+
+def test_show_settings_names_each_producers_kind(tmp_path, capsys):
+    (tmp_path / "m.py").write_text("x = 1\n")
+    (tmp_path / "pyproject.toml").write_text('[tool.ownsan]\nproducers = ["a.stream", "w.get_tensor=tensor"]\n')
+    assert main(["--show-settings", str(tmp_path / "m.py")]) == 0
+    assert "producers: a.stream=iterator, w.get_tensor=tensor" in capsys.readouterr().out

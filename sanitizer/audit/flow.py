@@ -110,9 +110,9 @@ class Flow:
     def __init__(self, path: str, info: FunctionInfo, seeds: Dict[str, Val], module_globals: Sequence[str],
                  snippets: Snippets, resolve_call: Optional[Resolver] = None, summary_param: Optional[int] = None,
                  module_aliases: Sequence[str] = ("torch", "np", "numpy"),
-                 is_producer: Optional[Callable[[str], bool]] = None):
+                 producer_kind: Optional[Callable[[str], Optional[str]]] = None):
         self.path = path
-        self.is_producer = is_producer
+        self.producer_kind = producer_kind  # a configured producer's kind (settings.producer_kind)
         self.module_aliases = set(module_aliases)
         self.snip = snippets
         self.info = info
@@ -233,6 +233,12 @@ class Flow:
             val = self.ev(node.value)
             if val is not None and self.summary_param is not None and val.seed is not None:
                 self.out.returns = self.out.returns or val
+            elif val is not None and self.summary_param is None and val.obj and val.step == self.func_step:
+                # `return KVScales(k, v)` around a tensor this call fetched (its step): a bare tensor returned
+                # is handed on, but an object built around it is how a loader keeps it (TGI's get_kv_scales)
+                self.report("OWN101", node, val, f"kept by a new `{val.obj}` the call returns",
+                            f"{self._what(val)} is kept by the `{val.obj}` that `{self.info.name}` builds and "
+                            f"returns, which outlives the loader's step", f"`{self.snip(node, 60)}`")
 
     def _st_delete(self, node: ast.Delete) -> None:
         for target in node.targets:
@@ -923,7 +929,14 @@ class Flow:
             return None
         if V.SOURCE_FACTORIES.search(name):
             return Val(SOURCE, 0, (Link(node.lineno, self.fn, f"opened by `{self.snip(node, 40)}`"),), self.fn)
-        if V.ITERATOR_FACTORY.search(name) or (self.is_producer is not None and self.is_producer(name)):
+        configured = self.producer_kind(name) if self.producer_kind is not None else None
+        if configured == "tensor":
+            # a getter (`weights.get_tensor(n)`): one borrowed tensor, valid for the step that fetched it, as
+            # a source's `f.get_tensor(k)` is (the innermost statement loop's iteration, else the call)
+            step = next((x for x in reversed(self.loops) if x not in self._comp_steps), self.func_step)
+            return Val(TENSOR, step, (Link(node.lineno, self.fn, f"returned by `{self.snip(node, 40)}`"),), self.fn,
+                       label=f"`{self.snip(node, 40)}`")
+        if V.ITERATOR_FACTORY.search(name) or configured is not None:
             return Val(ITER, 0, (Link(node.lineno, self.fn, f"yielded by `{self.snip(node, 40)}`"),), self.fn,
                        elem=ELEM_PAIR, label=f"`{self.snip(node, 40)}`")
         if name in V.PURE_BUILTINS or V.NON_TENSOR_CALLS.search(name):

@@ -3,8 +3,9 @@ so that a code base with its own loader names is audited without changing its co
 
 ```toml
 [tool.ownsan]
-# calls that yield (name, tensor) pairs, one step per item (a dotted suffix or a glob: fnmatch)
-producers = ["_checkpoint_engine.parameters", "my_loader.stream"]
+# calls that yield (name, tensor) pairs, one step per item (a dotted suffix or a glob: fnmatch), or
+# with "=tensor", calls that return one borrowed tensor (valid for the call or loop step that fetched it)
+producers = ["_checkpoint_engine.parameters", "my_loader.stream", "weights.get_tensor=tensor"]
 # functions whose parameter receives weights: "Qualified.name:param" (a per-tensor weight whose
 # step is the call), or with "=iterator", "=dict" (a dict of weights by name) or "=pairs"
 consumers = ["LayerContainer.set_dependency:dep_value", "Layer.load:weights=dict"]
@@ -30,6 +31,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from sanitizer.audit.codes import CodeSelectionError, selected_codes
 
 CONSUMER_KINDS = ("tensor", "iterator", "dict", "pairs")
+# What a configured producer's call returns: an iterator of (name, tensor) pairs (one step per item), or
+# one borrowed tensor (a getter such as TGI's ``weights.get_tensor(name)``: valid for the step that called it).
+PRODUCER_KINDS = ("iterator", "tensor")
 _KEYS = frozenset({"producers", "consumers", "per-path-ignores"})
 
 
@@ -47,21 +51,26 @@ class Consumer:
 @dataclass
 class Settings:
     path: Optional[str] = None  # the pyproject.toml read (None: defaults)
-    producers: Tuple[str, ...] = ()
+    producers: Tuple[str, ...] = ()  # the call patterns
     consumers: Tuple[Consumer, ...] = ()
     per_path_ignores: Dict[str, Tuple[str, ...]] = field(default_factory=dict)
+    producer_kinds: Tuple[str, ...] = ()  # one of PRODUCER_KINDS per pattern ("iterator" when not given)
     _producer_res: Optional[List["re.Pattern[str]"]] = None
 
-    def is_producer(self, call_name: str) -> bool:
-        """``call_name`` (dotted, as written) is a configured producer: equal, a dotted suffix, or a glob."""
+    def producer_kind(self, call_name: str) -> Optional[str]:
+        """What ``call_name`` (dotted, as written) returns when it is a configured producer (equal, a dotted
+        suffix, or a glob): ``"iterator"`` or ``"tensor"``; None when it is not one."""
         if not self.producers or not call_name:
-            return False
+            return None
         if self._producer_res is None:
             self._producer_res = [re.compile(fnmatch.translate(p)) for p in self.producers]
-        for p, rx in zip(self.producers, self._producer_res):
+        for i, (p, rx) in enumerate(zip(self.producers, self._producer_res)):
             if call_name == p or call_name.endswith("." + p) or rx.match(call_name):
-                return True
-        return False
+                return self.producer_kinds[i] if i < len(self.producer_kinds) else "iterator"
+        return None
+
+    def is_producer(self, call_name: str) -> bool:
+        return self.producer_kind(call_name) is not None
 
     def consumer_params(self, qualname: str) -> List[Consumer]:
         return [c for c in self.consumers if c.qualname == qualname or qualname.endswith("." + c.qualname)]
@@ -83,7 +92,8 @@ class Settings:
     def describe(self) -> str:
         """What ``--show-settings`` prints."""
         lines = [f"settings: {self.path or '(none found: defaults)'}"]
-        lines.append("producers: " + (", ".join(self.producers) or "(none beyond the built-in ones)"))
+        lines.append("producers: " + (", ".join(f"{p}={self.producer_kind(p) or 'iterator'}" for p in self.producers)
+                                      or "(none beyond the built-in ones)"))
         lines.append("consumers: " + (", ".join(f"{c.qualname}:{c.param}={c.kind}" for c in self.consumers)
                                       or "(none beyond the discovered ones)"))
         if self.per_path_ignores:
@@ -117,6 +127,15 @@ def _strings(value: object, what: str, path: str) -> Tuple[str, ...]:
     return tuple(v.strip() for v in value)
 
 
+def _producer(spec: str, path: str) -> Tuple[str, str]:
+    name, _, kind = spec.partition("=")
+    kind = kind.strip() or "iterator"
+    if not name.strip() or kind not in PRODUCER_KINDS:
+        raise SettingsError(f"{path}: [tool.ownsan] producers entry {spec!r}: expected a call name or glob with an "
+                            f"optional '={'|'.join(PRODUCER_KINDS)}'")
+    return name.strip(), kind
+
+
 def _consumer(spec: str, path: str) -> Consumer:
     name, sep, rest = spec.partition(":")
     param, _, kind = rest.partition("=")
@@ -131,7 +150,9 @@ def parse(table: dict, path: str) -> Settings:
     unknown = sorted(set(table) - _KEYS)
     if unknown:
         raise SettingsError(f"{path}: [tool.ownsan] has unknown key {unknown[0]!r} (known: {', '.join(sorted(_KEYS))})")
-    producers = _strings(table.get("producers", []), "producers", path)
+    producer_specs = [_producer(s, path) for s in _strings(table.get("producers", []), "producers", path)]
+    producers = tuple(name for name, _ in producer_specs)
+    producer_kinds = tuple(kind for _, kind in producer_specs)
     consumers = tuple(_consumer(s, path) for s in _strings(table.get("consumers", []), "consumers", path))
     ignores: Dict[str, Tuple[str, ...]] = {}
     raw = table.get("per-path-ignores", {})
@@ -144,7 +165,7 @@ def parse(table: dict, path: str) -> Settings:
         except CodeSelectionError as exc:
             raise SettingsError(f"{path}: [tool.ownsan] per-path-ignores {pattern!r}: {exc}".replace("--select ", "")) \
                 from None
-    return Settings(path, producers, consumers, ignores)
+    return Settings(path, producers, consumers, ignores, producer_kinds)
 
 
 def load(path: str) -> Settings:
@@ -197,4 +218,4 @@ def resolve(paths: Sequence[str], config: Optional[str] = None) -> Settings:
 
 DEFAULT = Settings()
 
-__all__ = ["Settings", "Consumer", "SettingsError", "load", "find", "resolve", "parse", "DEFAULT", "CONSUMER_KINDS"]
+__all__ = ["Settings", "Consumer", "SettingsError", "load", "find", "resolve", "parse", "DEFAULT", "CONSUMER_KINDS", "PRODUCER_KINDS"]

@@ -50,7 +50,7 @@ class ModuleAnalysis:
                  settings: Optional[Settings] = None):
         self.path = path
         self.settings = settings
-        self.is_producer = settings.is_producer if settings is not None and settings.producers else None
+        self.producer_kind = settings.producer_kind if settings is not None and settings.producers else None
         self.snippets = snippets
         self.project = project
         self.index = index
@@ -83,10 +83,14 @@ class ModuleAnalysis:
                 cur = cur.parent
             if func.id in index.top_functions:
                 return Callee(index.top_functions[func.id], 0, False)
-            cls = index.classes.get(func.id)
-            if cls is not None:
-                init = index.method(cls, "__init__")
-                return Callee(init, 1, True) if init is not None else None
+            built = self.constructed_class(flow, func.id)
+            if built is not None:
+                where, cls = built
+                found = where.find_method(cls, "__init__", set())
+                if found is None:
+                    return None
+                init, init_where = found
+                return Callee(init, 1, True, init_where if init_where is not self else None)
             return self._imported(func.id)
         if not isinstance(func, ast.Attribute):
             return None
@@ -112,6 +116,48 @@ class ModuleAnalysis:
                 if m is not None:
                     return Callee(m, 0 if m.is_static else 1, False)
         return None
+
+    def constructed_class(self, flow: Flow, name: str) -> Optional[Tuple["ModuleAnalysis", ClassInfo]]:
+        """The class that ``name(...)`` constructs: one of this module, one imported from another audited
+        module, or ``cls(...)`` in a classmethod (the class it is defined in)."""
+        cls = self.index.classes.get(name)
+        if cls is not None:
+            return self, cls
+        if name == "cls":
+            own = self._class_of(flow.info)
+            first = flow.info.params[0].arg if flow.info.params else None
+            return (self, own) if own is not None and first == "cls" else None
+        found = self._import_target(name)
+        if found is not None:
+            other, original = found
+            other_cls = other.index.classes.get(original)
+            if other_cls is not None:
+                return other, other_cls
+        return None
+
+    def is_module_class(self, cls: ClassInfo, depth: int = 0) -> bool:
+        """Is ``cls`` a ``torch.nn.Module`` (a base spelt ``nn.Module``, ``torch.nn.LayerNorm``, ``Module``, or
+        a class of the audited code that is one)? A module keeps what its constructor stores for its own
+        life, which is the model's: the retention is the constructor's store, whatever the caller does
+        with the module (returns it up a chain of layer loaders, as TGI's ``FastLinear.load`` does)."""
+        if depth > 6:
+            return False
+        for base in cls.bases:
+            if base in ("Module", "nn.Module", "torch.nn.Module") or base.startswith(("nn.", "torch.nn.")):
+                return True
+            short = base.rpartition(".")[2]
+            local = self.index.classes.get(short)
+            if local is not None and local is not cls:
+                if self.is_module_class(local, depth + 1):
+                    return True
+                continue
+            found = self._import_target(short)
+            if found is not None:
+                other, original = found
+                other_cls = other.index.classes.get(original)
+                if other_cls is not None and other.is_module_class(other_cls, depth + 1):
+                    return True
+        return False
 
     def overrides(self, flow: Flow, node: ast.Call, target: Callee) -> List[Callee]:
         """For ``self.name(...)``: the overrides of ``name`` in subclasses of the calling method's class
@@ -243,7 +289,7 @@ class ModuleAnalysis:
         try:
             out = Flow(self.path, callee, {name: start}, self.index.globals, self.snippets, self.resolve,
                        summary_param=index, module_aliases=self.index.module_aliases,
-                       is_producer=self.is_producer).run()
+                       producer_kind=self.producer_kind).run()
         finally:
             self.depth -= 1
             self._busy.discard(key)
@@ -256,12 +302,28 @@ class ModuleAnalysis:
             return _UNRESOLVED
         target = self.callee(flow, node)
         if target is None:
-            return _UNRESOLVED
+            return self._dataclass_result(flow, node)
         result = self._apply(flow, node, target)
         for other in self.overrides(flow, node, target):  # what an override keeps is kept by this call too
             got = self._apply(flow, node, other)
             result = result if result is not None else got
         return result
+
+    def _dataclass_result(self, flow: Flow, node: ast.Call):
+        """``KVScales(key_scale=k, value_scale=v)`` of a ``@dataclass`` with no ``__init__`` of its own: the
+        generated one keeps every argument, so the new object holds the first tainted one (there is no
+        source to summarise)."""
+        if not isinstance(node.func, ast.Name):
+            return _UNRESOLVED
+        built = self.constructed_class(flow, node.func.id)
+        if built is None or not _is_dataclass(built[1]) or built[0].find_method(built[1], "__init__", set()):
+            return _UNRESOLVED
+        for expr in list(node.args) + [kw.value for kw in node.keywords]:
+            val = flow.ev(expr) if not isinstance(expr, ast.Name) else flow.state.env.get(expr.id)
+            if val is not None and val.holds_tensor:
+                name = built[1].qualname
+                return val.then(HOLDER, Link(node.lineno, flow.fn, f"kept by the new `{name}` (a dataclass)"), obj=name)
+        return _UNRESOLVED
 
     def _apply(self, flow: Flow, node: ast.Call, target: Callee) -> Optional[Val]:
         """One callee's summaries applied to the call's tainted arguments: its findings emitted at its own
@@ -286,6 +348,7 @@ class ModuleAnalysis:
                 bound.append((len(params) + (callee.vararg is not None), kw.value))
         arg_of = {p: expr for p, expr in bound}
         result: Optional[Val] = None
+        module = target.constructor and callee.cls is not None and (target.analysis or self).is_module_class(callee.cls)
         for p, expr in bound:
             val = flow.ev(expr) if not isinstance(expr, ast.Name) else flow.state.env.get(expr.id)
             if val is None or val.kind == SOURCE:
@@ -296,6 +359,9 @@ class ModuleAnalysis:
             for template in outcome.findings:
                 self._emit(flow, template, val, call_link, callee)
             for fact in outcome.into_param:
+                if module and fact.index == 0:
+                    self._emit(flow, fact.template, val, call_link, callee)  # kept by a module: see is_module_class
+                    continue
                 self._into_param(flow, node, target, fact, arg_of, val, call_link, callee)
             if outcome.returns is not None and result is None:
                 ret = outcome.returns
@@ -306,8 +372,9 @@ class ModuleAnalysis:
                 result = val.then(ret.kind, link, elem=ret.elem, capture=ret.capture or val.capture, seed=val.seed,
                                   parts=parts, reported=ret.reported or val.reported,
                                   convert=val.convert or ret.convert, mapping=False)
-            if result is None and target.constructor and constructor_result(outcome):
-                result = val.then(HOLDER, Link(node.lineno, flow.fn, f"kept by the new `{callee.qualname.split('.')[0]}`"))
+            if result is None and target.constructor and not module and constructor_result(outcome):
+                name = callee.qualname.split(".")[0]
+                result = val.then(HOLDER, Link(node.lineno, flow.fn, f"kept by the new `{name}`"), obj=name)
             if result is None and val.kind == ITER and callee.is_generator and outcome.yields is not None:
                 result = val.then(ITER, Link(node.lineno, flow.fn, f"re-yielded by `{callee.name}()`"))
         return result
@@ -360,6 +427,15 @@ def _calls_super(fn: ast.AST, name: str) -> bool:
         if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == name
                 and isinstance(n.func.value, ast.Call) and isinstance(n.func.value.func, ast.Name)
                 and n.func.value.func.id == "super"):
+            return True
+    return False
+
+
+def _is_dataclass(cls: ClassInfo) -> bool:
+    for d in cls.node.decorator_list:
+        target = d.func if isinstance(d, ast.Call) else d
+        if (isinstance(target, ast.Name) and target.id == "dataclass") or \
+                (isinstance(target, ast.Attribute) and target.attr == "dataclass"):
             return True
     return False
 

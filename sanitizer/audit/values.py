@@ -42,6 +42,7 @@ class Val:
     maybe: bool = False  # tainted on some paths only (an in-place write is reported only when it is certain)
     mapping: bool = False  # HOLDER only: the step's own dict of weights (a file's ``Dict[str, Tensor]``)
     convert: str = ""  # the chain passed a conversion that copies unless it is a no-op (``.to(dtype)``)
+    obj: str = ""  # HOLDER only: the class of the object just built around the tensor (``KVScales(k, v)``)
 
     def then(self, kind: Optional[str] = None, link: Optional[Link] = None, **changes) -> "Val":
         """This value after one more step of the chain (a view, a store, a call). A copy of the fields,
@@ -53,6 +54,8 @@ class Val:
         if link is not None:
             fields["chain"] = self.chain + (link,)
         fields["parts"] = changes.pop("parts", None)
+        # the object built is this value (and its rebindings), not what is made of it
+        fields["obj"] = changes.pop("obj", self.obj if kind is None else "")
         fields.update(changes)
         return new
 
