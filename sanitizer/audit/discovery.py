@@ -147,7 +147,13 @@ def seeds_of(info: FunctionInfo, settings: Optional[Settings] = None) -> List[Se
             seeds.append(Seed(name, ITER, f"annotated {ann}"))
             continue
         if ann and V.MAPPING_OF_TENSORS.match(ann):
-            seeds.append(Seed(name, MAPPING, f"a dict of weights by name, annotated {ann}"))
+            # the annotation says what it holds, the body says whether it is a dict of weights: one whose
+            # tensors are read out by name (`weights[n]`, `.items()`, `n in weights`); a dict only kept
+            # or passed on whole (a cache view's `self._caches = caches`) is no weight source
+            if mapping is None:
+                mapping = _mapping_names(info)
+            if name in mapping:
+                seeds.append(Seed(name, MAPPING, f"a dict of weights by name, annotated {ann}"))
             continue
         if ann and V.LIST_OF_PAIRS.match(ann):
             seeds.append(Seed(name, PAIRS, f"(name, tensor) pairs the caller holds for the call, annotated {ann}"))

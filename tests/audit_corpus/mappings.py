@@ -117,3 +117,12 @@ class SafeUpdateBucket:
 def safe_router_forward(weights, topk_ids):
     """A ``weights`` tensor of a forward: not a dict of weights."""
     return weights[topk_ids].sum()
+
+
+class SafeNamedCacheView:
+    """A dict of tensors kept whole by a view over it (lmdeploy's KV-cache ``NamedCacheView``): nothing is
+    read out of it by name, so it is no file's dict of weights, whatever its annotation says."""
+
+    def __init__(self, caches: Dict[str, torch.Tensor], layer_maps=None):
+        self._caches = caches
+        self._layer_maps = layer_maps or {}
