@@ -820,7 +820,11 @@ class Flow:
                 self.inplace(node, base, f"in-place `.{meth}()`", f"`{self.snip(node, 50)}`")
                 return True, base.then(TENSOR, link)
             if meth in V.CONVERSION_METHODS and not base.convert:
-                return True, base.then(TENSOR, link, convert=f"{self.snip(node, 40)}")
+                # named by the conversion itself (`.to(weights.dtype)`), not by its whole receiver expression
+                args = ", ".join([self.snip(a, 30) for a in node.args] +
+                                 [f"{k.arg}={self.snip(k.value, 20)}" if k.arg else f"**{self.snip(k.value, 20)}"
+                                  for k in node.keywords])
+                return True, base.then(TENSOR, link, convert=f".{meth}({args})")
             if meth in V.ALIAS_METHODS:
                 return True, base.then(TENSOR, link)
             return True, None
