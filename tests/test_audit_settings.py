@@ -142,11 +142,17 @@ GETTER_CODE = textwrap.dedent('''
         return Plain(torch.cat(parts))                  # a copy
 
 
+    class Loader:
+        def get_weights(self, weights, prefix):
+            # a producer's own definition (TGI's weights loaders): what it returns is borrowed by contract
+            return Scales(k=weights.get_tensor(prefix), v=weights.get_tensor(prefix))
+
+
     def transient(weights, prefix):
         w = Plain(weights.get_tensor(prefix))           # a plain object that dies in the call
         return w.weight.shape
 ''')
-GETTER_CONFIG = '[tool.ownsan]\nproducers = ["weights.get_tensor=tensor"]\n'
+GETTER_CONFIG = '[tool.ownsan]\nproducers = ["weights.get_tensor=tensor", "weights.get_weights=tensor"]\n'
 
 
 def test_a_getter_producer_returns_one_tensor_valid_for_the_call(tmp_path):

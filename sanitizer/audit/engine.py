@@ -102,7 +102,8 @@ def analyse(source: Source, project: Optional[Project] = None,
         why = "; ".join(s.why for s in seeds) or "calls a known producer"
         consumers.append(Consumer(source.path, info.node.lineno, info.qualname, why))  # type: ignore[attr-defined]
         flow = Flow(source.path, info, {s.param: seed_value(info, s) for s in seeds}, index.globals, snippets,
-                    analysis.resolve, module_aliases=index.module_aliases, producer_kind=analysis.producer_kind)
+                    analysis.resolve, module_aliases=index.module_aliases, producer_kind=analysis.producer_kind,
+                    hands_on=settings is not None and settings.names_producer(info.name))
         for finding in flow.run().findings:
             if finding.key in found:
                 found[finding.key].merge(finding)

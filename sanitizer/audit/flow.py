@@ -110,9 +110,10 @@ class Flow:
     def __init__(self, path: str, info: FunctionInfo, seeds: Dict[str, Val], module_globals: Sequence[str],
                  snippets: Snippets, resolve_call: Optional[Resolver] = None, summary_param: Optional[int] = None,
                  module_aliases: Sequence[str] = ("torch", "np", "numpy"),
-                 producer_kind: Optional[Callable[[str], Optional[str]]] = None):
+                 producer_kind: Optional[Callable[[str], Optional[str]]] = None, hands_on: bool = False):
         self.path = path
         self.producer_kind = producer_kind  # a configured producer's kind (settings.producer_kind)
+        self.hands_on = hands_on  # the function is a configured producer: what it returns is borrowed by contract
         self.module_aliases = set(module_aliases)
         self.snip = snippets
         self.info = info
@@ -233,7 +234,8 @@ class Flow:
             val = self.ev(node.value)
             if val is not None and self.summary_param is not None and val.seed is not None:
                 self.out.returns = self.out.returns or val
-            elif val is not None and self.summary_param is None and val.obj and val.step == self.func_step:
+            elif val is not None and self.summary_param is None and val.obj and val.step == self.func_step \
+                    and not self.hands_on:
                 # `return KVScales(k, v)` around a tensor this call fetched (its step): a bare tensor returned
                 # is handed on, but an object built around it is how a loader keeps it (TGI's get_kv_scales)
                 self.report("OWN101", node, val, f"kept by a new `{val.obj}` the call returns",

@@ -72,6 +72,14 @@ class Settings:
     def is_producer(self, call_name: str) -> bool:
         return self.producer_kind(call_name) is not None
 
+    def names_producer(self, function_name: str) -> bool:
+        """Is a function of this name one of the configured producers' definitions (the last part of a
+        pattern, ``weights.get_weights_row`` -> every ``get_weights_row``: TGI's ``Weights`` delegates to
+        its weights loaders' methods of the same name)? What it returns is borrowed by contract."""
+        if not self.producers or not function_name:
+            return False
+        return any(fnmatch.fnmatchcase(function_name, p.rpartition(".")[2]) for p in self.producers)
+
     def consumer_params(self, qualname: str) -> List[Consumer]:
         return [c for c in self.consumers if c.qualname == qualname or qualname.endswith("." + c.qualname)]
 
