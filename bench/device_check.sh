@@ -10,6 +10,9 @@
 #   4. the hash against torch's int64 sum of the same bytes (>= 0.9), misaligned against aligned, and the
 #      host synchronisations per CUDA lend with checksum=1 (torch's sync debug mode: none), bench/device_hash.py
 #   5. a real InstantTensor load through the adapter with checksum=1: bit-exact, a retained view caught
+#   6. trap mode on CUDA (the driver's virtual memory management), bench/device_trap.py: a raw alias of a
+#      retired lease reads poison, after rescue=1 the rescued bytes; lend and a ring load with trap against
+#      without (bit-identical); trap=fault ends a read with CUDA's illegal-address error (in a child)
 # Each section prints PASS, FAIL or SKIP with its figures as soon as it ends, on stdout and into
 # $OUT/device_check.txt (the section logs into $OUT/device_check.log), so a run cut short still says what
 # it found; the summary comes last. Every section runs under what is left of the budget (360 s on a GPU).
@@ -27,7 +30,7 @@ CPU_OK=0
 for arg in "$@"; do
   case "$arg" in
     --cpu-ok) CPU_OK=1 ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) echo "device_check: unknown argument '$arg' (known: --cpu-ok, --help)" >&2; exit 2 ;;
   esac
 done
@@ -165,7 +168,8 @@ if [ "$CUDA" = 1 ]; then
   LIMIT=180
 else
   TESTS=(tests/test_kernels_ptx.py tests/test_cuda_fake.py tests/test_cuda_device.py tests/test_cuda_launch.py
-         tests/test_cuda_extras.py tests/test_kernels_cuda_sim.py tests/test_cuda_fake_simulator.py tests/test_bridge.py)
+         tests/test_cuda_extras.py tests/test_kernels_cuda_sim.py tests/test_cuda_fake_simulator.py tests/test_bridge.py
+         tests/test_trap_cuda.py)
   ALLOWED='needs a CUDA device'
   LIMIT=540
 fi
@@ -238,6 +242,19 @@ EOF
   fi
 else
   record "InstantTensor load" SKIP "no CUDA device (InstantTensor is CUDA only)"
+fi
+
+# 6. Trap mode on CUDA.
+t0=$SECONDS
+if [ "$CUDA" = 1 ]; then
+  run_bounded 60 "$PY" bench/device_trap.py --leases 200 --repeats 3
+  code=$?
+  figures=$(grep -E '^(granularity|ALIASES|RESCUE|LEND|RING|FAULT)' "$LOG" | tr '\n' ';')
+  if [ "$code" = 0 ]; then record "trap mode on CUDA" PASS "$figures ($((SECONDS - t0)) s)"
+  else record "trap mode on CUDA" FAIL "status $code: ${figures:-$(tail -n 1 "$LOG")}"
+  fi
+else
+  record "trap mode on CUDA" SKIP "no CUDA device (tests/test_trap_cuda.py ran on the fake in section 3)"
 fi
 
 echo

@@ -62,6 +62,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import ctypes
+import os
 import sys
 import threading
 import weakref
@@ -333,6 +334,132 @@ class FakeGpu:
         stream.launch("poison", lambda: inner.poison_async(data, byte, 0, device), self._allocs(data))
 
 
+class FakeVmm:
+    """The driver's virtual memory management (:class:`cuda_hooks.vmm.Driver`) over host pages, with
+    CUDA's rules: a physical allocation is a memfd (fresh bytes 0xA5); a reservation is a range mapped
+    with no access and filed as memory of its device (so tensors over it are CUDA tensors here); ``map``
+    puts an allocation's pages at a reserved range (no access until ``set_access``); ``unmap`` takes
+    them away again (reserved, no access); sizes, offsets and addresses must be multiples of the
+    granularity, and a range must be mapped whole, as the driver demands. A read of a range with no
+    access faults (SIGSEGV), as a kernel's would be an illegal address."""
+
+    def __init__(self, fake: "FakeCuda", granule: int = 64 * 1024, unavailable: Optional[str] = None):
+        from sanitizer.core import pages
+
+        if granule % pages.PAGE:
+            raise ValueError(f"granule must be a multiple of the page size {pages.PAGE}, got {granule}")
+        self._fake, self._pages, self.granule, self.why_not = fake, pages, granule, unavailable
+        self._handles: Dict[int, Tuple[int, int, int]] = {}  # handle -> (fd, size, device)
+        self._next = 1
+        self._blank = os.memfd_create("fake-vmm-reserved", os.MFD_CLOEXEC)  # what a reservation maps (no access)
+        self._blank_size = 0
+        self._reserved: Dict[int, Tuple[int, int]] = {}  # address -> (size, device)
+        self._mapped: Dict[int, int] = {}  # address -> size mapped there
+        self.calls: List[str] = []
+
+    def _check(self, what: str, *values: int) -> None:
+        for v in values:
+            if v % self.granule:
+                raise vmm_module().VmmError(f"{what}: {v:#x} is not a multiple of the granularity {self.granule:#x}")
+
+    def unavailable(self, device: int) -> Optional[str]:
+        return self.why_not
+
+    def granularity(self, device: int) -> int:
+        return self.granule
+
+    def create(self, size: int, device: int) -> int:
+        self._check("cuMemCreate size", size)
+        fd = os.memfd_create("fake-vmm-physical", os.MFD_CLOEXEC)
+        os.ftruncate(fd, size)
+        os.pwrite(fd, b"\xa5" * size, 0)  # fresh device memory holds garbage, never zeros
+        handle, self._next = self._next, self._next + 1
+        self._handles[handle] = (fd, size, device)
+        self.calls.append("create")
+        return handle
+
+    def release(self, handle: int) -> None:
+        fd, _, _ = self._handles.pop(handle)
+        os.close(fd)  # a mapping keeps the file (the memory) alive, as a mapped allocation lives on
+        self.calls.append("release")
+
+    def _blank_at(self, address: Optional[int], size: int) -> int:
+        if self._blank_size < size:
+            os.ftruncate(self._blank, size)
+            self._blank_size = size
+        return self._pages.map_file(self._blank, 0, size, self._pages.PROT_NONE, shared=False, at=address)
+
+    def reserve(self, size: int, granule: int, device: int) -> int:
+        self._check("cuMemAddressReserve size", size)
+        # over-reserve by a granule and keep the aligned part, as the driver aligns to the granularity
+        raw = self._blank_at(None, size + self.granule)
+        address = -(-raw // self.granule) * self.granule
+        if address > raw:
+            self._pages.unmap(raw, address - raw)
+        tail = raw + size + self.granule - (address + size)
+        if tail:
+            self._pages.unmap(address + size, tail)
+        self._reserved[address] = (size, device)
+        self._fake._file_range(address, size, device)
+        self.calls.append("reserve")
+        return address
+
+    def free(self, address: int, size: int) -> None:
+        if self._reserved.get(address, (None,))[0] != size:
+            raise vmm_module().VmmError(f"cuMemAddressFree({address:#x}, {size}): not a reservation of that size")
+        if any(address <= a < address + size for a in self._mapped):
+            raise vmm_module().VmmError(f"cuMemAddressFree({address:#x}): still mapped")
+        del self._reserved[address]
+        self._pages.unmap(address, size)
+        self._fake._unfile_range(address)
+        self.calls.append("free")
+
+    def _inside(self, address: int, size: int) -> bool:
+        return any(a <= address and address + size <= a + s for a, (s, _) in self._reserved.items())
+
+    def map(self, address: int, size: int, handle: int, offset: int) -> None:
+        self._check("cuMemMap", address, size, offset)
+        fd, total, _ = self._handles[handle]
+        if not self._inside(address, size) or offset + size > total:
+            raise vmm_module().VmmError(f"cuMemMap({address:#x}, {size}, offset {offset}): out of range")
+        if any(address < a + s and a < address + size for a, s in self._mapped.items()):
+            raise vmm_module().VmmError(f"cuMemMap({address:#x}): already mapped")
+        self._pages.map_file(fd, offset, size, self._pages.PROT_NONE, at=address)
+        self._mapped[address] = size
+        self.calls.append("map")
+
+    def unmap(self, address: int, size: int) -> None:
+        inner = {a: s for a, s in self._mapped.items() if address <= a and a + s <= address + size}
+        if sum(inner.values()) != size:
+            raise vmm_module().VmmError(f"cuMemUnmap({address:#x}, {size}): not a whole mapped range")
+        for a in inner:
+            del self._mapped[a]
+        self._blank_at(address, size)
+        self.calls.append("unmap")
+
+    def set_access(self, address: int, size: int, device: int, writable: bool) -> None:
+        prot = self._pages.PROT_READ | (self._pages.PROT_WRITE if writable else 0)
+        self._pages.protect(address, size, prot)
+        self.calls.append("set_access" + ("" if writable else "(read)"))
+
+    def memset(self, address: int, byte: int, size: int, device: int) -> None:
+        self._fake.synchronize(device)
+        ctypes.memset(address, byte, size)
+
+    def copy(self, dst: int, src: int, size: int, device: int) -> None:
+        self._fake.synchronize(device)
+        ctypes.memmove(dst, src, size)
+
+    def close(self) -> None:
+        os.close(self._blank)
+
+
+def vmm_module() -> Any:
+    from cuda_hooks import vmm
+
+    return vmm
+
+
 class _DeviceContext:
     """``torch.cuda.device(i)``."""
 
@@ -499,6 +626,22 @@ class FakeCuda:
             if ptr < alloc.base + alloc.nbytes:
                 return alloc
         return None
+
+    def _file_range(self, base: int, nbytes: int, device: int) -> None:
+        """File ``[base, base+nbytes)`` as memory of ``cuda:device`` owned by no storage (a VMM range)."""
+        with self._lock:
+            alloc = _Alloc(self._next_alloc, base, nbytes, torch.device("cuda", device),
+                           self._current[device], False)
+            self._next_alloc += 1
+            at = bisect.bisect(self._bases, base)
+            self._bases.insert(at, base)
+            self._allocs.insert(at, alloc)
+
+    def _unfile_range(self, base: int) -> None:
+        with self._lock:
+            at = bisect.bisect_left(self._bases, base)
+            if at < len(self._bases) and self._bases[at] == base:
+                del self._bases[at], self._allocs[at]
 
     def alloc_of(self, t: torch.Tensor) -> Optional[_Alloc]:
         return self._find(t.data_ptr())
@@ -753,6 +896,10 @@ class FakeCuda:
         monkeypatch.setattr(torch, "zeros_like", zeros_like)
         monkeypatch.setattr(torch, "cat", cat)
         bridge.use_kernels(self.gpu)
+        from cuda_hooks import vmm
+
+        self.vmm = FakeVmm(self)
+        vmm.use_driver(self.vmm)
         monkeypatch.setattr(sys.modules[__name__], "_ACTIVE", self)
         return self
 
@@ -766,8 +913,10 @@ class FakeCuda:
         """(After :meth:`settle`, the sanitizer disabled and the test's tensors collected.) The real
         kernels again, and no device state of this test left behind; the patches go with the monkeypatch."""
         import cuda_hooks.bridge as bridge
+        from cuda_hooks import vmm
 
         bridge.use_kernels(None)
+        vmm.use_driver(None)
         reset_device_state()
 
 
@@ -781,6 +930,9 @@ def reset_device_state() -> None:
 
     cuda_hooks.reset_device_state()
     checksums.reset_device_state()
+    trap_cuda = sys.modules.get("sanitizer.torch_layer.trap_cuda")
+    if trap_cuda is not None:  # (imported by a CUDA trap buffer only)
+        trap_cuda.reset_device_state()
     storage_handles.reset_device_state()
     graph_capture.reset_device_state()
 
@@ -806,5 +958,5 @@ try:  # the fixture, for test modules that import it
 except ImportError:  # pragma: no cover - the simulator child imports this module without pytest
     pass
 
-__all__ = ["FakeCuda", "FakeStream", "FakeEvent", "FakeGpu", "TwinKernels", "CAPTURE_ERROR", "fake_cuda",
+__all__ = ["FakeCuda", "FakeVmm", "FakeStream", "FakeEvent", "FakeGpu", "TwinKernels", "CAPTURE_ERROR", "fake_cuda",
            "reset_device_state"]

@@ -180,7 +180,13 @@ def test_default_and_device_buffers_are_plain():
     from sanitizer.torch_layer import trap
 
     assert trap.buffer_class((64,), {"pin_memory": True}) is None  # pinned memory stays torch's
-    assert trap.buffer_class((64, "cuda:0"), {}) is None  # CUDA: see docs/cuda.md
+    from sanitizer.torch_layer import trap_cuda
+
+    if trap_cuda.unavailable(torch.device("cuda", 0)) is None:  # a GPU with virtual memory management
+        assert trap.buffer_class((64, "cuda:0"), {}) is trap.TrapStagingBuffer
+    else:  # no VMM driver here: the guard, with one warning saying why (tests/test_trap_cuda.py fakes one)
+        with pytest.warns(RuntimeWarning, match="cannot be trapped on cuda:0"):
+            assert trap.buffer_class((64, "cuda:0"), {}) is None
     assert trap.buffer_class((64,), {}) is trap.TrapStagingBuffer
 
 

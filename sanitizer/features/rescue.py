@@ -109,7 +109,7 @@ def _rescue(lease: Lease, storage: torch.UntypedStorage, event: ReuseEvent) -> O
         return None  # nobody holds it: it dies now, nothing to keep correct
     # the lease's storage (and its views) now own a copy; on CUDA the copy is queued on the current stream,
     # which the staging memory records, so that freeing the buffer meanwhile cannot hand its bytes to another
-    in_place = _trap_rescue(lease)  # trap mode: the lease's own pages become the copy, aliases and all
+    in_place = _trap_rescue(lease, event)  # trap mode: the lease's own pages become the copy, aliases and all
     if not in_place:
         previous, keeper = storage_handles.repoint(storage, source=buffer_bytes(lease.region_id))
     runtime.disown(lease)  # before `previous` (now holding the staging alias) dies
@@ -133,13 +133,13 @@ def _rescue(lease: Lease, storage: torch.UntypedStorage, event: ReuseEvent) -> O
     return device if device.type == "cuda" and not in_place else None
 
 
-def _trap_rescue(lease: Lease) -> bool:
+def _trap_rescue(lease: Lease, event: ReuseEvent) -> bool:
     """Rescue at page level when the lease lives on a trap window (trap mode), else False."""
     if state.options.get("trap", "0") == "0":
         return False
     from sanitizer.torch_layer import trap
 
-    return trap.rescue_in_place(lease)
+    return trap.rescue_in_place(lease, event)  # (on CUDA, the device waits once per reuse event)
 
 
 def _remember(record: dict) -> None:

@@ -57,6 +57,7 @@ _lock = threading.RLock()  # re-entrant: a window's __del__ may run in a GC insi
 _counts = {"windows": 0, "peak": 0, "fallbacks": 0, "trapped": 0, "rescued": 0, "rescued_bytes": 0}
 _limits: Dict[str, Optional[int]] = {"max_map_count": None, "max_windows": None}  # tests lower max_windows
 _warned = False
+_warned_keys: set = set()  # other reasons warned about once each (a CUDA device without VMM)
 
 # address index of trapped windows (for the mode): start -> (end, lease); sorted starts cached
 _trapped: Dict[int, Tuple[int, Lease]] = {}
@@ -213,7 +214,6 @@ class TrapMemory:
 
     def trap(self, lease: Lease, window: _Window, event: ReuseEvent) -> None:
         """Replace the window in place: poison (read-only) or no access."""
-        global _starts_dirty
         if self.mode == "poison":
             fd = _POISON.fd_for(window.length, self.fill)
             pages.map_file(fd, 0, window.length, pages.PROT_READ, shared=False, at=window.address)
@@ -222,19 +222,11 @@ class TrapMemory:
             fault_report.add(window.address, window.address + window.length, _describe(lease, event, self.name))
             pages.protect(window.address, window.length, pages.PROT_NONE)
         window.state = "trapped"
-        with _lock:
-            _counts["trapped"] += 1
-            _trapped[window.address] = (window.address + window.length, lease)
-            _starts_dirty = True
-        _mode.address_lookup = lease_at
 
-    def rescue(self, lease: Lease, window: _Window) -> None:
+    def rescue(self, lease: Lease, window: _Window, event: Optional[ReuseEvent] = None) -> None:
         """Replace the window, in place, by a private copy of its pages (read before the reuse writes)."""
         _copy_in_place(window)
         window.state = "rescued"
-        with _lock:
-            _counts["rescued"] += 1
-            _counts["rescued_bytes"] += window.length
 
     def after_fork_in_child(self) -> None:
         """A forked child must not share the parent's buffer (``MAP_SHARED`` survives ``fork``, where
@@ -336,12 +328,17 @@ def _room() -> bool:
     return False
 
 
-def _fall_back(why: str) -> None:
+def _fall_back(why: str, key: str = "budget") -> None:
+    """Count a lend (or buffer) that falls back to the guard; warn once per kind of reason."""
     global _warned
     with _lock:
         _counts["fallbacks"] += 1
-        first = not _warned
-        _warned = True
+        if key == "budget":
+            first = not _warned
+            _warned = True
+        else:
+            first = key not in _warned_keys
+            _warned_keys.add(key)
     if first:
         warnings.warn(f"ownership-sanitizer: trap mode: {why}; further leases fall back to the guard "
                       f"(their own tensor reads poison, aliases of them are not trapped)", RuntimeWarning,
@@ -360,6 +357,7 @@ _hooked = False
 
 
 def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
+    global _starts_dirty
     memory = _MEMORY.get(region.region_id)
     if memory is None:
         return
@@ -369,6 +367,11 @@ def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
         window = memory.window(lease)
         if window is not None and window.state == "fresh":
             memory.trap(lease, window, event)
+            with _lock:
+                _counts["trapped"] += 1
+                _trapped[window.address] = (window.address + window.length, lease)
+                _starts_dirty = True
+            _mode.address_lookup = lease_at
 
 
 def covers(lease: Lease) -> bool:
@@ -377,13 +380,16 @@ def covers(lease: Lease) -> bool:
     return memory is not None and memory.window(lease) is not None
 
 
-def rescue_in_place(lease: Lease) -> bool:
+def rescue_in_place(lease: Lease, event: Optional[ReuseEvent] = None) -> bool:
     """Rescue ``lease`` at page level (every alias keeps the bytes); False when it has no window."""
     memory = _MEMORY.get(lease.region_id)
     window = None if memory is None else memory.window(lease)
     if window is None or window.state != "fresh":
         return False
-    memory.rescue(lease, window)
+    memory.rescue(lease, window, event)
+    with _lock:
+        _counts["rescued"] += 1
+        _counts["rescued_bytes"] += window.length
     return True
 
 
@@ -397,7 +403,11 @@ class TrapStagingBuffer(StagingBuffer):
         if nbytes < 0:
             raise ValueError(f"staging buffer size must be >= 0, got {nbytes}")
         opts = state.options
-        self._memory = TrapMemory(nbytes, opts["trap"], opts["poison_byte"], name or "staging")
+        dev = torch.device(device)
+        if dev.type == "cuda":  # buffer_class checked that the driver can (virtual memory management)
+            self._memory: Any = _cuda_memory(nbytes, dev, opts["trap"], opts["poison_byte"], name or "staging")
+        else:
+            self._memory = TrapMemory(nbytes, opts["trap"], opts["poison_byte"], name or "staging")
         self._setup(self._memory.data, name, owns_memory=True)
         self._memory.name = self.name
         _MEMORY[self._region.region_id] = self._memory
@@ -411,7 +421,13 @@ class TrapStagingBuffer(StagingBuffer):
         if data is None:
             raise ValueError(f"staging buffer '{self.name}' is closed: cannot lend '{name}' from it")
         offset, shape, dtype, nbytes = self._check_lend(offset, shape, dtype, name, "lend")
-        made = self._memory.lend_view(offset, nbytes, tuple(shape), dtype)
+        memory = self._memory
+        made = memory.lend_view(offset, nbytes, tuple(shape), dtype) if type(memory) is TrapMemory or _room() \
+            else None  # (a CPU window counts itself and checks the budget; a CUDA alias is counted here)
+        if made is not None and type(memory) is not TrapMemory:
+            with _lock:
+                _counts["windows"] += 1
+                _counts["peak"] = max(_counts["peak"], _counts["windows"])
         if made is None:
             view, piece = alias_view(data, self._host, offset, nbytes, shape, dtype)
             window = None
@@ -440,17 +456,40 @@ class TrapStagingBuffer(StagingBuffer):
 
 
 def buffer_class(args: tuple, kwargs: dict) -> Optional[type]:
-    """The class ``StagingBuffer(*args, **kwargs)`` makes in trap mode: ours for CPU memory the sanitizer
-    allocates itself (not pinned), None otherwise."""
+    """The class ``StagingBuffer(*args, **kwargs)`` makes in trap mode: ours for memory the sanitizer
+    allocates itself (CPU, not pinned; CUDA where the driver has virtual memory management), None
+    otherwise (a CUDA device without it falls back to the guard, with one warning saying why)."""
     if not AVAILABLE or not args and "nbytes" not in kwargs:
         return None
     device = args[1] if len(args) > 1 else kwargs.get("device", "cpu")
     try:
-        if torch.device(device).type != "cpu" or kwargs.get("pin_memory"):
-            return None
+        dev = torch.device(device)
     except (RuntimeError, TypeError):
         return None  # the parent's __init__ reports the bad device
+    if dev.type == "cuda":
+        from sanitizer.torch_layer import trap_cuda
+
+        why = trap_cuda.unavailable(dev)
+        if why is not None:
+            _fall_back(f"CUDA staging buffers cannot be trapped on {dev} ({why})", key=f"cuda:{dev}")
+            return None
+        return TrapStagingBuffer
+    if dev.type != "cpu" or kwargs.get("pin_memory"):
+        return None
     return TrapStagingBuffer
+
+
+def _cuda_memory(nbytes: int, device: torch.device, mode: str, fill: int, name: str) -> Any:
+    from sanitizer.torch_layer import trap_cuda
+
+    trap_cuda._on_window_death = _cuda_window_died
+    return trap_cuda.CudaTrapMemory(nbytes, device, mode, fill, name, _describe)
+
+
+def _cuda_window_died(address: int) -> None:  # may run inside the GC: dict operations only
+    _forget(address)
+    with _lock:
+        _counts["windows"] -= 1
 
 
 def arm() -> None:
