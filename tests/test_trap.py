@@ -291,3 +291,60 @@ def test_a_forked_child_writes_its_own_copy_never_the_parents_buffer():
     assert os.WEXITSTATUS(status) == 0  # the child saw its own writes
     assert torch.equal(w, FIRST) and arr_r.tolist() == FIRST.tolist()  # the parent's bytes are untouched
     assert buf.tensor[:32].view(torch.float32).tolist() == FIRST.tolist()
+
+
+def test_a_correct_program_lends_from_one_mirror_and_a_trapped_range_is_lent_again():
+    """Leases that die before the next lend over their pages share one mirror (no mapping per lend); a
+    trapped lease's pages go back to the file when it dies, and the next lease over them reads its own
+    bytes, in the same mirror."""
+    from sanitizer.torch_layer import trap
+
+    sanitizer.enable(trap="poison")
+    gc.collect()
+    buf = StagingBuffer(1 << 16, name="mirrors")
+    for i in range(20):  # a correct consumer: each lease dead before the next put
+        w = buf.write((i % 4) * 4096, torch.full((8,), float(i)), f"w{i}")
+        assert w.tolist() == [float(i)] * 8
+        del w
+    assert len(buf._memory._mirrors) == 1
+    kept = buf.write(0, FIRST, "kept")
+    buf.write(0, NEXT, "next")  # traps kept's range; "next" (dead at once) needed a second mirror meanwhile
+    assert all(math.isnan(x) for x in _ctypes_floats(kept.data_ptr(), 8))
+    first_mirror = buf._memory._mirrors[0]
+    other = buf.write(8192, FIRST, "other")  # free pages of the first mirror
+    assert buf._memory.window(sanitizer.lease_of(other)).mirror is first_mirror
+    assert other.tolist() == FIRST.tolist()
+    del kept
+    gc.collect()
+    again = buf.write(0, NEXT * 2, "again")  # the trapped range was put back on the file
+    assert buf._memory.window(sanitizer.lease_of(again)).mirror is first_mirror
+    assert again.tolist() == (NEXT * 2).tolist() and len(buf._memory._mirrors) == 2
+    assert trap.stats()["mirrors"] >= 1
+
+
+def test_a_closed_buffers_file_is_reused_and_a_fork_child_never_shares_it():
+    from sanitizer.torch_layer import trap
+
+    sanitizer.enable(trap="poison")
+    gc.collect()
+    trap._FILES.clear()
+    a = StagingBuffer(1 << 16)
+    a.write(0, FIRST, "w")
+    a.close()
+    del a
+    gc.collect()
+    assert len(trap._FILES._files) == 1  # nothing maps it any more: kept for the next buffer
+    b = StagingBuffer(1 << 15)  # smaller: the pooled file serves it
+    assert len(trap._FILES._files) == 0
+    w = b.write(0, NEXT, "w")
+    assert w.tolist() == NEXT.tolist()
+    del w, b
+    gc.collect()
+    assert len(trap._FILES._files) == 1
+    proc = run_python("import os, sanitizer, torch, gc\nfrom sanitizer import StagingBuffer\n"
+                      "from sanitizer.torch_layer import trap\nsanitizer.enable(trap='poison')\n"
+                      "b = StagingBuffer(4096); b.close(); del b; gc.collect()\n"
+                      "assert len(trap._FILES._files) == 1\npid = os.fork()\n"
+                      "if pid == 0:\n    os._exit(0 if not trap._FILES._files else 3)\n"
+                      "print('child', os.waitpid(pid, 0)[1] >> 8)\n")
+    assert proc.stdout.strip() == "child 0", proc.stderr[-1000:]

@@ -35,6 +35,7 @@ PROT_WRITE = getattr(_mmap, "PROT_WRITE", 2)
 MAP_SHARED = getattr(_mmap, "MAP_SHARED", 1)
 MAP_PRIVATE = getattr(_mmap, "MAP_PRIVATE", 2)
 MAP_FIXED = 0x10  # Linux, every architecture this project runs on
+MAP_POPULATE = 0x8000  # Linux: fill the page tables now (one call) instead of one fault per page later
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 _LINUX = sys.platform.startswith("linux") and sys.maxsize > 2**32
@@ -90,7 +91,7 @@ def _check_prot(prot: int) -> None:
 
 
 def map_file(fd: int, offset: int, length: int, prot: int, *, shared: bool = True,
-             at: Optional[int] = None) -> int:
+             at: Optional[int] = None, populate: bool = False) -> int:
     """Map ``length`` bytes of file ``fd`` from ``offset``; returns the address.
 
     ``at``: replace the pages ``[at, at+length)``, which the caller must own (a mapping it made),
@@ -111,6 +112,8 @@ def map_file(fd: int, offset: int, length: int, prot: int, *, shared: bool = Tru
     else:
         _check_range(at, length)
         flags = (MAP_SHARED if shared else MAP_PRIVATE) | MAP_FIXED
+    if populate:
+        flags |= MAP_POPULATE
     address = _lib().mmap(at, length, prot, flags, fd, offset)
     if address is None or address == _MAP_FAILED:
         err = ctypes.get_errno()

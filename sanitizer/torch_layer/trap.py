@@ -6,9 +6,12 @@ a C extension's pointer) does not follow a storage, it points at the memory. So 
 memory itself moves, as Electric Fence and GWP-ASan do for heap chunks:
 
 * **A mapping per lease.** A trap buffer's bytes are a ``memfd``; the loader writes through one
-  shared mapping of it (the buffer's ``tensor``); each lend maps the pages that hold the lease a
-  second time, on its own (:class:`_Window`), and builds the lease's tensor there. Every alias made
-  from the lease points into that window. Two leases that share a page have two windows.
+  shared mapping of it (the buffer's ``tensor``); each lease's tensor is built on a second mapping of
+  the pages that hold it, its *window* (:class:`_Window`), and every alias made from the lease points
+  there. Windows are ranges of *mirrors* (:class:`_Mirror`, whole mappings of the file): leases that
+  share no page share a mirror, so a correct program (each lease dead before the next one over its
+  pages) lends with no system call; two live leases that share a page are in two mirrors, so each has
+  a mapping of its own that the other's retire never touches.
 * **Retire remaps in place** (``MAP_FIXED``, atomic: no hole). ``trap=poison``: the window becomes a
   read-only private mapping of a shared poison file (``poison_byte``, 0xFF: NaN in fp16/bf16/fp32);
   ``trap=fault``: ``PROT_NONE``, and the first access from any path ends the process with one report
@@ -19,9 +22,10 @@ memory itself moves, as Electric Fence and GWP-ASan do for heap chunks:
 * **Torch aliases the mode sees.** ``from_dlpack``/``from_numpy``/``frombuffer`` of a lease make a
   storage of their own; while a trapped lease exists the dispatch mode looks a storage it does not
   know up by address among the trapped windows (:func:`lease_at`) and reports the lease.
-* **Limits.** A window is unmapped when its lease's storage (the last alias with it) dies. Windows
-  count against ``vm.max_map_count``: past half of it a lend falls back to a plain view (the guard
-  covers it), with one warning naming the limit and the count.
+* **Limits.** A window's range goes back to its mirror (the file's pages mapped there again, when it
+  was trapped or rescued) when its lease's storage (the last alias with it) dies. Live windows count
+  against ``vm.max_map_count`` (a trapped one splits its mirror's mapping): past half of it a lend
+  falls back to a plain view (the guard covers it), with one warning naming the limit and the count.
 
 CPU only (``docs/cuda.md`` has the CUDA design); memory the sanitizer allocates only (adopted loader
 memory is never remapped). A buffer made in trap mode keeps it for its life.
@@ -54,7 +58,7 @@ AVAILABLE = pages.AVAILABLE
 UNAVAILABLE_REASON = pages.UNAVAILABLE_REASON
 
 _lock = threading.RLock()  # re-entrant: a window's __del__ may run in a GC inside a locked section
-_counts = {"windows": 0, "peak": 0, "fallbacks": 0, "trapped": 0, "rescued": 0, "rescued_bytes": 0}
+_counts = {"windows": 0, "peak": 0, "mirrors": 0, "fallbacks": 0, "trapped": 0, "rescued": 0, "rescued_bytes": 0}
 _limits: Dict[str, Optional[int]] = {"max_map_count": None, "max_windows": None}  # tests lower max_windows
 _warned = False
 _warned_keys: set = set()  # other reasons warned about once each (a CUDA device without VMM)
@@ -68,10 +72,11 @@ _starts_dirty = False
 class _Writer:
     """The buffer's own mapping of the memfd (the loader writes here); unmapped when its last view dies."""
 
-    __slots__ = ("address", "length", "__weakref__")
+    __slots__ = ("address", "length", "file", "__weakref__")
 
-    def __init__(self, address: int, length: int):
+    def __init__(self, address: int, length: int, file: Any = None):
         self.address, self.length = address, length
+        self.file = file  # the memfd stays out of the pool while this maps it
 
     @property
     def __array_interface__(self) -> dict:
@@ -84,21 +89,140 @@ class _Writer:
             pass
 
 
-class _Window(_Writer):
-    """One lease's own mapping of the pages that hold it. States: fresh, trapped, rescued."""
+class _File:
+    """The buffer's memfd: open while the buffer lends, or its own mapping or a mirror maps it (a trapped
+    or rescued range is put back on the file when its lease dies, so that the mirror can lend those pages
+    again). When nothing maps it any more it goes to :data:`_FILES`, as ``free`` gives memory back to
+    malloc: the next trap buffer reuses its pages instead of having the kernel allocate and zero new ones
+    (a ring load makes a buffer, and fresh shared-memory pages cost more than all of trap mode's mappings)."""
 
-    __slots__ = ("state", "offset")
+    __slots__ = ("fd", "size", "__weakref__")
 
-    def __init__(self, address: int, length: int, offset: int):
-        super().__init__(address, length)
+    def __init__(self, fd: int, size: int):
+        self.fd, self.size = fd, size
+
+    def __del__(self) -> None:
+        try:
+            _FILES.give(self.fd, self.size)
+        except Exception:
+            pass
+
+
+class _FilePool:
+    """Memfds nothing maps any more, for the next trap buffers (at most :attr:`MAX_FILES`, :attr:`MAX_BYTES`
+    in all; past that a file is closed). Their old bytes are the next buffer's garbage, as recycled heap
+    memory is; a forked child closes them (:meth:`clear`), so parent and child never share one."""
+
+    MAX_FILES, MAX_BYTES = 4, 1 << 30
+
+    def __init__(self) -> None:
+        self._files: List[Tuple[int, int]] = []  # (fd, size)
+
+    def take(self, size: int) -> Tuple[int, int]:
+        """A memfd of at least ``size`` bytes: the smallest pooled one that is large enough, else a new one."""
+        with _lock:
+            fits = [f for f in self._files if f[1] >= size]
+            if fits:
+                best = min(fits, key=lambda f: f[1])
+                self._files.remove(best)
+                return best
+        fd = os.memfd_create("ownsan-trap", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, size
+
+    def give(self, fd: int, size: int) -> None:  # may run inside the GC
+        with _lock:
+            if len(self._files) < self.MAX_FILES and sum(f[1] for f in self._files) + size <= self.MAX_BYTES:
+                self._files.append((fd, size))
+                return
+        os.close(fd)
+
+    def clear(self) -> None:
+        files, self._files = self._files, []
+        for fd, _ in files:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+_FILES = _FilePool()
+
+
+class _Mirror:
+    """One whole mapping of the buffer's memfd, beside the loader's. A lease's window is its pages in a
+    mirror where no live lease holds any of them: leases that share no page share a mirror (a correct
+    program, whose lease dies before the next one over its pages, lends from one mirror with no system
+    call at all), and two live leases that share a page are in two mirrors, so that retiring one never
+    touches the other's mapping. Dead windows come back through :attr:`dead` (appended from ``__del__``,
+    which may run inside the GC: no list is reordered there)."""
+
+    __slots__ = ("address", "length", "file", "_starts", "_ends", "dead", "__weakref__")
+
+    def __init__(self, file: _File, length: int):
+        self.file, self.length = file, length
+        self.address = pages.map_file(file.fd, 0, length, pages.PROT_READ | pages.PROT_WRITE, populate=True)
+        self._starts: List[int] = []  # the live windows' page ranges, sorted, never overlapping
+        self._ends: List[int] = []
+        self.dead: List[int] = []
+
+    def _drain(self) -> None:
+        while self.dead:
+            first = self.dead.pop()
+            i = bisect.bisect_left(self._starts, first)
+            if i < len(self._starts) and self._starts[i] == first:
+                del self._starts[i], self._ends[i]
+
+    def fits(self, first: int, end: int) -> bool:
+        """(Under the lock.) Are the pages ``[first, end)`` free in this mirror?"""
+        self._drain()
+        i = bisect.bisect_left(self._starts, end) - 1
+        return i < 0 or self._ends[i] <= first
+
+    def take(self, first: int, end: int) -> None:
+        i = bisect.bisect_left(self._starts, first)
+        self._starts.insert(i, first)
+        self._ends.insert(i, end)
+
+    def __len__(self) -> int:
+        return len(self._starts) - len(self.dead)
+
+    def __del__(self) -> None:
+        try:
+            pages.unmap(self.address, self.length)
+            with _lock:
+                _counts["mirrors"] -= 1
+        except Exception:  # interpreter shutdown: the maps go with the process
+            pass
+
+
+class _Window:
+    """One lease's pages in a mirror: its tensor and every alias made from it point here. States: fresh,
+    trapped (poison or no access mapped over it), rescued (a private copy mapped over it)."""
+
+    __slots__ = ("address", "length", "offset", "state", "mirror", "__weakref__")
+
+    def __init__(self, mirror: _Mirror, offset: int, length: int):
+        self.mirror, self.offset, self.length = mirror, offset, length
+        self.address = mirror.address + offset
         self.state = "fresh"
-        self.offset = offset  # where its pages start in the buffer's memfd
+
+    @property
+    def __array_interface__(self) -> dict:
+        return {"data": (self.address, False), "shape": (self.length,), "typestr": "|u1", "version": 3}
 
     def __del__(self) -> None:  # may run inside the GC: dict operations and a syscall only
         _forget(self.address)
         try:
-            pages.unmap(self.address, self.length)
-        except Exception:
+            if self.state != "fresh":  # the buffer's pages back in the mirror (a trapped range split it)
+                pages.map_file(self.mirror.file.fd, self.offset, self.length,
+                               pages.PROT_READ | pages.PROT_WRITE, at=self.address)
+            self.mirror.dead.append(self.offset)
+        except Exception:  # the range stays taken (never lent again): never a wrong mapping
             pass
         with _lock:
             _counts["windows"] -= 1
@@ -168,35 +292,47 @@ class TrapMemory:
             raise ValueError(f"trap mode must be one of {MODES}, got {mode!r}")
         self.mode, self.fill, self.name = mode, fill, name
         self.length = pages.round_up(max(nbytes, 1))
-        self._fd: Optional[int] = os.memfd_create("ownsan-trap", os.MFD_CLOEXEC)
-        os.ftruncate(self._fd, self.length)
-        writer = _Writer(pages.map_file(self._fd, 0, self.length, pages.PROT_READ | pages.PROT_WRITE), self.length)
+        fd, size = _FILES.take(self.length)
+        self._file: Optional[_File] = _File(fd, size)
+        address = pages.map_file(fd, 0, self.length, pages.PROT_READ | pages.PROT_WRITE, populate=True)
+        writer = _Writer(address, self.length, self._file)
         self._writer = weakref.ref(writer)
         self.data = torch.from_numpy(np.asarray(writer))[:nbytes]
+        self._mirrors: List[_Mirror] = []
         self._windows: Dict[int, "weakref.ref[_Window]"] = {}  # lease id -> its window
 
     def close(self) -> None:
-        """No more lends: the descriptor goes (the mappings keep the file alive)."""
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
+        """No more lends: the descriptor goes once no mirror maps the file any more."""
+        self._file = None
+
+    def _mirror_for(self, first: int, end: int) -> _Mirror:
+        """(Under the lock.) The first mirror with the pages ``[first, end)`` free; a new one if none is."""
+        for mirror in self._mirrors:
+            if mirror.fits(first, end):
+                return mirror
+        assert self._file is not None
+        mirror = _Mirror(self._file, self.length)
+        self._mirrors.append(mirror)
+        _counts["mirrors"] += 1
+        return mirror
 
     def lend_view(self, offset: int, nbytes: int, shape: tuple, dtype: torch.dtype
                   ) -> Optional[Tuple[torch.Tensor, Any, _Window]]:
         """``(tensor, piece, window)`` of a lease on a window of its own; None past the map limit."""
-        if self._fd is None or not _room():
+        if self._file is None or not _room():
             return None
         first = offset // pages.PAGE * pages.PAGE
-        length = pages.round_up(offset + max(nbytes, 1)) - first
-        try:
-            address = pages.map_file(self._fd, first, length, pages.PROT_READ | pages.PROT_WRITE)
-        except OSError as exc:
-            _fall_back(f"mmap failed ({exc})")
-            return None
-        window = _Window(address, length, first)
+        end = pages.round_up(offset + max(nbytes, 1))
         with _lock:
+            try:
+                mirror = self._mirror_for(first, end)
+            except OSError as exc:
+                _fall_back(f"mmap failed ({exc})")
+                return None
+            mirror.take(first, end)
             _counts["windows"] += 1
             _counts["peak"] = max(_counts["peak"], _counts["windows"])
+        window = _Window(mirror, first, end - first)
         np_dtype, retype = HOST_VIEWS.get(dtype) or host_view(dtype)
         piece = np.ndarray(shape, np_dtype, np.asarray(window), offset - first)
         view = torch.from_numpy(piece)
@@ -230,25 +366,41 @@ class TrapMemory:
 
     def after_fork_in_child(self) -> None:
         """A forked child must not share the parent's buffer (``MAP_SHARED`` survives ``fork``, where
-        the memory of a plain buffer is copy-on-write): move the loader's mapping and every fresh window
-        onto a copy of the file, and every rescued window onto a copy of its own, all in place."""
+        the memory of a plain buffer is copy-on-write): move the loader's mapping and every mirror onto a
+        copy of the file, in place, then put each trapped window's trap and each rescued window's own
+        copy back over it."""
         writer = self._writer()
-        if self._fd is None or writer is None:
-            for window in self._live_windows():
-                if window.state in ("fresh", "rescued"):
-                    _copy_in_place(window)
+        live = self._live_windows()
+        rescued = [(w, _copy_to_memfd(w.address, w.length)) for w in live if w.state == "rescued"]
+        source = writer.address if writer is not None else (self._mirrors[0].address if self._mirrors else None)
+        if source is None:
             return
-        fd = _copy_to_memfd(writer.address, writer.length)
-        pages.map_file(fd, 0, writer.length, pages.PROT_READ | pages.PROT_WRITE, at=writer.address)
-        for window in self._live_windows():
-            if window.state == "fresh":
-                pages.map_file(fd, window.offset, window.length, pages.PROT_READ | pages.PROT_WRITE,
-                               at=window.address)
-            elif window.state == "rescued":
-                _copy_in_place(window)
-            # trapped: poison is a private read-only mapping, fault maps nothing readable: nothing shared
-        os.close(self._fd)
-        self._fd = fd
+        fd = _copy_to_memfd(source, self.length)
+        new = _File(fd, self.length)
+        if writer is not None:
+            pages.map_file(fd, 0, writer.length, pages.PROT_READ | pages.PROT_WRITE, at=writer.address)
+            writer.file = new
+        for mirror in self._mirrors:
+            pages.map_file(fd, 0, mirror.length, pages.PROT_READ | pages.PROT_WRITE, at=mirror.address)
+            mirror.file = new
+        for window in live:
+            if window.state == "trapped":
+                self.retrap(window)
+        for window, copy in rescued:
+            try:
+                pages.map_file(copy, 0, window.length, pages.PROT_READ | pages.PROT_WRITE, at=window.address)
+            finally:
+                os.close(copy)
+        if self._file is not None:
+            self._file = new
+
+    def retrap(self, window: _Window) -> None:
+        """Map the trap over a window again (after a fork moved its mirror onto a copy)."""
+        if self.mode == "poison":
+            fd = _POISON.fd_for(window.length, self.fill)
+            pages.map_file(fd, 0, window.length, pages.PROT_READ, shared=False, at=window.address)
+        else:
+            pages.protect(window.address, window.length, pages.PROT_NONE)
 
     def _live_windows(self) -> List[_Window]:
         return [w for w in (ref() for ref in list(self._windows.values())) if w is not None]
@@ -501,6 +653,7 @@ def arm() -> None:
 def _after_fork() -> None:
     global _lock
     _lock = threading.RLock()
+    _FILES.clear()  # the parent's pooled files: its next buffers' memory, never the child's
     for memory in list(_MEMORY.values()):
         try:
             memory.after_fork_in_child()
