@@ -8,9 +8,8 @@ audit to follow is skipped and named, and the exit status follows the findings o
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 from sanitizer.audit.codes import CODES, CodeSelectionError, selected_codes
 from sanitizer.core import output_file

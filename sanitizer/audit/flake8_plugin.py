@@ -8,7 +8,7 @@ flake8 is not a dependency: the class only follows its plugin protocol.
 from __future__ import annotations
 
 import ast
-from typing import Iterator, List, Optional, Sequence, Tuple, Type
+from typing import Iterator, Optional, Sequence, Tuple, Type
 
 from sanitizer.core.version import __version__
 

@@ -7,7 +7,7 @@ import io
 import os
 import tokenize
 from dataclasses import dataclass
-from typing import Iterable, List, Sequence, Set, Tuple
+from typing import List, Sequence, Set
 
 SKIP_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__", ".venv", "venv", ".tox", ".nox", "node_modules",
                        ".mypy_cache", ".pytest_cache", "build", "dist", ".eggs"})

@@ -23,7 +23,8 @@ from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
 from sanitizer.audit.findings import Finding, Link
-from sanitizer.audit.flow import _UNRESOLVED, Flow, IntoParam, Outcome
+from sanitizer.audit.flow import Flow
+from sanitizer.audit.values import UNRESOLVED, IntoParam, Outcome
 from sanitizer.audit.index import ClassInfo, FunctionInfo, ModuleIndex, build_index
 from sanitizer.audit.project import Project
 from sanitizer.audit.settings import Settings
@@ -97,7 +98,7 @@ class ModuleAnalysis:
         base = func.value
         cls = self._class_of(flow.info)
         if isinstance(base, ast.Name):
-            if cls is not None and base.id in (flow._self_name(), "cls", "self"):
+            if cls is not None and base.id in (flow.self_name(), "cls", "self"):
                 found = self.find_method(cls, func.attr, set())
                 if found is not None:
                     m, where = found
@@ -166,7 +167,7 @@ class ModuleAnalysis:
         ``BMMWeightTpl._process_weight`` keeps ``w``). At most :data:`MAX_OVERRIDES`, nearest first."""
         func = node.func
         if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
-                and func.value.id in (flow._self_name(), "self", "cls")):
+                and func.value.id in (flow.self_name(), "self", "cls")):
             return []
         cls = self._class_of(flow.info)
         if cls is None:
@@ -299,7 +300,7 @@ class ModuleAnalysis:
     def resolve(self, flow: Flow, node: ast.Call):
         """The flow's hook for a call with tainted arguments: apply the callee's summaries."""
         if self.depth >= MAX_DEPTH:
-            return _UNRESOLVED
+            return UNRESOLVED
         target = self.callee(flow, node)
         if target is None:
             return self._dataclass_result(flow, node)
@@ -314,16 +315,16 @@ class ModuleAnalysis:
         generated one keeps every argument, so the new object holds the first tainted one (there is no
         source to summarise)."""
         if not isinstance(node.func, ast.Name):
-            return _UNRESOLVED
+            return UNRESOLVED
         built = self.constructed_class(flow, node.func.id)
         if built is None or not _is_dataclass(built[1]) or built[0].find_method(built[1], "__init__", set()):
-            return _UNRESOLVED
+            return UNRESOLVED
         for expr in list(node.args) + [kw.value for kw in node.keywords]:
             val = flow.ev(expr) if not isinstance(expr, ast.Name) else flow.state.env.get(expr.id)
             if val is not None and val.holds_tensor:
                 name = built[1].qualname
                 return val.then(HOLDER, Link(node.lineno, flow.fn, f"kept by the new `{name}` (a dataclass)"), obj=name)
-        return _UNRESOLVED
+        return UNRESOLVED
 
     def _apply(self, flow: Flow, node: ast.Call, target: Callee) -> Optional[Val]:
         """One callee's summaries applied to the call's tainted arguments: its findings emitted at its own
@@ -383,7 +384,7 @@ class ModuleAnalysis:
         if val.reported:
             return
         key = (template.line, template.col - 1, template.code)
-        if key in flow._seen:
+        if key in flow.seen:
             return
         head = val.chain + (call_link,)
         if flow.path != template.path:  # the caller's links are in its own file: say which
@@ -393,7 +394,7 @@ class ModuleAnalysis:
             f"{template.pattern} (through helper `{callee.name}`)"
         finding = replace(template, chain=chain, consumer=val.consumer, consumer_path=flow.path, pattern=pattern,
                           also_from=[])
-        flow._seen[key] = finding
+        flow.seen[key] = finding
         flow.out.findings.append(finding)
 
     def _into_param(self, flow: Flow, node: ast.Call, target: Callee, fact: IntoParam, arg_of: Dict[int, ast.AST],
@@ -405,7 +406,7 @@ class ModuleAnalysis:
             self._emit(flow, fact.template, val, call_link, callee)  # a default container: outlives the call
             return
         root = root_of(expr)
-        place, index = flow._place(root.name)
+        place, index = flow.place(root.name)
         if place == "local" and root.name is not None:
             slot = flow.state.slots[root.name]
             if slot.fresh and val.step in slot.loops and not root.through_attribute:

@@ -15,10 +15,11 @@ anything that outlives the step is a retention.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Optional, Tuple
+import ast
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Optional, Tuple
 
-from sanitizer.audit.findings import Link
+from sanitizer.audit.findings import Finding, Link
 
 ITER, PAIR, TENSOR, HOLDER, SOURCE = "iter", "pair", "tensor", "holder", "source"
 
@@ -72,5 +73,70 @@ def element_of(val: Val, link: Optional[Link] = None) -> Val:
     return val.then(kind, link, elem=val.elem, mapping=False)
 
 
-__all__ = ["Val", "element_of", "ITER", "PAIR", "TENSOR", "HOLDER", "SOURCE",
+COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+
+
+# -- the flow's state: what each local holds and how it was bound -------------------------------------------
+@dataclass(frozen=True)
+class Slot:
+    """How a local name was last bound (untainted or tainted alike)."""
+
+    fresh: bool  # a new container/object: nothing else refers to it yet
+    loops: Tuple[int, ...]  # the steps (loops, and the call itself) enclosing the binding
+    kind: str = "unknown"  # 'container', 'tensor' or 'unknown' (for subscript stores)
+    param: Optional[int] = None  # a parameter, or an alias of a parameter's container: its index
+    self_alias: bool = False  # bound from an attribute of self
+
+
+@dataclass
+class State:
+    env: Dict[str, Val] = field(default_factory=dict)
+    slots: Dict[str, Slot] = field(default_factory=dict)
+
+    def copy(self) -> "State":
+        return State(dict(self.env), dict(self.slots))
+
+    def join(self, other: "State") -> None:
+        for name, val in other.env.items():
+            if name not in self.env:
+                self.env[name] = replace(val, maybe=True) if name in self.slots else val
+        for name, val in list(self.env.items()):
+            if name not in other.env and name in other.slots and not val.maybe:
+                self.env[name] = replace(val, maybe=True)
+        for name, slot in other.slots.items():
+            mine = self.slots.get(name)
+            if mine is None:
+                self.slots[name] = slot
+            elif mine != slot:
+                self.slots[name] = Slot(mine.fresh and slot.fresh, tuple(x for x in mine.loops if x in slot.loops),
+                                        mine.kind if mine.kind == slot.kind else "unknown",
+                                        mine.param if mine.param is not None else slot.param,
+                                        mine.self_alias or slot.self_alias)
+
+
+@dataclass
+class IntoParam:
+    """Summary fact: the seeded argument was stored into the container passed as parameter ``index``."""
+
+    index: int
+    template: Finding
+
+
+@dataclass
+class Outcome:
+    """What one flow found: findings (root mode) or templates (summary mode), and summary facts."""
+
+    findings: List[Finding] = field(default_factory=list)
+    into_param: List[IntoParam] = field(default_factory=list)
+    returns: Optional[Val] = None
+    yields: Optional[Val] = None  # a generator helper yields (views of) its argument
+
+
+class Unresolved:
+    """Marker: a call's resolver did not know the callee (the flow then applies its default rules)."""
+
+
+UNRESOLVED = Unresolved()
+
+__all__ = ["Val", "element_of", "Slot", "State", "IntoParam", "Outcome", "UNRESOLVED", "COMPREHENSIONS", "ITER", "PAIR", "TENSOR", "HOLDER", "SOURCE",
            "ELEM_PAIR", "ELEM_TENSOR", "ELEM_ENUM_PAIR", "ELEM_ENUM_TENSOR"]

@@ -1,0 +1,208 @@
+"""The flow's call rules: what a call does with a tainted argument, and what it returns.
+
+Views and conversions keep the tensor (``t.view()``, ``.to()``: conditionally), copies end it; a
+materialiser holds the whole iterator at once (OWN103); a producer opens a source or yields weights; a
+container method stores (see :mod:`.stores`); a call into a helper is handed to the resolver (the
+module's summaries, :mod:`.summaries`); an unknown call returns nothing borrowed, except a wrapper around
+the weights iterator, which still yields them. A mixin of :class:`~sanitizer.audit.flow.Flow`.
+"""
+from __future__ import annotations
+
+import ast
+from dataclasses import replace
+from typing import Dict, Optional, Sequence, Tuple
+
+from sanitizer.audit import vocabulary as V
+from sanitizer.audit.findings import Link
+from sanitizer.audit.index import dotted
+from sanitizer.audit.targets import root_of
+from sanitizer.audit.values import (ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR, ELEM_PAIR, ELEM_TENSOR, HOLDER, ITER, PAIR,
+                                    SOURCE, TENSOR, UNRESOLVED, Val, element_of)
+
+_MAPPING_COPIES = frozenset({"dict", "OrderedDict", "defaultdict"})  # of a dict: its tensors, by name
+
+
+class CallRules:
+    """Calls: on a tainted value (a method), of a function or class, of a producer, of a helper."""
+
+    def call(self, node: ast.Call) -> Optional[Val]:
+        func = node.func
+        name = dotted(func)
+        base: Optional[Val] = None
+        meth = ""
+        if isinstance(func, ast.Attribute):
+            meth = func.attr
+            base = self.ev(func.value)
+        elif not isinstance(func, ast.Name):
+            self.ev(func)
+        args = [self.ev(a) for a in node.args]
+        kwargs = {k.arg: self.ev(k.value) for k in node.keywords}
+        out = kwargs.get("out")
+        if out is not None and out.kind == TENSOR:
+            self.inplace(node, out, "out= argument", f"`{self.snip(node, 50)}` writes into it")
+
+        if base is not None:
+            handled, result = self.method_on_tainted(node, base, meth, args)
+            if handled:
+                return result
+        if meth in ("register_buffer", "register_parameter") and len(args) >= 2 and args[1] is not None:
+            assert isinstance(func, ast.Attribute)
+            target = ast.Attribute(value=func.value, attr=self.snip(node.args[0], 30).strip("'\""), ctx=ast.Store())
+            self.attribute_store(ast.copy_location(target, node), args[1], node)
+            return None
+        if meth in V.STORE_METHODS and not self._is_module(func):
+            self.container_method(node, meth, args, kwargs)
+            if meth != "setdefault":
+                return None
+        if meth in V.BIND_METHODS:
+            got = self._first_holding(args, kwargs)
+            if got is not None:
+                return got.then(HOLDER, Link(node.lineno, self.fn, f"bound by `{self.snip(node, 40)}`"),
+                                capture="inspect.BoundArguments")
+        return self.function_call(node, name, args, kwargs)
+
+    def _is_module(self, func: ast.AST) -> bool:
+        """``torch.add(...)``, ``np.put(...)``: a module's function, not a container's method."""
+        root = root_of(func.value) if isinstance(func, ast.Attribute) else None  # type: ignore[attr-defined]
+        return bool(root and root.name and root.name in self.module_aliases and root.name not in self.state.slots)
+
+    def _first_holding(self, args: Sequence[Optional[Val]], kwargs: Dict[Optional[str], Optional[Val]],
+                       skip: int = 0) -> Optional[Val]:
+        for v in list(args[skip:]) + list(kwargs.values()):
+            if v is not None and v.holds_tensor:
+                return v
+        return None
+
+    def method_on_tainted(self, node: ast.Call, base: Val, meth: str,
+                          args: Sequence[Optional[Val]]) -> Tuple[bool, Optional[Val]]:
+        link = Link(node.lineno, self.fn, f"`.{meth}()`")
+        if base.kind == TENSOR:
+            if meth in V.SPLIT_METHODS:
+                return True, base.then(HOLDER, link, elem=ELEM_TENSOR)
+            if meth.endswith("_") and not meth.endswith("__") and meth not in V.METADATA_INPLACE:
+                self.inplace(node, base, f"in-place `.{meth}()`", f"`{self.snip(node, 50)}`")
+                return True, base.then(TENSOR, link)
+            if meth in V.CONVERSION_METHODS and not base.convert:
+                # named by the conversion itself (`.to(weights.dtype)`), not by its whole receiver expression
+                args = ", ".join([self.snip(a, 30) for a in node.args] +
+                                 [f"{k.arg}={self.snip(k.value, 20)}" if k.arg else f"**{self.snip(k.value, 20)}"
+                                  for k in node.keywords])
+                return True, base.then(TENSOR, link, convert=f".{meth}({args})")
+            if meth in V.ALIAS_METHODS:
+                return True, base.then(TENSOR, link)
+            return True, None
+        if base.kind == HOLDER:
+            if meth in ("items",):
+                return True, base.then(HOLDER, elem=ELEM_PAIR, mapping=False)
+            if meth in ("values", "copy", "__iter__"):
+                return True, base.then(HOLDER, mapping=False)
+            if meth == "keys" and base.mapping:
+                return True, None
+            if meth in ("pop", "get", "popitem", "popleft", "__getitem__"):
+                return True, element_of(base, link)
+            if meth in V.STORE_METHODS:
+                return False, None
+            return True, None
+        if base.kind == ITER:
+            if meth in ("items", "__iter__"):
+                return True, base
+            return True, None
+        if base.kind == SOURCE:
+            if meth in V.SOURCE_TENSOR_METHODS:
+                # the innermost statement loop's step: `{k: f.get_tensor(k) for k in f.keys()}` builds the
+                # step's dict of one file's tensors, which lives as long as that file's step
+                step = next((x for x in reversed(self.loops) if x not in self._comp_steps), self.func_step)
+                return True, Val(TENSOR, step, base.chain + (link,), self.fn, label=f"`{self.snip(node, 40)}`")
+            if meth in V.SOURCE_ITER_METHODS:
+                return True, base.then(ITER, link, elem=ELEM_PAIR)
+            if meth in V.SOURCE_SOURCE_METHODS:
+                return True, base.then(SOURCE, link)
+            return True, None
+        return True, None  # a PAIR has no methods that matter
+
+    def function_call(self, node: ast.Call, name: str, args: Sequence[Optional[Val]],
+                      kwargs: Dict[Optional[str], Optional[Val]]) -> Optional[Val]:
+        first = args[0] if args else None
+        link = Link(node.lineno, self.fn, f"`{self.snip(node, 40)}`")
+        last = name.rpartition(".")[2]
+        if name in V.PARTIALS:
+            got = self._first_holding(args, kwargs, skip=1)
+            return got.then(HOLDER, link, capture="functools.partial") if got is not None else None
+        if name in V.MATERIALISERS and first is not None:
+            if first.kind == ITER:
+                return self.materialise(node, first, f"`{name}({self.snip(node.args[0], 30)})`")
+            if first.kind == HOLDER:
+                if first.mapping and last not in _MAPPING_COPIES:
+                    return None  # `list(weights)`, `sorted(weights)`: a dict iterates its names, not its tensors
+                return first
+            if first.kind == TENSOR:
+                return first.then(HOLDER, link, elem=ELEM_TENSOR)
+            return None
+        if name in V.TEE and first is not None and first.kind == ITER:
+            held = self.materialise(node, first, f"`{name}({self.snip(node.args[0], 30)})`")
+            return held.then(ITER, reported=True)
+        if name in V.LAZY_WRAPPERS:
+            got = next((v for v in list(args) + list(kwargs.values()) if v is not None and v.kind != SOURCE), None)
+            if got is None:
+                return None
+            if last == "enumerate":
+                elem = ELEM_ENUM_PAIR if got.elem == ELEM_PAIR or got.kind == PAIR else ELEM_ENUM_TENSOR
+                return got.then(got.kind if got.kind in (ITER, HOLDER) else HOLDER, elem=elem)
+            if last in ("zip", "zip_longest"):
+                return got.then(got.kind if got.kind in (ITER, HOLDER) else HOLDER, elem=ELEM_PAIR)
+            return got if got.kind in (ITER, HOLDER) else got.then(HOLDER)
+        if name == "next" and first is not None:
+            if first.kind == ITER:
+                item = element_of(first, link)
+                return replace(item, step=self.loops[-1]) if not first.reported else item
+            if first.kind == HOLDER:
+                return element_of(first, link)
+            return None
+        if (name in V.ALIAS_FUNCTIONS or last in ("Parameter", "from_numpy", "as_tensor", "asarray")) \
+                and first is not None and first.holds_tensor:
+            return first.then(TENSOR, link, parameter=first.parameter or "Parameter" in name)
+        if name in V.SPLIT_FUNCTIONS and first is not None and first.kind == TENSOR:
+            return first.then(HOLDER, link, elem=ELEM_TENSOR)
+        if name == "setattr" and len(args) >= 3 and args[2] is not None:
+            self.setattr_store(node, args[2])
+            return None
+        if last in ("heappush", "insort", "insort_left", "insort_right") and len(args) >= 2 and args[1] is not None:
+            self.store_into(node.args[0], args[1], node, "append")
+            return None
+        if last.endswith("_") and not last.endswith("__") and first is not None and first.kind == TENSOR \
+                and name.startswith(("torch.", "nn.", "init.")):
+            self.inplace(node, first, f"in-place `{name}()`", f"`{self.snip(node, 50)}`")
+            return None
+        if V.SOURCE_FACTORIES.search(name):
+            return Val(SOURCE, 0, (Link(node.lineno, self.fn, f"opened by `{self.snip(node, 40)}`"),), self.fn)
+        configured = self.producer_kind(name) if self.producer_kind is not None else None
+        if configured == "tensor":
+            # a getter (`weights.get_tensor(n)`): one borrowed tensor, valid for the step that fetched it, as
+            # a source's `f.get_tensor(k)` is (the innermost statement loop's iteration, else the call)
+            step = next((x for x in reversed(self.loops) if x not in self._comp_steps), self.func_step)
+            return Val(TENSOR, step, (Link(node.lineno, self.fn, f"returned by `{self.snip(node, 40)}`"),), self.fn,
+                       label=f"`{self.snip(node, 40)}`")
+        if V.ITERATOR_FACTORY.search(name) or configured is not None:
+            return Val(ITER, 0, (Link(node.lineno, self.fn, f"yielded by `{self.snip(node, 40)}`"),), self.fn,
+                       elem=ELEM_PAIR, label=f"`{self.snip(node, 40)}`")
+        if name in V.PURE_BUILTINS or V.NON_TENSOR_CALLS.search(name):
+            return None
+        if self.resolve_call is not None and (any(v is not None for v in args) or
+                                              any(v is not None for v in kwargs.values())):
+            handled = self.resolve_call(self, node)
+            if handled is not UNRESOLVED:
+                return handled  # type: ignore[return-value]
+        stream = next((v for v in list(args) + list(kwargs.values()) if v is not None and v.kind == ITER), None)
+        if stream is not None and not V.NAME_RETURNING.search(name):
+            return stream.then(link=link)  # a wrapper around the iterator (a mapper, tqdm): still a stream
+        return None
+
+    def materialise(self, node: ast.AST, it: Val, how: str) -> Val:
+        """The whole iterator held at once: the finding, and a holder whose items are already covered."""
+        if not it.reported:
+            self.report("OWN103", node, it, how, f"{how} materialises {self._what(it)}: every tensor it yields is "
+                        f"kept while the loader moves on", f"`{self.snip(node, 60)}`")
+        return it.then(HOLDER, reported=True)
+
+
+__all__ = ["CallRules"]

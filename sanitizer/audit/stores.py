@@ -1,0 +1,251 @@
+"""The flow's store rules: a tainted value stored somewhere is judged by the lifetime of the place.
+
+A fresh container bound inside the step dies with it (it becomes a holder, and only where *it* goes
+matters); anything else (a container bound before the loop, an attribute, a parameter's container, a
+global, an enclosing scope's name) outlives the step: OWN101 (a container), OWN102 (an attribute),
+OWN104 (a closure or partial), OWN105 (a variable read after its step), OWN106 (a module-level or
+class-level name), OWN107 (any of those through a conversion that may be a no-op), and OWN120 (an
+in-place write into the borrowed tensor). In summary mode a store into a container the caller passed in
+is recorded for the caller to judge. A mixin of :class:`~sanitizer.audit.flow.Flow`: the methods read
+the walk's state (``self.state``, ``self.loops``...) and report through :meth:`report`.
+"""
+from __future__ import annotations
+
+import ast
+from dataclasses import replace
+from typing import Dict, Optional, Sequence, Tuple
+
+from sanitizer.audit.codes import CODES
+from sanitizer.audit.findings import Finding, Link
+from sanitizer.audit.lifetimes import LoopLifetimes
+from sanitizer.audit.targets import method_base_is_tensor, root_of, subscript_is_tensor
+from sanitizer.audit.values import COMPREHENSIONS, ELEM_PAIR, ELEM_TENSOR, HOLDER, ITER, PAIR, TENSOR, IntoParam, Val
+
+_CONDITIONAL = frozenset({"OWN101", "OWN102", "OWN106"})  # stores that a no-op conversion makes retentions
+# the argument a container method stores: `xs.append(v)`, `d.setdefault(k, v)`
+_VALUE_ARG = {"append": 0, "add": 0, "appendleft": 0, "put": 0, "put_nowait": 0, "push": 0, "extend": 0,
+              "extendleft": 0, "update": 0, "insert": 1, "setdefault": 1, "__setitem__": 1}
+
+
+class StoreRules:
+    """Where a tainted value goes, and whether that place outlives its step."""
+
+    def report(self, code: str, node: ast.AST, val: Val, pattern: str, message: str, last: str) -> None:
+        if val.reported:
+            return
+        if val.convert and code in _CONDITIONAL:
+            code = "OWN107"
+            pattern = f"conditional: {pattern}"
+            message = (f"{message}, if `{val.convert}` is a no-op (the tensor is already contiguous, of that "
+                       f"dtype, on that device: a GPU-resident loader's normal case); otherwise it is a copy")
+        key = (getattr(node, "lineno", 0), getattr(node, "col_offset", 0), code)
+        if key in self.seen:
+            return
+        info = CODES[code]
+        line = getattr(node, "lineno", 0)
+        finding = Finding(self.path, line, getattr(node, "col_offset", 0) + 1,
+                          getattr(node, "end_lineno", None) or line, self.fn, code, pattern, message,
+                          val.chain + (Link(line, self.fn, last),), info.fix, consumer=val.consumer,
+                          consumer_path=self.path)
+        self.seen[key] = finding
+        self.out.findings.append(finding)
+
+    def _into_param(self, index: int, code: str, node: ast.AST, val: Val, pattern: str, message: str,
+                    last: str) -> None:
+        before = len(self.out.findings)
+        self.report(code, node, val, pattern, message, last)
+        if len(self.out.findings) > before:
+            self.out.into_param.append(IntoParam(index, self.out.findings.pop()))
+
+    def _what(self, val: Val) -> str:
+        label = val.label or "a yielded tensor"
+        if val.capture:
+            return f"a {val.capture} holding {label}"
+        return label
+
+    def place(self, root_name: Optional[str]) -> Tuple[str, Optional[int]]:
+        """('local-step'|'param'|'self'|'global'|'free'|'outer', param index) for a store's root name."""
+        if root_name is None:
+            return "outer", None
+        if root_name == self.self_name():
+            return "self", 0
+        if root_name in self.info.declared_global:
+            return "global", None
+        slot = self.state.slots.get(root_name)
+        if slot is None:
+            if root_name in self.info.locals:
+                return "outer", None
+            return ("global" if root_name in self.globals else "free"), None
+        if slot.self_alias:
+            return "self", 0
+        if slot.param is not None:
+            return "param", slot.param
+        return "local", None
+
+    def store_into(self, container: ast.AST, val: Val, stmt: ast.AST, how: str) -> None:
+        """``container`` (an expression) now holds ``val``: a holder if it dies in the step, else a finding."""
+        if val.reported or not val.holds_tensor:
+            return
+        root = root_of(container)
+        held_by = self.state.env.get(root.name) if root.name and not root.through_attribute else None
+        if held_by is not None and held_by.mapping and held_by.step == val.step:
+            return  # `weights[q_name] = qkv[:q]`: into the step's own dict of weights, which dies with the step
+        place, index = self.place(root.name)
+        if place == "local":
+            slot = self.state.slots[root.name]  # type: ignore[index]
+            if slot.fresh and val.step in slot.loops and not root.through_attribute:
+                held = self.state.env.get(root.name)  # type: ignore[arg-type]
+                if held is None or held.kind != HOLDER:
+                    link = Link(getattr(stmt, "lineno", 0), self.fn, f"stored in `{self.snip(root.node)}` (dies with the step)")
+                    self.state.env[root.name] = val.then(HOLDER, link, elem=ELEM_PAIR if val.kind == PAIR
+                                                         else ELEM_TENSOR)  # type: ignore[index]
+                return
+        code = "OWN104" if val.capture else ("OWN106" if place == "global" else "OWN101")
+        pattern = self._store_pattern(how, root, place, val)
+        where = {"self": "an attribute of the object", "global": "a module-level name",
+                 "free": "an enclosing scope", "param": "a container the caller passed in"}.get(place, "")
+        message = (f"{self._what(val)} is stored in `{self.snip(root.node)}`"
+                   + (f" ({where})" if where else "") + ", which outlives the loader's step")
+        self._store_found(code, stmt, val, pattern, message, place, index)
+
+    def _store_found(self, code: str, stmt: ast.AST, val: Val, pattern: str, message: str, place: str,
+                     index: Optional[int]) -> None:
+        """Report a store, or, inside a helper being summarised, note that it stores into its caller's
+        argument (a parameter, or the object ``__init__`` builds) for the caller to report."""
+        last = f"`{self.snip(stmt, 60)}`"
+        if self.summary_param is not None and place == "param" and index is not None and index != val.seed:
+            self._into_param(index, code, stmt, val, pattern, message, last)
+        elif self.summary_param is not None and place == "self" and self.info.name == "__init__":
+            self._into_param(0, code, stmt, val, pattern, message, last)
+        else:
+            self.report(code, stmt, val, pattern, message, last)
+
+    def _store_pattern(self, how: str, root, place: str, val: Val) -> str:
+        if val.capture:
+            return f"{val.capture} kept for a deferred call"
+        if place == "global":
+            return "module-level container"
+        if how in ("append", "extend", "insert", "add", "appendleft", "extendleft", "+=", "put", "push"):
+            kind = "side list" if how != "add" else "side set"
+            return f"{kind} filled in the step, kept past it" + (" (on an object)" if place == "self" else "")
+        if how in ("subscript", "setdefault", "update", "__setitem__"):
+            return "dict by name: parked until used" + (" (on an object)" if place == "self" else "")
+        return "container that outlives the step"
+
+    def attribute_store(self, target: ast.Attribute, val: Val, stmt: ast.AST) -> None:
+        if val.reported or not val.holds_tensor:
+            return
+        root = root_of(target.value)
+        place, index = self.place(root.name)
+        if place == "local" and root.name is not None:
+            slot = self.state.slots[root.name]
+            if slot.fresh and val.step in slot.loops:
+                self.state.env[root.name] = val.then(HOLDER, Link(getattr(stmt, "lineno", 0), self.fn,
+                                                                  f"stored in `{self.snip(target)}`"))
+                return
+        if root.name is not None and root.name in self.state.env and self.state.env[root.name].kind == TENSOR:
+            return  # an attribute set on a yielded tensor itself
+        code = "OWN104" if val.capture else "OWN102"
+        text = self.snip(target)
+        if val.capture:
+            pattern = f"{val.capture} kept for a deferred call"
+        elif target.attr == "data":
+            pattern = "`.data` of a parameter aliased to the yielded tensor"
+        elif val.parameter:
+            pattern = "nn.Parameter(view) kept on an object"
+        else:
+            pattern = "attribute alias of a view"
+        message = f"{self._what(val)} is stored in the attribute `{text}`, which outlives the loader's step"
+        self._store_found(code, stmt, val, pattern, message, place, index)
+
+    def subscript_store(self, target: ast.Subscript, val: Optional[Val], stmt: ast.AST) -> None:
+        base = self.ev(target.value)
+        self.ev(target.slice)
+        if base is not None and base.kind == TENSOR:
+            self.inplace(stmt, base, "subscript assignment", f"`{self.snip(target)} = ...` writes into it")
+            return
+        if val is None:
+            return
+        root = root_of(target.value)
+        slot = self.state.slots.get(root.name) if root.name else None
+        kind = slot.kind if slot is not None and not root.through_attribute else None
+        if base is not None and base.kind == HOLDER:
+            kind = "container"
+        if subscript_is_tensor(target, kind, self.annotations.get(root.name or "", "")):
+            return  # a copy into a tensor
+        self.store_into(target.value, val, stmt, "subscript")
+
+    def augassign(self, node: ast.AugAssign) -> None:
+        val = self.ev(node.value)
+        target = node.target
+        current = self.ev(target) if not isinstance(target, ast.Name) else self.state.env.get(target.id)
+        if current is not None and current.kind == TENSOR:
+            self.inplace(node, current, "augmented assignment", f"`{self.snip(node, 50)}` writes into it")
+            return
+        if val is None:
+            return
+        if isinstance(target, ast.Subscript):
+            self.subscript_store(target, val, node)
+        elif isinstance(target, ast.Attribute):
+            self.attribute_store(target, val, node) if isinstance(node.op, ast.Add) else None
+        elif isinstance(target, ast.Name) and isinstance(node.op, ast.Add):
+            slot = self.state.slots.get(target.id)
+            if slot is not None and slot.kind in ("container", "tainted") or current is not None:
+                self.store_into(target, val, node, "+=")
+
+    def inplace(self, node: ast.AST, val: Val, how: str, last: str) -> None:
+        if val.kind != TENSOR or val.maybe:
+            return
+        self.report("OWN120", node, replace(val, reported=False) if val.reported else val, how,
+                    f"in-place write into {self._what(val)} ({how}): with a borrowing loader this writes into "
+                    f"the loader's staging buffer", last)
+
+    def setattr_store(self, node: ast.Call, val: Val) -> None:
+        target = ast.Attribute(value=node.args[0], attr=self.snip(node.args[1], 30), ctx=ast.Store())
+        ast.copy_location(target, node)
+        self.attribute_store(target, val, node)
+
+    def container_method(self, node: ast.Call, meth: str, args: Sequence[Optional[Val]],
+                         kwargs: Dict[Optional[str], Optional[Val]]) -> None:
+        index = _VALUE_ARG.get(meth, 0)
+        val = args[index] if index < len(args) else None
+        if val is None and meth == "update":
+            val = next((v for v in kwargs.values() if v is not None), None)
+        if val is None:
+            return
+        func = node.func
+        assert isinstance(func, ast.Attribute)
+        root = root_of(func.value)
+        slot = self.state.slots.get(root.name) if root.name else None
+        kind = slot.kind if slot is not None and not root.through_attribute else None
+        held = self.state.env.get(root.name) if root.name else None
+        if held is None and method_base_is_tensor(func.value, kind, self.annotations.get(root.name or "", "")):
+            return  # Tensor.add / Tensor.put: arithmetic or an indexed copy, not a container
+        if val.kind == ITER and meth in ("extend", "update", "extendleft"):
+            self.materialise(node, val, f"`.{meth}({self.snip(node.args[0], 30)})`")
+            return
+        self.store_into(func.value, val, node, meth)
+
+    def _kept_variables(self) -> None:
+        if not self._kept:
+            return
+        lifetimes = LoopLifetimes(self.info.node)
+        for (name, step), (stmt, val, _) in sorted(self._kept.items(), key=lambda kv: kv[1][2]):
+            loop = self.loop_nodes.get(step)
+            if loop is None or isinstance(loop, COMPREHENSIONS):
+                continue
+            target = getattr(loop, "target", None)
+            if target is not None and any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(target)):
+                continue  # the loop variable itself: every step rebinds it
+            later = lifetimes.read_by_next_iteration(name, loop)
+            after = None if later is not None else lifetimes.read_after(name, loop)
+            use = later or after
+            if use is None:
+                continue
+            when = "by a later iteration" if later is not None else "after the loop"
+            self.report("OWN105", stmt, val, f"variable read {when}",
+                        f"`{name}` keeps {self._what(val)} past its step: it is read {when} (line {use.lineno}), "
+                        f"when the loader has moved on", f"`{name}` read {when} at line {use.lineno}")
+
+
+__all__ = ["StoreRules"]
