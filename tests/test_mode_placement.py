@@ -47,13 +47,15 @@ def test_pool_threads_take_their_mode_with_them():
 
 def test_a_thread_started_before_enable_that_lends_removes_its_mode_at_its_end():
     go, lent = threading.Event(), threading.Event()
-    kept = []
+    kept, seen = [], []
     buf = StagingBuffer(256, name="late")
 
     def loader():
         go.wait(10)
         kept.append(buf.write(0, torch.ones(4), name="w"))
-        assert interception.MODES.installed_here()  # a lending thread carries a mode
+        # before 3.12 a lending thread carries a mode (no later moment could give it one); 3.12+ gives
+        # it one at the first stale lease instead (below)
+        seen.append(interception.MODES.installed_here())
         lent.set()
 
     t = threading.Thread(target=loader)
@@ -63,6 +65,7 @@ def test_a_thread_started_before_enable_that_lends_removes_its_mode_at_its_end()
     go.set()
     lent.wait(10)
     t.join()
+    assert seen == [not interception.MODES.lazy_workers]
     assert _ours_alive() == before
 
 
@@ -278,3 +281,50 @@ def test_a_loop_variable_consumer_does_not_toggle_interception_per_tensor(monkey
         assert torch._C._len_torch_dispatch_stack() == 0  # no lease alive: gone
     assert calls.count(False) <= 2 and calls.count(True) <= 20  # never off per tensor
     assert sanitizer.errors() == []
+
+
+def test_on_python_312_a_worker_carries_the_mode_only_while_something_is_stale():
+    """3.12+: a worker thread pays nothing per op while nothing is stale; the first stale lease re-arms it
+    (at its next Python call) and a stale read there raises; when interception ends its mode goes."""
+    from sanitizer.core import thread_reach
+
+    if not thread_reach.AVAILABLE:
+        pytest.skip("needs Python 3.12+ (threading.setprofile_all_threads); before, a worker keeps the mode "
+                    "for its life (tests above)")
+    sanitizer.enable()
+    buf = sanitizer.StagingBuffer(64, name="lazy")
+    box = {"w": buf.write(0, torch.ones(4), "w")}
+    states: dict = {}
+    go = [threading.Event() for _ in range(3)]
+    done = [threading.Event() for _ in range(3)]
+
+    def worker() -> None:
+        states["idle"] = torch._C._len_torch_dispatch_stack()
+        done[0].set()
+        go[1].wait()
+        torch.ones(1).add(1)  # a Python call: the re-arm runs here
+        states["stale"] = torch._C._len_torch_dispatch_stack()
+        try:
+            box["w"] + 1
+            states["raised"] = False
+        except sanitizer.StaleBorrowError:
+            states["raised"] = True
+        done[1].set()
+        go[2].wait()
+        torch.ones(1).add(1)
+        states["after"] = torch._C._len_torch_dispatch_stack()
+        done[2].set()
+
+    t = threading.Thread(target=worker)
+    t.start()
+    assert done[0].wait(10)
+    buf.reuse(0, 16, by="next")  # w goes stale: interception on, in every thread
+    go[1].set()
+    assert done[1].wait(10)
+    del box["w"]
+    gc.collect()  # no lease alive, none stale: interception off, in every thread
+    go[2].set()
+    assert done[2].wait(10)
+    t.join()
+    assert states == {"idle": 0, "stale": 1, "raised": True, "after": 0}
+    sanitizer.disable()

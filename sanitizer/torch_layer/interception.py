@@ -7,8 +7,10 @@ previous lease stale and its death a moment later clears it; toggling the mode
 and the reader hooks per tensor would cost more than keeping them for the rest
 of the load. A correct program never pays at all.
 
-Other threads get the mode when they start while the sanitizer is enabled, or
-when they lend (see :class:`~sanitizer.torch_layer.mode.ModeController`).
+On Python 3.12+ other threads follow the main thread's rule (re-armed in every
+running thread at the first stale lease); before, they get the mode when they
+start while the sanitizer is enabled, or when they lend, and keep it (see
+:class:`~sanitizer.torch_layer.mode.ModeController`).
 
 Exports of a fresh lease's memory (``numpy()``, ``__array__``, DLPack) are told
 to the export hooks while the sanitizer is enabled and a lease is alive: an
@@ -20,7 +22,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from sanitizer.core import forking
+from sanitizer.core import forking, thread_reach
 from sanitizer.torch_layer import readers
 from sanitizer.torch_layer.aliasing import storage_key
 from sanitizer.torch_layer.hooks import HOOKS
@@ -64,6 +66,7 @@ def sync() -> None:
         _now.on = want
         readers.set_hooks(want, check_not_stale, check_storage_not_stale)
     MODES.sync_main(_wanted)
+    MODES.sync_workers(_wanted)
 
 
 def stale_marked() -> None:
@@ -113,7 +116,8 @@ def on_lend() -> None:
     if not _now.exports and HOOKS.export:
         sync_exports()
     MODES.retry_leave()
-    if not MODES.installed_here() and threading.current_thread() is not threading.main_thread():
+    if not MODES.lazy_workers and not MODES.installed_here() \
+            and threading.current_thread() is not threading.main_thread():
         MODES.install_here()
 
 
@@ -121,13 +125,16 @@ def arm(on: bool) -> None:
     """Enable or disable checking in every thread (modes of other threads go inert when off)."""
     MODES.arm(on)
     if on:
-        MODES.hook_threads(lambda: state.enabled)
+        if not MODES.hook_threads_done():
+            MODES.lazy_workers = thread_reach.AVAILABLE
+        MODES.hook_threads(lambda: state.enabled and (not MODES.lazy_workers or _now.on))
     else:
         MODES.unhook_threads()
     sync()
     sync_exports()
     if not on:
         MODES.sync_main(_wanted)
+        MODES.sync_workers(_wanted)  # (3.12+: other threads drop theirs too)
 
 
 retry_leave = MODES.retry_leave

@@ -8,14 +8,17 @@ Dispatch modes live on a per-thread stack; :class:`ModeController` decides
 where ours sits. The main thread carries it only while a stale lease exists (a
 program whose leases are all fresh pays nothing per op there), following every
 change at once or, when another thread made it, at its next bytecode boundary
-through CPython's pending-call queue (``Py_AddPendingCall``). Other threads get
-the mode when they start while the sanitizer is enabled, or when they lend (a
-mode cannot be pushed into another thread later), and keep it until they end,
-taking the cheap path while nothing is stale. Threads started before
-``enable()`` that never lend are not checked: enable first
-(``OWNERSHIP_SANITIZE=1`` does), or run Python 3.12+, where ``enable()`` reaches
-them through ``threading.setprofile_all_threads`` (see core/thread_reach.py);
-the guard's tombstones cover their reads either way.
+through CPython's pending-call queue (``Py_AddPendingCall``). On Python 3.12+
+other threads follow the same rule: at the first stale lease every running
+thread is made to install the mode at its next Python call
+(``threading.setprofile_all_threads``, see core/thread_reach.py), and when
+interception ends each removes it again, so a worker pays nothing per op while
+nothing is stale. Before 3.12 a running thread cannot be given the mode later:
+other threads get it when they start while the sanitizer is enabled, or when
+they lend, and keep it until they end, taking the cheap path while nothing is
+stale; threads started before ``enable()`` that never lend are not checked
+there (enable first: ``OWNERSHIP_SANITIZE=1`` does). The guard's tombstones
+cover their reads either way.
 """
 from __future__ import annotations
 
@@ -319,6 +322,10 @@ class ModeController:
         self._installed = 0  # threads whose stack holds one of ours
         self._orig_bootstrap: Optional[Callable] = None
         self.reached_running_threads = False  # did enable() reach threads started before it (3.12+)?
+        # 3.12+: other threads carry the mode only while the main thread's interception is on, re-armed in
+        # every running thread at the first stale lease (thread_reach); False: each keeps it for its life
+        self.lazy_workers = False
+        self._warned_unreachable = False
         self._orig_delete: Optional[Callable] = None
         self._atexit = False
         self._main_wants: Callable[[], bool] = lambda: False
@@ -406,6 +413,40 @@ class ModeController:
         else:
             self.uninstall_here()
 
+    # -- other threads, lazily (Python 3.12+) ----------------------------------------
+    def sync_workers(self, wants: Callable[[], bool]) -> None:
+        """Make every other running thread install or remove its mode as ``wants()`` says, at its next
+        Python call (``threading.setprofile_all_threads``), and this thread now when it is not main.
+
+        Only with :attr:`lazy_workers`. When the threads cannot be reached (a profiler is set: its hook
+        would be replaced), threads stay as they are and the controller falls back to the eager rule
+        (a thread keeps a mode for its life from its start or its first lend), with one warning: the
+        threads that have none now are then checked by the guard's tombstones only."""
+        if not self.lazy_workers:
+            return
+        controller = self
+
+        def _apply() -> None:
+            if threading.current_thread() is threading.main_thread():
+                return  # the main thread follows sync_main
+            if wants():
+                controller.install_here()
+            else:
+                controller.uninstall_here()
+
+        if threading.current_thread() is not threading.main_thread():
+            _apply()
+        if not thread_reach.run_in_running_threads(_apply):
+            self.lazy_workers = False
+            if wants() and not self._warned_unreachable:
+                self._warned_unreachable = True
+                import warnings
+
+                warnings.warn("ownership-sanitizer: a profiler is set, so running threads could not be given the "
+                              "dispatch mode at the first stale lease; threads started from now on carry it for "
+                              "their life, and the others are covered by the guard's tombstones only",
+                              RuntimeWarning, stacklevel=3)
+
     # -- thread starts and ends ----------------------------------------------------
     def hook_threads(self, should_install: Callable[[], bool]) -> None:
         """Make threads started from now on install the mode when ``should_install()``."""
@@ -429,7 +470,13 @@ class ModeController:
             if threading.current_thread() is not threading.main_thread() and should_install():
                 controller.install_here()
 
-        self.reached_running_threads = thread_reach.run_in_running_threads(_reached)
+        if self.lazy_workers:  # they are reached at the first stale lease instead (sync_workers)
+            self.reached_running_threads = thread_reach.AVAILABLE
+        else:
+            self.reached_running_threads = thread_reach.run_in_running_threads(_reached)
+
+    def hook_threads_done(self) -> bool:
+        return self._orig_bootstrap is not None
 
     def unhook_threads(self) -> None:
         if self._orig_bootstrap is not None:
