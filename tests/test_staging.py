@@ -271,3 +271,41 @@ def test_two_buffers_adopted_over_the_same_memory_see_each_others_reuses():
         first.reuse(768, 64, by="later")  # through the first buffer, over the second's 'far'
         with pytest.raises(sanitizer.StaleBorrowError, match="'far'"):
             far.sum()
+
+
+# -- one lend path: the common case's predicate and the full check agree ------------------------------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_LEND_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int8, torch.uint8,
+                torch.float64, torch.complex64, torch.bool]
+
+
+def _lend_outcome(buf, offset, shape, dtype):
+    """What a lend gives: the view's layout and address and its lease's fields, or the error's text."""
+    try:
+        v = buf.lend(offset, shape, dtype, name="p")
+    except (ValueError, TypeError) as exc:
+        return ("error", type(exc).__name__, str(exc))
+    lease = sanitizer.lease_of(v)
+    return ("view", tuple(v.shape), v.dtype, v.data_ptr(), v.stride(), lease.start, lease.end, lease.dtype,
+            lease.shape, lease.name, bytes(v.reshape(-1).view(torch.uint8).numpy()) if v.numel() else b"")
+
+
+@settings(max_examples=150, deadline=None)
+@given(offset=st.integers(-16, 300), shape=st.lists(st.integers(-1, 9), max_size=3),
+       dtype=st.sampled_from(_LEND_DTYPES))
+def test_the_fast_lend_and_the_checked_lend_give_the_same_view_lease_and_error(offset, shape, dtype):
+    """The common case (int offset, tuple shape, torch dtype) is recognised by a predicate; the same lend
+    spelt otherwise (a list shape, a numpy offset) takes the full check. Both must agree on everything."""
+    import numpy as np
+
+    buf = StagingBuffer(256, name="paths")
+    buf.tensor.copy_(torch.arange(256, dtype=torch.int32).to(torch.uint8))
+    fast = _lend_outcome(buf, offset, tuple(shape), dtype)
+    checked = _lend_outcome(buf, np.int64(offset), list(shape), dtype)
+    assert fast == checked
+    if fast[0] == "view":
+        assert buf._fast_nbytes(offset, tuple(shape), dtype) == fast[6] - fast[5]
+    else:
+        assert buf._fast_nbytes(offset, tuple(shape), dtype) == -1

@@ -12,11 +12,10 @@ import operator
 import weakref
 from typing import Any, Callable, List, Optional, Sequence
 
-import numpy as np
 import torch
 
-from sanitizer.torch_layer import own_ops, runtime
-from sanitizer.torch_layer.aliasing import HOST_VIEWS, alias_view, check_device, device_key, dtype_name, host_array, host_view
+from sanitizer.torch_layer import runtime
+from sanitizer.torch_layer.aliasing import alias_view, check_device, device_key, dtype_name, host_array
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.torch_layer.sources import Prepared, Source, check_dtype, check_shape, copy_into, prepare
 from sanitizer.torch_layer.stale_use import check_not_stale
@@ -29,8 +28,7 @@ def _is_lent_view(t: torch.Tensor) -> bool:
     lease = runtime.lease_of(t)
     if lease is None:
         return False
-    lent = lease.lent
-    return lent is not None and lent() is t
+    return lease.lent == id(t)  # (a later object of that id viewing the same lease reads as lent: it is one)
 
 
 class _BorrowedMarker:
@@ -223,33 +221,53 @@ class StagingBuffer:
     def lend(self, offset: int, shape: Sequence[int], dtype: torch.dtype, name: Optional[str] = None) -> torch.Tensor:
         """A view of ``shape``/``dtype`` at byte ``offset``, registered as a lease.
 
-        This is on every loader's hot path (target: 1.5x a plain slice and ``view``), so the common
-        case (an int offset, a tuple of ints, a torch dtype, in bounds and aligned, on CPU) is checked
-        and aliased inline; anything else takes :meth:`_check_lend` and :func:`alias_view`.
+        This is on every loader's hot path (target: 1.5x a plain slice and ``view``). One path: a
+        predicate recognises the common case (:meth:`_fast_nbytes`), :meth:`_check_lend` decides every
+        other one (and says what is wrong), and one tail makes, tracks and marks the view.
         """
         data = self._data
         if data is None:
             raise ValueError(f"staging buffer '{self.name}' is closed: cannot lend '{name}' from it")
-        host = self._host
-        if type(offset) is int and type(shape) is tuple and type(dtype) is torch.dtype and host is not None:
+        nbytes = -1  # the predicate of _fast_nbytes, inline (a call costs a tenth of the lend's budget)
+        if type(offset) is int and type(shape) is tuple and type(dtype) is torch.dtype:
             count = 1
-            for dim in shape:  # a plain loop: cheaper than map/min on this hot path
+            for dim in shape:
                 if type(dim) is not int or dim < 0:
+                    count = -1
                     break
                 count *= dim
-            else:
+            if count >= 0:
                 itemsize = dtype.itemsize
                 nbytes = count * itemsize
-                if 0 <= offset and offset + nbytes <= self.nbytes and not (self._base + offset) % itemsize:
-                    hit = HOST_VIEWS.get(dtype) or host_view(dtype)
-                    piece = np.ndarray(shape, hit[0], host, offset)  # what alias_view does, inline
-                    view = own_ops.over_host(piece, dtype, hit[1])
-                    runtime.track_lease(self._region, offset, nbytes, view, piece, name, dtype, shape)
-                    if not _MARKER_ON_CLASS:
-                        setattr(view, BORROWED_MARKER, True)  # the name is taken on torch.Tensor: mark the view
-                    return view
-        offset, shape, dtype, nbytes = self._check_lend(offset, shape, dtype, name, "lend")
-        view, piece = alias_view(data, host, offset, nbytes, shape, dtype)
+                if offset < 0 or offset + nbytes > self.nbytes or (self._base + offset) % itemsize:
+                    nbytes = -1
+        if nbytes < 0:
+            offset, shape, dtype, nbytes = self._check_lend(offset, shape, dtype, name, "lend")
+        return self._lend_checked(data, offset, nbytes, shape, dtype, name)
+
+    def _fast_nbytes(self, offset: Any, shape: Any, dtype: Any) -> int:
+        """The lend's size in bytes when it is the common case (an int offset, a tuple of non-negative
+        ints, a torch dtype, in bounds and aligned), else -1. A predicate only: it never raises and
+        refuses nothing itself; whatever it does not recognise goes to :meth:`_check_lend`, which
+        accepts or refuses it by the same rules, and says why. (:meth:`lend` runs these lines inline;
+        tests/test_staging.py pins the two to each other and to :meth:`_check_lend`.)"""
+        if type(offset) is not int or type(shape) is not tuple or type(dtype) is not torch.dtype:
+            return -1
+        count = 1
+        for dim in shape:  # a plain loop: cheaper than map/min on this hot path
+            if type(dim) is not int or dim < 0:
+                return -1
+            count *= dim
+        itemsize = dtype.itemsize
+        nbytes = count * itemsize
+        if offset < 0 or offset + nbytes > self.nbytes or (self._base + offset) % itemsize:
+            return -1
+        return nbytes
+
+    def _lend_checked(self, data: torch.Tensor, offset: int, nbytes: int, shape: tuple, dtype: torch.dtype,
+                      name: Optional[str]) -> torch.Tensor:
+        """The one tail of every lend (checked already): the view over its own storage, its lease, its mark."""
+        view, piece = alias_view(data, self._host, offset, nbytes, shape, dtype)
         runtime.track_lease(self._region, offset, nbytes, view, piece, name, dtype, shape)
         if not _MARKER_ON_CLASS:
             setattr(view, BORROWED_MARKER, True)  # the name is taken on torch.Tensor: mark the view itself
@@ -329,7 +347,7 @@ class StagingBuffer:
         self.reuse(offset, nbytes, by=name)
         if payload is not None:
             copy_into(data, self._host, offset, payload, nbytes)
-        return self.lend(offset, shape, dtype, name)
+        return self._lend_checked(data, offset, nbytes, shape, dtype, name)  # (checked above, once)
 
     def _payload(self, offset: int, src: Prepared, nbytes: int) -> Any:
         """What :meth:`write_prepared` copies after its reuse, decided before it: a source that overlaps

@@ -46,7 +46,7 @@ from sanitizer.core import fault_report, forking, pages
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.torch_layer import mode as _mode
 from sanitizer.torch_layer import runtime
-from sanitizer.torch_layer.aliasing import HOST_VIEWS, alias_view, host_view
+from sanitizer.torch_layer.aliasing import HOST_VIEWS, host_view
 from sanitizer.torch_layer.hooks import RetireOrder, add_retire_hook
 from sanitizer.core.sites import format_site
 from sanitizer.torch_layer import staging as _staging
@@ -568,26 +568,21 @@ class TrapStagingBuffer(StagingBuffer):
             add_retire_hook(_on_retire, RetireOrder.TRAP)
             _hooked = True
 
-    def lend(self, offset: int, shape, dtype: torch.dtype, name: Optional[str] = None) -> torch.Tensor:
-        data = self._data
-        if data is None:
-            raise ValueError(f"staging buffer '{self.name}' is closed: cannot lend '{name}' from it")
-        offset, shape, dtype, nbytes = self._check_lend(offset, shape, dtype, name, "lend")
+    def _lend_checked(self, data: torch.Tensor, offset: int, nbytes: int, shape: tuple, dtype: torch.dtype,
+                      name: Optional[str]) -> torch.Tensor:
+        """The lend's tail in trap mode: the view on a window of its own (a plain one past the budget)."""
         memory = self._memory
         made = memory.lend_view(offset, nbytes, tuple(shape), dtype) if type(memory) is TrapMemory or _room() \
             else None  # (a CPU window counts itself and checks the budget; a CUDA alias is counted here)
-        if made is not None and type(memory) is not TrapMemory:
+        if made is None:
+            return super()._lend_checked(data, offset, nbytes, shape, dtype, name)
+        if type(memory) is not TrapMemory:
             with _lock:
                 _counts["windows"] += 1
                 _counts["peak"] = max(_counts["peak"], _counts["windows"])
-        if made is None:
-            view, piece = alias_view(data, self._host, offset, nbytes, shape, dtype)
-            window = None
-        else:
-            view, piece, window = made
+        view, piece, window = made
         lease = runtime.track_lease(self._region, offset, nbytes, view, piece, name, dtype, shape)
-        if window is not None:
-            self._memory.attach(lease, window)
+        memory.attach(lease, window)
         if not _staging._MARKER_ON_CLASS:
             setattr(view, BORROWED_MARKER, True)
         return view
