@@ -20,23 +20,14 @@ from sanitizer.torch_layer.ring import StagingRing
 
 from tests.conftest import run_python
 from tests.fake_cuda import FakeCuda
+from tests.fake_cuda import fake_cuda as _fake_cuda_fixture
+
+fake = _fake_cuda_fixture  # the harness's fixture (two fake devices, settled and reset after), short-named
 
 pytestmark = pytest.mark.skipif(not pages.AVAILABLE, reason=str(pages.UNAVAILABLE_REASON))
 
 FIRST = torch.arange(8, dtype=torch.float32)
 NEXT = torch.full((8,), 7.0)
-
-
-@pytest.fixture
-def fake(monkeypatch):
-    fake = FakeCuda(2).install(monkeypatch)
-    try:
-        yield fake
-    finally:
-        fake.settle()
-        sanitizer.disable()
-        gc.collect()
-        fake.uninstall()
 
 
 def _floats(ptr: int, n: int = 8) -> list:

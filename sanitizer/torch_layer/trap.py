@@ -52,6 +52,7 @@ from sanitizer.core.sites import format_site
 from sanitizer.torch_layer import staging as _staging
 from sanitizer.torch_layer.staging import BORROWED_MARKER, StagingBuffer, _index
 from sanitizer.torch_layer.state import state
+from sanitizer.torch_layer.trap_windows import WindowsByLease
 
 MODES = ("poison", "fault")
 AVAILABLE = pages.AVAILABLE
@@ -284,7 +285,7 @@ class _PoisonPages:
 _POISON = _PoisonPages()
 
 
-class TrapMemory:
+class TrapMemory(WindowsByLease):
     """A trap buffer's memory: the memfd, the loader's mapping, and the windows lent from it."""
 
     def __init__(self, nbytes: int, mode: str, fill: int, name: str):
@@ -299,7 +300,7 @@ class TrapMemory:
         self._writer = weakref.ref(writer)
         self.data = torch.from_numpy(np.asarray(writer))[:nbytes]
         self._mirrors: List[_Mirror] = []
-        self._windows: Dict[int, "weakref.ref[_Window]"] = {}  # lease id -> its window
+        super().__init__()
 
     def close(self) -> None:
         """No more lends: the descriptor goes once no mirror maps the file any more."""
@@ -337,16 +338,6 @@ class TrapMemory:
         piece = np.ndarray(shape, np_dtype, np.asarray(window), offset - first)
         view = torch.from_numpy(piece)
         return (view.view(dtype) if retype else view), piece, window
-
-    def attach(self, lease: Lease, window: _Window) -> None:
-        self._windows[lease.lease_id] = weakref.ref(window)
-
-    def window(self, lease: Lease) -> Optional[_Window]:
-        ref = self._windows.get(lease.lease_id)
-        window = None if ref is None else ref()
-        if window is None:
-            self._windows.pop(lease.lease_id, None)
-        return window
 
     def trap(self, lease: Lease, window: _Window, event: ReuseEvent) -> None:
         """Replace the window in place: poison (read-only) or no access."""
@@ -401,9 +392,6 @@ class TrapMemory:
             pages.map_file(fd, 0, window.length, pages.PROT_READ, shared=False, at=window.address)
         else:
             pages.protect(window.address, window.length, pages.PROT_NONE)
-
-    def _live_windows(self) -> List[_Window]:
-        return [w for w in (ref() for ref in list(self._windows.values())) if w is not None]
 
 
 def _copy_to_memfd(address: int, length: int) -> int:

@@ -32,6 +32,7 @@ import torch
 
 from cuda_hooks import devices, vmm
 from sanitizer.core import fault_report
+from sanitizer.torch_layer.trap_windows import WindowsByLease
 
 MAX_GRAVEYARD = 64  # dead aliases kept mapped until a device wait lets them go
 
@@ -150,7 +151,7 @@ def unavailable(device: torch.device) -> Optional[str]:
         return f"the CUDA driver could not be asked ({exc})"
 
 
-class CudaTrapMemory:
+class CudaTrapMemory(WindowsByLease):
     """A CUDA trap buffer's memory: the physical allocation, the loader's range, the aliases lent."""
 
     def __init__(self, nbytes: int, device: torch.device, mode: str, fill: int, name: str,
@@ -169,7 +170,7 @@ class CudaTrapMemory:
         drv.set_access(address, self.length, self.index, True)
         writer = _Writer(address, self.length, self.index)
         self.data = devices.from_interface(vmm.DeviceRange(address, self.length, writer), self.device)[:nbytes]
-        self._windows: Dict[int, "weakref.ref[CudaWindow]"] = {}
+        super().__init__()
         self._waited_for: Any = None  # the reuse event this memory last waited for the device at
 
     def close(self) -> None:
@@ -201,16 +202,6 @@ class CudaTrapMemory:
         piece = vmm.DeviceRange(address + offset - first, nbytes, window)
         view = devices.from_interface(piece, self.device).view(dtype).view(shape)
         return view, piece, window
-
-    def attach(self, lease: Any, window: CudaWindow) -> None:
-        self._windows[lease.lease_id] = weakref.ref(window)
-
-    def window(self, lease: Any) -> Optional[CudaWindow]:
-        ref = self._windows.get(lease.lease_id)
-        window = None if ref is None else ref()
-        if window is None:
-            self._windows.pop(lease.lease_id, None)
-        return window
 
     def _wait(self, event: Any) -> None:
         """Once per reuse: let the work queued before it finish (it may read the lease, rightly), and the
@@ -259,9 +250,6 @@ class CudaTrapMemory:
 
     def after_fork_in_child(self) -> None:
         """Nothing: CUDA cannot be used in a forked child (the parent's mappings are not the child's)."""
-
-    def live_windows(self) -> List[CudaWindow]:
-        return [w for w in (ref() for ref in list(self._windows.values())) if w is not None]
 
 
 def reset_device_state() -> None:
