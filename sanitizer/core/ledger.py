@@ -103,7 +103,6 @@ class Lease:
     rescued: bool = False  # moved onto owned memory before its bytes were reused: no longer borrowed
     checksum: Any = None  # the checksum feature's record of the lent bytes (a host hash or a device slot)
     lent: Any = None  # the torch layer's id() of the lent tensor object (the borrowed marker's answer)
-    token: Any = None  # the torch layer's token: the weak reference whose callback ends the lease
 
     @property
     def stale(self) -> bool:

@@ -62,7 +62,7 @@ def track_lease(region: Region, start: int, nbytes: int, view: torch.Tensor, pie
         if len(_dead_handles) > 256:
             _free_dead_handles()
     ref.lease = lease
-    lease.token = ref  # (kept by the lease, which the ledger keeps while it lives: the callback can fire)
+    state.tokens[lease.lease_id] = ref  # (not on the lease: an error keeps the lease, and must keep nothing else)
     lease.lent = id(view)  # BORROWED_MARKER answers True for this object (see staging._BorrowedMarker)
     if enabled:
         interception.on_lend()
@@ -73,7 +73,7 @@ def track_lease(region: Region, start: int, nbytes: int, view: torch.Tensor, pie
 
 class _LeaseRef(weakref.ref):
     """A lease's token: a weak reference whose callback ends the lease, with the lease. One per alive
-    lease, kept in ``lease.token``: a death is found in O(1).
+    lease, in ``state.tokens`` (keyed by lease id): a death is found in O(1).
 
     What it watches: the lease's storage itself where torch keeps a storage's Python object exactly
     as long as the storage lives (:data:`_STORAGE_TOKENS`, torch 2.1+). Then the token is also the
@@ -110,11 +110,12 @@ def _token(piece: Any, lease: Lease, weak: Optional[int]) -> _LeaseRef:
 def _lease_died(ref: _LeaseRef) -> None:
     """A lease's storage is gone (weakref callback): it is no longer alive. Runs wherever the last
     reference went, possibly inside the GC: dict operations only."""
+    tokens = state.tokens
     lease = ref.lease
     lease_id = lease.lease_id
-    if lease.token is not ref:
+    if tokens.get(lease_id) is not ref:
         return  # rebound meanwhile: the lease now ends with its new memory
-    lease.token = None  # (the token and the lease referred to each other)
+    tokens.pop(lease_id, None)
     if ref.weak is not None:
         _dead_handles.append(ref.weak)  # freed under _handles_lock, never while storage_of may read it
     key = lease.handle
@@ -145,8 +146,8 @@ def rebind_lease(lease: Lease, piece: Any) -> None:
     the same); otherwise the lease's one token is replaced (its weak handle is the same)."""
     if _STORAGE_TOKENS:
         return
-    entry = lease.token
-    lease.token = _token(piece, lease, entry.weak if entry is not None else None)
+    entry = state.tokens.get(lease.lease_id)
+    state.tokens[lease.lease_id] = _token(piece, lease, entry.weak if entry is not None else None)
 
 
 # -- a lease's storage, weakly ---------------------------------------------------------
@@ -183,11 +184,11 @@ def storage_of(lease: Lease) -> Optional[torch.UntypedStorage]:
     """The storage of an alive lease (a strong reference: keep it only as long as needed), or None
     when it died or this torch lacks weak storage handles."""
     if _STORAGE_TOKENS:
-        entry = lease.token
+        entry = state.tokens.get(lease.lease_id)
         return None if entry is None else entry()
     with _handles_lock:
         _free_queued()
-        entry = lease.token
+        entry = state.tokens.get(lease.lease_id)
         if entry is None or entry.weak is None:
             return None
         return storage_handles.upgrade(entry.weak)

@@ -28,6 +28,7 @@ class RuntimeState:
         self.ledger = Ledger()
         # Written only by runtime (a lend, a death, a reuse, a rescue); read lock-free by the per-op path.
         self.by_storage: Dict[int, Lease] = {}  # storage address -> alive lease
+        self.tokens: Dict[int, object] = {}  # lease id -> its token (runtime._LeaseRef: the weakref that ends it)
         self.stale: Dict[int, Lease] = {}  # storage address -> alive *stale* lease
         self.lock = threading.RLock()  # guards the writes above that are not single dict operations
 
