@@ -99,14 +99,22 @@ def test_an_alias_used_within_its_step_is_no_retention():
     assert sums == [16.0 * i for i in range(6)]
 
 
-def test_exports_are_watched_only_while_enabled_and_a_lease_is_alive():
+def test_exports_are_watched_only_while_enabled_from_the_first_lease_until_no_buffer_is_left():
     buf = StagingBuffer(1024, name="ring")
     assert not readers.noting()
     with sanitizer.sanitize():
-        assert not readers.noting()  # no lease alive: nothing watched
+        assert not readers.noting()  # no lease alive yet: nothing watched
         w = buf.write(0, torch.ones(4), name="w")
         assert readers.noting()
         del w
         gc.collect()
+        assert readers.noting()  # the buffer lends again soon: kept (not rewrapped at every tensor)
+        buf.close()
+        assert not readers.noting()  # no buffer, no lease: the exporters are torch's own again
+        other = StagingBuffer(64, name="other")
+        v = other.write(0, torch.ones(4), name="v")
+        assert readers.noting()
+        del v, other
+        gc.collect()  # a buffer forgotten (collected) ends it too
         assert not readers.noting()
     assert "numpy" not in torch.Tensor.__dict__

@@ -328,3 +328,23 @@ def test_on_python_312_a_worker_carries_the_mode_only_while_something_is_stale()
     t.join()
     assert states == {"idle": 0, "stale": 1, "raised": True, "after": 0}
     sanitizer.disable()
+
+
+def test_a_consumer_that_copies_each_tensor_does_not_toggle_the_export_notes_per_tensor(monkeypatch):
+    """No lease is alive between two puts: the exporters stay wrapped while the ring is open (rewrapping
+    them at every tensor cost more than checksum=1), and are restored once it is closed."""
+    calls = []
+    real = interception.readers.set_export_notes
+    monkeypatch.setattr(interception.readers, "set_export_notes",
+                        lambda on, *note: (calls.append(on), real(on, *note)))
+    with sanitizer.sanitize():
+        ring = sanitizer.StagingRing(64, name="ring")
+        out = torch.empty(8)
+        for i in range(20):
+            w = ring.put(f"w{i}", torch.full((8,), float(i)))
+            out.copy_(w)
+            del w
+        assert calls == [True]  # once, at the first lend
+        ring.close()
+        assert calls == [True, False]  # no buffer left, no lease alive: the exporters are torch's own again
+    assert sanitizer.errors() == []

@@ -127,7 +127,10 @@ def test_the_reader_hooks_exist_only_while_a_stale_lease_is_reachable():
         assert readers.hooked() and "tolist" in torch.Tensor.__dict__
         del w
         gc.collect()
-        assert not readers.hooked() and not readers.noting()
+        assert not readers.hooked() and "tolist" not in torch.Tensor.__dict__
+        assert readers.noting()  # exports stay noted while the buffer can lend again
+        buf.close()
+        assert not readers.noting()
         assert "numpy" not in torch.Tensor.__dict__ and "tolist" not in torch.Tensor.__dict__
         assert torch.Tensor.tolist is torch._C.TensorBase.tolist
         assert torch.utils.dlpack.to_dlpack.__module__ != readers.__name__

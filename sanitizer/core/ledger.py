@@ -378,6 +378,11 @@ class Ledger:
     def live_count(self) -> int:
         return len(self._live)
 
+    @property
+    def region_count(self) -> int:
+        """Regions registered: open ones, and closed ones whose leases still live."""
+        return len(self._regions)
+
     def live_leases(self) -> List[Lease]:
         with self._lock:
             return list(self._live.values())

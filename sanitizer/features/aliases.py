@@ -6,7 +6,7 @@ another library (or a new tensor with a storage of its own) the *staging bytes* 
 Reads through it never reach aten, and they do not follow the lease's storage: when the
 guard re-points a retained lease to a tombstone, or rescue moves it onto a copy, the alias
 still reads the staging bytes, that is, the next tensor. So the sanitizer watches the exporters
-(while enabled and a lease is alive: the runtime's export hook) and keeps, per lease, each alias
+(while enabled, from the first lend until no lease nor buffer is left: the runtime's export hook) and keeps, per lease, each alias
 with where it was made. Triage then names such an alias among the holders of a retention (the
 walk starts from the alias too: ``kept[0] (a numpy alias of the view)``), its record lists every
 alias still alive and where it was made, a stale use of the lease says so, and a rescue record

@@ -13,9 +13,10 @@ start while the sanitizer is enabled, or when they lend, and keep it (see
 :class:`~sanitizer.torch_layer.mode.ModeController`).
 
 Exports of a fresh lease's memory (``numpy()``, ``__array__``, DLPack) are told
-to the export hooks while the sanitizer is enabled and a lease is alive: an
-alias made then points at the staging bytes themselves, where neither the mode
-nor the guard can follow it.
+to the export hooks while the sanitizer is enabled, from a lease's lend until no
+lease is alive and no staging buffer is left (a ring load lends again at once):
+an alias made then points at the staging bytes themselves, where neither the
+mode nor the guard can follow it.
 """
 from __future__ import annotations
 
@@ -86,7 +87,20 @@ def lease_died_or_disowned() -> None:
 
 
 def _exports_wanted() -> bool:
-    return state.enabled and bool(HOOKS.export) and state.ledger.live_count > 0
+    """While a lease is alive; and, once on, while a staging buffer is registered. Without that hysteresis
+    a ring load whose consumer copies each tensor out (no lease alive between two puts) wrapped and
+    restored every exporter at every tensor, which cost more than its checksums. A wrapped exporter costs
+    one dict look-up per ``numpy()``/DLPack call."""
+    if not (state.enabled and HOOKS.export):
+        return False
+    ledger = state.ledger
+    return ledger.live_count > 0 or (_now.exports and ledger.region_count > 0)
+
+
+def regions_changed() -> None:
+    """A staging buffer was closed or forgotten: the exporters' hysteresis may end."""
+    if _now.exports and state.ledger.live_count == 0:
+        sync_exports()
 
 
 def sync_exports() -> None:

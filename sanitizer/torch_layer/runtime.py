@@ -291,6 +291,7 @@ def close_region(region: Region, run_hooks: bool = True) -> ReuseEvent:
             _run_retire_hooks(region, event, victims)
         else:
             _mark_stale(victims)
+    interception.regions_changed()
     return event
 
 

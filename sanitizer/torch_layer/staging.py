@@ -14,7 +14,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
-from sanitizer.torch_layer import runtime
+from sanitizer.torch_layer import interception, runtime
 from sanitizer.torch_layer.aliasing import alias_view, check_device, device_key, dtype_name, host_array
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.torch_layer.sources import Prepared, Source, check_dtype, check_shape, copy_into, prepare
@@ -134,6 +134,7 @@ def _forget_region_at_gc(region: Region) -> None:
     those bytes any more, so no lease goes stale: the region is forgotten with its last lease."""
     if not region.closed:
         runtime.state.ledger.orphan(region.region_id)
+        interception.regions_changed()
 
 
 class StagingBuffer:
