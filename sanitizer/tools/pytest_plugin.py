@@ -28,7 +28,19 @@ from typing import Any, Dict, Optional, Set
 import pytest
 
 MARKER = "ownership_sanitize"
-_STATE_KEY = "_ownership_sanitizer_state"
+
+
+class _TestState:
+    """One sanitized test's: the ``sanitize()`` scope it runs in, the records from before it, its options,
+    and (after the call) its report."""
+
+    def __init__(self, scope: Any, exclude: Set[int], options: Dict[str, Any]):
+        self.scope, self.exclude, self.options = scope, exclude, options
+        self.report: Optional[Dict[str, Any]] = None
+
+
+_OPTIONS = pytest.StashKey[Dict[str, Any]]()  # config: --ownership-sanitize-options, parsed
+_STATE = pytest.StashKey[_TestState]()  # item: the sanitized test's state
 
 
 def pytest_addoption(parser: Any) -> None:
@@ -61,9 +73,9 @@ def pytest_configure(config: Any) -> None:
             option_table.resolve(parsed)
         except option_table.OptionError as exc:
             raise pytest.UsageError(f"--ownership-sanitize-options: {exc}") from None
-        config._ownership_options = parsed
+        config.stash[_OPTIONS] = parsed
     else:
-        config._ownership_options = {}
+        config.stash[_OPTIONS] = {}
 
 
 def _wanted(item: Any) -> Optional[Dict[str, Any]]:
@@ -73,7 +85,7 @@ def _wanted(item: Any) -> Optional[Dict[str, Any]]:
         return None
     if marker is not None and marker.args:
         pytest.fail(f"@pytest.mark.{MARKER} takes keyword options only, got {marker.args!r}", pytrace=False)
-    return {"triage": 1, **getattr(item.config, "_ownership_options", {}), **(marker.kwargs if marker else {})}
+    return {"triage": 1, **item.config.stash.get(_OPTIONS, {}), **(marker.kwargs if marker else {})}
 
 
 def _record_ids() -> Set[int]:
@@ -88,16 +100,15 @@ def pytest_runtest_setup(item: Any) -> None:
     if options is None:
         return
     import sanitizer
-    from sanitizer.torch_layer import runtime
     from sanitizer.features import triage
 
-    before = (runtime.enabled(), runtime.state.options)
-    triage.reset()
+    triage.reset()  # a fresh triage per test: nothing pending or remembered from the one before
+    scope = sanitizer.sanitize(**options)  # the package's own save and restore of the state around a block
     try:
-        sanitizer.enable(**options)
+        scope.__enter__()
     except sanitizer.OptionError as exc:
         pytest.fail(f"@pytest.mark.{MARKER}: {exc}", pytrace=False)
-    item.__dict__[_STATE_KEY] = {"before": before, "exclude": _record_ids(), "options": options}
+    item.stash[_STATE] = _TestState(scope, _record_ids(), options)
 
 
 def _safe(nodeid: str) -> str:
@@ -115,57 +126,39 @@ def _report_dir(config: Any) -> str:
     return tempfile.mkdtemp(prefix="ownership-sanitizer-")
 
 
-def _hidden_frame(path: str, sanitizer_error: bool) -> bool:
-    """Frames a failing test's traceback does not need: ours, pytest's and pluggy's, and for a sanitizer
-    error torch's dispatch plumbing between the user's line and the check."""
-    from sanitizer.core.sites import is_internal_file, torch_dir
-
-    if is_internal_file(path) or f"{os.sep}_pytest{os.sep}" in path or f"{os.sep}pluggy{os.sep}" in path:
-        return True
-    return sanitizer_error and path.startswith(torch_dir())
-
-
-def _prune_traceback(item: Any, excinfo: Any) -> None:
-    """Cut our frames (and pytest's, pluggy's, and for a sanitizer error torch's dispatch frames) from the
-    traceback pytest shows for this failure. pytest rebuilds the traceback from the test function's frame
-    when it formats it, so the cut is made after its own filter."""
+def _prune_torch_frames(item: Any, excinfo: Any) -> None:
+    """Cut torch's dispatch frames (between the user's line and the check) from a sanitizer error's
+    traceback. Our own frames hide themselves (``__tracebackhide__``, where we raise), and pytest cuts its
+    own and pluggy's; torch's frames cannot be marked, so this is pytest's one private hook we use, on
+    pytest >= 7.4 only (``Item._traceback_filter``); older pytests show those frames."""
     try:
         from sanitizer.core.errors import OwnershipError
+        from sanitizer.core.sites import torch_dir
 
-        ours = isinstance(excinfo.value, OwnershipError)
+        if not isinstance(excinfo.value, OwnershipError):
+            return
+        torch_frames = torch_dir()
     except Exception:  # a cosmetic step must never hide the failure itself
         return
-
-    def keep(entry: Any) -> bool:
-        return not _hidden_frame(str(entry.path), ours)
-
-    original = getattr(item, "_traceback_filter", None)  # pytest >= 7.4
-    if callable(original):
-        def pruned(info: Any) -> Any:
-            shown = original(info)
-            cut = shown.filter(keep)
-            return cut if len(cut) else shown
-
-        item._traceback_filter = pruned
+    original = getattr(item, "_traceback_filter", None)
+    if not callable(original):
         return
-    original = getattr(item, "_prunetraceback", None)  # older pytest: prunes excinfo.traceback in place
-    if callable(original):
-        def prune_then_cut(info: Any) -> None:
-            original(info)
-            cut = info.traceback.filter(keep)
-            if len(cut):
-                info.traceback = cut
 
-        item._prunetraceback = prune_then_cut
+    def pruned(info: Any) -> Any:
+        shown = original(info)
+        cut = shown.filter(lambda entry: not str(entry.path).startswith(torch_frames))
+        return cut if len(cut) else shown
+
+    item._traceback_filter = pruned
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: Any, call: Any):
     """After the test body: its report gets an ``ownership-sanitizer`` section when it fails (for any
     reason), and a test that passed but in which the sanitizer recorded an error fails with it."""
-    st = item.__dict__.get(_STATE_KEY)
+    st = item.stash.get(_STATE, None)
     if st is not None and call.when == "call" and call.excinfo is not None:
-        _prune_traceback(item, call.excinfo)
+        _prune_torch_frames(item, call.excinfo)
     outcome = yield
     if st is None or call.when != "call":
         return
@@ -173,8 +166,8 @@ def pytest_runtest_makereport(item: Any, call: Any):
 
     test_report = outcome.get_result()
     report_mod = importlib.import_module("sanitizer.reporting.report")
-    rep = report_mod.report(final=True, exclude=st["exclude"])  # the test's frame is gone: decide now
-    st["report"] = rep
+    rep = report_mod.report(final=True, exclude=st.exclude)  # the test's frame is gone: decide now
+    st.report = rep
     failing = bool(rep["error_count"] or (item.config.getoption("--ownership-fail-on-retention")
                                           and rep["summary"]["retentions"]))
     if not failing and not test_report.failed:
@@ -198,17 +191,14 @@ def pytest_runtest_makereport(item: Any, call: Any):
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item: Any) -> None:
-    st = item.__dict__.pop(_STATE_KEY, None)
+    st = item.stash.get(_STATE, None)
     if st is None:
         return
-    from sanitizer.torch_layer import runtime
+    del item.stash[_STATE]
     from sanitizer.features import triage
 
-    triage.settle(final=True)
-    was_enabled, options = st["before"]
-    runtime.set_options(options)
-    if not was_enabled:
-        runtime.disarm()
+    triage.settle(final=True)  # (the retentions of the test's last lends are decided before the state goes)
+    st.scope.__exit__(None, None, None)
 
 
 class OwnershipReport:
@@ -244,12 +234,12 @@ def ownership_report(request: Any) -> OwnershipReport:
     """The errors and events the sanitizer recorded during this test (retentions, rescues, clones).
 
     Only in a sanitized test: unsanitized, it would see nothing and every assertion on it would pass."""
-    st = request.node.__dict__.get(_STATE_KEY)
+    st = request.node.stash.get(_STATE, None)
     if st is None:
         pytest.fail(f"the ownership_report fixture needs a sanitized test: mark it @pytest.mark.{MARKER} or run "
                     "pytest --ownership-sanitize (unsanitized, it would record nothing and pass vacuously)",
                     pytrace=False)
-    return OwnershipReport(st["exclude"])
+    return OwnershipReport(st.exclude)
 
 
 @pytest.fixture
