@@ -71,7 +71,7 @@ _original_safe_open: Any = None
 
 
 def wanted() -> bool:
-    return runtime.state.options["safetensors_ring"] > 0
+    return runtime.state.options.safetensors_ring > 0
 
 
 def _safe_open() -> Any:
@@ -146,12 +146,12 @@ class EmulatedSafeOpen:
 
     # -- lending -----------------------------------------------------------------
     def _strict(self) -> bool:
-        return bool(runtime.state.options["safetensors_strict"]) or not storage_handles.AVAILABLE
+        return bool(runtime.state.options.safetensors_strict) or not storage_handles.AVAILABLE
 
     def _lend(self, name: str, tensor: Any) -> Any:
         if not (self._emulate and runtime.state.enabled and isinstance(tensor, torch.Tensor)):
             return tensor
-        ring_bytes = runtime.state.options["safetensors_ring"]
+        ring_bytes = runtime.state.options.safetensors_ring
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes > ring_bytes:
             raise ValueError(f"{self._label}: tensor '{name}' ({nbytes} bytes) does not fit the emulation ring "
@@ -258,7 +258,7 @@ class _EmulatedSlice:
 
 def _name_holder(lease: Lease) -> Optional[dict]:
     """Who holds ``lease``'s view (triage's naming: a known path, a sibling, else a bounded walk), or None."""
-    if runtime.state.options["triage_budget_ms"] <= 0:
+    if runtime.state.options.triage_budget_ms <= 0:
         return None
     from sanitizer.features.triage import name_holder
 

@@ -7,6 +7,8 @@ README's option list all read this table, so they cannot drift apart.
 """
 from __future__ import annotations
 
+import operator
+
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
@@ -235,10 +237,24 @@ class Options(dict):
     def replace(self, **changes: Any) -> "Options":
         return resolve(changes, base=self)
 
+    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+        """As ``dict.get``, for option names only: a misspelt name is an error, never a silent None."""
+        if name not in OPTIONS:
+            raise _unknown(name)
+        return dict.get(self, name, default)
+
     @property
     def halts(self) -> bool:
         """Does a finding raise at once? ``triage=1`` overrides ``halt_on_error=1``: triage records every finding."""
         return bool(self["halt_on_error"]) and not self["triage"]
+
+
+# Typed access, one attribute per option of the table (``opts.stack_depth``): a C-level item getter behind a
+# property, so the hot paths (a lend reads ``stack_depth``) pay no Python call, and a misspelt name is an
+# AttributeError (``__getattr__`` names it) where a string key would be a KeyError found only when it runs.
+for _name in OPTIONS:
+    setattr(Options, _name, property(operator.itemgetter(_name), doc=f"the ``{_name}`` option"))
+del _name
 
 
 def resolve(values: Mapping[str, Any], base: Optional[Mapping[str, Any]] = None) -> Options:

@@ -70,7 +70,7 @@ class AliasLog:
             ref: Optional[Callable[[], Any]] = weakref.ref(result)
         except TypeError:  # a DLPack capsule: no weak reference (alive while the lease is)
             ref = None
-        made_at = to_records(capture_excluding(state.options["stack_depth"], (torch_dir(),)))
+        made_at = to_records(capture_excluding(state.options.stack_depth, (torch_dir(),)))
         alias = Alias(_KINDS.get(where, where), where, made_at, ref)
         with self._lock:
             kept = self._by_lease.setdefault(lease.lease_id, [])

@@ -33,6 +33,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from sanitizer.core import forking
+from sanitizer.core.options import Options
 from sanitizer.torch_layer import graph_capture, records, runtime
 from sanitizer.torch_layer.hooks import RetireOrder, add_enable_hook, add_lend_hook, add_retire_hook
 from sanitizer.torch_layer.stale_use import check_not_stale
@@ -253,7 +254,7 @@ def _report(reports: List[Report], halt: Optional[bool] = None) -> None:
 # -- hooks -------------------------------------------------------------------
 def on_lend(lease: Lease, view: torch.Tensor) -> None:
     """Take the lease's hash (lend hook): the producer has written its bytes by now."""
-    if not state.options["checksum"]:
+    if not state.options.checksum:
         return
     raw = _lease_bytes(lease)
     if raw is None:
@@ -302,7 +303,7 @@ def _check(lease: Lease, where: str, event: Optional[ReuseEvent]) -> bool:
     if raw is None:
         return False
     hooks = _kernels()
-    site = capture(state.options["stack_depth"])
+    site = capture(state.options.stack_depth)
     if isinstance(expected, int):
         found = hooks.checksum_host(raw.numpy())
         if found != expected:
@@ -341,7 +342,7 @@ def _after_hash(device: torch.device, hashed_on: Any) -> None:
 
 def on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
     """Verify every alive lease a reuse retires (retire hook, order 100)."""
-    if not state.options["checksum"]:
+    if not state.options.checksum:
         return
     for lease in victims:
         if lease.checksum is not None:
@@ -469,10 +470,10 @@ def _synchronize_at_exit() -> None:
         print(f"ownership-sanitizer: device checksum flags unreadable at exit: {exc}", file=sys.stderr)
 
 
-def _on_enable(options: Dict[str, Any]) -> None:
+def _on_enable(options: Options) -> None:
     """``enable(checksum=1)`` in a process already using CUDA: load the kernels on the current device now,
     so the first lend does not pay for it and no graph captured later can see a module load."""
-    if not options.get("checksum") or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+    if not options.checksum or not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return  # (a process not using CUDA yet is left alone: initialising CUDA here would break a later fork)
     device = torch.device("cuda", torch.cuda.current_device())
     if not graph_capture.capturing(device):

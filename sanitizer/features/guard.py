@@ -27,6 +27,7 @@ from typing import Any, Dict, List
 from cuda_hooks import devices
 from sanitizer.core import forking
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
+from sanitizer.core.options import Options
 from sanitizer.torch_layer import graph_capture, runtime, storage_handles
 from sanitizer.torch_layer.hooks import RetireOrder, add_enable_hook, add_retire_hook
 from sanitizer.torch_layer.state import state
@@ -47,21 +48,21 @@ def install() -> None:
 _trap: Any = None  # sanitizer.torch_layer.trap, once trap mode was asked for
 
 
-def _on_enable(options: Dict[str, Any]) -> None:
+def _on_enable(options: Options) -> None:
     global _installed, _trap
-    if options.get("trap", "0") != "0" and _trap is None:
+    if options.trap != "0" and _trap is None:
         from sanitizer.torch_layer import trap as _trap_module
 
         _trap = _trap_module
-    if options.get("guard") and storage_handles.AVAILABLE and not _installed:
+    if options.guard and storage_handles.AVAILABLE and not _installed:
         add_retire_hook(_on_retire, ORDER)
         _installed = True
 
 
 def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
-    if not (state.enabled and state.options.get("guard")):
+    if not (state.enabled and state.options.guard):
         return
-    fill = state.options["poison_byte"]
+    fill = state.options.poison_byte
     for lease in victims:
         if not lease.alive or lease.rescued or (_trap is not None and _trap.covers(lease)):
             continue  # (trap mode already replaced this lease's pages in place)

@@ -363,7 +363,7 @@ def _verify_leased(tensors: Iterable[torch.Tensor]) -> bool:
     True when a check was queued on a CUDA device: its result is read at the next synchronisation
     (:meth:`DeferralScope.replay` makes one).
     """
-    if not (runtime.state.enabled and runtime.state.options.get("checksum")):
+    if not (runtime.state.enabled and runtime.state.options.checksum):
         return False
     leased = [t for t in tensors if runtime.lease_of(t) is not None]
     if not leased:

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Dict, List, Optional
+from typing import List, Optional
 
 import torch
 
 from cuda_hooks import devices
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
+from sanitizer.core.options import Options
 from sanitizer.features import aliases
 from sanitizer.torch_layer import graph_capture, records, runtime, storage_handles
 from sanitizer.torch_layer.hooks import RetireOrder, add_enable_hook, add_retire_hook
@@ -51,8 +52,8 @@ def install() -> None:
     add_enable_hook(_on_enable)
 
 
-def _on_enable(options: Dict[str, Any]) -> None:
-    if options.get("rescue"):
+def _on_enable(options: Options) -> None:
+    if options.rescue:
         install_hooks()
 
 
@@ -65,7 +66,7 @@ def install_hooks() -> None:
 
 
 def _wanted() -> bool:
-    return state.enabled and bool(state.options.get("rescue"))
+    return state.enabled and bool(state.options.rescue)
 
 
 def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
@@ -135,7 +136,7 @@ def _rescue(lease: Lease, storage: torch.UntypedStorage, event: ReuseEvent) -> O
 
 def _trap_rescue(lease: Lease, event: ReuseEvent) -> bool:
     """Rescue at page level when the lease lives on a trap window (trap mode), else False."""
-    if state.options.get("trap", "0") == "0":
+    if state.options.trap == "0":
         return False
     from sanitizer.torch_layer import trap
 

@@ -19,6 +19,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from sanitizer.core.options import Options
 from sanitizer.torch_layer import runtime, staging, storage_handles
 from sanitizer.torch_layer.hooks import add_enable_hook
 
@@ -31,7 +32,7 @@ def install() -> None:
     add_enable_hook(_on_enable)
 
 
-def _on_enable(options: Dict[str, Any]) -> None:
+def _on_enable(options: Options) -> None:
     try:
         if not torch.cuda.is_available():
             return

@@ -5,8 +5,7 @@ imported and ``StagingBuffer`` stays the plain class, its lend path untouched.
 """
 from __future__ import annotations
 
-from typing import Any, Dict
-
+from sanitizer.core.options import Options
 from sanitizer.torch_layer.hooks import add_enable_hook
 
 
@@ -15,8 +14,8 @@ def install() -> None:
     add_enable_hook(_on_enable)
 
 
-def _on_enable(options: Dict[str, Any]) -> None:
-    if options.get("trap", "0") != "0":
+def _on_enable(options: Options) -> None:
+    if options.trap != "0":
         from sanitizer.torch_layer import trap
 
         trap.arm()

@@ -48,6 +48,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 from sanitizer.core import forking
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.core.describe import describe_event, describe_lease
+from sanitizer.core.options import Options
 from sanitizer.core.sites import site_text, to_records
 from sanitizer.features import aliases as _aliases
 from sanitizer.features import holders as _holders
@@ -237,7 +238,7 @@ class Triage:
         that kept the last view in its local dict and then returned it is named at that dict, where the
         fix goes, not at whatever its caller binds the result to). One replay, no heap walk; None when
         no known path reaches it."""
-        if not _holders.has_patterns() or state.options["triage_budget_ms"] <= 0:
+        if not _holders.has_patterns() or state.options.triage_budget_ms <= 0:
             return None
         key = lease.handle
         found = _holders.replay({key}, names={key: lease.name}).holders.get(key)
@@ -312,7 +313,7 @@ class Triage:
         holder = record.get("holder")
         best = self._best.get(lid)
         still = best is not None and _reaches(best, lease)
-        if not still and lease.alive and state.options["triage_budget_ms"] > 0:
+        if not still and lease.alive and state.options.triage_budget_ms > 0:
             found, _ = self._walk([lease]).get(lid, ([], _SKIPPED))
             found = _by_consumer([h for h in found if not h.transient] or [_promote(h) for h in found])
             if found and (holder is None or found[0].consumer != holder.get("consumer")):
@@ -422,7 +423,7 @@ class Triage:
         Never credited by neighbourhood: on a reused ring every lease has the same lend and reuse sites
         and the same bytes, so a consumer seen holding an earlier lease says nothing about this one.
         A holder is named only where this lease's storage (its view, or one derived from it) was found."""
-        if not lease.alive or state.options["triage_budget_ms"] <= 0:
+        if not lease.alive or state.options.triage_budget_ms <= 0:
             return [], dict(_SKIPPED)
         if evidence:  # (a known path may run through a loop variable: only a walk tells a transient apart)
             return None
@@ -449,8 +450,8 @@ class Triage:
             if exported:
                 aliases[key] = exported
         start = time.perf_counter()
-        result = find_holders(set(keys), depth=state.options["triage_depth"],
-                              budget_ms=state.options["triage_budget_ms"], replay=False, aliases=aliases or None)
+        result = find_holders(set(keys), depth=state.options.triage_depth,
+                              budget_ms=state.options.triage_budget_ms, replay=False, aliases=aliases or None)
         walk = {"when": "walk", "ms": _ms(start), "tensors": result.tensors, "truncated": result.truncated,
                 "together": len(keys)}
         return {lease.lease_id: (result.holders.get(key, []), dict(walk)) for key, lease in keys.items()}
@@ -509,7 +510,7 @@ class Triage:
 
 
 # -- the process's instances, and the hooks that reach them ------------------------------
-_TRIAGE = Triage(TimelineLog(state.options["timeline_events"]))
+_TRIAGE = Triage(TimelineLog(state.options.timeline_events))
 
 
 def _on_lend(lease: Lease, view: Any) -> None:
@@ -536,11 +537,11 @@ def _on_stale_use(lease: Lease, use: StaleUse) -> Optional[Dict[str, Any]]:
     return _TRIAGE.on_stale_use(lease, use)
 
 
-def _on_enable(options: Dict[str, Any]) -> None:
+def _on_enable(options: Options) -> None:
     """Arm triage: the release hook (death marks of retentions) at every enable, the reuse hook while the
     timeline is on. Never installed while the sanitizer was never enabled: a lease's death and a reuse
     then cost nothing."""
-    cap = options.get("timeline_events", 0)
+    cap = options.timeline_events
     _TRIAGE.log.set_cap(cap)
     add_release_hook(_on_release)
     if cap:
@@ -575,7 +576,7 @@ def reset(records_too: bool = False) -> None:
     """Start afresh (a new test, a new fuzz case): a new triage and a new flight log, so nothing pending,
     no remembered holders of its own, no timeline. ``records_too`` also drops the retention records already filed."""
     global _TRIAGE
-    _TRIAGE = Triage(TimelineLog(state.options["timeline_events"]))
+    _TRIAGE = Triage(TimelineLog(state.options.timeline_events))
     if records_too:
         records.forget_events("retention")
 

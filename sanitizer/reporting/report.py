@@ -17,11 +17,11 @@ import atexit
 import json
 import os
 import sys
-import threading
 from typing import Any, Dict, Iterable, List, Optional, Set
 
 from sanitizer.core import forking, journal, output_file
 from sanitizer.core import report_file
+from sanitizer.core.options import Options
 from sanitizer.core.report_file import FORMAT, VERSION
 from sanitizer.core.describe import fix_hint
 from sanitizer.core.sites import frame_text, site_text
@@ -352,10 +352,10 @@ _JOURNAL = journal.Journal()
 _AGGREGATES = ("clone", "unchecked_load")  # events updated in place after they were filed (counts): the report has them whole
 
 
-def _on_enable(options: Dict[str, Any]) -> None:
+def _on_enable(options: Options) -> None:
     """Arm the exit writer and the journal (once) when enabled with a ``report`` path."""
     global _exit_writer_armed
-    if options.get("report") and not _exit_writer_armed:
+    if options.report and not _exit_writer_armed:
         atexit.register(_write_report_at_exit)
         add_record_hook(_journal_record)
         _exit_writer_armed = True
@@ -368,7 +368,7 @@ def _journal_record(kind: str, record: Dict[str, Any]) -> None:
     killed before its report is written (``Pool.terminate()``'s SIGTERM, SIGKILL) keeps its findings.
     Left at SIGTERM's default action on purpose: a Python handler for it hung a worker whose main thread
     was blocked in a lock when the signal landed on another thread."""
-    path = runtime.state.options.get("report")
+    path = runtime.state.options.report
     if not path or record.get("kind") in _AGGREGATES:
         return
     try:
@@ -393,7 +393,7 @@ def _journal_header() -> Dict[str, Any]:
 
 
 def _write_report_at_exit() -> None:
-    path = runtime.state.options.get("report")
+    path = runtime.state.options.report
     if not path:
         return
     try:

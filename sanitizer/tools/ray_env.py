@@ -106,7 +106,7 @@ class _Flusher(threading.Thread):
         while True:
             time.sleep(self.interval)
             try:
-                path = runtime.state.options.get("report")
+                path = runtime.state.options.report
                 counts = (tuple(sorted(records.record_counts().items())), runtime.state.ledger.live_count)
                 if not path:
                     continue

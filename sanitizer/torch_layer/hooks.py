@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from sanitizer.core import forking
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
+from sanitizer.core.options import Options
 from sanitizer.core.sites import Site
 
 
@@ -55,7 +56,7 @@ class StaleUse:
     thread: str
 
 
-EnableHook = Callable[[Dict[str, Any]], None]
+EnableHook = Callable[[Options], None]  # the options in force (typed: options.rescue)
 LendHook = Callable[[Lease, Any], None]
 ReuseHook = Callable[[Region, ReuseEvent], None]
 RetireHook = Callable[[Region, ReuseEvent, List[Lease]], None]
@@ -63,6 +64,7 @@ StaleUseHook = Callable[[Lease, StaleUse], Optional[Dict[str, Any]]]
 ExportHook = Callable[[Lease, str, Any], None]
 ReleaseHook = Callable[[Lease], None]
 RecordHook = Callable[[str, Dict[str, Any]], None]
+OpErrorHook = Callable[[BaseException], None]
 
 
 class HookSlots:
@@ -78,6 +80,7 @@ class HookSlots:
         self.export: List[ExportHook] = []
         self.release: List[ReleaseHook] = []
         self.record: List[RecordHook] = []
+        self.op_error: List[OpErrorHook] = []  # an op raised under the dispatch mode (its own error, not ours)
 
     def _add(self, slot: str, hook: Any) -> None:
         with self._lock:
@@ -112,10 +115,15 @@ class HookSlots:
     def add_record(self, hook: RecordHook) -> None:
         self._add("record", hook)
 
+    def add_op_error(self, hook: OpErrorHook) -> None:
+        """``hook(exc)`` for each exception an op raises under the dispatch mode (TorchScript drops the
+        text of an exception raised from Python inside a scripted call: script_calls keeps it)."""
+        self._add("op_error", hook)
+
     def discard(self, hook: Any) -> None:
         """Take ``hook`` out of every slot (a benchmark measuring the runtime without one feature)."""
         with self._lock:
-            for slot in ("enable", "lend", "reuse", "stale_use", "export", "release", "record"):
+            for slot in ("enable", "lend", "reuse", "stale_use", "export", "release", "record", "op_error"):
                 setattr(self, slot, [h for h in getattr(self, slot) if h is not hook])
             self.retire = [pair for pair in self.retire if pair[1] is not hook]
 
@@ -135,6 +143,7 @@ add_stale_use_hook = HOOKS.add_stale_use
 add_export_hook = HOOKS.add_export
 add_release_hook = HOOKS.add_release
 add_record_hook = HOOKS.add_record
+add_op_error_hook = HOOKS.add_op_error
 
 __all__ = ["RetireOrder", "StaleUse", "HookSlots", "HOOKS", "add_enable_hook", "add_lend_hook", "add_reuse_hook",
            "add_retire_hook", "add_stale_use_hook", "add_export_hook", "add_release_hook", "add_record_hook"]

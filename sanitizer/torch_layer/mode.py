@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from sanitizer.core import thread_reach
 from sanitizer.torch_layer import op_lookup
+from sanitizer.torch_layer.hooks import HOOKS
 
 _aten = torch.ops.aten
 
@@ -90,9 +91,6 @@ def _plan(func: Any) -> CheckPlan:
 _INFRA_KEYS = tuple(torch._C._TorchDispatchModeKey.__members__.values())
 
 
-op_error_hook: Optional[Callable[[BaseException], None]] = None
-"""Told of each exception an op raised under the mode (script_calls keeps its text for TorchScript,
-which drops the text of an exception raised from Python inside a scripted call)."""
 
 StaleHandler = Callable[[Any, Any, torch.Tensor], None]  # (lease, func, tensor)
 
@@ -158,8 +156,8 @@ class BorrowCheckMode(TorchDispatchMode):
                 return func(*args, **kwargs)
             return func(*args)
         except Exception as exc:  # free when nothing raises (zero-cost try)
-            if op_error_hook is not None:
-                op_error_hook(exc)
+            for hook in HOOKS.op_error:  # (script_calls keeps the text for TorchScript)
+                hook(exc)
             raise
 
     def _scan(self, func: Any, values) -> None:

@@ -186,12 +186,12 @@ def raised_since(mark: int) -> Optional[OwnershipError]:
 
 def record_event(kind: str, record: dict) -> dict:
     """File ``record`` (its ``kind`` set to ``kind``) among the events, within the cap; returns it."""
-    return STORE.add_event(kind, record, state.options["max_records"])
+    return STORE.add_event(kind, record, state.options.max_records)
 
 
 def tally_event(kind: str, key: str, first: Dict[str, Any], **add: int) -> dict:
     """Count into the aggregated event of (``kind``, ``key``) (see :meth:`RecordStore.tally`)."""
-    return STORE.tally(kind, key, first, state.options["max_records"], **add)
+    return STORE.tally(kind, key, first, state.options.max_records, **add)
 
 
 events = STORE.events

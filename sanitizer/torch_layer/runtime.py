@@ -42,7 +42,7 @@ def track_lease(region: Region, start: int, nbytes: int, view: torch.Tensor, pie
     is off only the immediate call site is kept, and the ledger files the lease in O(1) (see
     ``Region.pending``). ``lease.lent`` (the borrowed marker's answer) is set here too.
     """
-    depth = state.options["stack_depth"]
+    depth = state.options.stack_depth
     enabled = state.enabled
     if depth:
         site = capture(depth if enabled or depth == 1 else 1, 3)  # 3: past capture, track_lease and lend
@@ -219,7 +219,7 @@ _RETIRES = RetiresInFlight()  # a reuse returns once the overlapping retires tha
 
 
 def _retire_range(region: Region, start: int, end: int, by: Optional[str], kind: str) -> ReuseEvent:
-    depth = state.options["stack_depth"]
+    depth = state.options.stack_depth
     site: Site = capture(depth) if depth else ()
     with _RETIRES.retiring(region.region_id, start, end, _not_inside_our_own_work) as answered:
         event, victims = state.ledger.reuse(region.region_id, start, end, by, site, threading.current_thread().name,
@@ -279,7 +279,7 @@ def _still_borrowed(region: Region, victims: List[Lease]) -> List[Lease]:
 def close_region(region: Region, run_hooks: bool = True) -> ReuseEvent:
     """Free ``region``: its alive leases go stale. ``run_hooks=False`` skips the retire hooks
     (checksum verify, rescue, poison), for memory a third-party loader may already have freed."""
-    depth = state.options["stack_depth"]
+    depth = state.options.stack_depth
     site: Site = capture(depth) if depth else ()
     # All of the region, whatever offsets its reuses give.
     with _RETIRES.retiring(region.region_id, -1, 1 << 64, _not_inside_our_own_work) as answered:

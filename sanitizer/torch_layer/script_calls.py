@@ -26,9 +26,9 @@ import torch
 
 from sanitizer.core import forking
 from sanitizer.core import errors
-from sanitizer.torch_layer import mode as _mode
+from sanitizer.core.options import Options
 from sanitizer.torch_layer import records
-from sanitizer.torch_layer.hooks import add_enable_hook
+from sanitizer.torch_layer.hooks import add_enable_hook, add_op_error_hook
 from sanitizer.torch_layer.state import state
 
 _CLASSES = tuple(c for c in (getattr(torch._C, "ScriptFunction", None), getattr(torch._C, "ScriptMethod", None))
@@ -99,14 +99,14 @@ def hooked() -> bool:
     return any(getattr(c.__dict__.get("__call__"), "_ownsan_script_call", False) for c in _CLASSES)
 
 
-def _on_enable(options: Dict[str, Any]) -> None:
+def _on_enable(options: Options) -> None:
     hook(True)
 
 
 def install() -> None:
     """Wrap scripted calls at every enable, and have the dispatch mode tell us of an op's own exception."""
     add_enable_hook(_on_enable)
-    _mode.op_error_hook = note  # the mode's documented slot for it
+    add_op_error_hook(note)
     if state.enabled:  # composed after enable(): arm now
         hook(True)
 

@@ -143,7 +143,7 @@ class StagingBuffer:
     def __new__(cls, *args: Any, **kwargs: Any) -> "StagingBuffer":
         """With ``trap`` on, memory allocated here is a trap buffer (see torch_layer/trap.py)."""
         if cls is StagingBuffer and trap_buffer_class is not None and runtime.state.enabled \
-                and runtime.state.options["trap"] != "0":
+                and runtime.state.options.trap != "0":
             cls = trap_buffer_class(args, kwargs) or cls
         return object.__new__(cls)
 

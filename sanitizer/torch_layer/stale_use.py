@@ -32,7 +32,7 @@ def report_stale_use(lease: Lease, func: Any, tensor: Optional[torch.Tensor],
     assert event is not None
     if tensor is not None:
         used_as = {"dtype": str(tensor.dtype).replace("torch.", ""), "shape": list(tensor.shape)}
-    use = StaleUse(op=str(func), used_at=capture_excluding(state.options["stack_depth"], (torch_dir(),)),
+    use = StaleUse(op=str(func), used_at=capture_excluding(state.options.stack_depth, (torch_dir(),)),
                    used_as=used_as, thread=threading.current_thread().name)
     holder = _holder(lease, use)
     raise_or_record(StaleBorrowError(lease, event, use.op, use.used_at, use.used_as, holder=holder), lease)
