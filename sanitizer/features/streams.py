@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 import torch
 
