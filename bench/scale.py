@@ -46,7 +46,8 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 import sanitizer  # noqa: E402
-from sanitizer.torch_layer import runtime, storage_handles  # noqa: E402
+from sanitizer.torch_layer import storage_handles  # noqa: E402
+from sanitizer.torch_layer.state import state  # noqa: E402
 
 SLOT = 64  # bytes per lease in the curves: 16 float32
 REFERENCE_HEAP_PER_LEASE = 1315  # bytes, this bench's heap figure (sanitizer off) on main abfd864, before this work
@@ -108,7 +109,7 @@ def lease_curves(curves: Curves, n: int, number: int, repeat: int) -> None:
     spare = 64 * SLOT * number
     buf, views = _held_buffer(n, spare)
     base = n * SLOT
-    ledger = runtime.state.ledger
+    ledger = state.ledger
     rid = buf._region.region_id
     box: List[torch.Tensor] = []
 

@@ -71,17 +71,18 @@ def disable() -> None:
 
 
 def enabled() -> bool:
-    from sanitizer.torch_layer import runtime
+    from sanitizer.torch_layer.state import state
 
-    return runtime.enabled()
+    return state.enabled
 
 
 @contextlib.contextmanager
 def sanitize(**options: Any) -> Iterator[None]:
     """``with sanitizer.sanitize(halt_on_error=0): ...``: debug mode for a block, then the previous state."""
     from sanitizer.torch_layer import runtime
+    from sanitizer.torch_layer.state import state
 
-    before_enabled, before_options = runtime.state.enabled, runtime.state.options
+    before_enabled, before_options = state.enabled, state.options
     enable(**options)
     try:
         yield
@@ -102,12 +103,13 @@ def activate_from_environment(environ: Optional[Mapping[str, str]] = None) -> bo
     parsed: Dict[str, str] = _opts.parse_options_string(raw) if raw else {}
     switch = _opts.switch_from_env(env)
     from sanitizer.torch_layer import runtime
+    from sanitizer.torch_layer.state import state
 
     if parsed:
-        runtime.set_options(_opts.resolve(parsed, base=runtime.state.options))
+        runtime.set_options(_opts.resolve(parsed, base=state.options))
     if switch:
         enable()
-    return runtime.enabled()
+    return state.enabled
 
 
 

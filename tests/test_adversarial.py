@@ -30,8 +30,9 @@ from sanitizer.torch_layer import hooks
 from sanitizer.core.ledger import Ledger
 from sanitizer.core.options import OptionError, parse_options_string, resolve
 from sanitizer.features import rescue, triage
-from sanitizer.torch_layer import records, runtime, script_calls
+from sanitizer.torch_layer import records, script_calls
 from sanitizer.torch_layer.iterators import borrowed_iterator
+from sanitizer.torch_layer.state import state
 
 
 def _stale_error(name: str = "w", **options: Any) -> StaleBorrowError:
@@ -406,7 +407,7 @@ class TestStagingFalseAlarms:
         del v
         gc.collect()
         assert not lease.alive
-        assert all(r.region_id != region_id for r in runtime.state.ledger.regions())  # forgotten with its last view
+        assert all(r.region_id != region_id for r in state.ledger.regions())  # forgotten with its last view
 
 
 def _greedy_reader():

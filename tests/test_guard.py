@@ -13,7 +13,7 @@ import torch
 import sanitizer
 from sanitizer import StagingBuffer, StaleBorrowError
 from sanitizer.features import guard
-from sanitizer.torch_layer import runtime
+from sanitizer.torch_layer.state import state
 
 
 def _ctypes_floats(t: torch.Tensor) -> list:
@@ -38,8 +38,8 @@ def test_a_retained_view_reads_nan_not_the_next_tensor_and_is_still_reported():
         del w, part
         gc.collect()
         assert guard.stats()["alive"] == before["alive"]  # freed with the lease
-        assert not runtime.state.stale
-        if runtime.state.ledger.live_count == 0:  # (another test's lease may legitimately live on)
+        assert not state.stale
+        if state.ledger.live_count == 0:  # (another test's lease may legitimately live on)
             assert torch._C._len_torch_dispatch_stack() == 0
 
 

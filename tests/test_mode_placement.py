@@ -20,7 +20,8 @@ import torch
 import sanitizer
 from sanitizer import StagingBuffer, StaleBorrowError
 from sanitizer.testing import stress
-from sanitizer.torch_layer import interception, records, runtime
+from sanitizer.torch_layer import interception, records
+from sanitizer.torch_layer.state import state
 from tests.conftest import run_python
 
 
@@ -151,7 +152,7 @@ def test_a_removal_that_had_to_wait_happens_at_the_next_reuse():
     with sanitizer.sanitize(halt_on_error=0):
         assert torch._C._len_torch_dispatch_stack() == 1
         w.set_(torch.zeros(4))  # the last stale storage dies inside our own dispatch of set_
-        assert not runtime.state.stale
+        assert not state.stale
         buf.reuse(128, 4)
         assert torch._C._len_torch_dispatch_stack() == 0
 

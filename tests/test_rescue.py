@@ -9,6 +9,7 @@ import torch
 import sanitizer
 from sanitizer.features import rescue
 from sanitizer.torch_layer import records, runtime
+from sanitizer.torch_layer.state import state
 from conftest import run_python
 
 
@@ -104,8 +105,8 @@ def test_weak_handles_of_dead_leases_are_freed():
             leases.append(sanitizer.lease_of(v))
             del v  # each view dies at once
         assert len(runtime._dead_handles) <= 256  # queued at each death, freed in batches
-        assert not any(lease.lease_id in runtime.state.tokens for lease in leases)  # no token outlives its lease
-        assert len(runtime.state.tokens) == runtime.state.ledger.live_count  # one token (and handle) per alive lease
+        assert not any(lease.lease_id in state.tokens for lease in leases)  # no token outlives its lease
+        assert len(state.tokens) == state.ledger.live_count  # one token (and handle) per alive lease
     assert sanitizer.rescues() == []
 
 

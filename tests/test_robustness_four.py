@@ -213,15 +213,15 @@ def test_a_report_that_is_not_utf8_names_the_file(tmp_path, capsys):
 
 # -- 11. numeric options have bounds, checked before anything changes -------------------------------
 def test_an_option_beyond_its_bound_is_an_option_error_and_changes_nothing():
-    from sanitizer.torch_layer import runtime
+    from sanitizer.torch_layer.state import state
 
-    before = runtime.state.options
+    before = state.options
     with pytest.raises(sanitizer.OptionError) as err:
         sanitizer.enable(timeline_events=2**70)
     text = str(err.value)
     assert "timeline_events" in text and str(2**70) in text and str(sys.maxsize) in text
     assert not sanitizer.enabled()
-    assert runtime.state.options is before
+    assert state.options is before
     with pytest.raises(opts.OptionError, match=r"option 'stack_depth'.*-1.*>= 0"):
         opts.resolve({"stack_depth": -1})
     with pytest.raises(opts.OptionError, match=r"option 'poison_byte'.*256.*<= 255"):

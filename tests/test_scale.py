@@ -18,8 +18,9 @@ import torch
 import sanitizer
 from sanitizer.core.ledger import Ledger
 from sanitizer.features import guard, ownership
-from sanitizer.torch_layer import runtime, staging, storage_handles
+from sanitizer.torch_layer import staging, storage_handles
 from sanitizer.torch_layer.staging import BORROWED_MARKER, StagingBuffer
+from sanitizer.torch_layer.state import state
 
 from conftest import run_python
 
@@ -170,7 +171,7 @@ def _mapped_at(address: int) -> bool:
 def test_a_tombstone_is_unmapped_and_its_lease_released_when_its_last_view_dies():
     live0 = storage_handles.POISON.live
     buf, kept = _tombstoned(3, "unmap")
-    assert storage_handles.POISON.live == live0 + 3 and runtime.state.ledger.live_count == 3
+    assert storage_handles.POISON.live == live0 + 3 and state.ledger.live_count == 3
     address = kept[0].data_ptr()
     assert _mapped_at(address) and torch.isnan(kept[0]).all()
     derived = kept[0][2:]  # a view of the tombstone keeps it mapped
@@ -180,10 +181,10 @@ def test_a_tombstone_is_unmapped_and_its_lease_released_when_its_last_view_dies(
     del derived
     gc.collect()
     assert not _mapped_at(address) and storage_handles.POISON.live == live0 + 2
-    assert runtime.state.ledger.live_count == 2  # the death reached the ledger through the tombstone
+    assert state.ledger.live_count == 2  # the death reached the ledger through the tombstone
     del kept
     gc.collect()
-    assert storage_handles.POISON.live == live0 and runtime.state.ledger.live_count == 0 and buf.leases() == []
+    assert storage_handles.POISON.live == live0 and state.ledger.live_count == 0 and buf.leases() == []
 
 
 @pytest.mark.slow
@@ -212,7 +213,7 @@ def test_past_the_map_limit_tombstones_are_allocated_and_still_poison(monkeypatc
     alive = guard.stats()["alive"]
     del kept
     gc.collect()
-    assert guard.stats()["alive"] == alive - 5 and runtime.state.ledger.live_count == 0
+    assert guard.stats()["alive"] == alive - 5 and state.ledger.live_count == 0
 
 
 @MAPPING

@@ -216,15 +216,15 @@ def lease_iterators(cls: Any, method: str, borrowed: Any, name: str) -> None:
     """
     import functools
 
-    from sanitizer.torch_layer import runtime
     from sanitizer.torch_layer.iterators import borrowed_iterator
+    from sanitizer.torch_layer.state import state
 
     original, exit_ = getattr(cls, method), cls.__exit__
 
     @functools.wraps(original)
     def patched_method(self: Any, *args: Any, **kwargs: Any) -> Any:
         iterator = original(self, *args, **kwargs)
-        if runtime.state.enabled and borrowed(self):
+        if state.enabled and borrowed(self):
             return track_open(self, borrowed_iterator(iterator, lifetime=1, name=name))
         return iterator
 

@@ -29,9 +29,9 @@ import torch
 
 from sanitizer.adapters import replace
 from sanitizer.adapters.contracts import Contract, LoaderContracts
-from sanitizer.torch_layer import runtime
 from sanitizer.torch_layer.aliasing import byte_extent
 from sanitizer.torch_layer.iterators import BorrowedLoans, borrowed_iterator
+from sanitizer.torch_layer.state import state
 
 NAME = "fastsafetensors"
 _LOW_LEVEL = ("`FilesBufferOnDevice.get_tensor`, `get_sharded`, `get_tensor_wrapped`, `get_sharded_wrapped`, "
@@ -127,7 +127,7 @@ def _rewrap(wrapper: Any, raw: Any) -> Any:
 
 
 def _active(fb: Any) -> bool:
-    return runtime.state.enabled and lends(fb) and getattr(_inside, "depth", 0) == 1
+    return state.enabled and lends(fb) and getattr(_inside, "depth", 0) == 1
 
 
 def _outermost(method: Any) -> Any:
@@ -196,7 +196,7 @@ def _patch_file_buffer(cls: Any) -> None:
         def patched_iter_local(self: Any, *args: Any, **kwargs: Any) -> Iterator:
             spans = None
             for name, tensor in iter_local(self, *args, **kwargs):
-                if runtime.state.enabled and lends(self):
+                if state.enabled and lends(self):
                     spans = spans if spans is not None else _buffer_spans(self)
                     tensor = _lend(self, name, tensor, spans)
                 yield name, tensor
@@ -222,7 +222,7 @@ def _patch_parallel_loader(cls: Any) -> None:
     @functools.wraps(original)
     def iterate_weights(self: Any, *args: Any, **kwargs: Any) -> Any:
         iterator = original(self, *args, **kwargs)
-        if getattr(self, "borrowed_tensors", False) and runtime.state.enabled:
+        if getattr(self, "borrowed_tensors", False) and state.enabled:
             return borrowed_iterator(iterator, lifetime=1, name=NAME)
         return iterator
 

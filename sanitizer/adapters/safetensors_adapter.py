@@ -48,6 +48,7 @@ from sanitizer.torch_layer import records, runtime, storage_handles
 from sanitizer.torch_layer.iterators import EmulatedBorrowing, emulate_borrowed
 from sanitizer.torch_layer.ring import StagingRing
 from sanitizer.adapters import replace
+from sanitizer.torch_layer.state import state
 
 NAME = "safetensors"
 CONTRACTS = LoaderContracts(
@@ -71,7 +72,7 @@ _original_safe_open: Any = None
 
 
 def wanted() -> bool:
-    return runtime.state.options.safetensors_ring > 0
+    return state.options.safetensors_ring > 0
 
 
 def _safe_open() -> Any:
@@ -146,12 +147,12 @@ class EmulatedSafeOpen:
 
     # -- lending -----------------------------------------------------------------
     def _strict(self) -> bool:
-        return bool(runtime.state.options.safetensors_strict) or not storage_handles.AVAILABLE
+        return bool(state.options.safetensors_strict) or not storage_handles.AVAILABLE
 
     def _lend(self, name: str, tensor: Any) -> Any:
-        if not (self._emulate and runtime.state.enabled and isinstance(tensor, torch.Tensor)):
+        if not (self._emulate and state.enabled and isinstance(tensor, torch.Tensor)):
             return tensor
-        ring_bytes = runtime.state.options.safetensors_ring
+        ring_bytes = state.options.safetensors_ring
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes > ring_bytes:
             raise ValueError(f"{self._label}: tensor '{name}' ({nbytes} bytes) does not fit the emulation ring "
@@ -162,7 +163,7 @@ class EmulatedSafeOpen:
             if not self._strict():
                 segment, offset = self._ring.place(nbytes, tensor.element_size())
                 region = self._ring.segments[segment]._region
-                self._own_held(runtime.state.ledger.overlapping(region.region_id, offset, offset + nbytes), False)
+                self._own_held(state.ledger.overlapping(region.region_id, offset, offset + nbytes), False)
             return self._ring.put(name, tensor)
 
     def _own_held(self, leases: List[Lease], at_close: bool) -> None:
@@ -210,11 +211,11 @@ class EmulatedSafeOpen:
 
     def get_slice(self, name: str) -> Any:
         inner = self._inner.get_slice(name)
-        return _EmulatedSlice(self, name, inner) if self._emulate and runtime.state.enabled else inner
+        return _EmulatedSlice(self, name, inner) if self._emulate and state.enabled else inner
 
     def get_tensors(self) -> Any:
         """Every tensor of the file as a dict (safetensors: ``get_tensor`` over ``offset_keys()``)."""
-        if not (self._emulate and runtime.state.enabled):
+        if not (self._emulate and state.enabled):
             return self._inner.get_tensors()
         keys = self._inner.offset_keys() if hasattr(self._inner, "offset_keys") else self._inner.keys()
         return {k: self.get_tensor(k) for k in keys}
@@ -225,7 +226,7 @@ class EmulatedSafeOpen:
             if self._ring is not None:
                 if not self._strict() and not self._ring.buffer.closed:
                     for segment in self._ring.segments:
-                        self._own_held(runtime.state.ledger.overlapping(segment._region.region_id, 0,
+                        self._own_held(state.ledger.overlapping(segment._region.region_id, 0,
                                                                         segment.nbytes), True)
                 self._ring.close()
                 self._ring = None
@@ -258,7 +259,7 @@ class _EmulatedSlice:
 
 def _name_holder(lease: Lease) -> Optional[dict]:
     """Who holds ``lease``'s view (triage's naming: a known path, a sibling, else a bounded walk), or None."""
-    if runtime.state.options.triage_budget_ms <= 0:
+    if state.options.triage_budget_ms <= 0:
         return None
     from sanitizer.features.triage import name_holder
 
@@ -271,7 +272,7 @@ _UNCHECKED_WHY = "owned tensors by safetensors' contract (a whole-checkpoint dic
 def _note_unchecked(entry: str, out: Any) -> None:
     """Count a load the emulation leaves alone, for the summary ("2 loads not checked (...)"): a program
     that loads through ``load_file`` (peft and diffusers do) would otherwise pass as checked."""
-    if not runtime.enabled() or not isinstance(out, dict):
+    if not state.enabled or not isinstance(out, dict):
         return
     try:
         tensors = [t for t in out.values() if isinstance(t, torch.Tensor)]

@@ -38,6 +38,7 @@ from cuda_hooks import devices
 from sanitizer.core import forking
 from sanitizer.torch_layer import records, runtime
 from sanitizer.torch_layer.staging import BORROWED_MARKER, buffer_bytes
+from sanitizer.torch_layer.state import state
 
 POLICIES: Tuple[str, ...] = ("registered", "marked", "accelerator", "all")
 _MARKERS: List[str] = [BORROWED_MARKER]
@@ -363,7 +364,7 @@ def _verify_leased(tensors: Iterable[torch.Tensor]) -> bool:
     True when a check was queued on a CUDA device: its result is read at the next synchronisation
     (:meth:`DeferralScope.replay` makes one).
     """
-    if not (runtime.state.enabled and runtime.state.options.checksum):
+    if not (state.enabled and state.options.checksum):
         return False
     leased = [t for t in tensors if runtime.lease_of(t) is not None]
     if not leased:

@@ -28,6 +28,7 @@ from sanitizer.core.sites import frame_text, site_text
 from sanitizer.core.units import format_bytes
 from sanitizer.torch_layer import records, runtime
 from sanitizer.torch_layer.hooks import add_enable_hook, add_record_hook
+from sanitizer.torch_layer.state import state
 
 SCHEMA_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "report_schema.json")
 
@@ -55,7 +56,6 @@ def report(final: bool = False, exclude: Optional[Set[int]] = None) -> Dict[str,
     from sanitizer.features import triage
 
     triage.settle(final)
-    state = runtime.state
     counts = records.record_counts()
     pid = os.getpid()
     errors = records.errors()
@@ -368,7 +368,7 @@ def _journal_record(kind: str, record: Dict[str, Any]) -> None:
     killed before its report is written (``Pool.terminate()``'s SIGTERM, SIGKILL) keeps its findings.
     Left at SIGTERM's default action on purpose: a Python handler for it hung a worker whose main thread
     was blocked in a lock when the signal landed on another thread."""
-    path = runtime.state.options.report
+    path = state.options.report
     if not path or record.get("kind") in _AGGREGATES:
         return
     try:
@@ -393,7 +393,7 @@ def _journal_header() -> Dict[str, Any]:
 
 
 def _write_report_at_exit() -> None:
-    path = runtime.state.options.report
+    path = state.options.report
     if not path:
         return
     try:

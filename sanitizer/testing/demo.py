@@ -60,8 +60,9 @@ from sanitizer.testing.reference.checkpoint import (ORDERS, config_of, corrupted
                                                     write_checkpoint)
 from sanitizer.testing.reference.deferred_loader import LayerwiseLoader
 from sanitizer.testing.reference.fused_loaders import TinyConfig, TinyForCausalLM
-from sanitizer.torch_layer import records, runtime
+from sanitizer.torch_layer import records
 from sanitizer.torch_layer.ring import StagingRing
+from sanitizer.torch_layer.state import state
 
 CONFIGS = ("unsafe", "debug", "clone-on-defer", "rescue", "copy-everything")
 LABELS = {
@@ -242,7 +243,7 @@ def run_configs(configs: Sequence[str], path: str, ring_bytes: int, reference: D
 
 def _child_debug(path: str, ring_bytes: int) -> Result:
     """In the ``OWNERSHIP_SANITIZE=1`` child: the unsafe load, stopped by the sanitizer."""
-    if not runtime.enabled():
+    if not state.enabled:
         raise SystemExit("the debug configuration must run with OWNERSHIP_SANITIZE=1 in the environment")
     total = len(read_header(path)[0])
     load(path, ring_bytes, ownership_on=True)  # warm-up (owned: no error)

@@ -101,13 +101,14 @@ class _Flusher(threading.Thread):
     def run(self) -> None:
         from sanitizer.features import triage
         from sanitizer.reporting import report as rep
-        from sanitizer.torch_layer import records, runtime
+        from sanitizer.torch_layer import records
+        from sanitizer.torch_layer.state import state
 
         while True:
             time.sleep(self.interval)
             try:
-                path = runtime.state.options.report
-                counts = (tuple(sorted(records.record_counts().items())), runtime.state.ledger.live_count)
+                path = state.options.report
+                counts = (tuple(sorted(records.record_counts().items())), state.ledger.live_count)
                 if not path:
                     continue
                 if counts != self._last:
@@ -118,7 +119,7 @@ class _Flusher(threading.Thread):
                     if self._idle >= self.IDLE_TICKS:
                         rep.write_report(path, final=True)
                         self._idle = 0
-                self._last = (tuple(sorted(records.record_counts().items())), runtime.state.ledger.live_count)
+                self._last = (tuple(sorted(records.record_counts().items())), state.ledger.live_count)
             except Exception:  # never harm the worker; the next tick tries again
                 pass
 

@@ -32,6 +32,7 @@ from sanitizer.core.ledger import Lease
 from sanitizer.core.spans import subtract
 from sanitizer.torch_layer.ring import StagingRing
 from sanitizer.torch_layer.staging import BORROWED_MARKER, StagingBuffer
+from sanitizer.torch_layer.state import state
 
 _TRACKED_DEVICES = ("cpu", "cuda")
 _warned_devices: set = set()
@@ -291,14 +292,14 @@ def _retire_span(region_id: int, lease: Optional[Lease], start: int, end: int, r
     one stale too early, and poison would change it)."""
     if lease is None or not lease.alive or lease.stale_by is not None or lease.rescued:
         return
-    others = [(l.start, l.end) for l in runtime.state.ledger.overlapping(region_id, start, end) if l is not lease]
+    others = [(l.start, l.end) for l in state.ledger.overlapping(region_id, start, end) if l is not lease]
     for s, e in subtract([(start, end)], others):
         retire(s, e - s)
 
 
 def _retire_in_region(lease: Lease, by: str) -> Any:
     """A retire callback for a lease that another lender made (its region is not one of ours)."""
-    region = runtime.state.ledger.region(lease.region_id)
+    region = state.ledger.region(lease.region_id)
 
     def retire(start: int, nbytes: int) -> None:
         if not region.closed:
@@ -339,7 +340,7 @@ class BorrowedIterator(_LeasingIterator):
         if window.buffer is not None and lease is not None:
             _retire_span(lease.region_id, lease, entry.start, entry.end, window.buffer.retire)
         window.pending -= 1
-        if window.pending == 0 and window.buffer is not None and runtime.state.ledger.overlapping(
+        if window.pending == 0 and window.buffer is not None and state.ledger.overlapping(
                 window.buffer._region.region_id, 0, window.buffer.nbytes):
             # An expired lease kept fresh because a later aliasing yield covered its bytes, and that
             # one died unretired: end it now, while the loader has not run again (its bytes are valid).

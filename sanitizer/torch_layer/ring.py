@@ -20,9 +20,9 @@ from typing import Any, Deque, List, Optional, Sequence, Tuple
 
 import torch
 
-from sanitizer.torch_layer import runtime
 from sanitizer.torch_layer.sources import Source, prepare
 from sanitizer.torch_layer.staging import StagingBuffer, refuse_stale_source
+from sanitizer.torch_layer.state import state
 
 Span = Tuple[int, int, int]  # (segment index, start, end)
 
@@ -35,7 +35,7 @@ class StagingRing:
         if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a positive power of two, got {alignment!r}")
         if quarantine is None:
-            quarantine = runtime.state.options.quarantine if runtime.state.enabled else 0
+            quarantine = state.options.quarantine if state.enabled else 0
         if isinstance(quarantine, bool) or not isinstance(quarantine, int) or quarantine < 0:
             raise ValueError(f"quarantine must be an int >= 0, got {quarantine!r}")
         self._name = name or "ring"

@@ -29,8 +29,8 @@ from sanitizer.torch_layer.aliasing import _DTYPE_NAMES, byte_extent, device_key
 from sanitizer.torch_layer.hooks import HOOKS
 from sanitizer.torch_layer.state import state
 
-__all__ = ["state", "track_lease", "rebind_lease", "storage_of", "reuse", "retire", "close_region", "disown", "lease_of",
-           "is_borrowed", "arm", "disarm", "override", "enabled", "options", "set_options"]
+__all__ = ["track_lease", "rebind_lease", "storage_of", "reuse", "retire", "close_region", "disown", "lease_of",
+           "is_borrowed", "arm", "disarm", "override", "options", "set_options"]
 
 
 # -- leases ------------------------------------------------------------------
@@ -400,10 +400,6 @@ def override(**options: Any) -> Iterator[_opts.Options]:
     finally:
         with state.lock:
             state.options = before
-
-
-def enabled() -> bool:
-    return state.enabled
 
 
 def options() -> Dict[str, Any]:

@@ -19,6 +19,7 @@ from sanitizer.torch_layer.aliasing import alias_view, check_device, device_key,
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.torch_layer.sources import Prepared, Source, check_dtype, check_shape, copy_into, prepare
 from sanitizer.torch_layer.stale_use import check_not_stale
+from sanitizer.torch_layer.state import state
 
 BORROWED_MARKER = "_vllm_instanttensor_borrowed"
 
@@ -133,7 +134,7 @@ def _forget_region_at_gc(region: Region) -> None:
     """The buffer object was collected. Its views (if any) keep its memory alive and nobody can reuse
     those bytes any more, so no lease goes stale: the region is forgotten with its last lease."""
     if not region.closed:
-        runtime.state.ledger.orphan(region.region_id)
+        state.ledger.orphan(region.region_id)
         interception.regions_changed()
 
 
@@ -142,8 +143,8 @@ class StagingBuffer:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "StagingBuffer":
         """With ``trap`` on, memory allocated here is a trap buffer (see torch_layer/trap.py)."""
-        if cls is StagingBuffer and trap_buffer_class is not None and runtime.state.enabled \
-                and runtime.state.options.trap != "0":
+        if cls is StagingBuffer and trap_buffer_class is not None and state.enabled \
+                and state.options.trap != "0":
             cls = trap_buffer_class(args, kwargs) or cls
         return object.__new__(cls)
 
@@ -185,7 +186,7 @@ class StagingBuffer:
         self.nbytes = data.numel()
         self._base = data.data_ptr()  # for the alignment check of each lend
         self.device = data.device
-        self._region = runtime.state.ledger.add_region(
+        self._region = state.ledger.add_region(
             name or f"staging@{data.data_ptr():#x}", device_key(data.device), data.data_ptr(), self.nbytes)
         self.name = self._region.name
         _BUFFERS[self._region.region_id] = self
@@ -216,7 +217,7 @@ class StagingBuffer:
 
     def leases(self) -> List[Lease]:
         """Alive leases of this buffer (fresh and stale), in lend order."""
-        return runtime.state.ledger.leases_of(self._region.region_id)
+        return state.ledger.leases_of(self._region.region_id)
 
     # -- the lending API ---------------------------------------------------
     def lend(self, offset: int, shape: Sequence[int], dtype: torch.dtype, name: Optional[str] = None) -> torch.Tensor:
