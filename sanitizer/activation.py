@@ -4,7 +4,9 @@
 (checksums and poison, triage and its timeline, rescue, the guard, the exit
 report, TorchScript's error text), once. :func:`enable` composes, then arms
 the runtime; the environment activation (``OWNERSHIP_SANITIZE=1`` at import,
-the zero-code hook) goes through :func:`enable` too. Nothing is composed by
+the zero-code hook, Ray's worker hook: all of them import the package, which
+calls :func:`activate_from_environment`) goes through :func:`enable` too, and
+installs the adapters' import hooks: the one activation path. Nothing is composed by
 importing a module: a program that never enables the sanitizer never has a
 feature hook installed.
 
@@ -55,11 +57,12 @@ def composed() -> bool:
 
 def enable(**options: Any) -> None:
     """Turn debug mode on (options as in the table; unknown ones raise OptionError)."""
-    _opts.resolve(options)  # refuse bad options before anything is installed
-    compose()
     from sanitizer.torch_layer import runtime
+    from sanitizer.torch_layer.state import state
 
-    runtime.arm(**options)
+    resolved = _opts.resolve(options, base=state.options)  # validated once, before anything is installed
+    compose()
+    runtime.arm(resolved)
 
 
 def disable() -> None:
@@ -109,6 +112,9 @@ def activate_from_environment(environ: Optional[Mapping[str, str]] = None) -> bo
         runtime.set_options(_opts.resolve(parsed, base=state.options))
     if switch:
         enable()
+        from sanitizer.adapters import install_import_hooks
+
+        install_import_hooks()  # the loaders' entry points, wrapped as they get imported (zero-code users)
     return state.enabled
 
 

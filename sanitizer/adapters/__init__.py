@@ -28,11 +28,12 @@ safetensors                   ``safe_open`` ``get_tensor``/``get_slice``/...    
 from __future__ import annotations
 
 import importlib
-import importlib.abc
 import sys
 import threading
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
+
+from sanitizer.core import post_import
 
 # module name -> adapter module (relative); the adapter's patch(module) runs after the module executes
 TARGETS: Dict[str, str] = {
@@ -101,49 +102,19 @@ def versions() -> Dict[str, Optional[str]]:
         return dict(_versions_seen)
 
 
-class _PatchingLoader(importlib.abc.Loader):
-    """Runs the real loader, then the adapter's patch on the freshly executed module."""
-
-    def __init__(self, loader: Any, target: str):
-        self._loader = loader
-        self._target = target
-
-    def create_module(self, spec):  # type: ignore[override]
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module) -> None:  # type: ignore[override]
-        self._loader.exec_module(module)
-        _patch(self._target, module)
-
-    def __getattr__(self, name: str) -> Any:  # get_source, is_package, resource readers...
-        return getattr(self._loader, name)
-
-
-class _PostImportFinder(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: for a target module it asks the other finders and wraps their loader."""
+class _PostImportFinder:
+    """Finds nothing itself: for a target module it asks the other finders, and has the adapter patch the
+    module right after it executes (the loader wrapper shared with the start-up hook's finder)."""
 
     def __init__(self, targets: Dict[str, str]):
         self._targets = targets
         self._busy = threading.local()
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None):
-        if fullname not in self._targets or getattr(self._busy, "name", None) == fullname:
+        if fullname not in self._targets or post_import.asking(self._busy, fullname):
             return None
-        self._busy.name = fullname
-        try:
-            spec = None
-            for finder in sys.meta_path:
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(fullname, path, target)
-                if spec is not None:
-                    break
-        finally:
-            self._busy.name = None
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        spec.loader = _PatchingLoader(spec.loader, fullname)
-        return spec
+        spec = post_import.spec_from_others(self, self._busy, fullname, path, target)
+        return post_import.wrap(spec, lambda module: _patch(fullname, module))
 
 
 def install_import_hooks() -> List[str]:

@@ -131,12 +131,11 @@ _lock = threading.Lock()
 def worker_setup() -> None:
     """Ray's ``worker_process_setup_hook``: sanitizer on, report flusher started, then the job's own hook."""
     global _started
-    import sanitizer  # noqa: F401  (enables itself from OWNERSHIP_SANITIZE / OWNERSHIP_SANITIZE_OPTIONS)
+    # the one activation path: the package activates itself from OWNERSHIP_SANITIZE / _OPTIONS at its first
+    # import (enable, then the adapters' import hooks)
+    import sanitizer  # noqa: F401
 
     if os.environ.get(ENV_SWITCH):
-        from sanitizer.adapters import install_import_hooks
-
-        install_import_hooks()
         with _lock:
             if not _started:
                 _started = True

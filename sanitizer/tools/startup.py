@@ -10,8 +10,9 @@ when the variable is set does it load *this file* by path (importing the
 ``sys.meta_path`` that waits for the program itself to import torch or one of
 the known loaders. Right after torch has executed (or right before a loader
 package executes, so the loader's own import of torch is already ours), it
-imports ``sanitizer`` (which enables itself from the environment) and asks the
-adapters to wrap the loaders' iterators as they get imported. A program that
+imports ``sanitizer``, which activates itself from the environment (the one
+activation path, :func:`sanitizer.activation.activate_from_environment`: enable,
+then the adapters wrap the loaders as they get imported). A program that
 never imports torch pays nothing but the finder. A sanitizer that cannot start
 (``OWNERSHIP_SANITIZE_OPTIONS=stack_dept=4``) stops the program there with
 status 2 and a message naming the setting, as ``import sanitizer`` would raise:
@@ -86,12 +87,10 @@ def _enable_now(trigger: str) -> None:
         _remove_finder()
     state["trigger"] = trigger
     try:
-        import sanitizer  # noqa: F401  (activation from the environment happens at its import)
+        # the one activation path: the package activates itself from the environment at its first import
+        # (sanitizer.activation.activate_from_environment: enable, then the adapters' import hooks)
+        import sanitizer  # noqa: F401
 
-        if importlib.util.find_spec("sanitizer.adapters") is not None:
-            from sanitizer.adapters import install_import_hooks
-
-            install_import_hooks()
         state["activated"] = True
     except Exception as exc:
         state["error"] = repr(exc)
@@ -123,22 +122,18 @@ def _refuse(trigger: str, exc: BaseException) -> None:
     os._exit(code)
 
 
-class _RunAfter:
-    """Wraps torch's loader: executes torch, then enables the sanitizer."""
-
-    def __init__(self, loader: Any, name: str):
-        self._loader = loader
-        self._name = name
-
-    def create_module(self, spec):  # type: ignore[override]
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module) -> None:  # type: ignore[override]
-        self._loader.exec_module(module)
-        _enable_now(f"import {self._name}")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
+def _post_import() -> "Any":
+    """``sanitizer/core/post_import.py``, the loader wrapper both finders share, loaded by path (importing
+    it as part of the package would run the package's ``__init__``, which imports torch)."""
+    name = MODULE_NAME + "_post_import"
+    module = sys.modules.get(name)
+    if module is None:
+        where = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "core", "post_import.py")
+        spec = importlib.util.spec_from_file_location(name, where)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return module
 
 
 class _StartupFinder:
@@ -146,35 +141,21 @@ class _StartupFinder:
 
     def __init__(self) -> None:
         self._busy = _thread._local()
-
-    def _elsewhere(self, fullname: str, path: Any, target: Any):
-        """The spec the other finders give (the adapters' finder, once installed, among them)."""
-        self._busy.on = True
-        try:
-            for finder in list(sys.meta_path):
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(fullname, path, target)
-                if spec is not None:
-                    return spec
-            return None
-        finally:
-            self._busy.on = False
+        self._shared = _post_import()
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None):
-        if getattr(self._busy, "on", False):
+        shared = self._shared
+        if shared.asking(self._busy, fullname):
             return None
         if fullname == "torch":
             # Never import torch from here (it would execute twice): wrap its loader instead.
-            spec = self._elsewhere(fullname, path, target)
-            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                spec.loader = _RunAfter(spec.loader, fullname)
-            return spec
+            spec = shared.spec_from_others(self, self._busy, fullname, path, target)
+            return shared.wrap(spec, lambda module: _enable_now(f"import {fullname}"))
         if fullname in LOADER_PACKAGES and "torch" not in sys.modules:
             # Importing torch here is safe (it is not being imported); the adapters' finder, installed
             # now, must still see this very import, so we ask the finders ourselves.
             _enable_now(f"import {fullname}")
-            return self._elsewhere(fullname, path, target)
+            return shared.spec_from_others(self, self._busy, fullname, path, target)
         return None
 
 

@@ -358,10 +358,12 @@ def is_borrowed(t: torch.Tensor) -> bool:
 
 
 # -- the switch --------------------------------------------------------------
-def arm(**options: Any) -> Dict[str, Any]:
-    """Turn checking on with ``options`` over those in force (unknown ones raise OptionError), then run
-    the enable hooks. Features must be composed first: :func:`sanitizer.enable` does both."""
-    resolved = _opts.resolve(options, base=state.options)
+def arm(resolved: "_opts.Options") -> "_opts.Options":
+    """Turn checking on with ``resolved`` options (validated by the caller: :func:`sanitizer.enable`
+    resolves them once, over those in force), then run the enable hooks. Features must be composed
+    first: :func:`sanitizer.enable` does both."""
+    if not isinstance(resolved, _opts.Options):
+        raise TypeError(f"arm expects resolved Options, got {type(resolved).__name__}")
     with state.lock:
         state.options = resolved
         state.enabled = True
