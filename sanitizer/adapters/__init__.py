@@ -147,10 +147,7 @@ def uninstall_import_hooks() -> None:
         _patched_modules.clear()
         _versions_seen.clear()
         if _finder is not None:
-            try:
-                sys.meta_path.remove(_finder)
-            except ValueError:
-                pass
+            post_import.remove(_finder)
             _finder = None
 
 

@@ -273,14 +273,8 @@ class Ledger:
         """A new fresh lease of ``[start, end)``. ``handle`` (the key the caller files it under) is set
         under the ledger's lock, so a concurrent reuse never sees the lease without it."""
         with self._lock:
-            region = self._regions.get(region_id) or self.region(region_id)
-            if region.closed:
-                raise LedgerError(f"staging buffer '{region.name}' is closed: cannot lend '{name}'")
-            if not (0 <= start <= end <= region.nbytes):
-                raise LedgerError(
-                    f"lease '{name}' bytes [{start}, {end}) fall outside staging buffer "
-                    f"'{region.name}' of {region.nbytes} bytes"
-                )
+            region = self._open_region(region_id, start, end, f"cannot lend '{name}'",
+                                       f"lease '{name}' bytes [{start}, {end}) fall")
             lease_id = next(self._ids)
             lease = Lease(lease_id, region_id, region.name, start, end, region.generation, name, dtype,
                           shape if type(shape) is tuple else tuple(shape), site, True, None, handle)
@@ -290,6 +284,15 @@ class Ledger:
         if became_live and self.on_live_change is not None:
             self.on_live_change(1)
         return lease
+
+    def _open_region(self, region_id: int, start: int, end: int, refused: str, outside: str) -> Region:
+        """(Under the lock.) The region, open, with ``[start, end)`` inside it; a LedgerError otherwise."""
+        region = self._regions.get(region_id) or self.region(region_id)
+        if region.closed:
+            raise LedgerError(f"staging buffer '{region.name}' is closed: {refused}")
+        if not (0 <= start <= end <= region.nbytes):
+            raise LedgerError(f"{outside} outside staging buffer '{region.name}' of {region.nbytes} bytes")
+        return region
 
     def release(self, lease_id: int) -> Optional[Lease]:
         """The lease's memory is no longer reachable (its storage died).
@@ -439,14 +442,8 @@ class Ledger:
         poisons or rescues them before the producer writes).
         """
         with self._lock:
-            region = self.region(region_id)
-            if region.closed:
-                raise LedgerError(f"staging buffer '{region.name}' is closed: cannot reuse bytes for '{by}'")
-            if not (0 <= start <= end <= region.nbytes):
-                raise LedgerError(
-                    f"reuse of bytes [{start}, {end}) for '{by}' falls outside staging buffer "
-                    f"'{region.name}' of {region.nbytes} bytes"
-                )
+            region = self._open_region(region_id, start, end, f"cannot reuse bytes for '{by}'",
+                                       f"reuse of bytes [{start}, {end}) for '{by}' falls")
             before = region.generation
             region.generation += 1
             event = ReuseEvent(next(self._ids), region_id, region.name, start, end,

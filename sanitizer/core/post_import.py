@@ -66,4 +66,12 @@ def wrap(spec: "Any", after: "Callable[[Any], None]") -> "Any":
     return spec
 
 
-__all__ = ["RunAfter", "asking", "spec_from_others", "wrap"]
+def remove(finder: "Any") -> None:
+    """Take ``finder`` off ``sys.meta_path`` (nothing when it is not there)."""
+    try:
+        sys.meta_path.remove(finder)
+    except ValueError:
+        pass
+
+
+__all__ = ["RunAfter", "asking", "spec_from_others", "wrap", "remove"]

@@ -162,10 +162,7 @@ class _StartupFinder:
 def _remove_finder() -> None:
     global _finder
     if _finder is not None:
-        try:
-            sys.meta_path.remove(_finder)
-        except ValueError:
-            pass
+        _post_import().remove(_finder)
         _finder = None
 
 

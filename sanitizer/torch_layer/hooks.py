@@ -146,4 +146,5 @@ add_record_hook = HOOKS.add_record
 add_op_error_hook = HOOKS.add_op_error
 
 __all__ = ["RetireOrder", "StaleUse", "HookSlots", "HOOKS", "add_enable_hook", "add_lend_hook", "add_reuse_hook",
-           "add_retire_hook", "add_stale_use_hook", "add_export_hook", "add_release_hook", "add_record_hook"]
+           "add_retire_hook", "add_stale_use_hook", "add_export_hook", "add_release_hook", "add_record_hook",
+           "add_op_error_hook"]
