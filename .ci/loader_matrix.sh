@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The loader version matrix: every known CPU-installable version of fastsafetensors and runai-model-streamer,
 # installed side by side into .loaders/<package>-<version> (pip --target, --no-deps: their dependencies, torch
-# among them, come from the environment that runs the tests). tests/test_loader_matrix.py runs the adapters
+# among them, come from the environment that runs the tests). tests/adapters/test_loader_matrix.py runs the adapters
 # against each folder it finds and skips, saying why, for a missing one. The versions are the ones the adapters'
-# contract tables know (sanitizer/adapters/*_adapter.py: MATRIX); tests/test_loader_matrix.py checks that this
+# contract tables know (sanitizer/adapters/*_adapter.py: MATRIX); tests/adapters/test_loader_matrix.py checks that this
 # list and those tables agree. A version that will not install is reported and skipped, never a failure here.
 # (pyproject's `engines` extra names the last two for people who want them by hand.)
 #

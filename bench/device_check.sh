@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU check, in one prepared run (at most 6 minutes on one GPU, whatever hangs; no network needed):
 #   1. the environment: python, torch and its CUDA, the GPUs, numba and its CUDA target (numba's built-in
-#      one or NVIDIA's numba-cuda), the CUDA toolkit found as tests/test_kernels_ptx.py finds it (exported
+#      one or NVIDIA's numba-cuda), the CUDA toolkit found as tests/cuda/test_kernels_ptx.py finds it (exported
 #      as CUDA_HOME), the NVVM version, the kernels compiled and loaded (seconds, registers, resident blocks)
 #   2. InstantTensor installed offline from .whl/ (put there by bench/device_prepare.sh) into a temp dir
-#   3. the CUDA tests: tests/test_cuda_device.py on the GPU (OWNSAN_REQUIRE_CUDA=1: never the fake devices),
-#      the device half of tests/test_bridge.py, the PTX/ptxas check, the launch tests, InstantTensor on CUDA;
+#   3. the CUDA tests: tests/cuda/test_cuda_device.py on the GPU (OWNSAN_REQUIRE_CUDA=1: never the fake devices),
+#      the device half of tests/cuda/test_bridge.py, the PTX/ptxas check, the launch tests, InstantTensor on CUDA;
 #      a skip is a failure, except the multi-GPU case on a one-GPU machine and the ptxas check without ptxas
 #   4. the hash against torch's int64 sum of the same bytes (>= 0.9), misaligned against aligned, and the
 #      host synchronisations per CUDA lend with checksum=1 (torch's sync debug mode: none), bench/device_hash.py
@@ -161,15 +161,15 @@ fi
 # 3. The tests. On a GPU nothing may skip but the multi-GPU case on a one-GPU machine.
 t0=$SECONDS
 if [ "$CUDA" = 1 ]; then
-  TESTS=(tests/test_cuda_device.py tests/test_bridge.py tests/test_kernels_ptx.py tests/test_cuda_launch.py
-         tests/test_cuda_extras.py tests/test_adapters.py::test_instanttensor_real_on_cuda)
+  TESTS=(tests/cuda/test_cuda_device.py tests/cuda/test_bridge.py tests/cuda/test_kernels_ptx.py tests/cuda/test_cuda_launch.py
+         tests/cuda/test_cuda_extras.py tests/adapters/test_adapters.py::test_instanttensor_real_on_cuda)
   ALLOWED='ptxas is not on the PATH'  # (the kernels' registers are then read from the loaded module, section 1)
   [ "$NGPU" -lt 2 ] && ALLOWED="$ALLOWED|needs 2 CUDA devices"
   LIMIT=180
 else
-  TESTS=(tests/test_kernels_ptx.py tests/test_cuda_fake.py tests/test_cuda_device.py tests/test_cuda_launch.py
-         tests/test_cuda_extras.py tests/test_kernels_cuda_sim.py tests/test_cuda_fake_simulator.py tests/test_bridge.py
-         tests/test_trap_cuda.py)
+  TESTS=(tests/cuda/test_kernels_ptx.py tests/cuda/test_cuda_fake.py tests/cuda/test_cuda_device.py tests/cuda/test_cuda_launch.py
+         tests/cuda/test_cuda_extras.py tests/cuda/test_kernels_cuda_sim.py tests/cuda/test_cuda_fake_simulator.py tests/cuda/test_bridge.py
+         tests/cuda/test_trap_cuda.py)
   ALLOWED='needs a CUDA device'
   LIMIT=540
 fi
@@ -254,7 +254,7 @@ if [ "$CUDA" = 1 ]; then
   else record "trap mode on CUDA" FAIL "status $code: ${figures:-$(tail -n 1 "$LOG")}"
   fi
 else
-  record "trap mode on CUDA" SKIP "no CUDA device (tests/test_trap_cuda.py ran on the fake in section 3)"
+  record "trap mode on CUDA" SKIP "no CUDA device (tests/cuda/test_trap_cuda.py ran on the fake in section 3)"
 fi
 
 echo

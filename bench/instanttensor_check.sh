@@ -2,7 +2,7 @@
 # InstantTensor through the adapter on a GPU, at each version its contract table covers: 0.1.5 (no `copy`,
 # always ring views: vLLM 0.20's pin) and 0.2.2 (`copy=False` views; vLLM 0.33 and SGLang pass copy=True).
 # Each is installed side by side into .loaders/instanttensor-<version> (pip --target, --no-deps) and
-# tests/test_adapters.py::test_instanttensor_real_on_cuda runs against it: a copying consumer bit-exact with no
+# tests/adapters/test_adapters.py::test_instanttensor_real_on_cuda runs against it: a copying consumer bit-exact with no
 # error, a retaining one caught. For bench/device_check.sh; prints PASS/FAIL/SKIP per version, exits 1 on a failure.
 #
 #   bash bench/instanttensor_check.sh [python]        (default: .venv/bin/python)
@@ -23,10 +23,10 @@ for version in 0.1.5 0.2.2; do
         fi
     fi
     if PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}" timeout 300 "$PY" -m pytest -q -p no:cacheprovider \
-            tests/test_adapters.py -k instanttensor_real_on_cuda -rs 2>&1 | tail -3 | grep -q " passed"; then
+            tests/adapters/test_adapters.py -k instanttensor_real_on_cuda -rs 2>&1 | tail -3 | grep -q " passed"; then
         echo "PASS instanttensor $version"
     else
-        echo "FAIL instanttensor $version (rerun: PYTHONPATH=$target $PY -m pytest -q tests/test_adapters.py -k instanttensor_real_on_cuda)"
+        echo "FAIL instanttensor $version (rerun: PYTHONPATH=$target $PY -m pytest -q tests/adapters/test_adapters.py -k instanttensor_real_on_cuda)"
         status=1
     fi
 done

@@ -20,8 +20,8 @@
     of its own, a ``with Pool(2)`` that ends with ``terminate()``, and a real loader (safetensors through
     a strict ring, when installed); each run's merged report must hold every stale read it made.
 
-Exit status 0 only when all hold. The CI runs a short version (tests/test_mode_placement.py,
-tests/test_mode_stress.py).
+Exit status 0 only when all hold. The CI runs a short version (tests/torch_layer/test_mode_placement.py,
+tests/torch_layer/test_mode_stress.py).
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ process id written as ``N``:
     python docs/samples.py            # rewrite the blocks
     python docs/samples.py --check    # exit 1, naming the sample, when a block differs from a fresh run
 
-``tests/test_doc_samples.py`` runs the check.
+``tests/tools/test_doc_samples.py`` runs the check.
 """
 from __future__ import annotations
 

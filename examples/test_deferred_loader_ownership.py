@@ -1,7 +1,7 @@
 """A layerwise deferred loader (the bug that started this project), caught, and fixed with ``own_arguments``.
 
 Run ``pytest examples/test_deferred_loader_ownership.py``: the first test FAILS ON PURPOSE, to show the
-retention; the second passes. ``tests/test_check_consumer_cli.py`` checks exactly that.
+retention; the second passes. ``tests/tools/test_check_consumer_cli.py`` checks exactly that.
 
 The loader has the shape of vLLM's layerwise online quantization: each parameter's ``weight_loader``
 call is bound with ``inspect.signature(...).bind(...)`` and *deferred* until every parameter of its

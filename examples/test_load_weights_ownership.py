@@ -2,7 +2,7 @@
 
 Run ``pytest examples/test_load_weights_ownership.py``: the first test FAILS ON PURPOSE, to show what a
 retention looks like (who holds the borrowed view, where, the fix, the minimal case and the line that
-replays it); the other two pass. ``tests/test_check_consumer_cli.py`` checks exactly that.
+replays it); the other two pass. ``tests/tools/test_check_consumer_cli.py`` checks exactly that.
 
 The loader is a common shape: the checkpoint stores ``q_proj``, ``k_proj`` and ``v_proj`` apart, the model
 fuses them into one ``qkv_proj``, so the loader parks each part until its partners arrive. Over a borrowing

@@ -3,7 +3,7 @@
 Each adapter declares its :class:`LoaderContracts` (the versions it knows, what it assumes outside
 them, one :class:`Contract` row per borrowing entry point and version range, the versions CI tests);
 its docstring carries the rendered table, ``docs/loaders.md`` carries every table and the engine
-table (:data:`ENGINE_PATHS`), and ``tests/test_loader_docs.py`` checks that both are what
+table (:data:`ENGINE_PATHS`), and ``tests/adapters/test_loader_docs.py`` checks that both are what
 :func:`render_contracts` and :func:`render_engines` produce now, as the README's option table is
 checked against ``core/options.py``. Standard library only: the docs are rendered without torch.
 """
@@ -115,7 +115,7 @@ class EnginePath:
 
     ``outcomes`` maps a loader version (one of the matrix) to ``"caught"`` (a consumer that keeps every
     tensor is caught: borrowed memory) or ``"clean"`` (owned memory, or memory never reused: keeping it
-    is correct, nothing is reported); ``tests/test_engines.py`` drives a loop of this shape under
+    is correct, nothing is reported); ``tests/adapters/test_engines.py`` drives a loop of this shape under
     ``ownsan run`` and checks it.
     """
 
@@ -165,7 +165,7 @@ ENGINE_PATHS: Tuple[EnginePath, ...] = (
                "InstantTensor", "`safe_open(files, framework='pt', device=, process_group=)` (vLLM 0.20), "
                "`copy=True` (vLLM 0.33, SGLang); `tensors()`",
                (("0.1.5", "caught"), ("0.2.2", "clean")),
-               "CUDA only: checked against a CPU fake of each version's API (tests/test_adapters_instanttensor.py) "
+               "CUDA only: checked against a CPU fake of each version's API (tests/adapters/test_adapters_instanttensor.py) "
                "and on a GPU by bench/device_check.sh; 0.1.5-0.1.8 have no `copy` and always lend ring views"),
 )
 

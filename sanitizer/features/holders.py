@@ -50,7 +50,6 @@ _patterns_lock = threading.Lock()
 class WalkResult:
     holders: Dict[int, List[Holder]] = field(default_factory=dict)  # storage key -> holders, best first
     tensors: int = 0
-    ms: float = 0.0
     truncated: bool = False  # the depth or time bound cut the walk short
     replayed: int = 0  # storages named by following a remembered holder path (no heap walk)
 
@@ -149,7 +148,6 @@ def find_holders(keys: Iterable[int], *, depth: int = 8, budget_ms: float = 200.
     costs a few container steps, not a walk of the heap. Storages not found so are walked, from
     their tensors and from their ``aliases``.
     """
-    start = time.perf_counter()
     # The bound is this thread's CPU time, not the wall clock: on a loaded machine (a CI runner, other
     # processes) the same walk gets as far, and names the same holder.
     walk = _Walk(set(keys), depth, time.thread_time() + budget_ms / 1000.0, max_holders)
@@ -164,7 +162,6 @@ def find_holders(keys: Iterable[int], *, depth: int = 8, budget_ms: float = 200.
         for key, bucket in walk.found.items():
             bucket.sort(key=lambda h: h.rank)  # stable: discovery order within a rank
             walk.result.holders[key] = bucket
-        walk.result.ms = (time.perf_counter() - start) * 1000.0
         _remember(walk)
     return walk.result
 
@@ -183,7 +180,6 @@ def replay(keys: Iterable[int], visits: int = _REPLAY_VISITS,
     _replay(walk, visits, names or {})
     for key, bucket in walk.found.items():
         walk.result.holders[key] = bucket
-    walk.result.ms = (time.perf_counter() - start) * 1000.0
     return walk.result
 
 
@@ -246,7 +242,6 @@ def replay_siblings(keys: Iterable[int], names: Optional[Dict[int, Optional[str]
             break
     for key, bucket in walk.found.items():
         walk.result.holders[key] = bucket
-    walk.result.ms = (time.perf_counter() - start) * 1000.0
     return walk.result
 
 

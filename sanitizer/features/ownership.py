@@ -401,14 +401,12 @@ class DeferralScope:
         self._device_checks = False  # a defer queued a CUDA check: replay reads it
         self._live_bytes = 0
         self.peak_bytes = 0
-        self.owned_total = 0
         self.closed = False
         with _acct.lock:
             _acct.open_scopes += 1
 
     def _add(self, nbytes: int) -> None:  # under _acct.lock
         self._live_bytes += nbytes
-        self.owned_total += nbytes
         self.peak_bytes = max(self.peak_bytes, self._live_bytes)
 
     def _live(self, action: str) -> None:

@@ -8,7 +8,7 @@ avoid a dependency for one file: it supports ``type``, ``const``, ``enum``,
 ``$ref`` (``#/$defs/NAME``). An unsupported keyword is an error, so the schema
 cannot silently say more than is checked. Types and equality are the
 specification's, not Python's: ``1.0`` is an ``integer``, ``true`` is neither an
-integer nor equal to ``1``. ``tests/test_report.py`` checks it against the
+integer nor equal to ``1``. ``tests/reporting/test_report.py`` checks it against the
 ``jsonschema`` package (the test extra) on generated schemas and instances.
 """
 from __future__ import annotations

@@ -20,7 +20,7 @@ Each case runs unsanitized (is the result corrupted?) and sanitized with
 
 ``ownsan fuzz --examples N --seed S [-j J]`` runs N cases over J processes and
 prints the counts; ``--replay JSON`` reruns one case. The bounded campaign for
-CI lives in ``tests/test_fuzz.py`` (hypothesis, derandomized).
+CI lives in ``tests/testing/test_fuzz.py`` (hypothesis, derandomized).
 """
 from __future__ import annotations
 
@@ -383,7 +383,7 @@ def _work(seed: int, indices: Sequence[int]) -> Dict[str, Any]:
 
 
 Progress = Callable[[int, int, int], None]  # (cases done, cases in all, failures so far)
-_ProgressLine = ProgressLine  # its old name here (tests/test_cli.py)
+_ProgressLine = ProgressLine  # its old name here (tests/tools/test_cli.py)
 
 
 def campaign(examples: int, seed: int, jobs: int = 1, progress: Optional[Progress] = None) -> Dict[str, Any]:

@@ -319,7 +319,6 @@ class ModeController:
         self._modes: "weakref.WeakSet[BorrowCheckMode]" = weakref.WeakSet()
         self._installed = 0  # threads whose stack holds one of ours
         self._orig_bootstrap: Optional[Callable] = None
-        self.reached_running_threads = False  # did enable() reach threads started before it (3.12+)?
         # 3.12+: other threads carry the mode only while the main thread's interception is on, re-armed in
         # every running thread at the first stale lease (thread_reach); False: each keeps it for its life
         self.lazy_workers = False
@@ -468,10 +467,8 @@ class ModeController:
             if threading.current_thread() is not threading.main_thread() and should_install():
                 controller.install_here()
 
-        if self.lazy_workers:  # they are reached at the first stale lease instead (sync_workers)
-            self.reached_running_threads = thread_reach.AVAILABLE
-        else:
-            self.reached_running_threads = thread_reach.run_in_running_threads(_reached)
+        if not self.lazy_workers:  # (lazily, they are reached at the first stale lease instead: sync_workers)
+            thread_reach.run_in_running_threads(_reached)
 
     def hook_threads_done(self) -> bool:
         return self._orig_bootstrap is not None

@@ -252,7 +252,7 @@ class StagingBuffer:
         ints, a torch dtype, in bounds and aligned), else -1. A predicate only: it never raises and
         refuses nothing itself; whatever it does not recognise goes to :meth:`_check_lend`, which
         accepts or refuses it by the same rules, and says why. (:meth:`lend` runs these lines inline;
-        tests/test_staging.py pins the two to each other and to :meth:`_check_lend`.)"""
+        tests/torch_layer/test_staging.py pins the two to each other and to :meth:`_check_lend`.)"""
         if type(offset) is not int or type(shape) is not tuple or type(dtype) is not torch.dtype:
             return -1
         count = 1

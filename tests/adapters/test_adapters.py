@@ -177,7 +177,7 @@ def test_safetensors_iterate_emulates_borrowing(ckpt_files):
 @pytest.mark.slow
 def test_safetensors_ring_option_patches_safe_open_but_not_load_file(ckpt_files):
     paths, oracle = ckpt_files
-    sanitizer.enable(safetensors_ring=1 << 12, safetensors_strict=1)  # the borrowed contract (tests/test_loader_safetensors.py: both)
+    sanitizer.enable(safetensors_ring=1 << 12, safetensors_strict=1)  # the borrowed contract (tests/adapters/test_loader_safetensors.py: both)
     try:
         assert "safetensors" in adapters.install_import_hooks()
         from safetensors import safe_open

@@ -251,7 +251,7 @@ def _python(version: str):
 def test_running_threads_are_reached_on_python_312_and_refused_before():
     from sanitizer.core import thread_reach
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     here = subprocess.run([sys.executable, "-c", _REACH, root], capture_output=True, text=True, timeout=60)
     expected_here = ["True", "3", "3"] if thread_reach.AVAILABLE else ["False", "0", "0"]
     assert here.stdout.split()[:3] == expected_here, here.stderr

@@ -14,7 +14,7 @@ import pytest
 
 from sanitizer.tools import doctor, startup
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _env(**extra):

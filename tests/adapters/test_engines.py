@@ -2,7 +2,7 @@
 
 The loops below are written from the engines' sources, shaped as they are there (what they call, in
 which order, what they keep and close), with the device set to CPU and progress bars disabled. The
-script that drives them (this file run as ``python -m tests.test_engines LOADER``) imports nothing of
+script that drives them (this file run as ``python -m tests.adapters.test_engines LOADER``) imports nothing of
 the sanitizer: ``ownsan run`` turns it on, the adapters wrap the loader as it is imported, and the
 merged report says what was found. Each scenario reads its own checkpoint (tensor names prefixed by
 the scenario), so every finding is attributed to its scenario by lease name. Two consumers per loop:
@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOADERS_DIR = os.path.join(ROOT, ".loaders")
 DISTRIBUTIONS = {"fst": "fastsafetensors", "runai": "runai-model-streamer"}
 RUNAI_LIMIT = 16 << 10  # the streamer's buffer: two tensors, so that it really is reused (unsanitized corruption)
@@ -327,7 +327,7 @@ def matrix_run(loader: str, version: str) -> Dict[str, Any]:
         env.update(RUNAI_STREAMER_MEMORY_LIMIT=str(RUNAI_LIMIT), RUNAI_STREAMER_LOG_LEVEL="WARNING",
                    PYTHONWARNINGS="always::RuntimeWarning")
         proc = subprocess.run([sys.executable, "-m", "sanitizer", "run", "-q", "--report", report, "--",
-                               sys.executable, "-m", "tests.test_engines", loader, out, version],
+                               sys.executable, "-m", "tests.adapters.test_engines", loader, out, version],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert os.path.exists(out), f"the script did not finish:\n{proc.stdout}\n{proc.stderr}"
         with open(out, encoding="utf-8") as fh:
@@ -373,7 +373,7 @@ def _engine_cases():
 
     for path in ENGINE_PATHS:
         if path.key not in ENGINE_LOOPS:
-            continue  # InstantTensor: CUDA only (tests/test_adapters_instanttensor.py)
+            continue  # InstantTensor: CUDA only (tests/adapters/test_adapters_instanttensor.py)
         for version, outcome in path.outcomes:
             yield pytest.param(path.key, version, outcome, id=f"{path.key}-{version}")
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICKSTART = os.path.join(ROOT, "examples", "quickstart.py")
 
 

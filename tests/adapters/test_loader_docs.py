@@ -8,7 +8,7 @@ import pytest
 
 from sanitizer.adapters import contracts
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOC = os.path.join(ROOT, "docs", "loaders.md")
 
 

@@ -85,7 +85,7 @@ def test_the_options_page_table_is_generated_from_the_table():
     """The docs read the one table too: docs/options.md's block must equal the generated one."""
     import os
 
-    page = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "options.md")).read()
+    page = open(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs", "options.md")).read()
     block = page.split(opts.README_BEGIN)[1].split(opts.README_END)[0].strip()
     assert block == opts.markdown_table(), "run: ownsan options --sync-readme docs/options.md"
 

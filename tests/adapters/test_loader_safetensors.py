@@ -16,7 +16,7 @@ import sanitizer
 from sanitizer import StaleBorrowError, adapters
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RING = 4 * 16 * 16  # one float32[16, 16]: every put reuses the previous tensor's bytes
 
 

@@ -23,7 +23,7 @@ def _clean_sanitizer():
     yield
 
 
-CORPUS = Path(__file__).resolve().parent / "audit_corpus"
+CORPUS = Path(__file__).resolve().parent.parent / "audit_corpus"
 _EXPECT = re.compile(r"#\s*expect:\s*([A-Z0-9, ]+)")
 
 

@@ -100,7 +100,7 @@ def test_bad_arguments_are_usage_errors_naming_the_value(args, named, checkpoint
 @pytest.mark.parametrize("spec, meant", [
     (f"{HERE}:copeis", f"{HERE}:copies"),
     (f"{HERE}:zzzqqxw", None),
-    ("tests/test_check_consumer_clii.py:copies", "tests/test_check_consumer_cli.py"),
+    ("tests/tools/test_check_consumer_clii.py:copies", "tests/tools/test_check_consumer_cli.py"),
 ])
 def test_a_consumer_name_that_does_not_resolve_gets_the_closest_one(spec, meant, checkpoint, in_root, capsys):
     assert cli.main(["fuzz", "--consumer", spec, "--weights", checkpoint]) == 2

@@ -2,7 +2,7 @@
 
 Each version is installed side by side into ``.loaders/<package>-<version>`` by ``.ci/loader_matrix.sh``
 (what ``.ci/run`` does first); a missing folder skips, saying so. The scenarios run in one ``ownsan run``
-per version (shared with tests/test_engines.py, see ``matrix_run``): every entry point of the adapter's
+per version (shared with tests/adapters/test_engines.py, see ``matrix_run``): every entry point of the adapter's
 contract table, with a consumer that keeps every tensor (caught, its holder named) and one that copies
 each tensor before the next (bit-exact, nothing reported); an owning mode is clean either way.
 """
@@ -17,9 +17,9 @@ import pytest
 from sanitizer.adapters import fastsafetensors_adapter, runai_adapter
 from sanitizer.adapters.contracts import parse_version
 from tests.conftest import run_python
-from tests.test_engines import assert_outcome, matrix_run
+from tests.adapters.test_engines import assert_outcome, matrix_run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _fst_expected(version: str) -> dict:

@@ -25,7 +25,7 @@ import pytest
 from sanitizer.audit import audit_paths
 from sanitizer.audit import settings as S
 
-MANIFESTS = sorted((Path(__file__).resolve().parent / "audit_corpus" / "engines").glob("*.txt"))
+MANIFESTS = sorted((Path(__file__).resolve().parent.parent / "audit_corpus" / "engines").glob("*.txt"))
 _ENTRY = re.compile(r"^(RETAINS|SAFE|INPLACE)\s+(\S+):(\d+)\s+(\S+)((?:\s+(?:lines=\S+|cond))*)\s+--\s+(.+)$")
 
 

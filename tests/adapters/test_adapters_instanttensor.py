@@ -24,7 +24,7 @@ import torch
 from tests.conftest import run_python
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _COMMON = '''
 import warnings

@@ -11,7 +11,7 @@ import pytest
 
 from sanitizer.core.ledger import FIRST_GENERATION, Ledger, LedgerError
 
-PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sanitizer")
+PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "sanitizer")
 
 
 @pytest.mark.parametrize("module", ["core/ledger.py", "core/sites.py", "core/options.py", "core/errors.py"])

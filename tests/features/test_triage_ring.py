@@ -19,7 +19,7 @@ import torch
 import sanitizer
 from sanitizer.features import holders, store_site, triage
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "several_holders.py")
 THIS_FILE = os.path.abspath(__file__)
 

@@ -257,7 +257,7 @@ def test_the_zero_code_hook_names_an_option_beyond_its_bound():
 
 # -- 12. ownsan fuzz --weights on a file that is not whole safetensors: one line, exit 2 ----------------
 def _fuzz(capsys, path) -> "tuple[int, str]":
-    code = cli.main(["fuzz", "--consumer", "tests/test_robustness_four.py:copies", "--weights", str(path),
+    code = cli.main(["fuzz", "--consumer", "tests/robustness/test_robustness_four.py:copies", "--weights", str(path),
                      "--examples", "2", "-q"])
     return code, capsys.readouterr().err
 

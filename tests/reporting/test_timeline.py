@@ -519,7 +519,7 @@ def quickstart_report(tmp_path_factory) -> dict:
     import sys
 
     where = tmp_path_factory.mktemp("quickstart")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = where / "q.json"
     proc = subprocess.run([sys.executable, "-m", "sanitizer", "run", "--report", str(out), "-q", "--",
                            sys.executable, os.path.join(root, "examples", "quickstart.py")],

@@ -1,6 +1,6 @@
 """checksum=1 on a fake CUDA StagingBuffer with the real CUDA kernels, run by numba's simulator.
 
-tests/test_cuda_fake.py checks the sanitizer's CUDA paths with a CPU twin of the
+tests/cuda/test_cuda_fake.py checks the sanitizer's CUDA paths with a CPU twin of the
 kernels; here the same harness hands the bytes to the real kernels of
 ``cuda_hooks.gpu`` (numba's simulator, ``NUMBA_ENABLE_CUDASIM=1``, in a child:
 it must be set before numba is imported), so the bridge's launch path (numba

@@ -184,7 +184,7 @@ def test_default_and_device_buffers_are_plain():
 
     if trap_cuda.unavailable(torch.device("cuda", 0)) is None:  # a GPU with virtual memory management
         assert trap.buffer_class((64, "cuda:0"), {}) is trap.TrapStagingBuffer
-    else:  # no VMM driver here: the guard, with one warning saying why (tests/test_trap_cuda.py fakes one)
+    else:  # no VMM driver here: the guard, with one warning saying why (tests/cuda/test_trap_cuda.py fakes one)
         with pytest.warns(RuntimeWarning, match="cannot be trapped on cuda:0"):
             assert trap.buffer_class((64, "cuda:0"), {}) is None
     assert trap.buffer_class((64,), {}) is trap.TrapStagingBuffer

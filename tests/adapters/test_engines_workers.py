@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 runai = pytest.importorskip("runai_model_streamer", reason="runai-model-streamer is not installed (test extra)")
 
 WORKER = textwrap.dedent('''

@@ -10,7 +10,7 @@ import pytest
 
 tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 def _extras() -> dict:

@@ -11,7 +11,7 @@ import pytest
 
 from sanitizer.testing import demo
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--hidden", "64", "--intermediate", "128", "--moe-intermediate", "64", "--dense-layers", "2",
          "--experts", "2", "--repeat", "1"]
 
