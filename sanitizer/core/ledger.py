@@ -273,8 +273,9 @@ class Ledger:
         """A new fresh lease of ``[start, end)``. ``handle`` (the key the caller files it under) is set
         under the ledger's lock, so a concurrent reuse never sees the lease without it."""
         with self._lock:
-            region = self._open_region(region_id, start, end, f"cannot lend '{name}'",
-                                       f"lease '{name}' bytes [{start}, {end}) fall")
+            region = self._regions.get(region_id)
+            if region is None or region.closed or not 0 <= start <= end <= region.nbytes:
+                region = self._open_region(region_id, start, end, name, lending=True)  # (says why, or finds it)
             lease_id = next(self._ids)
             lease = Lease(lease_id, region_id, region.name, start, end, region.generation, name, dtype,
                           shape if type(shape) is tuple else tuple(shape), site, True, None, handle)
@@ -285,12 +286,16 @@ class Ledger:
             self.on_live_change(1)
         return lease
 
-    def _open_region(self, region_id: int, start: int, end: int, refused: str, outside: str) -> Region:
-        """(Under the lock.) The region, open, with ``[start, end)`` inside it; a LedgerError otherwise."""
+    def _open_region(self, region_id: int, start: int, end: int, who: Optional[str], lending: bool) -> Region:
+        """(Under the lock.) The region, open, with ``[start, end)`` inside it; a LedgerError otherwise (its
+        text is built only then: this runs at every lend)."""
         region = self._regions.get(region_id) or self.region(region_id)
         if region.closed:
+            refused = f"cannot lend '{who}'" if lending else f"cannot reuse bytes for '{who}'"
             raise LedgerError(f"staging buffer '{region.name}' is closed: {refused}")
         if not (0 <= start <= end <= region.nbytes):
+            outside = (f"lease '{who}' bytes [{start}, {end}) fall" if lending
+                       else f"reuse of bytes [{start}, {end}) for '{who}' falls")
             raise LedgerError(f"{outside} outside staging buffer '{region.name}' of {region.nbytes} bytes")
         return region
 
@@ -442,8 +447,7 @@ class Ledger:
         poisons or rescues them before the producer writes).
         """
         with self._lock:
-            region = self._open_region(region_id, start, end, f"cannot reuse bytes for '{by}'",
-                                       f"reuse of bytes [{start}, {end}) for '{by}' falls")
+            region = self._open_region(region_id, start, end, by, lending=False)
             before = region.generation
             region.generation += 1
             event = ReuseEvent(next(self._ids), region_id, region.name, start, end,
