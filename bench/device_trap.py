@@ -30,9 +30,9 @@ from sanitizer.torch_layer.ring import StagingRing  # noqa: E402
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
     """A tensor over ``t``'s bytes that the sanitizer never made (a C extension's alias), read on the GPU."""
-    from cuda_hooks.vmm import DeviceRange
+    from sanitizer.torch_layer.aliasing import device_region
 
-    alias = torch.as_tensor(DeviceRange(t.data_ptr(), t.numel() * t.element_size()), device=t.device)
+    alias = torch.as_tensor(device_region(None, t.data_ptr(), t.numel() * t.element_size()), device=t.device)
     with torch._C._DisableTorchDispatch():  # the mode would raise for it; a raw alias is what trap catches
         return alias.view(t.dtype).clone().cpu()
 
@@ -75,8 +75,8 @@ FAULT_CHILD = textwrap.dedent("""
     w = buf.write(0, torch.arange(1024, dtype=torch.float32, device="cuda"), "w")
     ptr = w.data_ptr()
     buf.write(0, torch.zeros(1024, device="cuda"), "next")
-    from cuda_hooks.vmm import DeviceRange
-    alias = torch.as_tensor(DeviceRange(ptr, 4096), device="cuda")
+    from sanitizer.torch_layer.aliasing import device_region
+    alias = torch.as_tensor(device_region(None, ptr, 4096), device="cuda")
     with torch._C._DisableTorchDispatch():
         alias.view(torch.float32).sum().item()
     print("NOT REACHED", flush=True)

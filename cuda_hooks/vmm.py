@@ -32,7 +32,7 @@ import ctypes.util
 import threading
 from typing import Any, Dict, List, Optional
 
-__all__ = ["Driver", "CudaDriver", "DeviceRange", "VmmError", "driver", "use_driver", "round_up"]
+__all__ = ["Driver", "CudaDriver", "VmmError", "driver", "use_driver", "round_up", "ranges"]
 
 
 class VmmError(RuntimeError):
@@ -42,18 +42,6 @@ class VmmError(RuntimeError):
 def round_up(n: int, granule: int) -> int:
     """``n`` rounded up to a whole number of granules (at least one)."""
     return max(1, -(-n // granule)) * granule
-
-
-class DeviceRange:
-    """``nbytes`` of device memory at ``ptr`` through ``__cuda_array_interface__`` (``torch.as_tensor``
-    builds a tensor over it that keeps this object alive: the alias's lifetime is the tensor's)."""
-
-    __slots__ = ("__weakref__", "__cuda_array_interface__", "owner")
-
-    def __init__(self, ptr: int, nbytes: int, owner: Any = None):
-        self.owner = owner  # what must outlive the tensor (the window whose range this is)
-        # version 2, no stream key: torch then adds no synchronisation, as for a lease of a plain buffer
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
 
 
 class Driver:

@@ -16,7 +16,7 @@ dtype, so a lend costs one ``from_numpy`` and at most one torch ``view``.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -49,13 +49,14 @@ class _CudaRegion:
     """Exposes ``nbytes`` of device memory at ``ptr`` via the CUDA array interface.
 
     torch keeps this object referenced from the new storage's deleter, so it
-    lives exactly as long as the storage; it also holds the buffer tensor, so
-    the memory outlives every lease even after the buffer is closed.
+    lives exactly as long as the storage; it also holds ``owner`` (the buffer
+    tensor; in trap mode the lease's window), so the memory outlives every
+    lease even after the buffer is closed. Made by :func:`device_region`.
     """
 
     __slots__ = ("__weakref__", "_owner", "__cuda_array_interface__")
 
-    def __init__(self, owner: torch.Tensor, ptr: int, nbytes: int):
+    def __init__(self, owner: Any, ptr: int, nbytes: int):
         self._owner = owner
         # Version 2 without a stream key: torch then adds no synchronisation.
         self.__cuda_array_interface__ = {
@@ -64,6 +65,11 @@ class _CudaRegion:
             "data": (ptr, False),
             "version": 2,
         }
+
+
+def device_region(owner: Any, ptr: int, nbytes: int) -> _CudaRegion:
+    """``nbytes`` of device memory at ``ptr``, for ``devices.from_interface``, keeping ``owner`` alive."""
+    return _CudaRegion(owner, ptr, nbytes)
 
 
 def check_device(device: torch.device) -> None:
@@ -94,7 +100,7 @@ def alias_view(
         np_dtype, retype = HOST_VIEWS.get(dtype) or host_view(dtype)
         piece = np.ndarray(shape, np_dtype, host, offset)  # one call: cheaper than slice+view+reshape
         return own_ops.over_host(piece, dtype, retype), piece
-    piece = _CudaRegion(buffer_u8, buffer_u8.data_ptr() + offset, nbytes)
+    piece = device_region(buffer_u8, buffer_u8.data_ptr() + offset, nbytes)
     alias = devices.from_interface(piece, devices.device_of(buffer_u8))
     return alias.view(dtype).view(shape), piece
 

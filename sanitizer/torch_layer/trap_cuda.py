@@ -32,6 +32,7 @@ import torch
 
 from cuda_hooks import devices, vmm
 from sanitizer.core import fault_report
+from sanitizer.torch_layer.aliasing import device_region
 from sanitizer.torch_layer.trap_windows import WindowsByLease
 
 MAX_GRAVEYARD = 64  # dead aliases kept mapped until a device wait lets them go
@@ -169,7 +170,7 @@ class CudaTrapMemory(WindowsByLease):
         drv.map(address, self.length, self._handle, 0)
         drv.set_access(address, self.length, self.index, True)
         writer = _Writer(address, self.length, self.index)
-        self.data = devices.from_interface(vmm.DeviceRange(address, self.length, writer), self.device)[:nbytes]
+        self.data = devices.from_interface(device_region(writer, address, self.length), self.device)[:nbytes]
         super().__init__()
         self._waited_for: Any = None  # the reuse event this memory last waited for the device at
 
@@ -199,7 +200,7 @@ class CudaTrapMemory(WindowsByLease):
             drv.free(address, length)
             raise
         window = CudaWindow(address, length, first, self.index)
-        piece = vmm.DeviceRange(address + offset - first, nbytes, window)
+        piece = device_region(window, address + offset - first, nbytes)
         view = devices.from_interface(piece, self.device).view(dtype).view(shape)
         return view, piece, window
 
