@@ -319,8 +319,9 @@ class TrapMemory(WindowsByLease):
 
     def lend_view(self, offset: int, nbytes: int, shape: tuple, dtype: torch.dtype
                   ) -> Optional[Tuple[torch.Tensor, Any, _Window]]:
-        """``(tensor, piece, window)`` of a lease on a window of its own; None past the map limit."""
-        if self._file is None or not _room():
+        """``(tensor, piece, window)`` of a lease on a window of its own; None when the buffer is closed or a
+        mapping failed (the budget is checked, and windows counted, by the buffer's lend)."""
+        if self._file is None:
             return None
         first = offset // pages.PAGE * pages.PAGE
         end = pages.round_up(offset + max(nbytes, 1))
@@ -331,8 +332,6 @@ class TrapMemory(WindowsByLease):
                 _fall_back(f"mmap failed ({exc})")
                 return None
             mirror.take(first, end)
-            _counts["windows"] += 1
-            _counts["peak"] = max(_counts["peak"], _counts["windows"])
         window = _Window(mirror, first, end - first)
         np_dtype, retype = HOST_VIEWS.get(dtype) or host_view(dtype)
         piece = np.ndarray(shape, np_dtype, np.asarray(window), offset - first)
@@ -560,14 +559,12 @@ class TrapStagingBuffer(StagingBuffer):
                       name: Optional[str]) -> torch.Tensor:
         """The lend's tail in trap mode: the view on a window of its own (a plain one past the budget)."""
         memory = self._memory
-        made = memory.lend_view(offset, nbytes, tuple(shape), dtype) if type(memory) is TrapMemory or _room() \
-            else None  # (a CPU window counts itself and checks the budget; a CUDA alias is counted here)
+        made = memory.lend_view(offset, nbytes, tuple(shape), dtype) if _room() else None
         if made is None:
             return super()._lend_checked(data, offset, nbytes, shape, dtype, name)
-        if type(memory) is not TrapMemory:
-            with _lock:
-                _counts["windows"] += 1
-                _counts["peak"] = max(_counts["peak"], _counts["windows"])
+        with _lock:  # (each window gives its count back when it dies, CPU and CUDA alike)
+            _counts["windows"] += 1
+            _counts["peak"] = max(_counts["peak"], _counts["windows"])
         view, piece, window = made
         lease = runtime.track_lease(self._region, offset, nbytes, view, piece, name, dtype, shape)
         memory.attach(lease, window)
