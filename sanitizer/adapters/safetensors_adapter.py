@@ -181,9 +181,8 @@ class EmulatedSafeOpen:
             kept = self._kept.get(group)
             if kept is None:
                 kept = self._kept[group] = _Kept(holder)
-            previous, keeper = storage_handles.repoint(storage)  # the view and its derived views now own a copy
+            previous, _ = storage_handles.repoint(storage)  # the view and its derived views now own a copy
             runtime.disown(lease)  # before `previous` (now holding the staging alias) dies
-            runtime.rebind_lease(lease, keeper)
             del previous
             kept.count += 1
             kept.nbytes += lease.end - lease.start

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -83,26 +84,40 @@ class ReuseEvent:
         return {**self._facts(), "stack": to_records(self.site)}
 
 
-@dataclass(eq=False, slots=True)
-class Lease:
-    """One lent view of a region's bytes ``[start, end)``."""
+class _Forever:
+    """What a lease lent without a watched object refers to: it lives as long as this module."""
 
-    lease_id: int
-    region_id: int
-    region_name: str
-    start: int
-    end: int
-    generation: int
-    name: Optional[str]
-    dtype: str
-    shape: Tuple[int, ...]
-    site: Site
-    alive: bool = True
-    stale_by: Optional[ReuseEvent] = None
-    handle: Any = None  # opaque key the torch layer files the lease under (its storage address)
-    rescued: bool = False  # moved onto owned memory before its bytes were reused: no longer borrowed
-    checksum: Any = None  # the checksum feature's record of the lent bytes (a host hash or a device slot)
-    lent: Any = None  # the torch layer's id() of the lent tensor object (the borrowed marker's answer)
+
+_FOREVER = _Forever()
+_new_weak_reference = weakref.ref.__new__
+
+
+class Lease(weakref.ref):
+    """One lent view of a region's bytes ``[start, end)``.
+
+    A lease is also a weak reference to what ends it: the torch layer lends over a storage of the
+    view's own and watches that storage (calling the lease returns it while it lives, then None), and
+    the reference's callback ends the lease at its death. One object per lease, not a record plus a
+    token: at 100,000 leases a second object and the dict that kept it alive cost ~150 bytes and
+    ~0.2 us a lend (``bench/scale.py``, ``bench/overhead.py``). The ledger alone (tests, synthetic
+    ids) watches nothing: such a lease refers to an object that lives as long as this module.
+
+    Identity is what counts: two leases are equal only when they are one (a weak reference would
+    otherwise compare, and hash, by its referent). Made only by :meth:`Ledger.lend`."""
+
+    __slots__ = ("lease_id", "region_id", "region_name", "start", "end", "generation", "name", "dtype", "shape",
+                 "site", "alive", "stale_by", "handle", "rescued", "checksum", "lent")
+    # handle: opaque key the torch layer files the lease under (its storage address)
+    # rescued: moved onto owned memory before its bytes were reused: no longer borrowed
+    # checksum: the checksum feature's record of the lent bytes (a host hash or a device slot)
+    # lent: the torch layer's id() of the lent tensor object (the borrowed marker's answer)
+
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+    __hash__ = object.__hash__
+
+    def __init__(self, *args: Any) -> None:
+        raise TypeError("a Lease is made by Ledger.lend")
 
     @property
     def stale(self) -> bool:
@@ -115,6 +130,15 @@ class Lease:
     def describe(self) -> str:
         """``'name' bfloat16[256, 128]``: what a person recognises the view by."""
         return describe_lease({"name": self.name, "lease_id": self.lease_id, "dtype": self.dtype, "shape": self.shape})
+
+    def __repr__(self) -> str:
+        state = "stale" if self.stale_by is not None else "fresh"
+        return (f"<Lease {self.lease_id} {self.describe()} bytes [{self.start}, {self.end}) of '{self.region_name}', "
+                f"generation {self.generation}, {state}{'' if self.alive else ', dead'}{', rescued' if self.rescued else ''}>")
+
+    def __reduce__(self) -> Any:
+        raise TypeError(f"a Lease is a live ledger object and does not pickle; send lease.to_dict() "
+                        f"(lease {self.lease_id}, {self.describe()})")
 
     def to_dict(self) -> dict:
         return {
@@ -214,7 +238,7 @@ class Ledger:
         self._ids = itertools.count(1)
         self._regions: Dict[int, Region] = {}
         self._by_device: Dict[str, IntervalIndex] = {}  # device -> its indexed regions, by address range
-        self._live: Dict[int, Lease] = {}
+        self._live: Dict[Any, Lease] = {}  # alive leases by key (the caller's handle, else the lease id)
         self.on_live_change = on_live_change
 
     def after_fork_in_child(self) -> None:
@@ -269,19 +293,41 @@ class Ledger:
         shape: Tuple[int, ...],
         site: Site = (),
         handle: Any = None,
+        watch: Any = None,
+        on_death: Optional[Callable[[Lease], Any]] = None,
+        lent: Any = None,
     ) -> Lease:
-        """A new fresh lease of ``[start, end)``. ``handle`` (the key the caller files it under) is set
-        under the ledger's lock, so a concurrent reuse never sees the lease without it."""
+        """A new fresh lease of ``[start, end)``, filed under ``handle`` (the caller's key: the torch layer's
+        storage address, unique among alive leases) or, without one, under its id: :meth:`lease`,
+        :meth:`release` and :meth:`disown` take that key. The lease weakly refers to ``watch`` and
+        ``on_death(lease)`` runs at its death (see :class:`Lease`). Everything is set under the ledger's
+        lock, so a concurrent reuse never sees a lease half made."""
         with self._lock:
             region = self._regions.get(region_id)
             if region is None or region.closed or not 0 <= start <= end <= region.nbytes:
                 region = self._open_region(region_id, start, end, name, lending=True)  # (says why, or finds it)
             lease_id = next(self._ids)
-            lease = Lease(lease_id, region_id, region.name, start, end, region.generation, name, dtype,
-                          shape if type(shape) is tuple else tuple(shape), site, True, None, handle)
+            lease = _new_weak_reference(Lease, _FOREVER if watch is None else watch, on_death)
+            lease.lease_id = lease_id
+            lease.region_id = region_id
+            lease.region_name = region.name
+            lease.start = start
+            lease.end = end
+            lease.generation = region.generation
+            lease.name = name
+            lease.dtype = dtype
+            lease.shape = shape if type(shape) is tuple else tuple(shape)
+            lease.site = site
+            lease.alive = True
+            lease.stale_by = None
+            lease.handle = handle
+            lease.rescued = False
+            lease.checksum = None
+            lease.lent = lent
             region.pending[lease_id] = lease  # indexed only when something looks (see Region.pending)
-            self._live[lease_id] = lease
-            became_live = len(self._live) == 1
+            live = self._live
+            live[lease_id if handle is None else handle] = lease
+            became_live = len(live) == 1
         if became_live and self.on_live_change is not None:
             self.on_live_change(1)
         return lease
@@ -299,8 +345,9 @@ class Ledger:
             raise LedgerError(f"{outside} outside staging buffer '{region.name}' of {region.nbytes} bytes")
         return region
 
-    def release(self, lease_id: int) -> Optional[Lease]:
-        """The lease's memory is no longer reachable (its storage died).
+    def release(self, key: Any, lease: Optional[Lease] = None) -> Optional[Lease]:
+        """The lease filed under ``key`` is no longer reachable (its storage died). With ``lease``, only
+        if that is the one filed there (a death reported late must not end a newer lease of the key).
 
         Runs at every death (in a weakref callback), so the common case takes no lock: a lease that
         died before anything looked at its region's fresh leases is still pending, and two atomic dict
@@ -315,12 +362,15 @@ class Ledger:
         ``on_live_change(0)`` is called by each release that finds no live lease left, so two
         concurrent last releases may both call it (it must be idempotent, as it must tolerate a
         concurrent lend's ``on_live_change(1)`` arriving in either order)."""
-        lease = self._live.pop(lease_id, None)
+        live = self._live
+        if lease is not None and live.get(key) is not lease:
+            return None
+        lease = live.pop(key, None)
         if lease is None:
             return None
         lease.alive = False
         region = self._regions.get(lease.region_id)
-        pending = region is not None and region.pending.pop(lease_id, None) is not None
+        pending = region is not None and region.pending.pop(lease.lease_id, None) is not None
         if not pending or region.closed:
             with self._lock:
                 if region is None:
@@ -330,14 +380,15 @@ class Ledger:
                         region._unfile(lease)
                     if region.closed and not region.alive and self._regions.get(region.region_id) is region:
                         self._drop(region)  # (an orphan() or close() that ran after our pop may have)
-        if not self._live and self.on_live_change is not None:
+        if not live and self.on_live_change is not None:
             self.on_live_change(0)
         return lease
 
-    def disown(self, lease_id: int) -> Optional[Lease]:
-        """The lease's views now own their bytes (a rescue moved them): it is no longer a borrow."""
+    def disown(self, key: Any) -> Optional[Lease]:
+        """The views of the lease filed under ``key`` now own their bytes (a rescue moved them): it is no
+        longer a borrow."""
         with self._lock:
-            lease = self._live.pop(lease_id, None)
+            lease = self._live.pop(key, None)
             if lease is None:
                 return None
             region = self._regions[lease.region_id]
@@ -379,8 +430,10 @@ class Ledger:
             if not region.alive:
                 self._drop(region)
 
-    def lease(self, lease_id: int) -> Optional[Lease]:
-        return self._live.get(lease_id)
+    def lease(self, key: Any) -> Optional[Lease]:
+        """The alive lease filed under ``key`` (its handle; its id when lent without one), or None. A dict
+        lookup, no lock: the torch layer's lookup of a tensor's lease (by storage address) is this."""
+        return self._live.get(key)
 
     @property
     def live_count(self) -> int:
@@ -420,14 +473,14 @@ class Ledger:
             region._fold()
             return _in_lend_order(region.fresh.items() + region.stale.items())
 
-    def is_stale(self, lease_id: int) -> bool:
-        lease = self._live.get(lease_id)
+    def is_stale(self, key: Any) -> bool:
+        lease = self._live.get(key)
         if lease is None:
-            raise LedgerError(f"lease {lease_id} is not alive")
+            raise LedgerError(f"lease {key} is not alive")
         return lease.stale
 
-    def stale_cause(self, lease_id: int) -> Optional[ReuseEvent]:
-        lease = self._live.get(lease_id)
+    def stale_cause(self, key: Any) -> Optional[ReuseEvent]:
+        lease = self._live.get(key)
         return None if lease is None else lease.stale_by
 
     # -- reuse -------------------------------------------------------------

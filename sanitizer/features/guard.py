@@ -66,7 +66,7 @@ def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
     for lease in victims:
         if not lease.alive or lease.rescued or (_trap is not None and _trap.covers(lease)):
             continue  # (trap mode already replaced this lease's pages in place)
-        storage = runtime.storage_of(lease)  # (whenever it was lent: the runtime keeps a weak handle)
+        storage = runtime.storage_of(lease)  # (whenever it was lent: a lease is a weak reference to its storage)
         if storage is None or storage_handles.holders(storage) <= 0:
             continue  # nobody holds it: it dies now and nobody can read it
         device = devices.storage_device(storage)
@@ -77,8 +77,7 @@ def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
 
 
 def _entomb(lease: Lease, storage: Any, fill: int) -> None:
-    previous, keeper = storage_handles.repoint(storage, fill)
-    runtime.rebind_lease(lease, keeper)  # before `previous` (the staging alias) is dropped
+    previous, keeper = storage_handles.repoint(storage, fill)  # same storage object: its death still ends the lease
     del previous
     nbytes = storage.nbytes()
     with _lock:

@@ -80,7 +80,7 @@ def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
             _remember({"kind": "rescue", "rescued": False, "reason": UNAVAILABLE_REASON,
                        "lease": lease.to_dict(), "event": event.to_dict()})
             continue
-        storage = runtime.storage_of(lease)  # None: already dead (or no weak handles in this torch)
+        storage = runtime.storage_of(lease)  # None: already dead
         if storage is not None and not _capturing(storage, lease):
             device = _rescue(lease, storage, event)
             if device is not None:
@@ -115,8 +115,7 @@ def _rescue(lease: Lease, storage: torch.UntypedStorage, event: ReuseEvent) -> O
         previous, keeper = storage_handles.repoint(storage, source=buffer_bytes(lease.region_id))
     runtime.disown(lease)  # before `previous` (now holding the staging alias) dies
     nbytes = storage.nbytes()
-    if not in_place:
-        runtime.rebind_lease(lease, keeper)  # its death is now the copy's: release hooks see the true end
+    if not in_place:  # (the storage object is the same: its death, now the copy's, still ends the lease)
         del previous
         from sanitizer.features.ownership import account_copy
 

@@ -8,7 +8,7 @@ mutates under it, without a lock. Registration is idempotent.
 Kinds, in the order a lease meets them:
 
 * **enable** ``(options)``: :func:`sanitizer.enable` resolved its options (a feature arms itself);
-* **lend** ``(lease, view)``: after a lend while enabled (take its checksum, keep a weak handle);
+* **lend** ``(lease, view)``: after a lend while enabled (take its checksum);
 * **reuse** ``(region, event)``: every reuse, retire and close, whether or not it retired a live lease;
 * **retire** ``(region, event, victims)``: a reuse or close retires alive leases, before the producer
   writes; run in :class:`RetireOrder`; a hook may rescue a victim, the rest become stale;

@@ -115,7 +115,7 @@ def sync_exports() -> None:
 def _on_export(tensor: Any, where: str, result: Any) -> None:
     """An exporter ran: a fresh lease's memory now has an alias the sanitizer cannot follow."""
     try:
-        lease = state.by_storage.get(storage_key(tensor))
+        lease = state.ledger.lease(storage_key(tensor))
     except (RuntimeError, NotImplementedError):
         return
     if lease is None or lease.stale_by is not None:

@@ -24,46 +24,42 @@ from sanitizer.core import options as _opts
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.core.retires_in_flight import RetiresInFlight
 from sanitizer.core.sites import Site, capture
-from sanitizer.torch_layer import interception, storage_handles
+from sanitizer.torch_layer import interception
 from sanitizer.torch_layer.aliasing import _DTYPE_NAMES, byte_extent, device_key, dtype_name, storage_key
 from sanitizer.torch_layer.hooks import HOOKS
 from sanitizer.torch_layer.state import state
 
-__all__ = ["track_lease", "rebind_lease", "storage_of", "reuse", "retire", "close_region", "disown", "lease_of",
+__all__ = ["track_lease", "storage_of", "reuse", "retire", "close_region", "disown", "lease_of",
            "is_borrowed", "arm", "disarm", "override", "options", "set_options"]
 
 
 # -- leases ------------------------------------------------------------------
 def track_lease(region: Region, start: int, nbytes: int, view: torch.Tensor, piece: Any,
                 name: Optional[str], dtype: torch.dtype, shape: tuple) -> Lease:
-    """Record a lend whose tensor ``view`` has a storage of its own (see aliasing.py).
+    """Record a lend whose tensor ``view`` has a storage of its own (see aliasing.py; ``piece``, the
+    object its memory's deleter keeps, is not needed here: the storage itself is watched). Called only
+    by a buffer's ``_lend_checked`` (see the capture below).
 
     This is on every loader's hot path and must stay within 1.5x a plain slice: while the sanitizer
     is off only the immediate call site is kept, and the ledger files the lease in O(1) (see
-    ``Region.pending``). ``lease.lent`` (the borrowed marker's answer) is set here too.
+    ``Region.pending``). The lease is a weak reference to the view's storage (its death ends the
+    lease, see :func:`_lease_died`), filed under the storage's address (what :func:`lease_of` looks
+    up), with ``lease.lent`` (the borrowed marker's answer) set.
     """
     depth = state.options.stack_depth
     enabled = state.enabled
     if depth:
-        site = capture(depth if enabled or depth == 1 else 1, 3)  # 3: past capture, track_lease and lend
+        # 4: past capture, this function, a buffer's _lend_checked and its caller (lend or write_prepared,
+        # ours too): the walk starts at the frame that may be the user's. Python 3.11+ makes a frame
+        # object for each frame the walk touches, and for a call that is about to return that costs
+        # more than the rest of the capture (0.8 us of a 5 us lend when it started at lend's frame).
+        site = capture(depth if enabled or depth == 1 else 1, 4)
     else:
         site = ()
     storage = view.untyped_storage()
-    key = storage._cdata
     lease = state.ledger.lend(region.region_id, start, start + nbytes, name,
-                              _DTYPE_NAMES.get(dtype) or dtype_name(dtype), shape, site, key)
-    state.by_storage[key] = lease
-    if _STORAGE_TOKENS:
-        ref = _LeaseRef(storage, _lease_died)  # the storage's own Python object: its weak handle too
-        ref.weak = None
-    else:
-        ref = _LeaseRef(piece, _lease_died)
-        ref.weak = storage._weak_ref() if _WEAK_HANDLES else None
-        if len(_dead_handles) > 256:
-            _free_dead_handles()
-    ref.lease = lease
-    state.tokens[lease.lease_id] = ref  # (not on the lease: an error keeps the lease, and must keep nothing else)
-    lease.lent = id(view)  # BORROWED_MARKER answers True for this object (see staging._BorrowedMarker)
+                              _DTYPE_NAMES.get(dtype) or dtype_name(dtype), shape, site, storage._cdata,
+                              storage, _ENDS_LEASE, id(view))
     if enabled:
         interception.on_lend()
         for hook in HOOKS.lend:
@@ -71,23 +67,9 @@ def track_lease(region: Region, start: int, nbytes: int, view: torch.Tensor, pie
     return lease
 
 
-class _LeaseRef(weakref.ref):
-    """A lease's token: a weak reference whose callback ends the lease, with the lease. One per alive
-    lease, in ``state.tokens`` (keyed by lease id): a death is found in O(1).
-
-    What it watches: the lease's storage itself where torch keeps a storage's Python object exactly
-    as long as the storage lives (:data:`_STORAGE_TOKENS`, torch 2.1+). Then the token is also the
-    weak handle that rescue and the guard reach the storage through (:func:`storage_of`), and a
-    re-pointed storage (the guard's tombstone, rescue's copy) keeps its token. Elsewhere it watches
-    the object the memory's deleter keeps (``piece``), holds a C weak handle on the storage
-    (``weak``), and a re-pointing replaces it (:func:`rebind_lease`)."""
-
-    __slots__ = ("lease", "weak")
-
-
 def _storage_objects_preserved() -> bool:
     """Does this torch keep a storage's Python object alive as long as the storage (PyObject
-    preservation), so that a weak reference to it dies exactly with the storage?"""
+    preservation, torch 2.1+), so that a weak reference to it dies exactly with the storage?"""
     try:
         t = torch.empty(1)
         s = t.untyped_storage()
@@ -98,31 +80,17 @@ def _storage_objects_preserved() -> bool:
         return False
 
 
-_STORAGE_TOKENS: bool = _storage_objects_preserved()
+if not _storage_objects_preserved():  # pyproject asks for torch>=2.4: only an unusual build lands here
+    raise ImportError(f"ownership-sanitizer needs a torch that keeps a storage's Python object as long as the "
+                      f"storage lives (torch 2.1 and later do); torch {torch.__version__} does not")
 
 
-def _token(piece: Any, lease: Lease, weak: Optional[int]) -> _LeaseRef:
-    ref = _LeaseRef(piece, _lease_died)
-    ref.lease, ref.weak = lease, weak
-    return ref
-
-
-def _lease_died(ref: _LeaseRef) -> None:
-    """A lease's storage is gone (weakref callback): it is no longer alive. Runs wherever the last
-    reference went, possibly inside the GC: dict operations only."""
-    tokens = state.tokens
-    lease = ref.lease
-    lease_id = lease.lease_id
-    if tokens.get(lease_id) is not ref:
-        return  # rebound meanwhile: the lease now ends with its new memory
-    tokens.pop(lease_id, None)
-    if ref.weak is not None:
-        _dead_handles.append(ref.weak)  # freed under _handles_lock, never while storage_of may read it
+def _lease_died(lease: Lease) -> None:
+    """A lease's storage is gone (its weak reference's callback, :class:`_EndsLease`): it is no longer
+    alive. Runs wherever the last reference went, possibly inside the GC: dict operations only."""
     key = lease.handle
-    if state.by_storage.get(key) is lease:
-        del state.by_storage[key]
     ledger = state.ledger
-    ledger.release(lease_id)
+    ledger.release(key, lease)
     lease.alive = False  # a rescued lease too (disowned, it is no longer in the ledger's live set)
     # After the release (which set ``alive``): a reuse in another thread may have made the lease
     # stale just before it died; _mark_stale re-reads ``alive`` after it files a victim, so one of
@@ -133,72 +101,47 @@ def _lease_died(ref: _LeaseRef) -> None:
         stale.pop(key, None)
         if not stale:
             interception.sync()
+    _RESCUED.pop(key, None)
     if not ledger.live_count:
         interception.lease_died_or_disowned()
     for hook in HOOKS.release:
         hook(lease)
 
 
-def rebind_lease(lease: Lease, piece: Any) -> None:
-    """``lease``'s storage now holds other memory, whose deleter keeps ``piece``: from now on its
-    death is what ends the lease (the guard's tombstones, rescue's copies). Call before the old memory
-    is dropped. O(1): with storage tokens nothing changes (the storage, whose death ends the lease, is
-    the same); otherwise the lease's one token is replaced (its weak handle is the same)."""
-    if _STORAGE_TOKENS:
-        return
-    entry = state.tokens.get(lease.lease_id)
-    state.tokens[lease.lease_id] = _token(piece, lease, entry.weak if entry is not None else None)
+class _EndsLease:
+    """The callback of every lease's weak reference: ends the lease at its storage's death.
+
+    An instance, not a function: an error keeps its lease, a lease its callback, and a function
+    would reach this module's globals (every tensor the runtime knows) from the error; an instance
+    with no state reaches only its class."""
+
+    __slots__ = ()
+    __call__ = staticmethod(_lease_died)  # (the function itself: no call in between)
 
 
-# -- a lease's storage, weakly ---------------------------------------------------------
-# The runtime keeps one weak handle on each alive lease's storage (taken at every lend, the
-# sanitizer on or off), so that rescue and the guard reach the storage of a lease retired while
-# something holds it, whenever it was lent. With storage tokens it is the token itself (a Python
-# weak reference to the storage object). Otherwise it is a C pointer (``_weak_ref()``, ~0.1 us): the
-# death path (a weakref callback, possibly inside the GC) only queues it, and it is freed under
-# the lock that storage_of() reads handles under, so a handle is never read after it was freed.
-_WEAK_HANDLES = storage_handles.AVAILABLE
-_handles_lock = threading.Lock()
-_dead_handles: List[int] = []
+_ENDS_LEASE = _EndsLease()
 
-
-@forking.in_child
-def _after_fork() -> None:
-    global _handles_lock
-    _handles_lock = threading.Lock()
-    _RETIRES.after_fork_in_child()
-
-
-def _free_dead_handles() -> None:
-    with _handles_lock:
-        _free_queued()
-
-
-def _free_queued() -> None:
-    """(Under _handles_lock.) Free the weak handles of leases that died."""
-    while _dead_handles:
-        storage_handles.free_weak_handle(_dead_handles.pop())
+# Leases that a rescue (or ``share_memory_()``) made owned: the ledger no longer files them, and this
+# keeps each one (a weak reference: its callback fires only while someone keeps it) until its storage
+# dies, so that its end still sets ``alive`` and reaches the release hooks. Storage address -> lease.
+_RESCUED: Dict[int, Lease] = {}
 
 
 def storage_of(lease: Lease) -> Optional[torch.UntypedStorage]:
     """The storage of an alive lease (a strong reference: keep it only as long as needed), or None
-    when it died or this torch lacks weak storage handles."""
-    if _STORAGE_TOKENS:
-        entry = state.tokens.get(lease.lease_id)
-        return None if entry is None else entry()
-    with _handles_lock:
-        _free_queued()
-        entry = state.tokens.get(lease.lease_id)
-        if entry is None or entry.weak is None:
-            return None
-        return storage_handles.upgrade(entry.weak)
+    when it died. The lease itself is the weak reference to it."""
+    storage = lease()
+    return storage if isinstance(storage, torch.UntypedStorage) else None
+
+
+@forking.in_child
+def _after_fork() -> None:
+    _RETIRES.after_fork_in_child()
 
 
 def _unfile(lease: Lease) -> None:
-    """Drop the lease from the storage-keyed lookups (it died, or a rescue made it owned)."""
+    """Drop the lease from the stale set (a rescue made it owned)."""
     key = lease.handle
-    if state.by_storage.get(key) is lease:
-        del state.by_storage[key]
     if lease.stale_by is not None and state.stale.get(key) is lease:
         del state.stale[key]
         if not state.stale:
@@ -324,14 +267,15 @@ def _mark_stale(victims: List[Lease]) -> None:
 def disown(lease: Lease) -> None:
     """Record that ``lease``'s views were moved onto owned memory: it is no longer a borrow."""
     _unfile(lease)
-    state.ledger.disown(lease.lease_id)
+    if state.ledger.disown(lease.handle) is not None and lease.alive:
+        _RESCUED[lease.handle] = lease
     interception.lease_died_or_disowned()
 
 
 def lease_of(t: torch.Tensor) -> Optional[Lease]:
     """The lease record of a lent tensor or of any view derived from it; None otherwise."""
     try:
-        return state.by_storage.get(storage_key(t))
+        return state.ledger.lease(storage_key(t))
     except (RuntimeError, NotImplementedError):
         return None
 

@@ -26,9 +26,8 @@ class RuntimeState:
         self.options: _opts.Options = _opts.resolve({})
         self.enabled = False  # set only by runtime.arm / runtime.disarm
         self.ledger = Ledger()
-        # Written only by runtime (a lend, a death, a reuse, a rescue); read lock-free by the per-op path.
-        self.by_storage: Dict[int, Lease] = {}  # storage address -> alive lease
-        self.tokens: Dict[int, object] = {}  # lease id -> its token (runtime._LeaseRef: the weakref that ends it)
+        # Alive leases are filed in the ledger under their storage's address (``ledger.lease(key)``).
+        # Written only by runtime (a reuse, a death, a rescue); read lock-free by the per-op path.
         self.stale: Dict[int, Lease] = {}  # storage address -> alive *stale* lease
         self.lock = threading.RLock()  # guards the writes above that are not single dict operations
 

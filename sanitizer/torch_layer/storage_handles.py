@@ -1,14 +1,14 @@
 """Reach a lease's storage at retire time, and re-point it to other memory.
 
 Rescue (copy out) and guard (tombstone) both act on the storage of a lease that
-something still holds when its bytes are retired. The lease record knows only
-the storage's address, so the runtime keeps a *weak* storage handle per lease
-(taken at lend, so holding it never keeps a view alive; see ``runtime.storage_of``)
-and, at retire, a feature swaps the storage's data pointer (``_swap_data_ptr_``):
-the lent tensor and every view derived from it then read the new memory.
+something still holds when its bytes are retired. A lease is a weak reference to
+its storage (taken at lend, so holding it never keeps a view alive; see
+``runtime.storage_of``) and, at retire, a feature swaps the storage's data pointer
+(``_swap_data_ptr_``): the lent tensor and every view derived from it then read the
+new memory.
 
-Needs private storage APIs (weak handles, ``_swap_data_ptr_``,
-``_storage_Use_Count``); :data:`AVAILABLE` says whether this torch has them.
+Needs private storage APIs (``_swap_data_ptr_``, ``_storage_Use_Count``);
+:data:`AVAILABLE` says whether this torch has them.
 """
 from __future__ import annotations
 
@@ -28,21 +28,11 @@ from sanitizer.torch_layer import own_ops
 from sanitizer.torch_layer.aliasing import alias_view, host_array
 
 _S = torch.UntypedStorage
-_API_NAMES = ("_weak_ref", "_new_with_weak_ptr", "_expired", "_free_weak_ref", "_swap_data_ptr_")
+_API_NAMES = ("_swap_data_ptr_",)
 AVAILABLE: bool = all(hasattr(_S, n) for n in _API_NAMES) and hasattr(torch._C, "_storage_Use_Count")
 UNAVAILABLE_REASON: Optional[str] = None if AVAILABLE else (
     "this torch lacks UntypedStorage." + "/".join(n for n in _API_NAMES if not hasattr(_S, n))
     + ("" if hasattr(torch._C, "_storage_Use_Count") else " and torch._C._storage_Use_Count"))
-
-
-def upgrade(handle: int) -> Optional[torch.UntypedStorage]:
-    """A strong reference to the storage behind weak ``handle`` (taken with ``_weak_ref()``), or None
-    when it died. The handle stays valid (free it once with :func:`free_weak_handle`)."""
-    return None if _S._expired(handle) else _S._new_with_weak_ptr(handle)
-
-
-def free_weak_handle(handle: int) -> None:
-    _S._free_weak_ref(handle)
 
 
 def holders(storage: torch.UntypedStorage) -> int:
@@ -333,5 +323,5 @@ def _after_fork() -> None:
     DEVICE_POISON.__init__()  # the blocks are the parent's CUDA memory, which a forked child cannot use
 
 
-__all__ = ["AVAILABLE", "UNAVAILABLE_REASON", "upgrade", "free_weak_handle", "PoisonFile", "POISON", "DevicePoison",
+__all__ = ["AVAILABLE", "UNAVAILABLE_REASON", "PoisonFile", "POISON", "DevicePoison",
            "DEVICE_POISON", "holders", "repoint", "reset_device_state"]

@@ -669,3 +669,33 @@ def test_items_of_one_start_are_removed_in_any_order_without_a_scan_of_them_all(
     odd.add(late, 0, 8)
     odd.add(early, 0, 8)
     assert odd.remove(early, 0, 8) and odd.remove(late, 0, 8) and not odd
+
+
+def test_a_lease_is_one_object_equal_only_to_itself_and_filed_under_its_handle():
+    """A lease is a weak reference (to what ends it): it must not compare or hash by its referent, or every
+    lease of a pure ledger (all watching one object) would be one dict key."""
+    import pickle
+    import weakref as _weakref
+
+    led = Ledger()
+    region = led.add_region("r", "cpu", 0x1000, 64)
+    a = led.lend(region.region_id, 0, 8, "a", "float32", (2,))
+    b = led.lend(region.region_id, 0, 8, "b", "float32", (2,))
+    assert a != b and len({a, b}) == 2 and a == a
+    assert led.lease(a.lease_id) is a  # no handle: filed under its id
+
+    class Watched:
+        pass
+
+    watched, ended = Watched(), []
+    c = led.lend(region.region_id, 8, 16, "c", "float32", (2,), handle="h", watch=watched, on_death=ended.append)
+    assert isinstance(c, _weakref.ref) and c() is watched and led.lease("h") is c and led.lease(c.lease_id) is None
+    assert led.release("h", a) is None and led.lease("h") is c  # not the lease filed there: nothing ends
+    del watched
+    assert ended == [c] and c() is None  # its death runs the callback, with the lease
+    assert led.release("h", c) is c and not c.alive and led.live_count == 2
+    with pytest.raises(TypeError, match="live ledger object and does not pickle"):
+        pickle.dumps(c)
+    with pytest.raises(TypeError, match="Ledger.lend"):
+        type(c)(Watched(), None)
+    assert "'c' float32[2]" in repr(c) and "dead" in repr(c)
