@@ -81,6 +81,12 @@ def lend_vs_slice(buf, number: int, repeat: int) -> dict:
     return {k: (min(v), statistics.median(v)) for k, v in times.items()} | {"repeat": repeat}
 
 
+def machine_load() -> str:
+    """The load the figures were taken under (a shared machine's noise shows here first)."""
+    one, five, _ = os.getloadavg()
+    return f"load average {one:.2f} (1 min) {five:.2f} (5 min) on {os.cpu_count()} CPUs"
+
+
 def print_lend(lend: dict) -> None:
     print(f"lend, sanitizer off ({lend['repeat']} interleaved repeats){'':<4} {'min us':>8} {'median us':>10}")
     print("  each from a call of its own (a fresh caller frame per lend, which the call site's capture must make)")
@@ -102,7 +108,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     if args.lend_only:
         lend = lend_vs_slice(sanitizer.StagingBuffer(1 << 20, name="bench"), args.number // 4, max(args.repeat, 9))
-        print(f"torch {torch.__version__}")
+        print(f"torch {torch.__version__}, Python {sys.version.split()[0]}; {machine_load()}")
         print_lend(lend)
         print("TARGETS: " + "; ".join(f"{n} {lend[k][1]:.2f}x (<= 1.5): {'ok' if lend[k][1] <= 1.5 else 'MISSED'}"
                                       for n, k in (("lend / plain slice (median)", "ratio"),
@@ -176,6 +182,7 @@ def main(argv=None) -> int:
 
     lazy = interception.MODES.lazy_workers
     print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, {torch.get_num_threads()} thread(s); "
+          f"{machine_load()}; "
           f"best of {args.repeat} runs; worker threads: "
           f"{'re-armed at the first stale lease (3.12+)' if lazy else 'a mode for life (before 3.12)'}")
     print(f"{'measure':<36} {'us/op':>8} {'ratio':>7}")

@@ -381,6 +381,9 @@ def main(argv=None) -> int:
     sizes = [int(s) for s in args.sizes.split(",")]
     sections = set(args.sections.split(","))
     number, repeat = (50, 3) if args.quick else (200, 7)
+    one, five, _ = os.getloadavg()
+    print(f"torch {torch.__version__}, Python {sys.version.split()[0]}; load average {one:.2f} (1 min) "
+          f"{five:.2f} (5 min) on {os.cpu_count()} CPUs\n")
     ok = True
     if "curves" in sections:
         curves = Curves(sizes)

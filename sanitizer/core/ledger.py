@@ -216,6 +216,25 @@ class Region:
 
 _LEND_ORDER = attrgetter("lease_id")
 
+# Each distinct shape is kept once: a checkpoint lends thousands of tensors of a few dozen shapes (an MoE
+# layer's experts all alike), and a loader builds a new tuple per tensor (``tuple(header["shape"])``),
+# which the lease would otherwise keep: 56 bytes a lease. Bounded like the call sites (core/sites.py).
+_SHAPES: Dict[Tuple[int, ...], Tuple[int, ...]] = {}
+_SHAPES_MAX = 4096
+
+
+def _kept_shape(shape: Any) -> Tuple[int, ...]:
+    """The kept copy of ``shape`` (a tuple; a list or other sequence is made one), kept now if new."""
+    if type(shape) is not tuple:
+        shape = tuple(shape)
+        hit = _SHAPES.get(shape)
+        if hit is not None:
+            return hit
+    if len(_SHAPES) >= _SHAPES_MAX:
+        _SHAPES.clear()
+    _SHAPES[shape] = shape
+    return shape
+
 
 def _in_lend_order(leases: List[Lease]) -> List[Lease]:
     """The indexes return leases grouped by size; callers (and reports) see them in lend order."""
@@ -316,7 +335,8 @@ class Ledger:
             lease.generation = region.generation
             lease.name = name
             lease.dtype = dtype
-            lease.shape = shape if type(shape) is tuple else tuple(shape)
+            kept = _SHAPES.get(shape) if type(shape) is tuple else None
+            lease.shape = kept if kept is not None else _kept_shape(shape)
             lease.site = site
             lease.alive = True
             lease.stale_by = None

@@ -699,3 +699,12 @@ def test_a_lease_is_one_object_equal_only_to_itself_and_filed_under_its_handle()
     with pytest.raises(TypeError, match="Ledger.lend"):
         type(c)(Watched(), None)
     assert "'c' float32[2]" in repr(c) and "dead" in repr(c)
+
+
+def test_equal_shapes_are_kept_once_and_a_list_shape_becomes_a_tuple():
+    led = Ledger()
+    region = led.add_region("r", "cpu", 0x1000, 64)
+    a = led.lend(region.region_id, 0, 8, "a", "float32", tuple([2, 1]))
+    b = led.lend(region.region_id, 8, 16, "b", "float32", tuple([2, 1]))
+    c = led.lend(region.region_id, 16, 24, "c", "float32", [2, 1])
+    assert a.shape == (2, 1) and a.shape is b.shape is c.shape  # one tuple for the three leases
