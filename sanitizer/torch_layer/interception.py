@@ -71,10 +71,18 @@ def sync() -> None:
 
 
 def stale_marked() -> None:
-    """New leases went stale: intercept, and wrap the writers imported since the last stale lease."""
+    """New leases went stale: intercept, and wrap the writers imported since the last stale lease.
+
+    The thread that marked them gets its mode now, whatever the others do: it is the likeliest to read
+    them next (a loader that reuses and then reads what it kept), and when interception was already on
+    it would otherwise count on the thread that turned it on, which may not have reached this thread
+    yet (Python 3.12+ arms running threads at their next call; the main thread's install may be queued).
+    That race missed 1 stale read in 3,000 on 3.12 (tests/torch_layer/test_processes.py)."""
     sync()
     if _now.on:
         readers.set_hooks(True, check_not_stale, check_storage_not_stale)
+        if not MODES.installed_here():
+            MODES.install_here()
 
 
 def lease_died_or_disowned() -> None:

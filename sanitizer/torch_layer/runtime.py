@@ -101,7 +101,8 @@ def _lease_died(lease: Lease) -> None:
         stale.pop(key, None)
         if not stale:
             interception.sync()
-    _RESCUED.pop(key, None)
+    if _RESCUED:
+        _RESCUED.pop(key, None)
     if not ledger.live_count:
         interception.lease_died_or_disowned()
     for hook in HOOKS.release:
