@@ -54,12 +54,15 @@ def floor_per_lease(n: int, slot: int = 256) -> float:
         pending.append(row)
         return view
 
-    warm = [lend(i) for i in range(64)]  # noqa: F841 (first-use costs are not a lease's)
+    warm = [lend(i) for i in range(64)]  # first-use costs are not a lease's
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     kept = [lend(i) for i in range(64, n)]
-    return (tracemalloc.get_traced_memory()[0] - before) / len(kept)
+    per = (tracemalloc.get_traced_memory()[0] - before) / len(kept)
+    tracemalloc.stop()
+    del warm, kept
+    return per
 
 
 def main(argv=None) -> int:
