@@ -87,7 +87,7 @@ class Curves:
 
     def print(self) -> bool:
         first, last = self.sizes[0], self.sizes[-1]
-        head = "".join(f"{f'n={n:,}':>11}" for n in self.sizes)
+        head = "".join(f" {f'n={n:,}':>10}" for n in self.sizes)  # (a space: n=1,000,000 is 11 wide)
         print(f"{'µs per call':<34}{head}   {f'{last:,}/{first:,}':>10}  target")
         ok = True
         for row, by_n in self.rows.items():
