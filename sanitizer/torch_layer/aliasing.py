@@ -24,8 +24,6 @@ import torch
 from cuda_hooks import devices
 from sanitizer.torch_layer import own_ops
 
-_modes, _from_numpy = own_ops.modes, own_ops.from_numpy
-
 _SUPPORTED = ("cpu", "cuda")
 
 _NUMPY_SAME = {
@@ -101,10 +99,7 @@ def alias_view(
     if host is not None:
         np_dtype, retype = HOST_VIEWS.get(dtype) or host_view(dtype)
         piece = np.ndarray(shape, np_dtype, host, offset)  # one call: cheaper than slice+view+reshape
-        if _modes():  # a dispatch mode on this thread: make it out of its sight (see own_ops)
-            return own_ops.over_host(piece, dtype, retype), piece
-        view = _from_numpy(piece)  # (own_ops.over_host's lines, for the lend's hot path: a call less)
-        return (view.view(dtype) if retype else view), piece
+        return own_ops.over_host(piece, dtype, retype), piece
     piece = device_region(buffer_u8, buffer_u8.data_ptr() + offset, nbytes)
     alias = devices.from_interface(piece, devices.device_of(buffer_u8))
     return alias.view(dtype).view(shape), piece

@@ -25,7 +25,7 @@ import torch
 
 quiet = torch._C._DisableTorchDispatch  # a context manager (an RAII guard): ~1.4 µs, a mode dispatch ~5 µs
 from_numpy = torch._C._VariableFunctions.from_numpy  # never the readers' wrapper
-modes = _modes = torch._C._len_torch_dispatch_stack  # ~0.1 µs: no mode on this thread's stack, no guard to pay for
+_modes = torch._C._len_torch_dispatch_stack  # ~0.1 µs: no mode on this thread's stack, no guard to pay for
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _T = TypeVar("_T")

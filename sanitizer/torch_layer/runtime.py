@@ -34,11 +34,10 @@ __all__ = ["track_lease", "storage_of", "reuse", "retire", "close_region", "diso
 
 
 # -- leases ------------------------------------------------------------------
-def track_lease(region: Region, start: int, nbytes: int, view: torch.Tensor, piece: Any,
+def track_lease(region: Region, start: int, nbytes: int, view: torch.Tensor,
                 name: Optional[str], dtype: torch.dtype, shape: tuple) -> Lease:
-    """Record a lend whose tensor ``view`` has a storage of its own (see aliasing.py; ``piece``, the
-    object its memory's deleter keeps, is not needed here: the storage itself is watched). Called only
-    by a buffer's ``_lend_checked`` (see the capture below).
+    """Record a lend whose tensor ``view`` has a storage of its own (see aliasing.py). Called only by a
+    buffer's ``_lend_checked`` (see the capture below).
 
     This is on every loader's hot path and must stay within 1.5x a plain slice: while the sanitizer
     is off only the immediate call site is kept, and the ledger files the lease in O(1) (see

@@ -257,8 +257,8 @@ class StagingBuffer:
     def _lend_checked(self, data: torch.Tensor, offset: int, nbytes: int, shape: tuple, dtype: torch.dtype,
                       name: Optional[str]) -> torch.Tensor:
         """The one tail of every lend (checked already): the view over its own storage, its lease, its mark."""
-        view, piece = alias_view(data, self._host, offset, nbytes, shape, dtype)
-        runtime.track_lease(self._region, offset, nbytes, view, piece, name, dtype, shape)
+        view, _ = alias_view(data, self._host, offset, nbytes, shape, dtype)  # (its storage is what is watched)
+        runtime.track_lease(self._region, offset, nbytes, view, name, dtype, shape)
         if not _MARKER_ON_CLASS:
             setattr(view, BORROWED_MARKER, True)  # the name is taken on torch.Tensor: mark the view itself
         return view

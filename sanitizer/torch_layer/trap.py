@@ -565,8 +565,8 @@ class TrapStagingBuffer(StagingBuffer):
         with _lock:  # (each window gives its count back when it dies, CPU and CUDA alike)
             _counts["windows"] += 1
             _counts["peak"] = max(_counts["peak"], _counts["windows"])
-        view, piece, window = made
-        lease = runtime.track_lease(self._region, offset, nbytes, view, piece, name, dtype, shape)
+        view, _, window = made
+        lease = runtime.track_lease(self._region, offset, nbytes, view, name, dtype, shape)
         memory.attach(lease, window)
         if not _staging._MARKER_ON_CLASS:
             setattr(view, BORROWED_MARKER, True)
