@@ -1,45 +1,326 @@
-"""Run a function once in each thread that is already running (Python 3.12+).
+"""Run a function in threads at their next Python call or return, without replacing anyone's profiler.
 
 A dispatch mode can only be pushed by the thread that owns the stack, so
-threads started before ``enable()`` are out of the sanitizer's reach, unless
-each of them can be made to run a little code of ours. Python 3.12 added
-``threading.setprofile_all_threads``: a profile function set in every running
-thread. Ours runs at the thread's next Python call or return, removes itself
-from that thread (``sys.setprofile(None)`` acts on the current thread only)
-and calls ``fn``. A thread blocked in C reaches it when it next runs Python; a
-thread that never does never pays anything.
+threads started before ``enable()`` are out of the sanitizer's reach unless
+each of them can be made to run a little code of ours; and a change of the
+stack must sometimes wait for a moment when no op is under way in a thread
+(see ``ModeController``). CPython gives one per-thread door for both: the
+profile function (``Py_tracefunc``), which a thread calls at its next Python
+call or return. It gives no way to *add* one beside a user's (cProfile, yappi,
+viztracer, pyinstrument): ``threading.setprofile_all_threads`` and
+``sys.setprofile`` replace it. So this module chains instead:
 
-It refuses (returns False) on older Pythons and when a profiler is already set
-in the calling thread or for new threads: a per-thread profile function would
-replace another tool's. Torch-free, so it is tested on Pythons without torch.
+* A **visit** saves the thread's own profile function and object, puts ours
+  in their place, and at the thread's next profile event puts them back,
+  exactly (the same C function and the same object, so ``sys.getprofile()``
+  and a C profiler's state are as they were), runs our function, and passes
+  that event on to the thread's own profiler, which so misses nothing.
+* **Other threads** are visited in one C-level pass over the interpreter's
+  thread states (``itertools`` driving ``PyThreadState_Next``, the reads and
+  ``_PyEval_SetProfile`` through ctypes), with no Python bytecode in between:
+  the GIL is not released during the pass, so no thread state can be freed
+  under it, and no thread can change its profiler between the read and ours
+  (the pass is as atomic as CPython's own ``PyEval_SetProfileAllThreads``,
+  which makes the same calls in the same order).
+
+Where a thread's profile fields sit in ``PyThreadState`` is not public: it is
+found once, at run time, in a thread of our own (``sys.setprofile`` of a marker
+and a scan for its address), and checked both ways; if anything is off, the
+door is closed (``AVAILABLE`` False) and callers keep their older rule.
+Visiting other threads needs Python 3.12+ (3.11 keeps the mode for a thread's
+life instead; CPython 3.12 added the all-threads setter this mirrors) and the
+GIL (a free-threaded build stops the world instead). Torch-free, so it is
+tested on Pythons without torch.
 """
 from __future__ import annotations
 
+import _thread
+import ctypes
+import itertools
+import operator
 import sys
 import threading
-from typing import Callable
+from collections import deque
+from typing import Callable, List, Optional, Tuple
 
-AVAILABLE: bool = hasattr(threading, "setprofile_all_threads")
+_WORD = ctypes.sizeof(ctypes.c_void_p)
+_SCAN_WORDS = 96  # PyThreadState's leading fields; the profile fields sit within the first 16 words (3.11-3.13)
+_TRACEFUNC = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)
+"""``Py_tracefunc``: ``int (*)(PyObject *obj, PyFrameObject *frame, int what, PyObject *arg)``. PYFUNCTYPE: the
+GIL stays held, as a profile function is called with it and calls the thread's own one with it."""
 
 
-def run_in_running_threads(fn: Callable[[], None]) -> bool:
-    """Arrange for ``fn()`` to run once in every other running thread; False when not possible."""
-    if not AVAILABLE or sys.getprofile() is not None or threading.getprofile() is not None:
+class _Api:
+    """The C entry points and ``PyThreadState``'s field offsets this module needs (None when not found)."""
+
+    def __init__(self) -> None:
+        vp = ctypes.c_void_p
+        self.get_tstate = _c_function("PyThreadState_Get", vp)
+        self.interp = _c_function("PyInterpreterState_Get", vp)
+        self.head = _c_function("PyInterpreterState_ThreadHead", vp, vp)
+        # PyThreadState_Next(tstate), called as a two-argument step by itertools.accumulate (the extra argument
+        # is ignored by the callee: the platform calling conventions CPython supports pass it in a register).
+        self.next2 = _c_function("PyThreadState_Next", vp, vp, vp)
+        self.get_id = _c_function("PyThreadState_GetID", ctypes.c_uint64, vp)
+        self.set_profile = _c_function("_PyEval_SetProfile", ctypes.c_int, vp, vp, vp)
+        self.incref = _c_function("Py_IncRef", None, vp)
+        self.decref = _c_function("Py_DecRef", None, vp)
+        self.func_off, self.obj_off = _find_profile_fields(self.get_tstate)
+
+    def read(self, tstate: int) -> Tuple[int, int]:
+        """This thread's ``(c_profilefunc, c_profileobj)`` (0 for NULL): only for the calling thread's own state."""
+        func = ctypes.c_void_p.from_address(tstate + self.func_off).value or 0
+        obj = ctypes.c_void_p.from_address(tstate + self.obj_off).value or 0
+        return func, obj
+
+
+def _c_function(name: str, restype, *argtypes):  # type: ignore[no-untyped-def]
+    """A foreign function object of our own for ``name`` in the interpreter (not the one
+    ``ctypes.pythonapi.name`` caches and shares: a user's code may set that one's ``argtypes``)."""
+    return ctypes.PYFUNCTYPE(restype, *argtypes)((name, ctypes.pythonapi))
+
+
+def _find_profile_fields(get_tstate: Callable[[], int]) -> Tuple[int, int]:
+    """Offsets of ``c_profilefunc`` and ``c_profileobj`` in ``PyThreadState``, found in a fresh thread of ours
+    (no profiler there: ``_thread`` threads do not run ``threading``'s profile hook): the object slot holds a
+    marker's address exactly while ``sys.setprofile(marker)`` is in force, and the function slot, two words
+    before it in every CPython that has them (``c_profilefunc, c_tracefunc, c_profileobj, c_traceobj``), is
+    set and cleared with it. Raises when either check fails."""
+    found: List[Tuple[int, int]] = []
+    failed: List[BaseException] = []
+    done = _thread.allocate_lock()
+    done.acquire()
+
+    def marker(frame, event, arg):  # type: ignore[no-untyped-def]
+        return None
+
+    def probe() -> None:
+        try:
+            tstate = get_tstate()
+
+            def words() -> List[int]:
+                raw = ctypes.string_at(tstate, _SCAN_WORDS * _WORD)
+                return [int.from_bytes(raw[i:i + _WORD], sys.byteorder) for i in range(0, len(raw), _WORD)]
+
+            before = words()
+            sys.setprofile(marker)
+            during = words()
+            sys.setprofile(None)
+            after = words()
+            hits = [i for i, w in enumerate(during) if w == id(marker) and before[i] == 0 and after[i] == 0]
+            if len(hits) != 1 or hits[0] < 2:
+                raise RuntimeError(f"profile object slot not found ({len(hits)} candidates)")
+            obj = hits[0]
+            func = obj - 2
+            if not (before[func] == 0 and during[func] != 0 and after[func] == 0):
+                raise RuntimeError("profile function slot not where expected")
+            found.append((func * _WORD, obj * _WORD))
+        except BaseException as err:  # reported to the caller, never into a thread of ours
+            failed.append(err)
+        finally:
+            done.release()
+
+    _thread.start_new_thread(probe, ())
+    done.acquire()
+    if not found:
+        raise RuntimeError(f"cannot locate the profile fields: {failed[0] if failed else 'no result'}")
+    return found[0]
+
+
+def _gil_enabled() -> bool:
+    is_enabled = getattr(sys, "_is_gil_enabled", None)
+    return True if is_enabled is None else bool(is_enabled())
+
+
+_api: Optional[_Api] = None
+_why_not = ""
+if sys.implementation.name == "cpython" and _gil_enabled():
+    try:
+        _api = _Api()
+    except Exception as err:  # an odd build: the door stays closed, callers keep their older rule
+        _why_not = f"{type(err).__name__}: {err}"
+else:
+    _why_not = "not CPython with a GIL"
+
+HERE_AVAILABLE: bool = _api is not None
+"""Can a visit be put on the calling thread (:func:`run_here_when`)?"""
+AVAILABLE: bool = HERE_AVAILABLE and sys.version_info >= (3, 12)
+"""Can other running threads be visited (:func:`run_in_running_threads`)?"""
+
+
+class _Batch(dict):
+    """One pass's saved profilers, ``(tstate, thread state id) -> (c_profilefunc, c_profileobj)``; the object
+    each visited thread's profile object points at. An object slot holds a reference taken in the pass
+    (``Py_IncRef``): given back when the entry is used, or when the batch goes (a thread that ended without
+    another Python event)."""
+
+    def __del__(self) -> None:
+        decref = _api.decref if _api is not None else None
+        if decref is not None:
+            for _func, obj in self.values():
+                if obj:
+                    decref(obj)
+            self.clear()
+
+
+_run_in_threads: Optional[Callable[[], None]] = None
+"""What a visit of :func:`run_in_running_threads` runs (the latest: callers read their state when it runs)."""
+
+
+def _on_event(obj: int, frame: int, what: int, arg: int) -> int:
+    """Our profile function: put the thread's own back, run ours, pass the event on (never raises)."""
+    api = _api
+    if api is None:
+        return 0
+    try:
+        tstate = api.get_tstate()
+        holder = ctypes.cast(obj, ctypes.py_object).value if obj else None
+        if isinstance(holder, _Here):
+            fn: Optional[Callable[[], None]] = holder.fn
+            if holder.ready is not None and not _safe_call(holder.ready, False):
+                if not (what == _C_CALL and arg == _GETPROFILE):
+                    return _forward(holder.func, holder.obj, frame, what, arg)
+                fn = None  # the thread asks for its profiler: it gets its own; the visit is given up
+            func, own = holder.func, holder.obj
+            holder.obj = 0  # (its reference is ours now)
+        else:
+            func, own = _unwind(holder, (tstate, api.get_id(tstate)))
+            fn = _run_in_threads
+        api.set_profile(tstate, func or None, own or None)  # the thread's own, exactly (it takes a reference)
+        if fn is not None:
+            _safe_call(fn, None)
+        if own:
+            api.decref(own)  # (ours: the thread state holds its own again)
+        return _forward(func, own, frame, what, arg)
+    except BaseException:  # a profile function must not raise into the thread's code
+        return 0
+
+
+def _unwind(batch: object, key: Tuple[int, int]) -> Tuple[int, int]:
+    """What was this thread's profiler before a pass visited it: ``(func, object)``, the object with a
+    reference for the caller. When it was a visit of ours (an earlier pass, whose object is its batch; or a
+    visit waiting here, a :class:`_Here`), follow the earlier batches and stop at a waiting visit, which is put
+    back as it was (it runs when its time comes, and chains to the thread's own profiler in turn)."""
+    while isinstance(batch, _Batch):
+        func, obj = batch.pop(key, (None, None))
+        if func != _ON_EVENT_ADDRESS or not obj:
+            return func or 0, obj or 0
+        earlier = ctypes.cast(obj, ctypes.py_object).value
+        if not isinstance(earlier, _Batch):
+            return func, obj
+        if _api is not None:
+            _api.decref(obj)  # (the reference the pass took on the earlier batch; ``earlier`` holds one)
+        batch = earlier
+    return 0, 0
+
+
+def _forward(func: int, obj: int, frame: int, what: int, arg: int) -> int:
+    """Pass the event to the thread's own profile function (a visit of ours waiting under it is skipped: it
+    gets the thread's next event)."""
+    if func == _ON_EVENT_ADDRESS and obj:
+        waiting = ctypes.cast(obj, ctypes.py_object).value
+        if not isinstance(waiting, _Here):
+            return 0
+        func, obj = waiting.func, waiting.obj
+    if not func or func == _ON_EVENT_ADDRESS:
+        return 0
+    try:
+        return _TRACEFUNC(func)(obj or None, frame, what, arg)
+    except BaseException:  # the thread's own profiler raised: it is told no more than before (see module doc)
+        return 0
+
+
+def _safe_call(fn: Callable, default):  # type: ignore[no-untyped-def]
+    try:
+        return fn()
+    except BaseException:
+        return default
+
+
+_C_CALL = 4  # PyTrace_C_CALL: ``arg`` is the builtin about to be called
+_GETPROFILE = id(sys.getprofile)
+_ON_EVENT = _TRACEFUNC(_on_event)
+_ON_EVENT_ADDRESS: int = ctypes.cast(_ON_EVENT, ctypes.c_void_p).value or 0
+
+
+class _Here:
+    """A visit put on the calling thread: its own profiler (func, object with a reference of ours), what to run,
+    and when (``ready``: the visit waits, passing events on, until it holds)."""
+
+    __slots__ = ("func", "obj", "fn", "ready")
+
+    def __init__(self, func: int, obj: int, fn: Callable[[], None], ready: Optional[Callable[[], bool]]):
+        self.func, self.obj, self.fn, self.ready = func, obj, fn, ready
+
+    def __del__(self) -> None:  # the thread ended (or replaced its profiler) before the visit ran
+        if self.obj and _api is not None:
+            _api.decref(self.obj)
+            self.obj = 0
+
+
+def run_here_when(ready: Optional[Callable[[], bool]], fn: Callable[[], None]) -> bool:
+    """At this thread's next profile event at which ``ready()`` holds (the next one, without ``ready``), run
+    ``fn()`` once; the thread's own profiler keeps every event and is put back exactly. A visit that waits is
+    given up (its ``fn`` not run) when the thread calls ``sys.getprofile()``, which so always answers the
+    thread's own profiler: callers arm it again at their next chance. False when not possible (the door is
+    closed) or when a visit of ours already waits here (callers read their state when it runs)."""
+    api = _api
+    if api is None:
         return False
-    caller = threading.get_ident()
-
-    def _once(frame, event, arg):  # type: ignore[no-untyped-def]
-        sys.setprofile(None)  # this thread only: run once
-        if threading.get_ident() != caller:
-            try:
-                fn()
-            except Exception:  # never raise into a thread's arbitrary call
-                pass
-
-    threading.setprofile_all_threads(_once)  # type: ignore[attr-defined]
-    threading.setprofile(None)  # new threads are not "running threads": the start hook handles them
-    sys.setprofile(None)
+    tstate = api.get_tstate()
+    func, obj = api.read(tstate)
+    if func == _ON_EVENT_ADDRESS:
+        return False
+    here = _Here(func, obj, fn, ready)
+    if obj:
+        api.incref(obj)
+    api.set_profile(tstate, _ON_EVENT_ADDRESS, id(here))
     return True
 
 
-__all__ = ["AVAILABLE", "run_in_running_threads"]
+def run_in_running_threads(fn: Callable[[], None]) -> bool:
+    """Arrange for ``fn()`` to run once in every other running thread, at its next Python call or return, each
+    thread's own profiler kept (see the module doc); False when not possible here."""
+    global _run_in_threads
+    api = _api
+    if not AVAILABLE or api is None:
+        return False
+    caller = threading.get_ident()
+
+    def _once() -> None:
+        if threading.get_ident() != caller:
+            fn()
+
+    _run_in_threads = _once
+    batch = _Batch()
+    me = api.get_tstate()
+    interp = api.interp()
+    # One C-level pass, no bytecode until the deque is done: accumulate drives PyThreadState_Next from the
+    # head and takewhile stops at NULL; for each thread state, zip reads its profile function and object, saves
+    # them in the batch (a reference on the object), and puts ours in their place (PyEval_SetProfileAllThreads's
+    # own calls, in its order).
+    states = itertools.takewhile(bool, itertools.accumulate(
+        itertools.chain(map(api.head, (interp,)), itertools.repeat(None)), api.next2))
+    t_key, t_id, t_func, t_obj, t_set = itertools.tee(states, 5)
+    funcs = map(_VALUE, map(ctypes.c_void_p.from_address, map(operator.add, t_func, itertools.repeat(api.func_off))))
+    objs_saved, objs_held = itertools.tee(
+        map(_VALUE, map(ctypes.c_void_p.from_address, map(operator.add, t_obj, itertools.repeat(api.obj_off)))), 2)
+    keys = zip(t_key, map(api.get_id, t_id))
+    deque(zip(map(batch.__setitem__, keys, zip(funcs, objs_saved)),
+              map(api.incref, objs_held),
+              map(api.set_profile, t_set, itertools.repeat(_ON_EVENT_ADDRESS), itertools.repeat(id(batch)))),
+          maxlen=0)
+    # The calling thread was visited too: put back exactly what it had (its visit would run nothing).
+    own = batch.pop((me, api.get_id(me)), None)
+    if own is not None:
+        func, obj = own
+        api.set_profile(me, func or None, obj or None)
+        if obj:
+            api.decref(obj)
+    return True
+
+
+_VALUE = operator.attrgetter("value")
+
+
+__all__ = ["AVAILABLE", "HERE_AVAILABLE", "run_in_running_threads", "run_here_when"]

@@ -10,10 +10,12 @@ program whose leases are all fresh pays nothing per op there), following every
 change at once or, when another thread made it, at its next bytecode boundary
 through CPython's pending-call queue (``Py_AddPendingCall``). On Python 3.12+
 other threads follow the same rule: at the first stale lease every running
-thread is made to install the mode at its next Python call
-(``threading.setprofile_all_threads``, see core/thread_reach.py), and when
-interception ends each removes it again, so a worker pays nothing per op while
-nothing is stale. Before 3.12 a running thread cannot be given the mode later:
+thread is made to install the mode at its next Python call (a visit through its
+profile function that keeps any profiler it has, see core/thread_reach.py), and
+when interception ends each removes it again, so a worker pays nothing per op
+while nothing is stale. A removal never happens while an op is under way in the
+thread (:func:`stack_change_safe`): it waits for the thread's next Python event
+outside any op. Before 3.12 a running thread cannot be given the mode later:
 other threads get it when they start while the sanitizer is enabled, or when
 they lend, and keep it until they end, taking the cheap path while nothing is
 stale; threads started before ``enable()`` that never lend are not checked
@@ -90,6 +92,25 @@ def _plan(func: Any) -> CheckPlan:
 # wherever it is. Infra modes (fake, proxy, functional) live in slots of their own.
 _INFRA_KEYS = tuple(torch._C._TorchDispatchModeKey.__members__.values())
 
+_excluded = getattr(torch._C, "_dispatch_tls_is_dispatch_key_excluded", None)
+_INSIDE_DISPATCH_KEYS = tuple(getattr(torch._C.DispatchKey, name) for name in ("PythonTLSSnapshot", "Python")
+                              if hasattr(torch._C.DispatchKey, name))
+
+
+def stack_change_safe() -> bool:
+    """May this thread's dispatch-mode stack lose a mode now? Not while a Python-dispatched op is under way
+    in it: torch's Python fallback chose the top mode before it builds the op's Python arguments, and pops it
+    after; a mode removed in between (by a lease that died in a garbage collection those allocations ran) left
+    it nothing to pop: ``INTERNAL ASSERT FAILED ... dispatch_on_subclass called with NO overloaded args``, in an
+    op that touched no borrowed view (issue 46). The fallback excludes the PythonTLSSnapshot key for its whole
+    run (and ``_DisableTorchDispatch`` the Python key): either one excluded means "wait"."""
+    if _excluded is None:
+        return True
+    for key in _INSIDE_DISPATCH_KEYS:
+        if _excluded(key):
+            return False
+    return True
+
 
 
 StaleHandler = Callable[[Any, Any, torch.Tensor], None]  # (lease, func, tensor)
@@ -110,7 +131,8 @@ class BorrowCheckMode(TorchDispatchMode):
         super().__init__()
         self.stale = stale
         self._on_stale = on_stale
-        self.leave_requested = False  # a removal had to wait (see ModeController.retry_leave)
+        self.leave_requested = False  # a removal had to wait (see ModeController.uninstall_here)
+        self.on_leave_waiting: Optional[Callable[[], None]] = None
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -151,6 +173,8 @@ class BorrowCheckMode(TorchDispatchMode):
                     err.__traceback__ = None
                     args = kwargs = None  # noqa: F841
                     raise err
+        elif self.leave_requested and self.on_leave_waiting is not None:
+            self.on_leave_waiting()  # (a removal waits for a safe point: make sure something will retry it)
         try:
             if kwargs:
                 return func(*args, **kwargs)
@@ -315,7 +339,9 @@ class ModeController:
         self._on_stale = on_stale
         self._armed = True
         self._tls = threading.local()
-        self._lock = threading.Lock()
+        # Re-entrant: a lease that dies in a garbage collection run by an allocation made under it reaches
+        # uninstall_here on the same thread.
+        self._lock = threading.RLock()
         self._modes: "weakref.WeakSet[BorrowCheckMode]" = weakref.WeakSet()
         self._installed = 0  # threads whose stack holds one of ours
         self._orig_bootstrap: Optional[Callable] = None
@@ -326,12 +352,13 @@ class ModeController:
         self._orig_delete: Optional[Callable] = None
         self._atexit = False
         self._main_wants: Callable[[], bool] = lambda: False
+        self._worker_wants: Callable[[], bool] = lambda: True  # (lazy workers: what the last sync asked)
         self._pending = _PendingCall(self._sync_main) if _PendingCall.available() else None
 
     def after_fork_in_child(self) -> None:
         """In a forked child only the forking thread exists: a fresh lock, the count of threads carrying
         a mode is this one's, and no pending call is queued any more."""
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._installed = 1 if self.installed_here() else 0
         if self._pending is not None:
             self._pending._scheduled = False
@@ -342,12 +369,15 @@ class ModeController:
 
     def install_here(self) -> None:
         """Insert a mode beneath this thread's user modes (no-op when one is there)."""
-        if getattr(self._tls, "mode", None) is not None:
+        mode = getattr(self._tls, "mode", None)
+        if mode is not None:
+            mode.leave_requested = False  # (wanted again: a removal that waited is off)
             return
         # A Python mode makes libtorch_python look up and cache each op's Python object; two
         # threads doing that first look-up at once could free the cached one (see op_lookup).
         op_lookup.serialize_op_lookups()
         mode = BorrowCheckMode(self._stale if self._armed else _NOTHING_STALE, self._on_stale)
+        mode.on_leave_waiting = self._leave_waiting
         _insert_at_bottom(mode)
         self._tls.mode = mode
         with self._lock:
@@ -355,24 +385,49 @@ class ModeController:
             self._installed += 1
             self._watch_thread_ends()
 
-    def uninstall_here(self) -> bool:
+    def uninstall_here(self, force: bool = False) -> bool:
         """Take this thread's mode off its stack, wherever it sits; False if it must wait.
 
-        It must wait while this thread runs our own ``__torch_dispatch__`` (the
-        mode is off the stack then, and torch puts it back on return): the mode
-        then asks to be removed at the next bytecode boundary outside it.
+        It waits while a Python-dispatched op is under way in this thread (:func:`stack_change_safe`: our
+        own ``__torch_dispatch__``, a user mode's, or the moment torch's fallback has chosen a mode and not
+        yet popped it, when a lease's death in a garbage collection gets here): the mode stays, passing
+        everything through, and the removal is retried at this thread's next Python call or return outside
+        any op (a visit: :func:`sanitizer.core.thread_reach.run_here_when`), or at the next lend or reuse.
+        ``force``: a thread's end and interpreter exit, where no op runs and nothing may stay.
         """
         mode = getattr(self._tls, "mode", None)
         if mode is None:
             return True
+        if not force and not stack_change_safe():
+            mode.leave_requested = True
+            self._leave_waiting()
+            return False
         if not _remove_from_stack(mode):
             mode.leave_requested = True
+            self._leave_waiting()
             return False
         mode.leave_requested = False
         self._tls.mode = None
         with self._lock:
             self._installed -= 1
         return True
+
+    def _leave_waiting(self) -> None:
+        """A removal waits: have this thread retry it at its next Python event outside any op (no-op when a
+        visit already waits here, or where visits are not possible: the next lend or reuse retries then)."""
+        thread_reach.run_here_when(stack_change_safe, self._retry_here)
+
+    def _retry_here(self) -> None:
+        """A waiting removal's retry, in its thread: follow what this thread's rule wants now."""
+        mode = getattr(self._tls, "mode", None)
+        if mode is None or not mode.leave_requested:
+            return
+        if threading.current_thread() is threading.main_thread():
+            self._sync_main()
+        elif not self._armed or (self.lazy_workers and not self._worker_wants()):
+            self.uninstall_here()
+        else:
+            mode.leave_requested = False  # (an eager worker keeps its mode; it was only inert)
 
     # -- every thread ------------------------------------------------------------
     def arm(self, on: bool) -> None:
@@ -396,11 +451,12 @@ class ModeController:
             self._pending.schedule()
 
     def retry_leave(self) -> None:
-        """Retry a removal that had to wait (the last stale lease died inside one of our own
-        dispatches, e.g. ``set_``): called at the next lend and reuse, outside any op."""
+        """Retry a removal that had to wait (the last stale lease died inside an op: one of our own
+        dispatches, e.g. ``set_``, or a garbage collection under torch's fallback): called at the next lend
+        and reuse, outside any op."""
         mode = getattr(self._tls, "mode", None)
         if mode is not None and mode.leave_requested:
-            self._sync_main()
+            self._retry_here()
 
     def _sync_main(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -413,15 +469,17 @@ class ModeController:
     # -- other threads, lazily (Python 3.12+) ----------------------------------------
     def sync_workers(self, wants: Callable[[], bool]) -> None:
         """Make every other running thread install or remove its mode as ``wants()`` says, at its next
-        Python call (``threading.setprofile_all_threads``), and this thread now when it is not main.
+        Python call or return (a visit: :func:`sanitizer.core.thread_reach.run_in_running_threads`, which
+        keeps each thread's own profiler), and this thread now when it is not main.
 
-        Only with :attr:`lazy_workers`. When the threads cannot be reached (a profiler is set: its hook
-        would be replaced), threads stay as they are and the controller falls back to the eager rule
-        (a thread keeps a mode for its life from its start or its first lend), with one warning: the
-        threads that have none now are then checked by the guard's tombstones only."""
+        Only with :attr:`lazy_workers`. When the threads cannot be reached after all (an audit hook refused
+        ``sys.setprofile``), threads stay as they are and the controller falls back to the eager rule (a
+        thread keeps a mode for its life from its start or its first lend), with one warning: the threads
+        that have none now are then checked by the guard's tombstones only."""
         if not self.lazy_workers:
             return
         controller = self
+        self._worker_wants = wants
 
         def _apply() -> None:
             if threading.current_thread() is threading.main_thread():
@@ -433,16 +491,19 @@ class ModeController:
 
         if threading.current_thread() is not threading.main_thread():
             _apply()
-        if not thread_reach.run_in_running_threads(_apply):
+        try:
+            reached = thread_reach.run_in_running_threads(_apply)
+        except Exception:  # an audit hook refused sys.setprofile: the threads not visited yet stay as they are
+            reached = False
+        if not reached:
             self.lazy_workers = False
             if wants() and not self._warned_unreachable:
                 self._warned_unreachable = True
                 import warnings
 
-                warnings.warn("ownership-sanitizer: a profiler is set, so running threads could not be given the "
-                              "dispatch mode at the first stale lease; threads started from now on carry it for "
-                              "their life, and the others are covered by the guard's tombstones only",
-                              RuntimeWarning, stacklevel=3)
+                warnings.warn("ownership-sanitizer: running threads could not be given the dispatch mode at the "
+                              "first stale lease; threads started from now on carry it for their life, and the "
+                              "others are covered by the guard's tombstones only", RuntimeWarning, stacklevel=3)
 
     # -- thread starts and ends ----------------------------------------------------
     def hook_threads(self, should_install: Callable[[], bool]) -> None:
@@ -458,7 +519,7 @@ class ModeController:
             try:
                 orig(thread)
             finally:  # also done in Thread._delete; this covers Pythons without it
-                controller.uninstall_here()
+                controller.uninstall_here(force=True)
 
         self._orig_bootstrap = orig
         threading.Thread._bootstrap_inner = _bootstrap_inner  # type: ignore[attr-defined]
@@ -490,7 +551,7 @@ class ModeController:
 
         def _delete(thread: threading.Thread) -> None:
             try:
-                controller.uninstall_here()
+                controller.uninstall_here(force=True)
             except Exception:  # never keep a thread from ending
                 pass
             orig(thread)
@@ -502,7 +563,7 @@ class ModeController:
         """Interpreter shutdown: nothing of ours may stay on the main thread's stack."""
         self.arm(False)
         if threading.current_thread() is threading.main_thread():
-            self.uninstall_here()
+            self.uninstall_here(force=True)
 
 
 _NOTHING_STALE: Mapping[int, Any] = MappingProxyType({})
@@ -541,6 +602,12 @@ def _remove_from_stack(mode: "BorrowCheckMode") -> bool:
     return found
 
 
+_ADD_PENDING_CALL = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(
+    ("Py_AddPendingCall", ctypes.pythonapi)) if hasattr(ctypes.pythonapi, "Py_AddPendingCall") else None
+"""Our own foreign function object (``ctypes.pythonapi.Py_AddPendingCall`` is shared: a user may set its
+``argtypes``)."""
+
+
 class _PendingCall:
     """Run a Python callable in the main thread via ``Py_AddPendingCall`` (CPython only)."""
 
@@ -558,7 +625,7 @@ class _PendingCall:
     def schedule(self) -> None:
         if not self._scheduled:  # one queued call is enough: it reads the state when it runs
             self._scheduled = True
-            if ctypes.pythonapi.Py_AddPendingCall(self._cfunc, None) != 0:
+            if _ADD_PENDING_CALL(self._cfunc, None) != 0:
                 self._scheduled = False
 
     def _run(self, _arg: Any) -> int:

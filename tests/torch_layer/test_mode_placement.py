@@ -290,7 +290,7 @@ def test_on_python_312_a_worker_carries_the_mode_only_while_something_is_stale()
     from sanitizer.core import thread_reach
 
     if not thread_reach.AVAILABLE:
-        pytest.skip("needs Python 3.12+ (threading.setprofile_all_threads); before, a worker keeps the mode "
+        pytest.skip("needs Python 3.12+ (running threads visited through their profile function); before, a worker keeps the mode "
                     "for its life (tests above)")
     sanitizer.enable()
     buf = sanitizer.StagingBuffer(64, name="lazy")

@@ -1,0 +1,393 @@
+"""The sanitizer never harms the user's own tooling (issue 46, points 0-4).
+
+* The garbage collector may free a stale view in the middle of any op: nothing it triggers may change that
+  op's dispatch-mode stack (torch's fallback had chosen the mode and asserted when it was gone).
+* A profile function the user set, in any thread or for new threads, survives every enable, disable and stale
+  lease; threads started while enabled are checked under such a profiler.
+
+What the sanitizer wraps (readers, exporters) is tested in test_wrapped_functions.py.
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import random
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+import torch.utils.dlpack
+
+import sanitizer
+from sanitizer.core import thread_reach
+from sanitizer.torch_layer import mode
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# -- 0. the GC inside an op --------------------------------------------------------------------------------
+class _Cycle:
+    pass
+
+
+def _gc_inside_ops(iterations: int, **options) -> dict:
+    """Make a stale view that only a reference cycle keeps, drop the cycle, and let a generation-0 collection
+    (a low threshold, a random count of allocations before it) free it somewhere inside the next ops: in
+    torch's Python fallback between its choice of the mode and its pop, in some iterations. Each op's result is
+    compared with the same op run unsanitized."""
+    x, y = torch.randn(1000), torch.randn(1000)
+    expected = torch.add(x, y)
+    param = torch.nn.Parameter(torch.randn(64))
+    expected_copy = param.detach().clone()
+    rng = random.Random(46)
+    out = {"wrong": 0, "raised": [], "mode_left": 0}
+    add, args = torch.add, (x, y)  # one call with a prepared tuple: the first allocation is torch's own
+    thresholds = gc.get_threshold()
+    with sanitizer.sanitize(**options):
+        buf = sanitizer.StagingBuffer(1 << 16, name="gc-inside-ops")
+        for i in range(iterations):
+            gc.disable()
+            w = buf.lend(0, (16,), torch.float32, name=f"t{i}")
+            cycle = _Cycle()
+            cycle.self, cycle.w = cycle, w
+            del w
+            buf.reuse(0, 64, by="next")
+            gc.set_threshold(rng.randint(1, 4), 1, 1)
+            del cycle
+            junk = [[] for _ in range(rng.randint(0, 6))]  # noqa: F841  (moves the collection around)
+            try:
+                gc.enable()
+                results = [add(*args), add(*args), add(*args)]
+                copied = copy.deepcopy(param)  # safetensors' test_workaround_copy: Parameter.data.clone()
+            except Exception as err:  # what a user's program would have seen
+                out["raised"].append(f"{type(err).__name__}: {str(err)[:200]}")
+                continue
+            finally:
+                gc.set_threshold(*thresholds)
+                gc.enable()
+            out["wrong"] += sum(not torch.equal(r, expected) for r in results)
+            out["wrong"] += not torch.equal(copied.detach(), expected_copy)
+        gc.collect()
+        _a_python_call()
+        out["mode_left"] = torch._C._len_torch_dispatch_stack()
+        buf.close()
+    out["errors"] = len(sanitizer.errors())
+    return out
+
+
+def _a_python_call() -> None:
+    """A Python call outside any op: where a removal that had to wait happens (at the latest)."""
+
+
+@pytest.mark.parametrize("options", [{}, {"triage": 1, "halt_on_error": 0}], ids=["defaults", "triage"])
+def test_a_stale_view_freed_by_the_gc_inside_an_op_never_breaks_that_op(options):
+    out = _gc_inside_ops(300, **options)
+    assert out["raised"] == [] and out["wrong"] == 0
+    assert out["mode_left"] == 0  # the removal that had to wait happened once the ops were done
+    assert out["errors"] == 0  # nothing stale was used
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [{}, {"triage": 1, "halt_on_error": 0}], ids=["defaults", "triage"])
+def test_ten_thousand_gc_frees_inside_ops_never_change_a_result(options):
+    out = _gc_inside_ops(10_000, **options)
+    assert out == {"wrong": 0, "raised": [], "mode_left": 0, "errors": 0}
+
+
+def test_the_stack_is_not_changed_inside_a_python_dispatched_op():
+    """The predicate the removal waits on: false inside a mode's dispatch (ours or a user's) and under
+    ``_DisableTorchDispatch``, true outside."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Probe(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(mode.stack_change_safe())
+            return func(*args, **(kwargs or {}))
+
+    assert mode.stack_change_safe()
+    with Probe():
+        torch.ones(2).add(1)
+    assert seen and not any(seen)
+    with torch._C._DisableTorchDispatch():
+        assert not mode.stack_change_safe()
+    assert mode.stack_change_safe()
+
+
+def test_a_removal_asked_for_inside_an_op_waits_and_then_happens():
+    """The last stale lease dies inside an op (its death callback asks for the mode's removal): the mode stays
+    for that op, which completes, and is gone at the next Python call outside it."""
+    buf = sanitizer.StagingBuffer(256, name="wait")
+    box = {"w": buf.write(0, torch.ones(4), name="w")}
+    buf.reuse(0, 16, by="next")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class DropsTheLastStaleView(TorchDispatchMode):  # a user mode above ours, run inside the op
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            box.pop("w", None)  # the lease dies here: its removal must wait
+            return func(*args, **(kwargs or {}))
+
+    with sanitizer.sanitize():
+        assert torch._C._len_torch_dispatch_stack() == 1  # ours, for the stale lease
+        with DropsTheLastStaleView():
+            r = torch.full((3,), 2.0).mul(3)
+        assert torch.equal(r, torch.full((3,), 6.0))
+        _a_python_call()
+        assert torch._C._len_torch_dispatch_stack() == 0
+    assert sanitizer.errors() == []
+
+
+# -- 1, 2. profilers ------------------------------------------------------------------------------------------
+_PROFILERS_KEPT = r"""
+import sys, threading, time, ctypes
+sys.path.insert(0, sys.argv[1])
+from sanitizer.core import thread_reach
+
+def make(name, box):
+    def prof(frame, event, arg):
+        box[name] = box.get(name, 0) + 1
+    return prof
+
+# A C-level profiler, as yappi and viztracer set one: a Py_tracefunc with an object of its own.
+FUNC = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)
+c_events = [0]
+def c_prof(obj, frame, what, arg):
+    c_events[0] += 1
+    return 0
+C_PROF = FUNC(c_prof)
+set_profile = ctypes.pythonapi._PyEval_SetProfile
+set_profile.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.py_object]
+get_tstate = ctypes.pythonapi.PyThreadState_Get
+get_tstate.restype = ctypes.c_void_p
+c_obj = object()
+
+events, ok, reached = {}, [], []
+stop, ready = threading.Event(), threading.Barrier(5)
+
+def py_worker(name):
+    prof = make(name, events)
+    sys.setprofile(prof)
+    ready.wait()
+    while not stop.is_set():
+        time.sleep(0.002)
+    ok.append((name, sys.getprofile() is prof))
+
+def c_worker():
+    set_profile(get_tstate(), ctypes.cast(C_PROF, ctypes.c_void_p).value, c_obj)
+    ready.wait()
+    while not stop.is_set():
+        time.sleep(0.002)
+    ok.append(("c", sys.getprofile() is c_obj))
+
+def plain_worker():
+    ready.wait()
+    while not stop.is_set():
+        time.sleep(0.002)
+    ok.append(("plain", sys.getprofile() is None))
+
+threads = [threading.Thread(target=py_worker, args=(f"w{i}",)) for i in range(2)]
+threads += [threading.Thread(target=c_worker), threading.Thread(target=plain_worker)]
+for t in threads:
+    t.start()
+ready.wait()
+main_prof = make("main", events)
+sys.setprofile(main_prof)
+new_thread_prof = make("new", events)
+threading.setprofile(new_thread_prof)
+for _ in range(50):  # every pass visits every thread, each visit chains to the thread's own profiler
+    assert thread_reach.run_in_running_threads(lambda: reached.append(threading.get_ident()))
+    time.sleep(0.005)
+main_kept = sys.getprofile() is main_prof and threading.getprofile() is new_thread_prof
+sys.setprofile(None)
+threading.setprofile(None)
+stop.set()
+for t in threads:
+    t.join()
+print(main_kept, sorted(ok), len(set(reached)), min(events.get("w0", 0), events.get("w1", 0)) > 100,
+      c_events[0] > 100)
+"""
+
+
+@pytest.mark.parametrize("version", ["3.12", "3.13"])
+def test_every_profiler_a_user_set_survives_the_reach_and_keeps_its_events(version):
+    """Python profilers and a C-level one (as yappi sets it), in workers, in the main thread and for new
+    threads: every visit puts each back exactly and passes it every event (torch-free: run on 3.12 and 3.13
+    from here)."""
+    from tests.torch_layer.test_mode_placement import _python
+
+    exe = _python(version)
+    if exe is None:
+        pytest.skip(f"no Python {version} on this machine")
+    proc = subprocess.run([exe, "-c", _PROFILERS_KEPT, ROOT], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[0] == ("True [('c', True), ('plain', True), ('w0', True), ('w1', True)] 4 "
+                                          "True True"), proc.stdout + proc.stderr
+
+
+_THREAD_CHURN = r"""
+import sys, threading, time, random, _thread
+sys.path.insert(0, sys.argv[1])
+from sanitizer.core import thread_reach
+lock = threading.Lock(); bad = []; done = [0]; stop = threading.Event()
+def churn():
+    rng = random.Random(threading.get_ident())
+    while not stop.is_set():
+        def body(with_prof):
+            seen = [0]
+            def prof(f, e, a):
+                seen[0] += 1
+            if with_prof:
+                sys.setprofile(prof)
+            total = sum(len(str(i)) for i in range(300))
+            if with_prof and (sys.getprofile() is not prof or seen[0] < 300):
+                bad.append(seen[0])
+            with lock:
+                done[0] += 1
+        if rng.random() < 0.5:
+            threading.Thread(target=body, args=(rng.random() < 0.5,)).start()
+        else:
+            _thread.start_new_thread(body, (rng.random() < 0.5,))
+        time.sleep(0.0003)
+workers = [threading.Thread(target=churn) for _ in range(3)]
+for w in workers:
+    w.start()
+passes, t0 = 0, time.time()
+while time.time() - t0 < 3:
+    thread_reach.run_in_running_threads(lambda: None)
+    passes += 1
+    time.sleep(0.0002)
+stop.set()
+for w in workers:
+    w.join()
+time.sleep(0.2)
+print(passes > 1000, done[0] > 1000, bad)
+"""
+
+
+def test_the_reach_survives_threads_that_start_and_end_under_it():
+    """Thousands of visits while short-lived threads (``threading`` and raw ``_thread`` ones, half with their own
+    profiler) start and end: no crash, and every profiler kept with all its events."""
+    from tests.torch_layer.test_mode_placement import _python
+
+    exe = _python("3.12")
+    if exe is None:
+        pytest.skip("no Python 3.12 on this machine")
+    proc = subprocess.run([exe, "-c", _THREAD_CHURN, ROOT], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["True", "True", "[]"], proc.stdout
+
+
+def test_a_visit_here_waits_for_its_moment_and_keeps_the_threads_profiler():
+    if not thread_reach.HERE_AVAILABLE:
+        pytest.skip("no visits on this interpreter")
+    seen, ran, flag = [], [], [False]
+
+    def prof(frame, event, arg):
+        seen.append(event)
+
+    sys.setprofile(prof)
+    try:
+        assert thread_reach.run_here_when(lambda: flag[0], lambda: ran.append(sys.getprofile() is prof))
+        _a_python_call()
+        assert ran == []  # not ready: it waits (passing the events on)
+        flag[0] = True
+        _a_python_call()
+        assert ran == [True] and sys.getprofile() is prof
+        # A visit that waits is given up when the thread asks for its profiler: the answer is its own.
+        flag[0] = False
+        assert thread_reach.run_here_when(lambda: flag[0], lambda: ran.append("late"))
+        assert sys.getprofile() is prof
+        flag[0] = True
+        _a_python_call()
+        assert ran == [True]
+    finally:
+        sys.setprofile(None)
+    assert seen  # the user's profiler got its events meanwhile
+
+
+def _user_profilers_survive(sanitizer_options: dict) -> dict:
+    """A worker's own ``sys.setprofile`` hook and the main thread's, across enable, lends, a stale lease from
+    the main thread and one from a worker, and disable."""
+    hooks = {"main": lambda f, e, a: None, "worker": lambda f, e, a: None}
+    seen: dict = {}
+    go, done = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        sys.setprofile(hooks["worker"])
+        go.wait()
+        buf2 = sanitizer.StagingBuffer(64, name="w-ring")
+        v = buf2.write(0, torch.ones(4), name="v")
+        buf2.reuse(0, 16, by="next")  # the first stale lease made by a worker
+        torch.ones(1).add(1)
+        seen["worker_during"] = sys.getprofile() is hooks["worker"]
+        del v
+        buf2.close()
+        done.wait()
+        seen["worker_after"] = sys.getprofile() is hooks["worker"]
+
+    t = threading.Thread(target=worker)
+    t.start()
+    sys.setprofile(hooks["main"])
+    try:
+        sanitizer.enable(**sanitizer_options)
+        buf = sanitizer.StagingBuffer(64, name="m-ring")
+        w = buf.write(0, torch.ones(4), name="w")
+        buf.reuse(0, 16, by="next")  # a stale lease made by the main thread
+        go.set()
+        torch.ones(1).add(1)
+        seen["main_during"] = sys.getprofile() is hooks["main"]
+        del w
+        buf.close()
+        sanitizer.disable()
+        seen["main_after"] = sys.getprofile() is hooks["main"]
+        done.set()
+        t.join(30)
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+def test_a_users_profile_hooks_survive_enable_lend_stale_and_disable_in_every_thread():
+    seen = _user_profilers_survive({})
+    assert seen == {"worker_during": True, "worker_after": True, "main_during": True, "main_after": True}
+
+
+def test_threads_started_while_enabled_are_checked_under_a_profiler_for_new_threads():
+    """yappi and viztracer set ``threading.setprofile``: the threads started while enabled carry that
+    profiler, and a stale read there is still caught (3.12+ reaches them under it; before, they carry the
+    mode from their start)."""
+    hook = lambda f, e, a: None  # noqa: E731
+    threading.setprofile(hook)
+    caught, kept = [], []
+    try:
+        with sanitizer.sanitize():
+            buf = sanitizer.StagingBuffer(64, name="yappi")
+            box = {"w": buf.write(0, torch.ones(4), name="w")}
+            started, stale = threading.Event(), threading.Event()
+
+            def reader() -> None:
+                started.set()
+                stale.wait()
+                try:
+                    box["w"].sum()
+                    caught.append(False)
+                except sanitizer.StaleBorrowError:
+                    caught.append(True)
+                kept.append(sys.getprofile() is hook)
+
+            t = threading.Thread(target=reader)
+            t.start()
+            started.wait()
+            buf.reuse(0, 16, by="next")
+            stale.set()
+            t.join(30)
+            box.clear()
+            buf.close()
+    finally:
+        threading.setprofile(None)
+        sanitizer.clear_errors()
+    assert caught == [True] and kept == [True]
