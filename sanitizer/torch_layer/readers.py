@@ -11,7 +11,12 @@ A lease's storage has its own API: indexing, ``tolist``, ``clone``, ``copy_``,
 ``torch.serialization.location_tag``, which it calls for every storage it
 writes). While a stale lease is reachable (and only then), :func:`set_hooks`
 wraps each so that it checks its tensor or storage first; afterwards the
-originals are put back, so a program with no stale lease pays nothing.
+originals are put back, so a program with no stale lease pays nothing. A wrapper
+stands in for its function as the function would (it binds, pickles, copies,
+shows the same names, signature and ``repr``), and the sanitizer knows its own
+wherever a user's patch leaves it: patching and restoring one of these around a
+lend (``mock.patch``, pytest's ``monkeypatch``) never stacks wrappers, and the
+original is back once nothing is wanted there (see :class:`_Wrapper`).
 
 Not reachable this way: calls through the C base class
 (``torch._C.TensorBase.tolist(t)``) and raw pointers (``data_ptr()`` with
@@ -21,9 +26,11 @@ already imported at the moment a lease goes stale.
 """
 from __future__ import annotations
 
-import functools
-import threading
+import importlib
+import inspect
 import sys
+import threading
+import types
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -95,28 +102,52 @@ class _Switches:
 Note = Callable[[torch.Tensor, str, Any], None]  # (tensor, where, what the export returned)
 _now = _Switches()
 _exporting = threading.local()  # per thread: exporters running (one export is told once)
-_saved: Dict[Tuple[int, str], Tuple[Any, Any, bool]] = {}  # (id(owner), name) -> (owner, original, was own attr)
-_wrappers: Dict[Tuple[int, str], Any] = {}
+_TWO_OPERANDS = ("Tensor.map2_", "UntypedStorage.copy_")
+Key = Tuple[int, str]  # (id(owner), name)
 
 
-def _wrap(original: Any, where: str, kind: type) -> Any:
-    storage = kind is not torch.Tensor
-    exporter = where in _EXPORTERS
+class _Wrapper:
+    """What stands in ``owner.name`` while its reads are checked or its exports noted.
 
-    @functools.wraps(original)
-    def checked(*args, **kwargs):
+    It behaves as the function it wraps for what a user does with it: it binds as a method (``__get__``),
+    pickles as the original does (``pool.map(torch.from_numpy, arrays)``; a function object could not: pickle
+    looks a function up by name and found the wrapper, or nothing, under the copied name), copies as itself,
+    shows the original's name, docstring, signature (``__wrapped__``) and ``repr``, and lends any other
+    attribute from it. Only the active wrapper of its ``owner.name`` acts: one that a user's patch left under
+    theirs, or that a user's restore put back after the sanitizer let go (``mock.patch`` and pytest's
+    ``monkeypatch`` restore in LIFO order around a lend), passes every call through, and puts the original
+    back itself at its next call when nothing is wanted there any more."""
+
+    def __init__(self, owner: Any, name: str, original: Any, own: bool, where: str, kind: type):
+        d = self.__dict__
+        for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
+            d[attr] = getattr(original, attr, None)  # (None where the original has none: not this module's name)
+        d["__wrapped__"] = original
+        d["_owner"], d["_name"], d["_own"], d["_where"] = owner, name, own, where
+        d["_key"] = (id(owner), name)
+        d["_kind"] = kind
+        d["_storage"] = kind is not torch.Tensor
+        d["_exporter"] = where in _EXPORTERS
+        d["_two"] = where in _TWO_OPERANDS
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True  # pytest: the user's line is where the read happened
-        check = _now.check_storage if storage else _now.check
+        original = self.__wrapped__
+        if _ACTIVE.get(self._key) is not self:
+            _heal(self)
+            return original(*args, **kwargs)
+        check = _now.check_storage if self._storage else _now.check
         if check is not None:
+            kind = self._kind
             try:
                 if args and isinstance(args[0], kind):
-                    check(args[0], where)
-                if where in _TWO_OPERANDS and len(args) > 1 and isinstance(args[1], kind):
-                    check(args[1], where)  # it reads (map2_) or copies from (copy_) its other operand too
+                    check(args[0], self._where)
+                if self._two and len(args) > 1 and isinstance(args[1], kind):
+                    check(args[1], self._where)  # it reads (map2_) or copies from (copy_) its other operand too
             except Exception as err:  # raised by the check: its traceback starts here, not in our plumbing
                 err.__traceback__ = None
                 raise err
-        if not exporter:
+        if not self._exporter:
             return original(*args, **kwargs)
         depth = getattr(_exporting, "depth", 0)
         _exporting.depth = depth + 1
@@ -126,15 +157,141 @@ def _wrap(original: Any, where: str, kind: type) -> Any:
             _exporting.depth = depth
         note = _now.note
         if note is not None and not depth and args:
-            source = _exported_tensor(args[0]) if where in _MAKERS else args[0]
+            source = _exported_tensor(args[0]) if self._where in _MAKERS else args[0]
             if isinstance(source, torch.Tensor):
-                note(source, where, result)  # the outermost export only (``__array__`` calls ``numpy()``)
+                note(source, self._where, result)  # the outermost export only (``__array__`` calls ``numpy()``)
         return result
 
-    return checked
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        return self if obj is None else types.MethodType(self, obj)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            original = self.__dict__["__wrapped__"]
+        except KeyError:
+            raise AttributeError(name) from None
+        return getattr(original, name)
+
+    def __repr__(self) -> str:
+        return repr(self.__wrapped__)
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        original = self.__wrapped__
+        if isinstance(original, (types.FunctionType, type)):
+            reduced = original.__qualname__  # pickled by name (pickle never asks a function to reduce itself)
+        else:
+            reduced = original.__reduce_ex__(protocol)
+            if not isinstance(reduced, str):
+                return reduced  # a builtin's (getattr, (owner, name)): the same bytes as the original's
+        module = getattr(original, "__module__", None)
+        if _resolve(module, reduced) is self:
+            return reduced  # pickle finds this wrapper under the original's name: the same GLOBAL opcode
+        return (getattr, (_ByName(module, reduced.rpartition(".")[0]), reduced.rpartition(".")[2])) \
+            if "." in reduced else (getattr, (_Module(module), reduced))
+
+    def __copy__(self) -> "_Wrapper":
+        return self  # functions are copied as themselves
+
+    def __deepcopy__(self, memo: Any) -> "_Wrapper":
+        return self
 
 
-_TWO_OPERANDS = ("Tensor.map2_", "UntypedStorage.copy_")
+class _Module:
+    """Pickles as ``importlib.import_module(name)``: nothing of the sanitizer is needed to load what refers to it."""
+
+    def __init__(self, name: Optional[str]):
+        self.name = name
+
+    def __reduce__(self) -> Any:
+        return (importlib.import_module, (self.name,))
+
+
+class _ByName(_Module):
+    """Pickles as ``module.qualname`` (a class in a module, for a method)."""
+
+    def __init__(self, module: Optional[str], qualname: str):
+        super().__init__(module)
+        self.qualname = qualname
+
+    def __reduce__(self) -> Any:
+        if "." in self.qualname:
+            parent, _, last = self.qualname.rpartition(".")
+            return (getattr, (_ByName(self.name, parent), last))
+        return (getattr, (_Module(self.name), self.qualname))
+
+
+def _resolve(module: Optional[str], qualname: str) -> Any:
+    obj = sys.modules.get(module or "")
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+_lock = threading.RLock()  # every swap of an attribute, from a sync or from a wrapper putting its original back
+_ACTIVE: Dict[Key, _Wrapper] = {}  # the wrapper that acts for each owner.name now
+_WRAPPED: Dict[Key, Dict[int, _Wrapper]] = {}  # every wrapper made, per owner.name and per id(what it wraps)
+_wanted: Dict[Key, Tuple[Any, str, str, type]] = {}  # what the last sync wanted wrapped
+
+
+def _current(owner: Any, name: str) -> Any:
+    return vars(owner)[name] if name in vars(owner) else getattr(owner, name, None)
+
+
+def _ours_in_chain(fn: Any, key: Key) -> Optional[_Wrapper]:
+    """Our wrapper of ``key`` at or under ``fn`` (a user's patch that keeps what it wraps in ``__wrapped__``,
+    as ``functools.wraps`` does), else None."""
+    for _ in range(16):
+        if isinstance(fn, _Wrapper):
+            return fn if fn.__dict__["_key"] == key else None
+        try:
+            fn = inspect.getattr_static(fn, "__wrapped__", None)
+        except Exception:
+            return None
+        if fn is None:
+            return None
+    return None
+
+
+def _install(key: Key, owner: Any, name: str, where: str, kind: type) -> None:
+    """(Under the lock.) Make ours act for ``owner.name``: the one already on top or in a user's chain over it,
+    else a wrapper of what is there now (made once per function wrapped: wrapping the same function again gives
+    the same wrapper, so a patch-and-restore cycle around a lend never stacks them)."""
+    top = _current(owner, name)
+    ours = _ours_in_chain(top, key)
+    if ours is None:
+        made = _WRAPPED.setdefault(key, {})
+        ours = made.get(id(top))
+        if ours is None or ours.__wrapped__ is not top:
+            ours = made[id(top)] = _Wrapper(owner, name, top, name in vars(owner), where, kind)
+        setattr(owner, name, ours)
+    _ACTIVE[key] = ours
+
+
+def _put_back(key: Key, owner: Any, name: str) -> None:
+    """(Under the lock.) Take ours off ``owner.name`` while one of ours is on top; one a user's patch covers
+    stays there, passing calls through, until it is on top again (then a sync or its own next call ends it)."""
+    _ACTIVE.pop(key, None)
+    for _ in range(16):
+        top = vars(owner).get(name)
+        if not isinstance(top, _Wrapper) or top.__dict__["_key"] != key:
+            return
+        d = top.__dict__
+        if d["_own"]:
+            setattr(owner, name, d["__wrapped__"])
+        else:
+            delattr(owner, name)
+
+
+def _heal(wrapper: _Wrapper) -> None:
+    """A wrapper that does not act was called: when nothing is wanted for its ``owner.name`` and it is on top
+    (a user put it back there), the original goes back now."""
+    d = wrapper.__dict__
+    key = d["_key"]
+    if key in _wanted or vars(d["_owner"]).get(d["_name"]) is not wrapper:
+        return
+    with _lock:
+        if key not in _wanted:
+            _put_back(key, d["_owner"], d["_name"])
 
 
 def _targets() -> List[Tuple[Any, str, str, type]]:
@@ -162,12 +319,13 @@ def set_export_notes(on: bool, note: Optional[Note] = None) -> None:
     _sync()
 
 
-_synced_for: Optional[Tuple[bool, bool, int]] = None
+_synced_for: Optional[Tuple[bool, bool, int, int]] = None
 
 
 def _sync() -> None:
-    """Install the wrappers the switches need (every reader while checking; the exporters while noting),
-    restore the others."""
+    """Make ours act on the readers the switches need (every reader while checking; the exporters while
+    noting) and put the others back. Also re-checks what a user's patch kept ours under, so a wrapper a
+    user's restore put back on top after the last change is taken off at the next one."""
     global _synced_for
     checking, noting = _now.check is not None, _now.note is not None
     # What the wanted set depends on: the two switches and which third-party writers are imported. A stale
@@ -175,32 +333,23 @@ def _sync() -> None:
     signature = (checking, noting, id(sys.modules.get("safetensors.torch")), id(sys.modules.get("numpy")))
     if signature == _synced_for:
         return
-    wanted = {(id(owner), name): (owner, name, where, kind) for owner, name, where, kind in _targets()
-              if checking or (noting and where in _EXPORTERS)}
-    for key, (owner, original, own) in list(_saved.items()):
-        if key in wanted:
-            continue
-        del _saved[key]
-        name = key[1]
-        if vars(owner).get(name) is _wrappers.pop(key):  # someone else's patch on top: leave it
-            if own:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)
-    for key, (owner, name, where, kind) in wanted.items():
-        if key in _saved:
-            continue
-        own = name in vars(owner)
-        original = vars(owner)[name] if own else getattr(owner, name)
-        _saved[key] = (owner, original, own)
-        _wrappers[key] = wrapper = _wrap(original, where, kind)
-        setattr(owner, name, wrapper)
-    _synced_for = signature
+    with _lock:
+        wanted = {(id(owner), name): (owner, name, where, kind) for owner, name, where, kind in _targets()
+                  if checking or (noting and where in _EXPORTERS)}
+        for key, made in _WRAPPED.items():  # (every owner.name ever wrapped: a few dozen)
+            if key not in wanted and made:
+                d = next(iter(made.values())).__dict__
+                _put_back(key, d["_owner"], d["_name"])
+        _wanted.clear()
+        _wanted.update(wanted)
+        for key, (owner, name, where, kind) in wanted.items():
+            _install(key, owner, name, where, kind)
+        _synced_for = signature
 
 
 def hooked() -> bool:
     """Are the stale checks of the unseen readers on?"""
-    return _now.check is not None and bool(_saved)
+    return _now.check is not None and bool(_ACTIVE)
 
 
 def noting() -> bool:
