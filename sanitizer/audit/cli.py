@@ -12,7 +12,7 @@ import sys
 from typing import Optional, Sequence
 
 from sanitizer.audit.codes import CODES, CodeSelectionError, selected_codes
-from sanitizer.core import output_file
+from sanitizer.core import output_file, report_file
 from sanitizer.core.suggest import HintingParser
 
 def epilog(width: Optional[int] = None) -> str:
@@ -95,6 +95,9 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "ownsan audit") -> in
         except cc.ReportError as exc:
             print(f"{prog}: {exc}", file=sys.stderr)
             return 2
+        note = report_file.journal_note(args.report, report)
+        if note:  # the run was killed: its findings come from its journal
+            print(f"{prog}: --report: {note}", file=sys.stderr)
     try:
         result = audit_paths(args.paths, args.select, args.ignore, settings)
     except AuditInputError as exc:

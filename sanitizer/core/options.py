@@ -118,9 +118,10 @@ OPTIONS: Dict[str, Option] = {
         Option("report", str, "",
                "Write the JSON report to this path at process exit ({pid} and {rank} expand). Empty: no file. "
                "A file is replaced whole once written; a device (/dev/null), a FIFO or /dev/stdout is written "
-               "through, and a symlink's target is written (the link kept). Beside a file, each finding is "
-               "also appended to PATH.journal as it is made (removed once the report is written): a process "
-               "killed first (Pool.terminate) keeps its findings, read as its report by ownsan run and triage. "
+               "through, and a symlink's target is written (the link kept). Beside a file (a link's target), each "
+               "finding is also appended to PATH.journal as it is made (removed once a report is written there): "
+               "a process killed first (Pool.terminate) keeps its findings, read in its report's place (missing, "
+               "or an earlier process's) by ownsan run, triage and audit --report. "
                "A path with ':' or ',' is quoted in the options string (report='/runs/12:30/r.json')."),
         Option("checksum", bool, False,
                "Hash each lease's bytes at lend (numba kernels, CUDA or CPU) and verify them when a reuse retires "

@@ -51,6 +51,16 @@ def _resolve(path: str) -> Optional[str]:
     raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
 
 
+def written_at(path: str) -> str:
+    """The file a write to ``path`` replaces: a symlink's target (its chain followed), else ``path`` made
+    absolute. A file beside a report (its journal) goes beside this one, where the report itself lands.
+    For a path that :func:`replaced_whole` accepts."""
+    try:
+        return _resolve(path) or os.path.abspath(path)
+    except OSError:
+        return os.path.abspath(path)
+
+
 def replaced_whole(path: str) -> bool:
     """Is ``path`` written as a file of its own (a regular file, or a new path outside /dev and /proc),
     not through (a device, a FIFO, a file descriptor's link)? Only such a path may get a sibling (a
@@ -139,4 +149,4 @@ def write_text(path: str, text: str, encoding: str = "utf-8") -> str:
     return write_bytes(path, text.encode(encoding))
 
 
-__all__ = ["printable", "replaced_whole", "write_bytes", "write_text"]
+__all__ = ["printable", "replaced_whole", "written_at", "write_bytes", "write_text"]

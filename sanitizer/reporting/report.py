@@ -304,11 +304,58 @@ def _from_process(item: Any, rep: Dict[str, Any]) -> Any:
 
 
 def load(path: str) -> Dict[str, Any]:
-    """The report in ``path`` (see :func:`sanitizer.core.report_file.load`); a journal's gets its summary."""
-    rep = report_file.load(path)
+    """The report in ``path`` (see :func:`sanitizer.core.report_file.load`); a journal's records are
+    checked (:func:`journal_check`) before its summary is made from them."""
+    rep = report_file.load(path, journal_check)
     if "summary" not in rep:
         rep["summary"] = summarize(rep)
     return rep
+
+
+# What summarize() reads of the event kinds the schema leaves open (other_event): a crafted journal must
+# not reach it with a count that is not a number.
+_COUNT = {"type": "integer", "minimum": 0}
+_SITE = {"anyOf": [{"$ref": "#/$defs/frame"}, {"type": "null"}]}
+_SUMMARY_READS = {
+    "emulated_retention": {"type": "object", "properties": {
+        "count": _COUNT, "nbytes": _COUNT, "leases": {"type": "array"}, "file": {"type": ["string", "null"]},
+        "holder": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {
+            "consumer": {"type": ["string", "null"]}, "kind": {"type": ["string", "null"]}, "site": _SITE,
+            "stored_at": _SITE}}]}}},
+    "unchecked_load": {"type": "object", "properties": {"count": _COUNT, "tensors": _COUNT, "bytes": _COUNT}},
+}
+_HEADER = ("format", "version", "pid", "rank", "world_size", "argv", "options")
+_KINDS = {"error": ("stale_use", "checksum_mismatch"), "event": ("retention", "rescue", "clone")}  # (their $defs)
+_journal_schemas: Dict[str, Dict[str, Any]] = {}
+
+
+def journal_check(what: str, value: Dict[str, Any]) -> Optional[str]:
+    """The first problem (and how many more) of a journal's ``header``, or of one of its ``error`` or
+    ``event`` records, against the report schema (each record as the report's ``errors[]`` or ``events[]``
+    item it becomes, the header as the report's process fields); None when it is fine. The journal is read
+    only once every line passed, so a crafted line is one clear error naming it, never a traceback in the
+    summary made from it (:func:`sanitizer.core.journal.load_journal` calls this)."""
+    from sanitizer.reporting.schema import validate as _validate
+
+    if not _journal_schemas:
+        root = schema()
+        defs = {"$defs": root["$defs"]}
+        _journal_schemas.update(
+            header={"type": "object", "required": ["format", "version", "pid", "argv"],
+                    "properties": {k: root["properties"][k] for k in _HEADER}, **defs},
+            error={"$ref": "#/$defs/error", **defs}, event={"$ref": "#/$defs/event", **defs},
+            **{kind: {"$ref": f"#/$defs/{kind}", **defs} for kinds in _KINDS.values() for kind in kinds},
+            **{kind: dict(sub, **defs) for kind, sub in _SUMMARY_READS.items()})
+    kind = value.get("kind")
+    if isinstance(kind, str) and kind in _KINDS.get(what, ()):  # the one alternative its kind names: the
+        problems = _validate(value, _journal_schemas[kind])  # problem said is that one's, not the closest's
+    else:
+        problems = _validate(value, _journal_schemas[what])
+    if not problems and what == "event" and kind in _SUMMARY_READS:
+        problems = _validate(value, _journal_schemas[kind])
+    if not problems:
+        return None
+    return problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
 
 
 def expand_path(path: str) -> str:
@@ -376,8 +423,9 @@ def _journal_record(kind: str, record: Dict[str, Any]) -> None:
         target = _journal_targets.get(key)
         if target is None:  # once per process and path: where its journal goes, if anywhere
             where = os.path.abspath(expand_path(path))  # (the program may chdir: finish() removes this one)
-            target = _journal_targets[key] = (journal.journal_path(where) if output_file.replaced_whole(where)
-                                              else "")
+            # Beside the file the report will be (a symlink's target), where a reader of either looks.
+            target = _journal_targets[key] = (journal.journal_path(output_file.written_at(where))
+                                              if output_file.replaced_whole(where) else "")
         if target:
             _JOURNAL.append(target, _journal_header, kind, record)
     except Exception:  # never into the program: the report at exit still has the record
@@ -397,12 +445,13 @@ def _write_report_at_exit() -> None:
     if not path:
         return
     try:
-        write_report(path, final=True)
+        written = write_report(path, final=True)
     except Exception as exc:  # one line, never a second traceback after the program's own
         print(f"ownership-sanitizer: could not write the report to {path!r}: {type(exc).__name__}: {exc}",
               file=sys.stderr)
         return
-    _JOURNAL.finish()  # the report is whole: its journal goes
+    # The report is whole: its journal goes, and so does one an earlier, killed process left beside it.
+    _JOURNAL.finish(output_file.written_at(written) if output_file.replaced_whole(written) else None)
 
 
 def _exit_after_writing_the_report(code: int) -> None:
@@ -430,4 +479,4 @@ def install() -> None:
 
 
 __all__ = ["install", "report", "write_report", "summarize", "merge", "process_label", "load", "validate", "schema",
-           "expand_path", "FORMAT", "VERSION", "SCHEMA_PATH"]
+           "journal_check", "expand_path", "FORMAT", "VERSION", "SCHEMA_PATH"]

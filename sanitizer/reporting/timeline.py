@@ -91,6 +91,9 @@ code {{ font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 12px; 
 
 
 def _esc(text: Any) -> str:
+    """``text`` (any value: a number of a report that never met the schema too) as HTML text or a quoted
+    attribute's value. Every value of a report goes through it: a name is whatever a program or a crafted
+    report made it."""
     return html.escape(output_file.printable("" if text is None else str(text)), quote=True)
 
 
@@ -461,7 +464,7 @@ class _Panel:
         out.append(self._axes())
         for lease, how, end, b in boxes:
             fill = DEAD if how in ("reused", "gone") else LEASE
-            out.append(f'<g class="lease" data-lease="{lease["lease_id"]}"><rect x="{b.x0:.1f}" y="{b.y0:.1f}" '
+            out.append(f'<g class="lease" data-lease="{_esc(lease["lease_id"])}"><rect x="{b.x0:.1f}" y="{b.y0:.1f}" '
                        f'width="{b.width:.1f}" height="{b.height:.1f}" fill="{fill}" fill-opacity="0.75"/>'
                        f'<title>{_esc(_lease_title(lease, how, end))}</title></g>')
         for ev in self.events:  # reuses: over the leases, under the retained boxes
@@ -474,7 +477,7 @@ class _Panel:
             after = ev.get("generation_after")
             title = (f"{verb} bytes [{lo:#x}, {hi:#x}){what}\ngeneration {ev['generation_before']} -> "
                      f"{after if after is not None else 'closed'}")
-            out.append(f'<g class="reuse" data-event="{ev["event_id"]}"><line x1="{xr:.1f}" x2="{xr:.1f}" '
+            out.append(f'<g class="reuse" data-event="{_esc(ev["event_id"])}"><line x1="{xr:.1f}" x2="{xr:.1f}" '
                        f'y1="{self.y(lo):.1f}" y2="{self.y(hi):.1f}" stroke="{REUSE}" stroke-width="1.5"/>'
                        f'<title>{_esc(title)}</title></g>')
         for lease, end, b in reds:
@@ -485,12 +488,13 @@ class _Panel:
                      f"held by {r.get('holder') or 'an unnamed holder'}\n"
                      f"its bytes were reused{took}{_at_generation(end)}; {_ended(r)}"
                      + (f"\n({COUNTED})" if r.get("counted") else ""))
-            out.append(f'<g class="retained" data-lease="{lease["lease_id"]}"><rect x="{b.x0:.1f}" y="{b.y0:.1f}" '
+            out.append(f'<g class="retained" data-lease="{_esc(lease["lease_id"])}">'
+                       f'<rect x="{b.x0:.1f}" y="{b.y0:.1f}" '
                        f'width="{b.width:.1f}" height="{b.height:.1f}" fill="{RETAINED}" stroke="#fff" '
                        f'stroke-width="0.75"/>'
                        f'<title>{_esc(title)}</title></g>')
         for lease, b in marks:  # over every box: a later box never hides a stale read
-            out.append(f'<g class="stale-read" data-lease="{lease["lease_id"]}"><path d="M{b.x0 + 1:.1f},'
+            out.append(f'<g class="stale-read" data-lease="{_esc(lease["lease_id"])}"><path d="M{b.x0 + 1:.1f},'
                        f'{b.y0 + 1:.1f} L{b.x1 - 1:.1f},{b.y1 - 1:.1f} M{b.x1 - 1:.1f},{b.y0 + 1:.1f} L{b.x0 + 1:.1f},'
                        f'{b.y1 - 1:.1f}" stroke="#fff" stroke-width="5"/><path d="M{b.x0 + 1:.1f},{b.y0 + 1:.1f} '
                        f'L{b.x1 - 1:.1f},{b.y1 - 1:.1f} M{b.x1 - 1:.1f},{b.y0 + 1:.1f} L{b.x0 + 1:.1f},{b.y1 - 1:.1f}" '
@@ -660,7 +664,8 @@ def _retained_list(name: Any, listed: List[Tuple[int, dict, Optional[dict]]]) ->
         took = "-"
         if ev is not None:
             took = f"{_esc(ev.get('by') or ev.get('kind'))}{_esc(_at_generation(_after(ev)))}"
-        rows.append(f'<tr data-lease="{lease["lease_id"]}"><td class="num">#{n}</td><td><code>{_esc(_name(lease))}'
+        rows.append(f'<tr data-lease="{_esc(lease["lease_id"])}"><td class="num">#{n}</td>'
+                    f'<td><code>{_esc(_name(lease))}'
                     f'</code></td><td><code>{_esc(r.get("holder") or "an unnamed holder")}</code>'
                     f'{f" ({COUNTED})" if r.get("counted") else ""}</td><td>{took}</td>'
                     f"<td>{_esc(_ended(r))}</td></tr>")
@@ -705,7 +710,7 @@ def render_html(rep: Dict[str, Any], title: Optional[str] = None, intro: Optiona
         panel = _Panel(buf, i)
         lay = panel.layout()
         svg, listed = panel.svg(lay)
-        extra = f", pid {info.get('pid')}" if rep.get("processes") else ""
+        extra = f", pid {_esc(info.get('pid'))}" if rep.get("processes") else ""
         parts.append(f'<section class="buffer" data-buffer="{_esc(info.get("name"))}">'
                      f"<h2>{_esc(info.get('name'))} <small>{format_bytes(int(info.get('nbytes') or 0))} on "
                      f"{_esc(info.get('device', '?'))}, generation {_esc(info.get('generation'))}, "
@@ -719,8 +724,8 @@ def render_html(rep: Dict[str, Any], title: Optional[str] = None, intro: Optiona
         parts.append(f'<p class="note">{len(bufs) - MAX_BUFFERS} more buffer(s) not drawn (fewer retentions and '
                      "lends).</p>")
     if tl.get("dropped"):
-        parts.append(f'<p class="note">{tl["dropped"]} older lend(s) are not in the report (timeline_events='
-                     f'{tl.get("cap")}): only the most recent and every retained one are drawn.</p>')
+        parts.append(f'<p class="note">{_esc(tl["dropped"])} older lend(s) are not in the report (timeline_events='
+                     f'{_esc(tl.get("cap"))}): only the most recent and every retained one are drawn.</p>')
     consumers = (rep.get("summary") or {}).get("retaining_consumers", [])
     if consumers:
         parts.append("<h2>Retaining consumers</h2><table><colgroup><col style=\"width:24%\"><col style=\"width:5%\">"
@@ -728,10 +733,10 @@ def render_html(rep: Dict[str, Any], title: Optional[str] = None, intro: Optiona
                      "<col style=\"width:27%\"></colgroup><tr><th>holder</th><th>count</th><th>bytes</th>"
                      "<th>read stale at</th><th>holder lives at</th><th>fix</th></tr>")
         for g in consumers:
-            also = (f' <span class="note">(holds {g.get("also_held")} view(s) counted above, beside their holder)'
+            also = (f' <span class="note">(holds {_esc(g.get("also_held"))} view(s) counted above, beside their holder)'
                     "</span>" if not g.get("count") and g.get("also_held") else "")
             parts.append(f"<tr><td><code>{_esc(g.get('consumer'))}</code>{also}</td>"
-                         f"<td class=\"num\">{g.get('count')}</td>"
+                         f"<td class=\"num\">{_esc(g.get('count'))}</td>"
                          f"<td class=\"num\">{format_bytes(int(g.get('bytes') or 0))}</td>"
                          f"<td>{_esc(', '.join(g.get('read_stale_at') or []) or '-')}</td>"
                          f"<td>{_esc(g.get('site') or '?')}</td><td>{_esc(g.get('fix') or '')}</td></tr>")

@@ -357,11 +357,14 @@ def cmd_triage(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     from sanitizer.core import report_file
     from sanitizer.reporting.schema import validate
 
-    try:
-        rep = report_file.load(args.report)
+    try:  # a journal's records are checked before its summary is made of them
+        rep = report_file.load(args.report, lambda what, value: _report_mod().journal_check(what, value))
     except ValueError as exc:
         print(f"ownsan triage: {exc}", file=sys.stderr)
         return 2
+    note = report_file.journal_note(args.report, rep)
+    if note:
+        print(f"ownsan triage: {note}", file=sys.stderr)
     if "summary" not in rep:  # a journal (the process was killed before it wrote its report)
         rep["summary"] = _report_mod().summarize(rep)
     with open(_SCHEMA, encoding="utf-8") as fh:

@@ -10,7 +10,10 @@
   sanitized test (its own assertion included) gets an ``ownership-sanitizer``
   report section: the one-line summary, each retaining holder with where it
   was read stale, the first error, and the path of the test's JSON report
-  (``ownsan triage PATH``); sanitizer and pytest frames are cut from its traceback.
+  (``ownsan triage PATH``; ``TEST.PID.json`` in ``--ownership-report-dir`` or the pytest cache, so
+  sessions sharing a directory never overwrite each other's); sanitizer and pytest frames are cut from
+  its traceback. A report directory that cannot be made is said in one line at the end of the session,
+  and the reports go to the cache instead.
 
 Tests run with ``triage=1``: a stale use is recorded, not raised, so the test
 runs on and every retaining consumer is named; the failure comes at the end of
@@ -41,6 +44,7 @@ class _TestState:
 
 _OPTIONS = pytest.StashKey[Dict[str, Any]]()  # config: --ownership-sanitize-options, parsed
 _STATE = pytest.StashKey[_TestState]()  # item: the sanitized test's state
+_REPORTS = pytest.StashKey["_ReportDir"]()  # config: where failing tests' reports go
 
 
 def pytest_addoption(parser: Any) -> None:
@@ -52,7 +56,8 @@ def pytest_addoption(parser: Any) -> None:
     group.addoption("--ownership-fail-on-retention", action="store_true", default=False,
                     help="also fail a sanitized test in which a borrowed view was retained past its reuse")
     group.addoption("--ownership-report-dir", default=None, metavar="DIR",
-                    help="where failing tests' reports go (default: the pytest cache, d/ownership-sanitizer)")
+                    help="where failing tests' reports go, one file per test and session (TEST.PID.json; "
+                    "default: the pytest cache, d/ownership-sanitizer)")
 
 
 def pytest_configure(config: Any) -> None:
@@ -115,15 +120,70 @@ def _safe(nodeid: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", nodeid).strip("_")[:150] or "test"
 
 
-def _report_dir(config: Any) -> str:
-    chosen = config.getoption("--ownership-report-dir")
-    if chosen:
-        os.makedirs(chosen, exist_ok=True)
-        return chosen
+class _ReportDir:
+    """Where this session's failing tests' reports go: ``--ownership-report-dir``, else (or when that cannot
+    be made or written: one line at the end of the session, never an INTERNALERROR that ends it) the pytest
+    cache, else a temporary directory of the session's own."""
+
+    def __init__(self, chosen: Optional[str]):
+        self.chosen = chosen
+        self.problem: Optional[str] = None  # what went wrong with --ownership-report-dir
+        self.fallback: Optional[str] = None
+        self.used: Optional[str] = None  # where the last report went
+
+    def write(self, config: Any, name: str, text: str) -> Optional[str]:
+        """Write the report ``name`` (the test's, unique to this session: two sessions sharing the
+        directory never overwrite each other's) to the first directory that takes it; its path, or None."""
+        from sanitizer.core import output_file
+
+        for directory in ([self.chosen] if self.chosen and not self.problem else []) + [None]:
+            try:
+                if directory is None:
+                    directory = self.fallback = self.fallback or _default_dir(config)
+                else:
+                    os.makedirs(directory, exist_ok=True)
+                path = os.path.join(directory, name)
+                output_file.write_text(path, text)  # never half a report
+            except (OSError, ValueError) as exc:  # ValueError: a NUL in the name
+                if directory == self.chosen and self.chosen:
+                    self.problem = (f"--ownership-report-dir {self.chosen!r} cannot be used "
+                                    f"({getattr(exc, 'strerror', None) or exc})")
+                continue
+            self.used = directory
+            return path
+        return None
+
+    def line(self) -> Optional[str]:
+        """The one line that says what went wrong with --ownership-report-dir, and where the reports went."""
+        if not self.problem:
+            return None
+        went = (f"failing tests' reports went to {self.fallback}" if self.fallback and self.used == self.fallback
+                else "failing tests' reports were not written")
+        return f"ownership-sanitizer: {self.problem}; {went}"
+
+
+def _default_dir(config: Any) -> str:
     cache = getattr(config, "cache", None)
     if cache is not None:
-        return str(cache.mkdir("ownership-sanitizer"))
+        try:
+            return str(cache.mkdir("ownership-sanitizer"))
+        except OSError:  # a read-only checkout
+            pass
     return tempfile.mkdtemp(prefix="ownership-sanitizer-")
+
+
+def _reports(config: Any) -> _ReportDir:
+    where = config.stash.get(_REPORTS, None)
+    if where is None:
+        where = config.stash[_REPORTS] = _ReportDir(config.getoption("--ownership-report-dir"))
+    return where
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: Any, config: Any) -> None:
+    where = config.stash.get(_REPORTS, None)
+    line = where.line() if where is not None else None
+    if line:
+        terminalreporter.write_line(line)
 
 
 def _prune_torch_frames(item: Any, excinfo: Any) -> None:
@@ -172,13 +232,9 @@ def pytest_runtest_makereport(item: Any, call: Any):
                                           and rep["summary"]["retentions"]))
     if not failing and not test_report.failed:
         return
-    path = os.path.join(_report_dir(item.config), _safe(item.nodeid) + ".json")
-    try:
-        from sanitizer.core import output_file
-
-        output_file.write_text(path, json.dumps(rep, indent=2, default=str) + "\n")  # never half a report
-    except OSError:
-        path = None
+    # One file per test and session (its pid): sessions sharing the directory never overwrite each other's.
+    path = _reports(item.config).write(item.config, f"{_safe(item.nodeid)}.{os.getpid()}.json",
+                                       json.dumps(rep, indent=2, default=str) + "\n")
     from sanitizer.reporting.text import section_for_test
 
     section = section_for_test(rep, path)

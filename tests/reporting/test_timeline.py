@@ -11,6 +11,7 @@ import shutil
 import struct
 import subprocess
 import zlib
+from html.parser import HTMLParser
 
 import pytest
 import torch
@@ -698,3 +699,133 @@ def test_in_chromium_at_900_1400_and_2800_px_the_text_keeps_its_size(tmp_path, w
                     if a["box"][0] < b["box"][2] - eps and b["box"][0] < a["box"][2] - eps
                     and a["box"][1] < b["box"][3] - eps and b["box"][1] < a["box"][3] - eps]
         assert overlaps == [], (name, width, overlaps[:5])
+
+
+_INJECT = '<b>x</b><zz onload=1>"\'&'  # an element, an attribute, both quotes and an ampersand
+
+
+class _Parsed(HTMLParser):
+    """What a browser's parser makes of a page: every element, every attribute, every text (decoded)."""
+
+    def __init__(self, page: str):
+        super().__init__(convert_charrefs=True)
+        self.tags: list = []
+        self.attrs: list = []
+        self.texts: list = []
+        self._open: list = []
+        self.feed(page)
+        self.close()
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+        self._open.append(tag)
+        self.attrs += [(tag, name, value) for name, value in attrs]
+
+    def handle_startendtag(self, tag, attrs):
+        self.tags.append(tag)
+        self.attrs += [(tag, name, value) for name, value in attrs]
+
+    def handle_endtag(self, tag):
+        if tag in self._open:
+            del self._open[len(self._open) - 1 - self._open[::-1].index(tag):]
+
+    def handle_data(self, data):
+        self.texts.append((self._open[-1] if self._open else None, data))
+
+    def injected(self) -> list:
+        """What the payload made of the page beyond text: a ``zz`` element, an ``onload`` attribute, a ``b``
+        element around its ``x``, or an attribute name with a quote in it."""
+        return ([t for t in self.tags if t == "zz"]
+                + [a for a in self.attrs if a[1] == "onload" or set(a[1]) & set("\"'&")]
+                + [t for t in self.texts if t == ("b", "x")])
+
+    def shown(self) -> str:
+        """Every text and attribute value, decoded, one per line."""
+        return "\n".join([d for _, d in self.texts] + [v or "" for _, _, v in self.attrs])
+
+
+def _with_payloads(value, marks: dict, path=()):
+    """``value`` with every free-text string (not the enums the schema fixes) ending in its own payload,
+    ``<b>x</b>...&`` plus a number; ``marks``: each number's path."""
+    if isinstance(value, dict):
+        return {k: v if k in ("format", "kind", "until", "when", "dtype") else _with_payloads(v, marks, path + (k,))
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [_with_payloads(v, marks, path + (i,)) for i, v in enumerate(value)]
+    if isinstance(value, str):
+        marks[len(marks)] = path
+        return f"{value}{_INJECT}{len(marks) - 1}#"
+    return value
+
+
+def test_every_free_text_field_of_a_report_is_text_on_the_page_never_markup(tmp_path, capsys):
+    """Names a program controls (buffer, tensor, holder key, the file, directory and function of a frame,
+    the thread) and every other string of a crafted report that still matches the schema: each is written
+    escaped, in every text and attribute context of the page, and shows as the text it is."""
+    ring = sanitizer.StagingRing(8 * 1024, name=f"ring{_INJECT}")
+    code = compile("def keep(w, key):\n    _KEPT[key] = w\n\ndef read(key):\n    return float(_KEPT[key].sum())\n",
+                   f"/tmp/dir{_INJECT}/mod{_INJECT}.py", "exec")
+    scope = {"_KEPT": _KEPT}
+    exec(code, scope)
+    keep, read = scope["keep"], scope["read"]
+    for f in (keep, read):
+        f.__code__ = f.__code__.replace(co_name=f"{f.__name__}{_INJECT}")
+    with sanitizer.sanitize(triage=1):
+        for i in range(24):
+            w = ring.put(f"layers.{i}.{_INJECT}", torch.full((256,), float(i)))
+            if i % 5 == 0:
+                keep(w, f"key{_INJECT}{i}")
+        del w
+        import threading
+
+        reader = threading.Thread(target=read, args=(f"key{_INJECT}5",), name=f"thread{_INJECT}")
+        reader.start()
+        reader.join()
+        rep = sanitizer.report(final=True)
+    rep = json.loads(json.dumps(rep, default=str))
+    assert R.validate(rep) == []
+    page = timeline.render_html(rep)
+    parsed = _Parsed(page)
+    assert parsed.injected() == []
+    holders = [l["retained"]["holder"] for l in rep["timeline"]["leases"] if l["retained"]]
+    assert holders and all("key<b>x</b><zz onload=1>" in h for h in holders), holders  # (the key's repr)
+    for name in (f"ring{_INJECT}", f"layers.5.{_INJECT}", f"layers.6.{_INJECT}", f"mod{_INJECT}.py", *holders):
+        assert name in parsed.shown(), name  # shown as the text it is
+    # Every string of the report with a payload of its own, through `ownsan triage --html`, which reads
+    # only what matches the schema.
+    marks: dict = {}
+    crafted = _with_payloads(rep, marks)
+    assert R.validate(crafted) == []
+    path = tmp_path / "crafted.json"
+    path.write_text(json.dumps(crafted), encoding="utf-8")
+    assert cli.main(["triage", str(path), "--html", str(tmp_path / "page.html")]) == 0
+    capsys.readouterr()
+    parsed = _Parsed((tmp_path / "page.html").read_text(encoding="utf-8"))
+    assert parsed.injected() == []
+    shown = parsed.shown()
+    drawn = {marks[n][-1] if isinstance(marks[n][-1], str) else marks[n][-2] for n in marks
+             if f"{_INJECT}{n}#" in shown}
+    # the fields the page draws, each seen whole, as text
+    assert {"name", "device", "by", "holder", "line", "consumer", "site", "fix", "read_stale_at"} <= drawn, \
+        sorted(drawn)
+
+
+def test_numbers_a_report_did_not_check_are_escaped_too():
+    """render_html is public: a report that never met the schema (ids, counts and pids as strings) is
+    still drawn as text, never markup."""
+    rep = _dense_report(n=40)
+    for lease in rep["timeline"]["leases"]:
+        lease.update(lease_id=f"{_INJECT}{lease['lease_id']}", pid=_INJECT)
+        if lease["retired_by"] is not None:
+            lease["retired_by"] = f"{_INJECT}{lease['retired_by']}"
+    for ev in rep["timeline"]["events"]:
+        ev.update(event_id=f"{_INJECT}{ev['event_id']}", pid=_INJECT)
+    rep["timeline"]["buffers"][0]["pid"] = _INJECT
+    rep["timeline"].update(dropped=_INJECT, cap=_INJECT)
+    rep["processes"] = [{"pid": _INJECT}]
+    rep["summary"]["retaining_consumers"] = [
+        {"consumer": "a", "count": _INJECT, "bytes": 1, "site": "s", "fix": "f"},
+        {"consumer": "b", "count": 0, "also_held": _INJECT, "bytes": 0, "site": "s", "fix": "f"}]
+    parsed = _Parsed(timeline.render_html(rep))
+    assert parsed.injected() == []
+    assert parsed.shown().count(_INJECT) > 40

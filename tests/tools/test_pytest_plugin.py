@@ -62,12 +62,13 @@ def test_flag_fails_the_retaining_consumer_and_passes_the_correct_one(pytester):
     result.stdout.fnmatch_lines([
         "*test_retaining_consumer*",
         "*ownership-sanitizer: * errors (* stale_use); * retentions by 1 consumer*top: test_suite.KEPT[[]*[]]*",
-        "*report: */reports/test_suite.py_test_retaining_consumer.json*",
+        "*report: */reports/test_suite.py_test_retaining_consumer.*.json*",
     ])
-    report = json.loads((pytester.path / "reports" / "test_suite.py_test_retaining_consumer.json").read_text())
+    (path,) = (pytester.path / "reports").glob("test_suite.py_test_retaining_consumer.*.json")  # .PID.json
+    report = json.loads(path.read_text())
+    assert path.name == f"test_suite.py_test_retaining_consumer.{report['pid']}.json"
     assert report["summary"]["retaining_consumers"][0]["consumer"] == "test_suite.KEPT[*]"
-    triage = subprocess.run([sys.executable, "-m", "sanitizer", "triage",
-                             str(pytester.path / "reports" / "test_suite.py_test_retaining_consumer.json")],
+    triage = subprocess.run([sys.executable, "-m", "sanitizer", "triage", str(path)],
                             capture_output=True, text=True, env={"PYTHONPATH": ROOT, "PATH": ""}, timeout=120)
     assert triage.returncode == 0 and "test_suite.KEPT[*]" in triage.stdout
 
@@ -161,7 +162,7 @@ def test_every_failing_sanitized_test_gets_a_section_without_internal_frames(pyt
     assert "- ownership-sanitizer -" in own  # then the sanitizer's section
     assert "retentions by 1 consumer" in own and "held by: test_failing.KEPT[*]" in own
     assert "read stale at " in own and f"test_failing.py:{read_line}" in own
-    assert "report: " in own and "test_failing.py_test_own_assertion_fails.json" in own
+    assert "report: " in own and "test_failing.py_test_own_assertion_fails." in own
     plain = out[out.index("_ test_plain_failure_without_findings _"):out.index("_ test_halting_error_traceback _")]
     assert "- ownership-sanitizer -" in plain and "0 errors; no retentions" in plain
     halting = out[out.index("_ test_halting_error_traceback _"):]
@@ -174,3 +175,64 @@ def test_every_failing_sanitized_test_gets_a_section_without_internal_frames(pyt
     assert "test_halting_error_traceback" in used_at and "pluggy" not in used_at and "_pytest" not in used_at
     lent_at = halting[halting.rindex("lent at (generation"):halting.rindex("used at (thread")]
     assert "test_failing.py" in lent_at and "pluggy" not in lent_at and "_pytest" not in lent_at  # every stack alike
+
+
+SHARED = '''
+import pytest
+import torch
+
+KEPT = []
+
+@pytest.mark.ownership_sanitize
+def test_keeps_views(staging_ring):
+    for i in range(80):
+        KEPT.append(staging_ring.put(f"layers.{i}.weight", torch.full((64, 64), float(i))))
+    float(KEPT[0].sum())
+
+def test_unsanitized():
+    assert True
+'''
+
+
+def _session(pytester, *args: str):
+    pytester._monkeypatch.setenv("PYTHONPATH", ROOT)
+    pytester._monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    for key in ("OWNERSHIP_SANITIZE", "OWNERSHIP_SANITIZE_OPTIONS"):
+        pytester._monkeypatch.delenv(key, raising=False)
+    return pytester.runpytest_subprocess("-p", "sanitizer.tools.pytest_plugin", *args)
+
+
+@pytest.mark.slow
+def test_a_report_dir_that_cannot_be_made_is_one_line_and_every_test_still_runs(pytester):
+    """Issue 46, item 6: it ended the session with INTERNALERROR (exit 3, no results)."""
+    pytester.makepyfile(test_shared=SHARED)
+    (pytester.path / "a_file").write_text("not a directory\n")
+    result = _session(pytester, "--ownership-report-dir", str(pytester.path / "a_file" / "reports"))
+    assert result.ret == 1  # a test failed (the sanitizer's finding); not 3
+    result.assert_outcomes(passed=1, failed=1)
+    out = result.stdout.str() + result.stderr.str()
+    assert "INTERNALERROR" not in out and "Traceback" not in out
+    said = [line for line in out.splitlines() if "--ownership-report-dir" in line]
+    assert len(said) == 1 and "cannot be used (Not a directory)" in said[0], said
+    assert "reports went to " in said[0]
+    went = said[0].split("reports went to ", 1)[1].strip()
+    (report,) = pytester.path.joinpath(went).glob("test_shared.py_test_keeps_views.*.json")  # (the cache)
+    result.stdout.fnmatch_lines([f"*report: {report}*"])
+
+
+@pytest.mark.slow
+def test_two_sessions_sharing_a_report_dir_keep_each_others_reports(pytester):
+    """Issue 46, item 9: a test's report was DIR/<test>.json, so a second session (a parallel CI job, a
+    second tox environment) overwrote the first one's. Each session's name has its pid."""
+    pytester.makepyfile(test_shared=SHARED)
+    reports = pytester.path / "reports"
+    seen = []
+    for _ in range(2):
+        result = _session(pytester, "-p", "no:cacheprovider", "--ownership-report-dir", str(reports))
+        result.assert_outcomes(passed=1, failed=1)
+        (line,) = [l for l in result.stdout.lines if "report: " in l and "test_keeps_views" in l]
+        seen.append(line.split("report: ", 1)[1].split(" ", 1)[0])
+    assert seen[0] != seen[1]
+    assert sorted(str(p) for p in reports.glob("test_shared.py_test_keeps_views.*.json")) == sorted(seen)
+    pids = [json.loads(open(path).read())["pid"] for path in seen]
+    assert len(set(pids)) == 2 and all(path.endswith(f".{pid}.json") for path, pid in zip(seen, pids))
