@@ -309,50 +309,63 @@ def test_a_visit_here_waits_for_its_moment_and_keeps_the_threads_profiler():
     assert seen  # the user's profiler got its events meanwhile
 
 
-def _user_profilers_survive(sanitizer_options: dict) -> dict:
-    """A worker's own ``sys.setprofile`` hook and the main thread's, across enable, lends, a stale lease from
-    the main thread and one from a worker, and disable."""
+def _user_profilers_survive(hooked: str, worker_first: bool) -> dict:
+    """A ``sys.setprofile`` hook in the ``hooked`` threads ("worker", "main" or "both") across enable, lends, a
+    stale lease made by the main thread and one made by a worker (the worker's first when ``worker_first``),
+    and disable: is each still the thread's?"""
     hooks = {"main": lambda f, e, a: None, "worker": lambda f, e, a: None}
+    want = {"main": hooks["main"] if hooked in ("main", "both") else None,
+            "worker": hooks["worker"] if hooked in ("worker", "both") else None}
     seen: dict = {}
-    go, done = threading.Event(), threading.Event()
+    go, done, worker_stale = threading.Event(), threading.Event(), threading.Event()
 
     def worker() -> None:
-        sys.setprofile(hooks["worker"])
+        sys.setprofile(want["worker"])
         go.wait()
         buf2 = sanitizer.StagingBuffer(64, name="w-ring")
         v = buf2.write(0, torch.ones(4), name="v")
-        buf2.reuse(0, 16, by="next")  # the first stale lease made by a worker
+        buf2.reuse(0, 16, by="next")  # a stale lease made by a worker
+        worker_stale.set()
         torch.ones(1).add(1)
-        seen["worker_during"] = sys.getprofile() is hooks["worker"]
+        seen["worker_during"] = sys.getprofile() is want["worker"]
         del v
         buf2.close()
         done.wait()
-        seen["worker_after"] = sys.getprofile() is hooks["worker"]
+        seen["worker_after"] = sys.getprofile() is want["worker"]
+        sys.setprofile(None)
 
     t = threading.Thread(target=worker)
     t.start()
-    sys.setprofile(hooks["main"])
+    sys.setprofile(want["main"])
     try:
-        sanitizer.enable(**sanitizer_options)
+        sanitizer.enable()
         buf = sanitizer.StagingBuffer(64, name="m-ring")
         w = buf.write(0, torch.ones(4), name="w")
+        if worker_first:
+            go.set()
+            worker_stale.wait(30)
         buf.reuse(0, 16, by="next")  # a stale lease made by the main thread
-        go.set()
         torch.ones(1).add(1)
-        seen["main_during"] = sys.getprofile() is hooks["main"]
+        go.set()
+        _a_python_call()
+        seen["main_during"] = sys.getprofile() is want["main"]
         del w
         buf.close()
-        sanitizer.disable()
-        seen["main_after"] = sys.getprofile() is hooks["main"]
         done.set()
         t.join(30)
+        sanitizer.disable()
+        seen["main_after"] = sys.getprofile() is want["main"]
     finally:
         sys.setprofile(None)
     return seen
 
 
-def test_a_users_profile_hooks_survive_enable_lend_stale_and_disable_in_every_thread():
-    seen = _user_profilers_survive({})
+@pytest.mark.parametrize("hooked,worker_first", [("worker", False), ("main", True), ("both", False),
+                                                  ("both", True)])
+def test_a_users_profile_hooks_survive_enable_lend_stale_and_disable_in_every_thread(hooked, worker_first):
+    """Issue 46: a worker's hook was gone after the main thread's first stale lease, and the main thread's
+    after a worker's first stale lease (3.12+; the reach is what replaced them)."""
+    seen = _user_profilers_survive(hooked, worker_first)
     assert seen == {"worker_during": True, "worker_after": True, "main_during": True, "main_after": True}
 
 
@@ -391,3 +404,42 @@ def test_threads_started_while_enabled_are_checked_under_a_profiler_for_new_thre
         threading.setprofile(None)
         sanitizer.clear_errors()
     assert caught == [True] and kept == [True]
+
+
+def test_a_thread_with_its_own_profiler_is_checked_and_keeps_it():
+    """A worker started while enabled sets its own ``sys.setprofile`` hook (cProfile in a worker, 3.11's
+    cProfile; pyinstrument): at the first stale lease it is still reached (3.12+: through its profiler, which
+    keeps every event), and a stale read there raises."""
+    calls = [0]
+
+    def hook(frame, event, arg):
+        calls[0] += 1
+
+    caught, kept = [], []
+    with sanitizer.sanitize():
+        buf = sanitizer.StagingBuffer(64, name="own-profiler")
+        box = {"w": buf.write(0, torch.ones(4), name="w")}
+        ready, stale = threading.Event(), threading.Event()
+
+        def reader() -> None:
+            sys.setprofile(hook)
+            ready.set()
+            stale.wait()
+            try:
+                box["w"].sum()
+                caught.append(False)
+            except sanitizer.StaleBorrowError:
+                caught.append(True)
+            kept.append(sys.getprofile() is hook)
+            sys.setprofile(None)
+
+        t = threading.Thread(target=reader)
+        t.start()
+        ready.wait()
+        buf.reuse(0, 16, by="next")
+        stale.set()
+        t.join(30)
+        box.clear()
+        buf.close()
+    sanitizer.clear_errors()
+    assert caught == [True] and kept == [True] and calls[0] > 0
