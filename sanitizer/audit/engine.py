@@ -185,7 +185,7 @@ def _audit_files(files: List[str], codes: set, settings: Optional[Settings] = No
         before = len(result.findings)
         try:  # analyse() returns before _audit_one adds anything, so a skipped file leaves nothing behind
             _audit_one(source, codes, result, project, settings)
-        except RecursionError:  # the flow evaluates expressions recursively: a 900-term sum is too deep
+        except RecursionError:  # a safety net: the flow evaluates deep expressions without recursion
             result.skipped.append(Skipped(path, TOO_DEEP_TO_FOLLOW))
             continue
         fresh = []

@@ -19,10 +19,9 @@ class AuditInputError(Exception):
 
 
 class SkippedFile(AuditInputError):
-    """A file the audit cannot follow: an expression nested deeper than its recursion reaches (a generated
-    900-term sum, which Python compiles, overflows the flow's evaluator; a 4000-term one overflows
-    ``ast.parse`` itself). The file is skipped and named with the reason; it is no usage error (the
-    file may well run), so the other files are audited and decide the exit status."""
+    """A file the audit cannot follow: an expression nested deeper than ``ast.parse`` reaches (a generated
+    4000-term sum). The file is skipped and named with the reason, and the other files are audited and
+    decide the exit status."""
 
     def __init__(self, path: str, reason: str):
         super().__init__(f"{path}: skipped: {reason}")
