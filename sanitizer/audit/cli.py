@@ -2,8 +2,9 @@
 
 Exit status: 0 when nothing is found, 1 when a finding is reported (or, with ``--report``, a retention
 the run saw that the audit missed), 2 on a usage error: a path that does not exist, a file that does
-not parse (named), an unknown code in --select/--ignore, an unreadable --report. A file too deep for the
-audit to follow is skipped and named, and the exit status follows the findings of the other files.
+not parse (named: whatever Python cannot compile), an unknown code in --select/--ignore, an unreadable
+--report; and 2 when the audit is incomplete: a function too deep to follow is named as skipped (the
+rest is audited and reported, as it is around a file that does not parse).
 """
 from __future__ import annotations
 
@@ -118,7 +119,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "ownsan audit") -> in
             print(f"{prog}: {err}", file=sys.stderr)
         for skip in result.skipped:
             print(f"{prog}: skipped {skip}", file=sys.stderr)
-    if result.errors:
+    if result.errors or result.skipped:  # the audit is incomplete: a file not read, a function not followed
         return 2
     found = bool(result.findings) or bool(checked and checked["missed"])
     return 1 if found and not args.exit_zero else 0

@@ -17,8 +17,7 @@ from sanitizer.audit.flow import Flow
 from sanitizer.audit.index import FunctionInfo, build_index
 from sanitizer.audit.project import Project
 from sanitizer.audit.settings import Settings
-from sanitizer.audit.sources import (TOO_DEEP_TO_FOLLOW, AuditInputError, SkippedFile, Source, parse, python_files,
-                                     read)
+from sanitizer.audit.sources import TOO_DEEP_TO_FOLLOW, AuditInputError, Source, parse, python_files, read
 from sanitizer.audit.snippets import Snippets
 from sanitizer.audit.summaries import ModuleAnalysis
 from sanitizer.audit.vocabulary import PRODUCER_HINT
@@ -37,14 +36,20 @@ class Consumer:
 
 @dataclass(frozen=True)
 class Skipped:
-    """A file the audit could not follow (see :class:`SkippedFile`): named with the reason, not audited,
-    and no usage error: the exit status follows the findings of the other files."""
+    """A function the audit could not follow to its end (nested deeper than Python's recursion limit lets
+    its walk go: statements a hundred levels deep through helpers that are as deep), or, failing that, a
+    whole file. Its findings are missing, so the audit is incomplete: named with the reason, the rest
+    audited, and the exit status is 2, as for a file that does not parse."""
 
     path: str
     reason: str
+    line: int = 0  # the function's line (0: the whole file)
+    function: str = ""
 
     def __str__(self) -> str:
-        return f"{self.path}: {self.reason}"
+        if not self.function:
+            return f"{self.path}: {self.reason}"
+        return f"{self.path}:{self.line}: `{self.function}` {self.reason}; its findings are missing"
 
 
 @dataclass
@@ -56,7 +61,7 @@ class AuditResult:
     errors: List[str] = field(default_factory=list)  # files that could not be read or parsed
     suppressed: int = 0
     paths: List[str] = field(default_factory=list)  # every file audited
-    skipped: List[Skipped] = field(default_factory=list)  # files too deep to follow, with the reason
+    skipped: List[Skipped] = field(default_factory=list)  # functions (or files) too deep to follow, with the reason
 
 
 def _inherited(info: FunctionInfo, seeds_by_fn: Dict[int, List[Seed]]) -> List[Seed]:
@@ -78,9 +83,11 @@ def _inherited(info: FunctionInfo, seeds_by_fn: Dict[int, List[Seed]]) -> List[S
     return out
 
 
-def analyse(source: Source, project: Optional[Project] = None,
-            settings: Optional[Settings] = None) -> Tuple[List[Finding], List[Consumer]]:
-    """Every finding in one parsed module (before suppression and selection), and its consumers."""
+def analyse(source: Source, project: Optional[Project] = None, settings: Optional[Settings] = None,
+            skipped: Optional[List[Skipped]] = None) -> Tuple[List[Finding], List[Consumer]]:
+    """Every finding in one parsed module (before suppression and selection), and its consumers. A
+    function whose walk overflows the recursion limit is put in ``skipped`` when it is given, and the
+    module's other functions are still walked (without it, the RecursionError is raised)."""
     index = build_index(source.path, source.tree)
     snippets = Snippets(source.text)
     analysis = ModuleAnalysis(source.path, index, snippets, project, settings)
@@ -104,7 +111,14 @@ def analyse(source: Source, project: Optional[Project] = None,
         flow = Flow(source.path, info, {s.param: seed_value(info, s) for s in seeds}, index.globals, snippets,
                     analysis.resolve, module_aliases=index.module_aliases, producer_kind=analysis.producer_kind,
                     hands_on=settings is not None and settings.names_producer(info.name))
-        for finding in flow.run().findings:
+        try:
+            outcome = flow.run()
+        except RecursionError:
+            if skipped is None:
+                raise
+            skipped.append(Skipped(source.path, TOO_DEEP_TO_FOLLOW, info.node.lineno, info.qualname))  # type: ignore
+            continue
+        for finding in outcome.findings:
             if finding.key in found:
                 found[finding.key].merge(finding)
             else:
@@ -115,7 +129,8 @@ def analyse(source: Source, project: Optional[Project] = None,
 
 def _audit_one(source: Source, codes: set, result: AuditResult, project: Optional[Project] = None,
                settings: Optional[Settings] = None) -> None:
-    findings, consumers = analyse(source, project, settings)
+    skipped: List[Skipped] = []
+    findings, consumers = analyse(source, project, settings, skipped)
     texts = dict(project.texts) if project is not None else {}
     texts[source.path] = source.text
     kept = suppression.apply(findings, texts)
@@ -127,6 +142,7 @@ def _audit_one(source: Source, codes: set, result: AuditResult, project: Optiona
     result.files += 1
     result.paths.append(source.path)
     result.lines += source.text.count("\n") + (not source.text.endswith("\n") and bool(source.text))
+    result.skipped.extend(skipped)
 
 
 def audit_sources(sources: Iterable[Source], select: Optional[Sequence[str]] = None,
@@ -136,7 +152,7 @@ def audit_sources(sources: Iterable[Source], select: Optional[Sequence[str]] = N
     for source in sources:
         try:
             _audit_one(source, codes, result, settings=settings)
-        except RecursionError:
+        except RecursionError:  # a safety net: outside any one function's walk
             result.skipped.append(Skipped(source.path, TOO_DEEP_TO_FOLLOW))
     return result
 
@@ -144,8 +160,8 @@ def audit_sources(sources: Iterable[Source], select: Optional[Sequence[str]] = N
 def audit_paths(paths: Sequence[str], select: Optional[Sequence[str]] = None,
                 ignore: Optional[Sequence[str]] = None, settings: Optional[Settings] = None) -> AuditResult:
     """Audit files and directories. A path that does not exist raises :class:`AuditInputError`; a file
-    that cannot be read or parsed is named in ``errors``, one too deep to follow in ``skipped``, and the
-    rest are audited.
+    that cannot be read or parsed is named in ``errors``, a function too deep to follow in ``skipped``,
+    and the rest are audited.
 
     One file at a time: parse, analyse, let the tree go (holding every tree of a large code base at
     once makes the garbage collector's full passes, and so parsing, several times slower)."""
@@ -176,16 +192,13 @@ def _audit_files(files: List[str], codes: set, settings: Optional[Settings] = No
     for path in files:
         try:
             source = read(path)
-        except SkippedFile as exc:
-            result.skipped.append(Skipped(exc.path, exc.reason))
-            continue
         except AuditInputError as exc:
             result.errors.append(str(exc))
             continue
         before = len(result.findings)
         try:  # analyse() returns before _audit_one adds anything, so a skipped file leaves nothing behind
             _audit_one(source, codes, result, project, settings)
-        except RecursionError:  # the flow evaluates expressions recursively: a 900-term sum is too deep
+        except RecursionError:  # a safety net: outside any one function's walk (which analyse() catches)
             result.skipped.append(Skipped(path, TOO_DEEP_TO_FOLLOW))
             continue
         fresh = []

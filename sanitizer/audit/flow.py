@@ -42,6 +42,16 @@ _MATERIALISING_COMPS = {ast.ListComp: "list comprehension", ast.SetComp: "set co
 
 Resolver = Callable[["Flow", ast.Call], Optional[Val]]
 
+# Expression handlers one walk nests (its helpers' walks included) before it evaluates the rest of an
+# expression iteratively (:meth:`Flow._ev_flat`). Each level costs two or three Python frames; a
+# generated 900-term sum is a BinOp chain 900 levels deep, which Python compiles (up to about 3,000) but
+# which overflowed the recursion limit (1,000 frames) of a recursive walk.
+FLAT_DEPTH = 48
+# Expressions with a scope or an order of their own (a lambda's body is not evaluated, a comprehension
+# binds its targets before its element): evaluated by their handler, never taken apart by _ev_flat.
+_OWN_ORDER = (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+_MISSING = object()
+
 
 class Flow(StoreRules, CallRules):
     """One walk of one function: the driver, the statements, branches and loops, and expressions; the
@@ -52,8 +62,11 @@ class Flow(StoreRules, CallRules):
     def __init__(self, path: str, info: FunctionInfo, seeds: Dict[str, Val], module_globals: Sequence[str],
                  snippets: Snippets, resolve_call: Optional[Resolver] = None, summary_param: Optional[int] = None,
                  module_aliases: Sequence[str] = ("torch", "np", "numpy"),
-                 producer_kind: Optional[Callable[[str], Optional[str]]] = None, hands_on: bool = False):
+                 producer_kind: Optional[Callable[[str], Optional[str]]] = None, hands_on: bool = False,
+                 depth: int = 0):
         self.path = path
+        self._depth = depth  # expression handlers nested now, counting the caller's walk (a helper's summary)
+        self._memo: Dict[int, Optional[Val]] = {}  # values of the parts _ev_flat evaluated first
         self.producer_kind = producer_kind  # a configured producer's kind (settings.producer_kind)
         self.hands_on = hands_on  # the function is a configured producer: what it returns is borrowed by contract
         self.module_aliases = set(module_aliases)
@@ -382,13 +395,69 @@ class Flow(StoreRules, CallRules):
             return self.state.env.get(node.id) if type(node.ctx) is ast.Load else None  # type: ignore[attr-defined]
         if kind is ast.Constant:
             return None
-        handler = _EV.get(kind)
-        if handler is not None:
-            return handler(self, node)
-        for child in ast.iter_child_nodes(node):  # Compare, UnaryOp, JoinedStr, Slice...: effects only
+        depth = self._depth + 1
+        if depth > FLAT_DEPTH:
+            return self._ev_flat(node)
+        self._depth = depth  # not restored on an exception: any exception ends the walk
+        val = _EV.get(kind, Flow._ev_effects)(self, node)
+        self._depth = depth - 1
+        return val
+
+    def _ev_effects(self, node: ast.AST) -> Optional[Val]:
+        """Compare, UnaryOp, JoinedStr, Slice...: no value that matters, only their parts' effects."""
+        for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.expr) and type(child) is not ast.Name and type(child) is not ast.Constant:
                 self.ev(child)
         return None
+
+    def _ev_flat(self, top: ast.AST) -> Optional[Val]:
+        """``top``, evaluated without nesting any deeper: its parts first, children before parents and left
+        to right (the order the handlers evaluate them in), each by its own handler with the values of its
+        children already known (:meth:`_ev_known`), so the handlers run as they always do, one level deep.
+        The names are read at their place in that order. A lambda or comprehension is left whole to its
+        parent's handler (its own order: its targets are bound before its element), and that handler
+        evaluates its parts here again if they are deep."""
+        if isinstance(top, _OWN_ORDER):
+            return _EV[type(top)](self, top)
+        order: List[ast.AST] = []
+        stack = [top]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            if type(node) is ast.Name:
+                continue
+            for child in ast.iter_child_nodes(node):
+                if type(child) is ast.keyword:
+                    child = child.value  # type: ignore[attr-defined]
+                kind = type(child)
+                if kind is ast.Constant or isinstance(child, _OWN_ORDER) or not isinstance(child, ast.expr):
+                    continue
+                if kind is ast.Name and type(child.ctx) is not ast.Load:  # type: ignore[attr-defined]
+                    continue
+                stack.append(child)
+        memo = self._memo
+        outermost = "ev" not in self.__dict__  # (a comprehension's deep part, met inside, is evaluated here too)
+        if outermost:
+            self.ev = self._ev_known  # type: ignore[method-assign]
+        try:
+            for node in reversed(order):
+                kind = type(node)
+                memo[id(node)] = (self.state.env.get(node.id) if kind is ast.Name  # type: ignore[attr-defined]
+                                  else _EV.get(kind, Flow._ev_effects)(self, node))
+            return memo[id(top)]
+        finally:
+            for node in order:
+                memo.pop(id(node), None)
+            if outermost:
+                del self.ev  # the class's again (and no cycle through a bound method left behind)
+
+    def _ev_known(self, node: Optional[ast.AST]) -> Optional[Val]:
+        """:meth:`ev` while :meth:`_ev_flat` runs: a part it already evaluated is not evaluated again."""
+        if node is not None:
+            got = self._memo.get(id(node), _MISSING)
+            if got is not _MISSING:
+                return got  # type: ignore[return-value]
+        return Flow.ev(self, node)
 
     def _ev_attribute(self, node: ast.Attribute) -> Optional[Val]:
         base = self.ev(node.value)

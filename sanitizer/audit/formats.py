@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional
 from urllib.parse import quote
 
 from sanitizer.audit.codes import CODES
-from sanitizer.audit.engine import AuditResult
+from sanitizer.audit.engine import AuditResult, Skipped
 from sanitizer.audit.findings import Finding
 from sanitizer.core.version import __version__
 
@@ -43,7 +43,10 @@ def summary_line(result: AuditResult) -> str:
             f"{'s' * (s['files'] != 1)} ({s['lines']} lines)")
     extra = f", {s['suppressed']} suppressed" if s["suppressed"] else ""
     if s["skipped"]:
-        extra += f"; {s['skipped']} file{'s' * (s['skipped'] != 1)} skipped"
+        files = sum(1 for skip in result.skipped if not skip.function)
+        functions = s["skipped"] - files
+        parts = [f"{n} {what}{'s' * (n != 1)}" for n, what in ((functions, "function"), (files, "file")) if n]
+        extra += f"; {' and '.join(parts)} skipped (not followed: the audit is incomplete)"
     return f"ownsan audit: {head}; looked at {tail}{extra}"
 
 
@@ -107,11 +110,18 @@ def to_json(result: AuditResult, crosscheck: Optional[Dict[str, Any]] = None) ->
         "summary": summary(result),
         "findings": [f.to_json() for f in result.findings],
         "errors": list(result.errors),
-        "skipped": [{"path": skip.path, "reason": skip.reason} for skip in result.skipped],
+        "skipped": [_skipped_json(skip) for skip in result.skipped],
     }
     if crosscheck is not None:
         doc["crosscheck"] = crosscheck
     return doc
+
+
+def _skipped_json(skip: Skipped) -> Dict[str, Any]:
+    out: Dict[str, Any] = {"path": skip.path, "reason": skip.reason}
+    if skip.function:
+        out.update(function=skip.function, line=skip.line)
+    return out
 
 
 def _uri(path: str) -> str:
@@ -182,16 +192,25 @@ def to_sarif(result: AuditResult, crosscheck: Optional[Dict[str, Any]] = None) -
                             "informationUri": INFO_URI, "rules": rules}},
         "results": results,
     }
-    invocation: Dict[str, Any] = {"executionSuccessful": not result.errors}
+    # a file not read or a function not followed: the audit is incomplete (exit status 2)
+    invocation: Dict[str, Any] = {"executionSuccessful": not result.errors and not result.skipped}
     notes = [{"level": "error", "message": {"text": e}} for e in result.errors]
-    notes += [{"level": "warning", "message": {"text": f"skipped {skip}"},
-               "locations": [{"physicalLocation": {"artifactLocation": {"uri": _uri(skip.path),
-                                                                        "uriBaseId": "%SRCROOT%"}}}]}
-              for skip in result.skipped]  # a file it could not follow: the run still succeeded
+    notes += [{"level": "error", "message": {"text": f"skipped {skip}"}, "locations": [_skipped_location(skip)]}
+              for skip in result.skipped]
     if notes:
         invocation["toolExecutionNotifications"] = notes
     run["invocations"] = [invocation]
     return {"$schema": SARIF_SCHEMA, "version": "2.1.0", "runs": [run]}
+
+
+def _skipped_location(skip: Skipped) -> Dict[str, Any]:
+    where: Dict[str, Any] = {"artifactLocation": {"uri": _uri(skip.path), "uriBaseId": "%SRCROOT%"}}
+    if skip.line:
+        where["region"] = _region(skip.line)
+    location: Dict[str, Any] = {"physicalLocation": where}
+    if skip.function:
+        location["logicalLocations"] = [{"fullyQualifiedName": skip.function, "kind": "function"}]
+    return location
 
 
 def unicode_text(text: str) -> str:

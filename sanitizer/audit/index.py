@@ -142,23 +142,43 @@ def dotted(node: ast.AST) -> str:
 
 def annotation_text(node: Optional[ast.AST]) -> str:
     """``Iterable[tuple[str, torch.Tensor]]`` for an annotation node: the common shapes by hand, since
-    ``ast.unparse`` costs more than the rest of discovery (every parameter of every function has one)."""
-    if node is None:
-        return ""
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        return f"{annotation_text(node.value)}.{node.attr}"
-    if isinstance(node, ast.Subscript):
-        return f"{annotation_text(node.value)}[{annotation_text(node.slice)}]"
-    if isinstance(node, (ast.Tuple, ast.List)):
-        inner = ", ".join(annotation_text(e) for e in node.elts)
-        return f"[{inner}]" if isinstance(node, ast.List) else inner
-    if isinstance(node, ast.Constant):
-        return node.value if isinstance(node.value, str) else repr(node.value)
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
-        return f"{annotation_text(node.left)} | {annotation_text(node.right)}"
-    return ast.unparse(node)
+    ``ast.unparse`` costs more than the rest of discovery (every parameter of every function has one).
+    Written out with a stack, not by recursion: a generated ``a | b | ...`` of thousands of terms (which
+    Python compiles) is as deep as it is long."""
+    out: List[str] = []
+    stack: List[object] = [node]
+    while stack:
+        item = stack.pop()
+        if item is None:
+            continue
+        if isinstance(item, str):
+            out.append(item)
+        elif isinstance(item, ast.Name):
+            out.append(item.id)
+        elif isinstance(item, ast.Attribute):
+            stack += ["." + item.attr, item.value]
+        elif isinstance(item, ast.Subscript):
+            stack += ["]", item.slice, "[", item.value]
+        elif isinstance(item, (ast.Tuple, ast.List)):
+            parts: List[object] = ["["] if isinstance(item, ast.List) else []
+            for i, elt in enumerate(item.elts):
+                parts += [", ", elt] if i else [elt]
+            parts += ["]"] if isinstance(item, ast.List) else []
+            stack += reversed(parts)
+        elif isinstance(item, ast.Constant):
+            out.append(item.value if isinstance(item.value, str) else repr(item.value))
+        elif isinstance(item, ast.BinOp) and isinstance(item.op, ast.BitOr):
+            stack += [item.right, " | ", item.left]
+        else:
+            out.append(_unparsed(item))  # type: ignore[arg-type]
+    return "".join(out)
+
+
+def _unparsed(node: ast.AST) -> str:
+    try:
+        return ast.unparse(node)
+    except RecursionError:  # an odd deep annotation (a call chain) reads as no known type, never a crash
+        return type(node).__name__
 
 
 def _bound_names(target: ast.AST) -> Iterator[str]:

@@ -15,8 +15,10 @@ consumers = ["LayerContainer.set_dependency:dep_value", "Layer.load:weights=dict
 "scripts/convert_*.py" = ["OWN1"]
 ```
 
-The file is the nearest ``pyproject.toml`` with a ``[tool.ownsan]`` table above the first audited path
-(or the current directory), or the one given with ``--config``. Read with ``tomllib`` (Python 3.11+)
+The file is the nearest ``pyproject.toml`` with a ``tool.ownsan`` table (in any TOML spelling: a
+``[tool.ownsan]`` header, ``[tool]`` with ``ownsan = {...}``, dotted keys) above the first audited path
+(or the current directory), or the one given with ``--config``; a ``tool.ownsan`` that is no table is an
+error that names its value, never ignored. Read with ``tomllib`` (Python 3.11+)
 or ``tomli`` when installed; on 3.10 without ``tomli`` a file that has a ``[tool.ownsan]`` table is an
 error that says so (never a silent default), a file without one is ignored.
 """
@@ -39,6 +41,10 @@ _KEYS = frozenset({"producers", "consumers", "per-path-ignores"})
 
 class SettingsError(Exception):
     """A ``[tool.ownsan]`` table that cannot be used: named, with the value (exit status 2)."""
+
+
+class NoTomlReader(SettingsError):
+    """Python 3.10 without ``tomli``: a file that has our table cannot be read (never a silent default)."""
 
 
 @dataclass(frozen=True)
@@ -119,8 +125,8 @@ def _toml_loads(text: str, path: str) -> dict:
         try:
             import tomli as tomllib  # type: ignore[import-not-found,no-redef]
         except ModuleNotFoundError:
-            raise SettingsError(f"{path}: has a [tool.ownsan] table, but reading TOML needs Python 3.11 or the "
-                                f"'tomli' package") from None
+            raise NoTomlReader(f"{path}: has a [tool.ownsan] table, but reading TOML needs Python 3.11 or the "
+                               f"'tomli' package") from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -176,26 +182,62 @@ def parse(table: dict, path: str) -> Settings:
     return Settings(path, producers, consumers, ignores, producer_kinds)
 
 
-def load(path: str) -> Settings:
-    """The settings of one ``pyproject.toml`` (defaults when it has no ``[tool.ownsan]`` table)."""
+# `tool.ownsan` may be spelt `[tool.ownsan]`, `[tool]` then `ownsan = {...}` or `ownsan.key = ...`,
+# `tool.ownsan.key = ...`, `[tool."ownsan"]`, an inline table: only TOML itself tells. A file whose bytes
+# never name `ownsan` is not parsed (another tool's broken pyproject.toml is not the audit's business);
+# one where `ownsan` reads as a key (followed by `.`, `=` or `]`, outside a comment) and that is not
+# valid TOML is that error, never silently no settings.
+_KEYLIKE = re.compile(rb"""^[^#\n]*?\bownsan\b["']?[ \t]*[.=\]]""", re.M)
+_ABSENT = object()
+
+
+def _ownsan_value(path: str, raw: bytes, strict: bool = False) -> object:
+    """The value of ``tool.ownsan`` in a pyproject.toml's bytes, however it is spelt, or ``_ABSENT``.
+    ``strict`` (the file given with ``--config``): a file that does not decode or parse is an error even
+    when nothing in it looks like our table."""
+    if not strict and b"ownsan" not in raw:
+        return _ABSENT
+    keylike = _KEYLIKE.search(raw) is not None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if not (strict or keylike):
+            return _ABSENT
+        raise SettingsError(f"{path}: cannot read it ({exc})") from None
+    try:
+        data = _toml_loads(text, path)
+    except NoTomlReader:
+        if not keylike:
+            return _ABSENT
+        raise
+    except SettingsError:
+        if not (strict or keylike):
+            return _ABSENT
+        raise
+    tool = data.get("tool")
+    if not isinstance(tool, dict) or "ownsan" not in tool:
+        return _ABSENT
+    return tool["ownsan"]
+
+
+def load(path: str, strict: bool = False) -> Settings:
+    """The settings of one ``pyproject.toml`` (defaults when it has no ``tool.ownsan`` table)."""
     try:
         with open(path, "rb") as fh:
-            text = fh.read().decode("utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SettingsError(f"{path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
-    if not re.search(r"^\s*\[\s*tool\s*\.\s*ownsan\b", text, re.M):
-        return Settings()
-    data = _toml_loads(text, path)
-    table = data.get("tool", {}).get("ownsan")
-    if table is None:
+            raw = fh.read()
+    except OSError as exc:
+        raise SettingsError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    table = _ownsan_value(path, raw, strict)
+    if table is _ABSENT:
         return Settings()
     if not isinstance(table, dict):
-        raise SettingsError(f"{path}: [tool.ownsan] must be a table")
+        raise SettingsError(f"{path}: tool.ownsan must be a table (`[tool.ownsan]` with its keys under it), "
+                            f"got {table!r:.80}")
     return parse(table, path)
 
 
 def find(paths: Sequence[str]) -> Optional[str]:
-    """The nearest ``pyproject.toml`` with a ``[tool.ownsan]`` table above the first path (or the cwd)."""
+    """The nearest ``pyproject.toml`` with a ``tool.ownsan`` entry above the first path (or the cwd)."""
     start = os.path.abspath(paths[0]) if paths else os.getcwd()
     cur = start if os.path.isdir(start) else os.path.dirname(start)
     while True:
@@ -203,10 +245,11 @@ def find(paths: Sequence[str]) -> Optional[str]:
         if os.path.isfile(candidate):
             try:
                 with open(candidate, "rb") as fh:
-                    if re.search(rb"^\s*\[\s*tool\s*\.\s*ownsan\b", fh.read(), re.M):
-                        return candidate
+                    raw = fh.read()
             except OSError:
-                pass
+                raw = b""
+            if _ownsan_value(candidate, raw) is not _ABSENT:
+                return candidate
         parent = os.path.dirname(cur)
         if parent == cur:
             return None
@@ -218,7 +261,7 @@ def resolve(paths: Sequence[str], config: Optional[str] = None) -> Settings:
     if config is not None:
         if not os.path.isfile(config):
             raise SettingsError(f"--config {config!r}: not a file (give the path of a pyproject.toml)")
-        settings = load(config)
+        settings = load(config, strict=True)
         return settings if settings.path else Settings(config)
     found = find(paths)
     return load(found) if found else Settings()
@@ -226,4 +269,4 @@ def resolve(paths: Sequence[str], config: Optional[str] = None) -> Settings:
 
 DEFAULT = Settings()
 
-__all__ = ["Settings", "Consumer", "SettingsError", "load", "find", "resolve", "parse", "DEFAULT", "CONSUMER_KINDS", "PRODUCER_KINDS"]
+__all__ = ["Settings", "Consumer", "SettingsError", "NoTomlReader", "load", "find", "resolve", "parse", "DEFAULT", "CONSUMER_KINDS", "PRODUCER_KINDS"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import io
 import os
+import sys
 import tokenize
 from dataclasses import dataclass
 from typing import List, Sequence, Set
@@ -18,20 +19,7 @@ class AuditInputError(Exception):
     status 2)."""
 
 
-class SkippedFile(AuditInputError):
-    """A file the audit cannot follow: an expression nested deeper than its recursion reaches (a generated
-    900-term sum, which Python compiles, overflows the flow's evaluator; a 4000-term one overflows
-    ``ast.parse`` itself). The file is skipped and named with the reason; it is no usage error (the
-    file may well run), so the other files are audited and decide the exit status."""
-
-    def __init__(self, path: str, reason: str):
-        super().__init__(f"{path}: skipped: {reason}")
-        self.path = path
-        self.reason = reason
-
-
-TOO_DEEP_TO_PARSE = "an expression too deeply nested for the audit to parse (Python's recursion limit)"
-TOO_DEEP_TO_FOLLOW = "an expression too deeply nested for the audit to follow (Python's recursion limit)"
+TOO_DEEP_TO_FOLLOW = "nested too deeply for the audit to follow (Python's recursion limit)"
 
 
 @dataclass(frozen=True)
@@ -85,7 +73,12 @@ def decode(path: str, raw: bytes) -> str:
     ``\r\n`` and ``\r`` itself), so the text is the one ``ast`` numbers lines and columns in."""
     try:
         encoding, _ = tokenize.detect_encoding(io.BytesIO(raw).readline)
-    except SyntaxError as exc:  # an unknown codec, a BOM with a cookie that is not utf-8
+    except SyntaxError as exc:  # an unknown codec, a BOM with a cookie that is not utf-8, or bytes that are
+        try:                    # not UTF-8 in the first two lines (said as "missing encoding declaration")
+            raw.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            if exc.msg.startswith("invalid or missing encoding declaration"):
+                raise AuditInputError(f"{path}: not valid utf-8 text ({bad.reason} at byte {bad.start})") from None
         raise AuditInputError(f"{path}: cannot read it ({exc.msg})") from None
     try:
         return raw.decode(encoding)
@@ -94,16 +87,43 @@ def decode(path: str, raw: bytes) -> str:
 
 
 def parse(path: str, text: str) -> Source:
+    """The module's tree. Whatever Python itself cannot compile (a syntax error, a NUL byte, an expression
+    nested deeper than its parser takes, memory) is an :class:`AuditInputError` naming the file."""
     try:
-        tree = ast.parse(text, filename=path)
-    except SyntaxError as exc:
-        raise AuditInputError(f"{path}:{exc.lineno or 0}:{exc.offset or 0}: does not parse: {exc.msg}") from None
+        try:
+            tree = ast.parse(text, filename=path)
+        except RecursionError:
+            tree = _parse_from_the_top(text, path)
+    except SyntaxError as exc:  # (3.12+: a NUL byte too, with no line)
+        where = f"{path}:{exc.lineno}:{exc.offset or 0}" if exc.lineno else path
+        raise AuditInputError(f"{where}: does not parse: {exc.msg}") from None
     except ValueError as exc:  # source with NUL bytes
         raise AuditInputError(f"{path}: does not parse: {exc}") from None
-    except (RecursionError, MemoryError):  # deeper than ast builds Python objects for
-        raise SkippedFile(path, TOO_DEEP_TO_PARSE) from None
+    except RecursionError:
+        raise AuditInputError(f"{path}: does not parse: an expression nested too deeply for Python's parser "
+                              f"(Python cannot compile it either)") from None
+    except MemoryError:  # 3.11's parser stack (about 3,000 levels of a right-nested `a ** b ** ...`), or memory
+        raise AuditInputError(f"{path}: does not parse: Python's parser ran out of memory (an expression nested "
+                              f"too deeply for it, or too large a file)") from None
     return Source(path, text, tree)
 
 
-__all__ = ["AuditInputError", "SkippedFile", "TOO_DEEP_TO_PARSE", "TOO_DEEP_TO_FOLLOW", "Source", "python_files",
-           "read", "decode", "parse", "SKIP_DIRS"]
+def _parse_from_the_top(text: str, path: str) -> ast.Module:
+    """``ast.parse`` with the recursion limit raised by the frames in use. On Python 3.11 the parser allows
+    nesting in proportion to the recursion limit *left*: called some frames deep (the audit, pytest, a
+    flake8 run) it refused a 2,950-level sum that ``python file.py``, at the top, compiles. Raised by what
+    is in use, it takes what Python compiles at the top and no more (so a file it still refuses is one
+    Python cannot compile). 3.12+ count the C stack instead, and this changes nothing there."""
+    in_use, frame = 0, sys._getframe()
+    while frame is not None:
+        in_use, frame = in_use + 1, frame.f_back
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(limit + in_use)
+    try:
+        return ast.parse(text, filename=path)
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+__all__ = ["AuditInputError", "TOO_DEEP_TO_FOLLOW", "Source", "python_files", "read", "decode", "parse",
+           "SKIP_DIRS"]

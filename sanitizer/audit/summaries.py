@@ -272,7 +272,7 @@ class ModuleAnalysis:
         return Callee(info, 0, False, other) if info is not None else None
 
     # -- summaries -------------------------------------------------------------------------------------------
-    def summary(self, callee: FunctionInfo, index: int, seed: Val) -> Outcome:
+    def summary(self, callee: FunctionInfo, index: int, seed: Val, depth: int = 0) -> Outcome:
         key = (id(callee.node), index, seed.kind, seed.elem, seed.capture is not None, seed.mapping, bool(seed.convert))
         done = self._memo.get(key)
         if done is not None:
@@ -290,7 +290,7 @@ class ModuleAnalysis:
         try:
             out = Flow(self.path, callee, {name: start}, self.index.globals, self.snippets, self.resolve,
                        summary_param=index, module_aliases=self.index.module_aliases,
-                       producer_kind=self.producer_kind).run()
+                       producer_kind=self.producer_kind, depth=depth).run()
         finally:
             self.depth -= 1
             self._busy.discard(key)
@@ -354,7 +354,7 @@ class ModuleAnalysis:
             val = flow.ev(expr) if not isinstance(expr, ast.Name) else flow.state.env.get(expr.id)
             if val is None or val.kind == SOURCE:
                 continue
-            outcome = (target.analysis or self).summary(callee, p, val)
+            outcome = (target.analysis or self).summary(callee, p, val, flow._depth)  # one budget of nesting
             pname = (params + [a for a in (callee.vararg, callee.kwarg) if a is not None])[p].arg
             call_link = Link(node.lineno, flow.fn, f"passed to `{callee.qualname}()` as `{pname}`")
             for template in outcome.findings:

@@ -52,11 +52,20 @@ def is_fresh_container(value: Optional[ast.AST]) -> bool:
     """Does ``value`` build a new container or object (that nothing else references yet)?"""
     if value is None:
         return False
+    stack = [value]
+    while stack:  # ``[None] * n * m``: either factor of a product (a loop: a generated product nests deep)
+        value = stack.pop()
+        if isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult):
+            stack += [value.right, value.left]
+        elif _builds_container(value):
+            return True
+    return False
+
+
+def _builds_container(value: ast.AST) -> bool:
     if isinstance(value, (ast.List, ast.Dict, ast.Set, ast.Tuple, ast.ListComp, ast.DictComp, ast.SetComp,
                           ast.Lambda)):
         return True
-    if isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult):
-        return is_fresh_container(value.left) or is_fresh_container(value.right)
     if isinstance(value, ast.Call):
         name = dotted(value.func)
         if name in V.CONTAINER_FACTORIES:
@@ -86,8 +95,10 @@ def binding_kind(value: Optional[ast.AST]) -> str:
         return "unknown"
     if isinstance(value, ast.Attribute):
         return "tensor" if value.attr in V.ALIAS_ATTRIBUTES or V.TENSOR_ATTR_NAME.match(value.attr) else "unknown"
-    if isinstance(value, ast.Subscript):
-        return binding_kind(value.value) if binding_kind(value.value) == "tensor" else "unknown"
+    if isinstance(value, ast.Subscript):  # ``w.T[0][1]``: a tensor's element is a tensor (once per level:
+        while isinstance(value, ast.Subscript):  # asking twice a level took 2**n calls, 22 levels 11 s)
+            value = value.value
+        return "tensor" if binding_kind(value) == "tensor" else "unknown"
     return "unknown"
 
 

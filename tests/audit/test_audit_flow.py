@@ -215,3 +215,24 @@ def test_a_self_call_reaches_the_overrides_in_subclasses_that_still_run_it():
     ''')
     assert sorted((f.function, f.line, f.code) for f in found) == [("Keeps._process", 11, "OWN102")], \
         [(f.function, f.line, f.code, f.message) for f in found]
+
+
+def test_an_expression_evaluated_flat_gives_what_the_nested_walk_gives(monkeypatch):
+    """Past FLAT_DEPTH nested handlers the flow evaluates an expression's parts first, children before
+    parents (so a generated 900-term sum no longer overflows it). Forced on every expression, that order
+    must change nothing: the whole corpus, findings with their chains, and the consumers looked at."""
+    from pathlib import Path
+
+    from sanitizer.audit import flow
+
+    corpus = str(Path(__file__).resolve().parent.parent / "audit_corpus")
+
+    def seen(result):
+        return (sorted((f.path, f.line, f.col, f.code, f.message, f.pattern, tuple(link.text for link in f.chain),
+                        tuple(f.also_from)) for f in result.findings),
+                sorted((c.path, c.line, c.function, c.why) for c in result.consumers))
+
+    nested = seen(audit_paths([corpus]))
+    assert len(nested[0]) > 90
+    monkeypatch.setattr(flow, "FLAT_DEPTH", 0)
+    assert seen(audit_paths([corpus])) == nested

@@ -175,3 +175,69 @@ def test_show_settings_names_each_producers_kind(tmp_path, capsys):
     (tmp_path / "pyproject.toml").write_text('[tool.ownsan]\nproducers = ["a.stream", "w.get_tensor=tensor"]\n')
     assert main(["--show-settings", str(tmp_path / "m.py")]) == 0
     assert "producers: a.stream=iterator, w.get_tensor=tensor" in capsys.readouterr().out
+
+
+# issue 46 (9): `tool.ownsan` is found in every TOML spelling, and a value that is no table is named ----------
+
+@pytest.mark.parametrize("toml, needle", [
+    ("[tool]\nownsan = 3\n", "tool.ownsan must be a table"),
+    ('tool.ownsan = "producers"\n', "tool.ownsan must be a table"),
+    ("[tool]\nownsan = [1]\n", "tool.ownsan must be a table"),
+    ("tool = { ownsan = true }\n", "tool.ownsan must be a table"),
+    ("[tool]\nownsan.colour = 1\n", "unknown key 'colour'"),
+    ("tool.ownsan.colour = 1\n", "unknown key 'colour'"),
+    ('[tool."ownsan"]\ncolour = 1\n', "unknown key 'colour'"),
+    ("tool = { ownsan = { colour = 1 } }\n", "unknown key 'colour'"),
+    ("[tool]\nownsan = { producers = [\n", "not valid TOML"),
+], ids=["int", "dotted-str", "array", "inline-bool", "dotted-key", "dotted-top", "quoted", "inline", "broken"])
+def test_every_toml_spelling_of_tool_ownsan_is_read_and_a_bad_value_named(tmp_path, capsys, toml, needle):
+    (tmp_path / "m.py").write_text("x = 1\n")
+    (tmp_path / "pyproject.toml").write_text(toml + '\n[project]\nname = "x"\n')
+    with pytest.raises(SettingsError):
+        resolve([str(tmp_path / "m.py")])
+    for argv in ([str(tmp_path / "m.py")], ["--show-settings", str(tmp_path / "m.py")],
+                 ["--config", str(tmp_path / "pyproject.toml"), str(tmp_path / "m.py")]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert needle in err and "pyproject.toml" in err and err.count("\n") == 1 and "Traceback" not in err, err
+    if "must be a table" in needle:  # the line names the value it got
+        value = toml.split("ownsan = ")[1].strip().rstrip("}").strip()
+        assert f"got {value}".replace("true", "True").replace('"', "'") in err, err
+
+
+@pytest.mark.parametrize("spelling", [
+    '[tool]\nownsan = {{ producers = {producers}, consumers = {consumers} }}\n',
+    'tool.ownsan.producers = {producers}\ntool.ownsan.consumers = {consumers}\n',
+    '[tool."ownsan"]\nproducers = {producers}\nconsumers = {consumers}\n',
+], ids=["inline", "dotted", "quoted"])
+def test_settings_in_any_toml_spelling_are_used(tmp_path, capsys, spelling):
+    config = spelling.format(producers='["_checkpoint_engine.parameters"]',
+                             consumers='["Container.set_dependency:dep_value"]')
+    root = _project(tmp_path, config)
+    settings = resolve([str(root / "src")])
+    assert settings.path == str(root / "pyproject.toml")
+    assert settings.producers == ("_checkpoint_engine.parameters",)
+    got = sorted((f.line, f.code) for f in audit_paths([str(root / "src" / "m.py")], settings=settings).findings)
+    assert got == [(4, "OWN102"), (10, "OWN101")]
+
+
+def test_a_pyproject_that_only_mentions_ownsan_elsewhere_is_no_settings(tmp_path):
+    """Another tool's table that runs `ownsan` (or a comment) is not a `tool.ownsan` table, even when the
+    file is broken TOML: the search goes on to the next pyproject.toml above."""
+    (tmp_path / "pyproject.toml").write_text('[tool.ownsan]\nproducers = ["my_loader.stream"]\n')
+    inner = tmp_path / "pkg"
+    inner.mkdir()
+    (inner / "m.py").write_text("x = 1\n")
+    (inner / "pyproject.toml").write_text('# ownsan = 3\n[tool.hatch.envs.lint.scripts]\n'
+                                          'audit = "ownsan audit src"\n[broken\n')
+    assert resolve([str(inner / "m.py")]).producers == ("my_loader.stream",)
+
+
+def test_the_file_given_with_config_must_be_valid_toml(tmp_path, capsys):
+    """`--config FILE` names the settings file: TOML that does not parse there is that error, even when
+    nothing in it spells `ownsan` (it was read as no settings at all)."""
+    (tmp_path / "m.py").write_text("x = 1\n")
+    (tmp_path / "conf.toml").write_text("[tool.other\nx = 1\n")
+    assert main(["--config", str(tmp_path / "conf.toml"), str(tmp_path / "m.py")]) == 2
+    err = capsys.readouterr().err
+    assert "conf.toml" in err and "not valid TOML" in err and err.count("\n") == 1
