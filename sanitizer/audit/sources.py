@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 import io
 import os
-import sys
+import threading
 import tokenize
 from dataclasses import dataclass
 from typing import List, Sequence, Set
@@ -109,20 +109,26 @@ def parse(path: str, text: str) -> Source:
 
 
 def _parse_from_the_top(text: str, path: str) -> ast.Module:
-    """``ast.parse`` with the recursion limit raised by the frames in use. On Python 3.11 the parser allows
-    nesting in proportion to the recursion limit *left*: called some frames deep (the audit, pytest, a
-    flake8 run) it refused a 2,950-level sum that ``python file.py``, at the top, compiles. Raised by what
-    is in use, it takes what Python compiles at the top and no more (so a file it still refuses is one
-    Python cannot compile). 3.12+ count the C stack instead, and this changes nothing there."""
-    in_use, frame = 0, sys._getframe()
-    while frame is not None:
-        in_use, frame = in_use + 1, frame.f_back
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(limit + in_use)
-    try:
-        return ast.parse(text, filename=path)
-    finally:
-        sys.setrecursionlimit(limit)
+    """``ast.parse`` as at the top of a program: in a thread of its own. Python's parser allows nesting in
+    proportion to what is left of the caller's recursion budget (3.11: the recursion limit left; 3.12+: the
+    C stack left), so called some frames deep (the audit, pytest, a flake8 run) it refused a 2,950-level sum
+    that ``python file.py`` compiles. A new thread starts with the whole budget: it takes what Python
+    compiles at the top and no more (a file it still refuses is one Python cannot compile)."""
+    out: List[object] = []
+
+    def run() -> None:
+        try:
+            out.append(ast.parse(text, filename=path))
+        except BaseException as exc:  # handed to the caller, which names the file
+            out.append(exc)
+
+    thread = threading.Thread(target=run, name="ownsan-audit-parse", daemon=True)
+    thread.start()
+    thread.join()
+    result = out[0] if out else RecursionError("the parser's thread ended without a result")
+    if isinstance(result, BaseException):
+        raise result
+    return result  # type: ignore[return-value]
 
 
 __all__ = ["AuditInputError", "TOO_DEEP_TO_FOLLOW", "Source", "python_files", "read", "decode", "parse",
