@@ -203,7 +203,8 @@ def test_ci_runs_the_readme_test_command_verbatim_and_the_readme_says_how_to_get
     # the first two commands: the demo and the quick tests; then the full suite, which CI runs
     assert blocks[:3] == ["./dev demo", "./dev test", "./dev test --full"]
     ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read().rstrip("\n").splitlines()
-    assert ci[-1] == blocks[2]  # CI ends with the README's full test command, verbatim
+    # CI runs the README's full test command, verbatim (its status kept while the second interpreter runs)
+    assert any(line == blocks[2] or line.startswith(blocks[2] + " || ") for line in ci)
     assert "bash .ci/package_check.sh .venv/bin/python" in ci
     assert "--index-url https://download.pytorch.org/whl/cpu" in readme and "torch==2.13.0" in readme
     dev = open(os.path.join(ROOT, "dev"), encoding="utf-8").read()
