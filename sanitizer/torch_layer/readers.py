@@ -325,26 +325,31 @@ _synced_for: Optional[Tuple[bool, bool, int, int]] = None
 def _sync() -> None:
     """Make ours act on the readers the switches need (every reader while checking; the exporters while
     noting) and put the others back. Also re-checks what a user's patch kept ours under, so a wrapper a
-    user's restore put back on top after the last change is taken off at the next one."""
+    user's restore put back on top after the last change is taken off at the next one.
+
+    Re-entrant: a lease that dies in a garbage collection run by an allocation in here switches the hooks
+    again from inside (the lock is re-entrant); the outer pass works on snapshots and goes round once more
+    when the switches changed under it, so the last state wins."""
     global _synced_for
-    checking, noting = _now.check is not None, _now.note is not None
-    # What the wanted set depends on: the two switches and which third-party writers are imported. A stale
-    # mark calls this at every reuse (for writers imported since the last one): skip the rebuild then.
-    signature = (checking, noting, id(sys.modules.get("safetensors.torch")), id(sys.modules.get("numpy")))
-    if signature == _synced_for:
-        return
     with _lock:
-        wanted = {(id(owner), name): (owner, name, where, kind) for owner, name, where, kind in _targets()
-                  if checking or (noting and where in _EXPORTERS)}
-        for key, made in _WRAPPED.items():  # (every owner.name ever wrapped: a few dozen)
-            if key not in wanted and made:
-                d = next(iter(made.values())).__dict__
-                _put_back(key, d["_owner"], d["_name"])
-        _wanted.clear()
-        _wanted.update(wanted)
-        for key, (owner, name, where, kind) in wanted.items():
-            _install(key, owner, name, where, kind)
-        _synced_for = signature
+        for _ in range(8):
+            checking, noting = _now.check is not None, _now.note is not None
+            # What the wanted set depends on: the two switches and which third-party writers are imported. A
+            # stale mark calls this at every reuse (for writers imported since the last one): skip then.
+            signature = (checking, noting, id(sys.modules.get("safetensors.torch")), id(sys.modules.get("numpy")))
+            if signature == _synced_for:
+                return
+            wanted = {(id(owner), name): (owner, name, where, kind) for owner, name, where, kind in _targets()
+                      if checking or (noting and where in _EXPORTERS)}
+            for key, made in list(_WRAPPED.items()):  # (every owner.name ever wrapped: a few dozen)
+                if key not in wanted and made:
+                    d = next(iter(list(made.values()))).__dict__
+                    _put_back(key, d["_owner"], d["_name"])
+            _wanted.clear()
+            _wanted.update(wanted)
+            for key, (owner, name, where, kind) in list(wanted.items()):
+                _install(key, owner, name, where, kind)
+            _synced_for = signature
 
 
 def hooked() -> bool:
