@@ -125,45 +125,9 @@ class _Wrapper:
         d["__wrapped__"] = original
         d["_owner"], d["_name"], d["_own"], d["_where"] = owner, name, own, where
         d["_key"] = (id(owner), name)
-        d["_kind"] = kind
-        d["_storage"] = kind is not torch.Tensor
-        d["_exporter"] = where in _EXPORTERS
-        d["_two"] = where in _TWO_OPERANDS
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        __tracebackhide__ = True  # pytest: the user's line is where the read happened
-        original = self.__wrapped__
-        if _ACTIVE.get(self._key) is not self:
-            _heal(self)
-            return original(*args, **kwargs)
-        check = _now.check_storage if self._storage else _now.check
-        if check is not None:
-            kind = self._kind
-            try:
-                if args and isinstance(args[0], kind):
-                    check(args[0], self._where)
-                if self._two and len(args) > 1 and isinstance(args[1], kind):
-                    check(args[1], self._where)  # it reads (map2_) or copies from (copy_) its other operand too
-            except Exception as err:  # raised by the check: its traceback starts here, not in our plumbing
-                err.__traceback__ = None
-                raise err
-        if not self._exporter:
-            return original(*args, **kwargs)
-        depth = getattr(_exporting, "depth", 0)
-        _exporting.depth = depth + 1
-        try:
-            result = original(*args, **kwargs)
-        finally:
-            _exporting.depth = depth
-        note = _now.note
-        if note is not None and not depth and args:
-            source = _exported_tensor(args[0]) if self._where in _MAKERS else args[0]
-            if isinstance(source, torch.Tensor):
-                note(source, self._where, result)  # the outermost export only (``__array__`` calls ``numpy()``)
-        return result
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
-        return self if obj is None else types.MethodType(self, obj)
+        return self if obj is None else types.MethodType(self._call, obj)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -194,6 +158,54 @@ class _Wrapper:
 
     def __deepcopy__(self, memo: Any) -> "_Wrapper":
         return self
+
+
+def _make(owner: Any, name: str, original: Any, own: bool, where: str, kind: type) -> _Wrapper:
+    """A wrapper of ``original`` for ``owner.name``. Its call is one closure (one Python frame: a method binds
+    the closure itself, a module function's class calls it as its ``__call__``), each wrapper of its own class;
+    a wrapper costs about a plain function wrapper's call."""
+    key = (id(owner), name)
+    storage = kind is not torch.Tensor
+    exporter = where in _EXPORTERS
+    two = where in _TWO_OPERANDS
+    maker = where in _MAKERS
+    me: List[_Wrapper] = []
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # pytest: the user's line is where the read happened
+        if _ACTIVE.get(key) is not me[0]:
+            _heal(me[0])
+            return original(*args, **kwargs)
+        check = _now.check_storage if storage else _now.check
+        if check is not None:
+            try:
+                if args and isinstance(args[0], kind):
+                    check(args[0], where)
+                if two and len(args) > 1 and isinstance(args[1], kind):
+                    check(args[1], where)  # it reads (map2_) or copies from (copy_) its other operand too
+            except Exception as err:  # raised by the check: its traceback starts here, not in our plumbing
+                err.__traceback__ = None
+                raise err
+        if not exporter:
+            return original(*args, **kwargs)
+        depth = getattr(_exporting, "depth", 0)
+        _exporting.depth = depth + 1
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            _exporting.depth = depth
+        note = _now.note
+        if note is not None and not depth and args:
+            source = _exported_tensor(args[0]) if maker else args[0]
+            if isinstance(source, torch.Tensor):
+                note(source, where, result)  # the outermost export only (``__array__`` calls ``numpy()``)
+        return result
+
+    cls = type("_Wrapper", (_Wrapper,), {"__call__": staticmethod(call), "_call": staticmethod(call),
+                                          "__module__": __name__})
+    wrapper = cls(owner, name, original, own, where, kind)
+    me.append(wrapper)
+    return wrapper
 
 
 class _Module:
@@ -262,7 +274,7 @@ def _install(key: Key, owner: Any, name: str, where: str, kind: type) -> None:
         made = _WRAPPED.setdefault(key, {})
         ours = made.get(id(top))
         if ours is None or ours.__wrapped__ is not top:
-            ours = made[id(top)] = _Wrapper(owner, name, top, name in vars(owner), where, kind)
+            ours = made[id(top)] = _make(owner, name, top, name in vars(owner), where, kind)
         setattr(owner, name, ours)
     _ACTIVE[key] = ours
 

@@ -90,7 +90,7 @@ def test_pool_map_of_torch_from_numpy_works_while_a_lease_is_alive():
     with sanitizer.sanitize():
         buf = sanitizer.StagingBuffer(256, name="pool")
         w = buf.write(0, torch.ones(4), name="w")  # a lease is alive: the makers are wrapped
-        assert type(torch.from_numpy) is readers._Wrapper
+        assert isinstance(torch.from_numpy, readers._Wrapper)
         with multiprocessing.get_context("spawn").Pool(2) as pool:
             out = pool.map(torch.from_numpy, arrays)
         del w
@@ -157,7 +157,7 @@ def test_a_users_wrapper_over_ours_keeps_working_and_ours_passes_through_once_we
         buf = sanitizer.StagingBuffer(256, name="chain")
         w = buf.lend(0, (4,), torch.float32, name="w")
         ours = torch.from_numpy
-        assert type(ours) is readers._Wrapper
+        assert isinstance(ours, readers._Wrapper)
         calls = []
 
         @functools.wraps(ours)
