@@ -55,10 +55,10 @@ class _Put:
 
     __slots__ = ("span", "name", "thread", "done", "retire_by")
 
-    def __init__(self, span: Span, name: str) -> None:
+    def __init__(self, span: Span, name: str, thread: int) -> None:
         self.span = span
         self.name = name
-        self.thread = threading.get_ident()
+        self.thread = thread
         self.done = False
         self.retire_by: Optional[str] = None  # set while it is still under way: it retires itself at its end
 
@@ -135,6 +135,8 @@ class StagingRing:
         """(Under the lock.) The first place from the head that no quarantined span (and no put in
         ``under_way``) overlaps; None when there is none."""
         seg, offset = self.segment, self._align(self.head, itemsize)
+        if not self._held and not under_way and len(self.segments) == 1:  # the common case: nothing to skip
+            return (0, offset) if offset + nbytes <= self.segments[0].nbytes else (0, 0)
         for _ in range(2 * len(self.segments) + 2 * (len(self._held) + len(under_way)) + 2):
             if offset + nbytes > self.segments[seg].nbytes:
                 seg, offset = (seg + 1) % len(self.segments), 0  # wrap (to the next segment, if grown)
@@ -192,7 +194,8 @@ class StagingRing:
         itself, the position before it (restored if it fails), and the span the quarantine retires now."""
         me = threading.get_ident()
         with self._lock:
-            self._refuse_if_closed(name)
+            if self._closing:
+                self._refuse_if_closed(name)
             retire = None
             last, self._last = self._last, None
             if self.quarantine and last is not None:  # the previous tensor's lease ends at this put
@@ -228,9 +231,9 @@ class StagingRing:
                 if spot is None:
                     spot = self._grow()
                 seg, offset = spot
-                mine = _Put((seg, offset, offset + nbytes), name)
+                mine = _Put((seg, offset, offset + nbytes), name, me)
                 before = (self.segment, self.head, self.wraps)
-                wrapped = (seg, offset) < before[:2] and self.head > 0
+                wrapped = self.head > 0 and (seg < self.segment or (seg == self.segment and offset < self.head))
                 if self._moves != moves:  # a finalizer of this thread put meanwhile (inside this choice)
                     continue
                 self._last = mine
