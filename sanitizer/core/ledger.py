@@ -236,6 +236,10 @@ def _kept_shape(shape: Any) -> Tuple[int, ...]:
     return shape
 
 
+def _never() -> bool:
+    return False
+
+
 def _in_lend_order(leases: List[Lease]) -> List[Lease]:
     """The indexes return leases grouped by size; callers (and reports) see them in lend order."""
     if len(leases) > 1:
@@ -259,10 +263,32 @@ class Ledger:
         self._by_device: Dict[str, IntervalIndex] = {}  # device -> its indexed regions, by address range
         self._live: Dict[Any, Lease] = {}  # alive leases by key (the caller's handle, else the lease id)
         self.on_live_change = on_live_change
+        # Deaths that came while this thread was inside the ledger's own locked work: (lease, was pending),
+        # finished by the next locked call that is not inside it (see :meth:`release`).
+        self._later: List[Tuple[Lease, bool]] = []
+        self._owned: Callable[[], bool] = getattr(self._lock, "_is_owned", _never)
 
     def after_fork_in_child(self) -> None:
         """A fresh lock in a forked child (the parent's may have been held by a thread the child lacks)."""
         self._lock = threading.RLock()
+        self._owned = getattr(self._lock, "_is_owned", _never)
+
+    def _finish_later(self) -> None:
+        """(Under the lock, not inside other locked work of this thread.) Finish the deaths that
+        :meth:`release` put off."""
+        later, self._later = self._later, []
+        for lease, pending in later:
+            self._unfile_dead(lease, pending)
+
+    def _unfile_dead(self, lease: Lease, pending: bool) -> None:
+        """(Under the lock.) Take a dead lease out of its region's index (unless it was still pending), and
+        forget a closed region that nothing reaches any more."""
+        region = self._regions.get(lease.region_id)
+        if region is not None:
+            if not pending:
+                region._unfile(lease)
+            if region.closed and not region.alive and self._regions.get(region.region_id) is region:
+                self._drop(region)  # (an orphan() or close() that ran after our pop may have)
 
     # -- regions -----------------------------------------------------------
     def add_region(self, name: str, device: str, base: int, nbytes: int) -> Region:
@@ -292,7 +318,10 @@ class Ledger:
 
         Regions may be nested (an adopted tensor inside another): the innermost one wins (the
         greatest base; among equal bases, the latest registered)."""
+        outer = not self._owned()
         with self._lock:
+            if outer and self._later:
+                self._finish_later()
             index = self._by_device.get(device)
             if not index:
                 return None
@@ -392,14 +421,18 @@ class Ledger:
         region = self._regions.get(lease.region_id)
         pending = region is not None and region.pending.pop(lease.lease_id, None) is not None
         if not pending or region.closed:
-            with self._lock:
-                if region is None:
-                    region = self._regions.get(lease.region_id)
-                if region is not None:
-                    if not pending:
-                        region._unfile(lease)
-                    if region.closed and not region.alive and self._regions.get(region.region_id) is region:
-                        self._drop(region)  # (an orphan() or close() that ran after our pop may have)
+            if self._owned():
+                # This thread is inside the ledger's own locked work: the GC ran this death at an allocation
+                # there, maybe half-way through an index (a reuse popping its victims), which the unfile
+                # would change under it (a lock held by this very thread does not keep it out). Put off:
+                # the next locked call that is not inside such work finishes it; until then the lease is
+                # dead (``alive`` False) in an index, as a death that races a reuse on another thread is.
+                self._later.append((lease, pending))
+            else:
+                with self._lock:
+                    if self._later:
+                        self._finish_later()
+                    self._unfile_dead(lease, pending)
         if not live and self.on_live_change is not None:
             self.on_live_change(0)
         return lease
@@ -407,7 +440,10 @@ class Ledger:
     def disown(self, key: Any) -> Optional[Lease]:
         """The views of the lease filed under ``key`` now own their bytes (a rescue moved them): it is no
         longer a borrow."""
+        outer = not self._owned()
         with self._lock:
+            if outer and self._later:
+                self._finish_later()
             lease = self._live.pop(key, None)
             if lease is None:
                 return None
@@ -441,7 +477,10 @@ class Ledger:
         Nobody can reuse those bytes any more (the views keep the memory alive), so no lease goes
         stale: the region stops lending and reusing, stays findable by address while a lease is
         alive, and is forgotten with its last one. Unknown or closed regions are left alone."""
+        outer = not self._owned()
         with self._lock:
+            if outer and self._later:
+                self._finish_later()
             region = self._regions.get(region_id)
             if region is None or region.closed:
                 return
@@ -476,7 +515,10 @@ class Ledger:
     def overlapping(self, region_id: int, start: int, end: int, include_stale: bool = False) -> List[Lease]:
         """Alive leases of a region whose bytes intersect ``[start, end)`` (fresh ones only unless
         ``include_stale``), in lend order."""
+        outer = not self._owned()
         with self._lock:
+            if outer and self._later:
+                self._finish_later()
             region = self.region(region_id)
             region._fold()
             hits = region.fresh.overlapping(start, end)
@@ -486,7 +528,10 @@ class Ledger:
 
     def leases_of(self, region_id: int) -> List[Lease]:
         """Alive leases of a region (fresh and stale), in lend order; none once it is forgotten."""
+        outer = not self._owned()
         with self._lock:
+            if outer and self._later:
+                self._finish_later()
             region = self._regions.get(region_id)
             if region is None:
                 return []
@@ -519,7 +564,10 @@ class Ledger:
         Returns the event and the leases it made stale (the caller verifies,
         poisons or rescues them before the producer writes).
         """
+        outer = not self._owned()
         with self._lock:
+            if outer and self._later:
+                self._finish_later()
             region = self._open_region(region_id, start, end, by, lending=False)
             before = region.generation
             region.generation += 1
@@ -559,7 +607,10 @@ class Ledger:
 
     def close(self, region_id: int, site: Site = (), thread: str = "") -> Tuple[ReuseEvent, List[Lease]]:
         """Free the region: every fresh lease goes stale (a later use is a use-after-free)."""
+        outer = not self._owned()
         with self._lock:
+            if outer and self._later:
+                self._finish_later()
             region = self.region(region_id)
             if region.closed:
                 raise LedgerError(f"staging buffer '{region.name}' is already closed")

@@ -9,6 +9,21 @@ turn: at the next lend but one, at the next retirement or report after a lend,
 at the end of a test or of the process, or at once when it is used stale.
 Still held then, or used stale meanwhile: a **retention**. Gone: forgotten.
 
+**Another thread may still be dropping it.** The lend count is one thread's turn, not
+every thread's: a loader thread can lend twice while the consumer's thread has not run
+yet, or is in the middle of ``views.clear()`` (5,000 views, each death a callback that
+lets other threads run). The reused view is then still alive, held by a list about to go
+or only by its detached items (which no walk can see), and it dies a moment later:
+nobody kept it (issue 46). So while other threads run, a retention whose holder nothing
+names (the walk found none, or only what Python cannot see, or did not run) is decided
+only once the other threads have had their turn: :func:`_quiet_s` (at least 0.1 s) after
+its reuse, and later while another running thread is still dropping leases of the same
+buffer (a container torn down there), up to :data:`_LONGEST_WAIT` times that. Alone in
+the process, or at the final settle, it is decided at once. And every decision takes its
+last look at the lease right before it records it. A named holder is evidence and is not
+kept waiting. The price: a view that nothing nameable holds, kept across the reuse and
+dropped within that wait (or before the next look after it), is not reported.
+
 **The check is cheap and never by address.** "Still held" is the lease's
 liveness (``lease.alive``: its storage's death is a weakref callback), rescued
 leases included: a rescue rebinds the lease's death to its owned copy, so
@@ -64,6 +79,9 @@ from sanitizer.torch_layer.state import state
 ORDER = RetireOrder.TRIAGE
 _RUNNING_DEPTH = 24  # frames of the retiring thread noted at a retire (a loop variable lives a few above it)
 _CONFIRMED_KEPT = 20000  # retention records triage remembers by lease (the store's records are capped anyway)
+_QUIET_S = 0.1  # at least: how long other threads get to drop a view before an unnamed retention is decided
+_LONGEST_WAIT = 10  # times that, while another thread keeps dropping leases of the same buffer
+_REGIONS_KEPT = 4096  # buffers whose latest lease deaths are remembered (then the table starts afresh)
 
 
 @dataclass
@@ -76,6 +94,7 @@ class _Pending:
     thread: str
     running: Tuple[frozenset, frozenset] = (frozenset(), frozenset())  # (frame ids, module dict ids) at the retire
     early: Optional[List[Holder]] = None  # its holders at the reuse, by a known path (the consumer's own frame alive)
+    since: float = 0.0  # time.monotonic() at the retire (how long other threads have had to drop it)
 
 
 def _running_code() -> Tuple[frozenset, frozenset]:
@@ -181,6 +200,33 @@ def _shape_of(t: Any, lease: Lease) -> Optional[str]:
         return None
 
 
+def _quiet_s() -> float:
+    """How long other threads get to drop a view before an unnamed retention of it is decided: enough
+    switch intervals for each of a few runnable threads to have its turn (and at least 0.1 s)."""
+    return max(_QUIET_S, 20 * sys.getswitchinterval())
+
+
+_get_ident = threading.get_ident
+_monotonic = time.monotonic
+_ACTIVE: Dict[int, threading.Thread] = getattr(threading, "_active", {})  # ident -> Thread, while it runs
+
+
+def _python_thread(ident: int) -> Optional[threading.Thread]:
+    """The ``threading.Thread`` running as ``ident`` (None: one ``threading`` does not know). A plain dict
+    read: this runs at every lease death, possibly inside the GC, so no lock and nothing made (asking
+    ``threading.current_thread()`` would make a dummy thread for a native one; ``sys._current_frames()``
+    would make frame objects of other threads' running code, whose locals then die wherever that dict
+    goes, in the GC too)."""
+    return _ACTIVE.get(ident)
+
+
+def _unnamed(named: Optional[Tuple[List[Holder], Dict[str, Any]]]) -> bool:
+    """Did the naming find no holder with a root (none, only what Python cannot see, or anonymous
+    containers the walk could not follow further)? A container being torn down on another thread looks
+    like this: its items are no longer reachable from anything the gc shows."""
+    return named is None or all(h.kind == "unknown" for h in named[0])
+
+
 def _promote(h: Holder) -> Holder:
     """A local that still holds the view after its consumer had its turn is a real holder."""
     return Holder(h.kind, h.path, h.site, False, h.frame_id, h.local, h.pattern, h.detour)
@@ -205,14 +251,52 @@ class Triage:
         self._used_stale: Set[int] = set()  # lease ids used stale (reported through the stale-use hook)
         self._best: Dict[int, Holder] = {}  # lease id -> the holder its retention was credited to (to re-check)
         self._at_read: Dict[int, Optional[dict]] = {}  # lease id -> its holder when first read stale
+        # Unnamed retentions waiting for the other threads' turn (lease id -> pending), and when each thread
+        # last saw a lease of each buffer die (region id -> thread ident -> [monotonic time, its Thread];
+        # written without the lock).
+        self._waiting: Dict[int, _Pending] = {}
+        self._waiting_looked = 0.0  # when the waiting ones were last looked at (not at every lend)
+        self._died: Dict[int, Dict[int, list]] = {}
 
     # -- hooks ---------------------------------------------------------------------
     def on_lend(self) -> None:
         """Count the lend; decide what was retired before the previous one (its consumer had its turn)."""
         with self._lock:
             self.lends += 1
-            if self._pending:
+            if self._pending or self._waiting:
                 self._checkpoint(self.lends - 1)
+
+    def on_death(self, lease: Lease) -> None:
+        """A lease died on this thread (the release hook at every death, possibly inside the GC: dict reads
+        and a store, ~0.2 us; a thread's first death in a buffer also looks its Thread up)."""
+        me = _get_ident()
+        by_thread = self._died.get(lease.region_id)
+        if by_thread is not None:
+            seen = by_thread.get(me)
+            if seen is not None:
+                seen[0] = _monotonic()
+                return
+        else:
+            died = self._died
+            if len(died) >= _REGIONS_KEPT:
+                died.clear()  # buffers come and go: forget them all, the live ones write again at their next death
+            by_thread = died[lease.region_id] = {}
+        by_thread[me] = [_monotonic(), _python_thread(me)]
+
+    def _may_decide(self, p: _Pending, now: float, quiet: float) -> bool:
+        """May an unnamed retention be decided now? Alone in the process, at once; otherwise once every
+        other thread has had time to run since its reuse (``quiet``), and, up to :data:`_LONGEST_WAIT`
+        times that, once no other running thread drops leases of its buffer any more. A thread that ended
+        has finished whatever it was dropping; one that ``threading`` does not know (a native thread) is
+        taken as running."""
+        age = now - p.since
+        me = _get_ident()
+        by_thread = self._died.get(p.lease.region_id) or {}
+        dropping = any(t != me and now - seen[0] < quiet and (seen[1] is None or seen[1].is_alive())
+                       for t, seen in list(by_thread.items()))
+        if len(_ACTIVE) <= 1 and not dropping:
+            return True
+        return age >= _LONGEST_WAIT * quiet or (age >= quiet and not dropping)
 
     def on_retire(self, region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
         """Record a pending retention for every victim still reachable (decided after its consumer's turn)."""
@@ -228,7 +312,7 @@ class Triage:
                 if running is None:
                     running = _running_code()
                 p = self._pending[lease.lease_id] = _Pending(lease, event, region, t, self.lends,
-                                                             thread, running)
+                                                             thread, running, since=time.monotonic())
                 p.early = self._name_at_reuse(lease)
                 self.log.watch(lease, region)
 
@@ -277,7 +361,7 @@ class Triage:
         with self._lock:
             lid = lease.lease_id
             self._used_stale.add(lid)
-            p = self._pending.pop(lid, None)
+            p = self._pending.pop(lid, None) or self._waiting.pop(lid, None)
             if p is not None:
                 self.log.stale_read(lease, at)
                 # The consumer is what stored it, named at the reuse (a deferred call's list, since popped
@@ -348,6 +432,7 @@ class Triage:
         test, of the process): then, with no lend since, only a holder other than a local of the
         running code confirms it (nothing else tells a loop variable from a retention)."""
         with self._lock:
+            self._waiting_looked = 0.0  # (a settle asked for: look at the waiting ones whenever last looked)
             self._checkpoint(self.lends, final)
 
     def _checkpoint(self, limit: int, final: bool = False) -> None:
@@ -355,6 +440,15 @@ class Triage:
 
         The ones that need a heap walk to name their holder are walked together, once (a test's end or a
         report settles a whole consumer's retentions at a time: one pass over the heap, not one a view)."""
+        if not self._pending and not self._waiting:
+            return
+        now, quiet = time.monotonic(), _quiet_s()
+        if self._waiting and (final or now - self._waiting_looked >= quiet / 8):
+            self._waiting_looked = now
+            for p in [p for p in self._waiting.values() if final or self._may_decide(p, now, quiet)]:
+                del self._waiting[p.lease.lease_id]
+                p.lends = -1  # due now
+                self._pending.setdefault(p.lease.lease_id, p)
         if not self._pending:
             return
         due: List[Tuple[_Pending, bool, bool]] = []
@@ -379,9 +473,14 @@ class Triage:
             else:
                 named[p.lease.lease_id] = cheap
         named.update(self._walk(to_walk))
+        now = time.monotonic()  # (again: the walk may have run a while, other threads with it)
         for p, used, evidence in due:
-            if self._confirm(p, used, evidence, named=named.get(p.lease.lease_id)) is None:
-                self.log.unwatch(p.lease.lease_id)
+            lid = p.lease.lease_id
+            if not final and not used and _unnamed(named.get(lid)) and not self._may_decide(p, now, quiet):
+                self._waiting[lid] = p  # another thread may be dropping it: after their turn
+                continue
+            if self._confirm(p, used, evidence, named=named.get(lid)) is None:
+                self.log.unwatch(lid)
 
     def _confirm(self, p: _Pending, used_stale: bool, evidence: bool, read_at: Optional[dict] = None,
                  named: Optional[Tuple[List[Holder], Dict[str, Any]]] = None) -> Optional[dict]:
@@ -400,9 +499,15 @@ class Triage:
             found = [h for h in found if not h.transient] or [_promote(h) for h in found]
         found = _by_consumer(found)
         best = found[0] if found else None
+        built = self._record(p, found, walk, used_stale, read_at)
+        if not used_stale and not lease.alive:
+            # It died while it was being decided (the walk runs for milliseconds, and other threads run
+            # meanwhile): its consumer was dropping it, e.g. a list of views cleared while another thread
+            # reused their bytes. Nobody kept it: not a retention (this is the decision's last look).
+            return None
         if best is not None and walk["when"] == "walk":
             self._learn(found)
-        record = records.record_event("retention", self._record(p, found, walk, used_stale, read_at))
+        record = records.record_event("retention", built)
         lid = lease.lease_id
         if len(self._confirmed) >= _CONFIRMED_KEPT:  # bounded: forget the oldest half
             for old in list(self._confirmed)[: _CONFIRMED_KEPT // 2]:
@@ -506,7 +611,7 @@ class Triage:
 
     def pending_count(self) -> int:
         with self._lock:
-            return len(self._pending)
+            return len(self._pending) + len(self._waiting)
 
 
 # -- the process's instances, and the hooks that reach them ------------------------------
@@ -530,7 +635,9 @@ def _on_reuse(region: Region, event: ReuseEvent) -> None:
 
 
 def _on_release(lease: Lease) -> None:
-    _TRIAGE.log.on_release(lease)
+    t = _TRIAGE
+    t.on_death(lease)
+    t.log.on_release(lease)
 
 
 def _on_stale_use(lease: Lease, use: StaleUse) -> Optional[Dict[str, Any]]:

@@ -327,8 +327,24 @@ def _finish_run(args: argparse.Namespace, files: List[str], code: int) -> int:
         print("ownsan run: no process wrote a report (the program never imported torch, or exited through "
               "os._exit): nothing was sanitized", file=sys.stderr)
         return code
-    merged = rep_mod.merge([rep_mod.load(f) for f in files])
-    cut_short = [f for f in files if f.endswith(JOURNAL_SUFFIX)]
+    reports, loaded, unreadable = [], [], []
+    for f in files:
+        try:
+            reports.append(rep_mod.load(f))
+            loaded.append(f)
+        except ValueError as exc:  # (ReportFileError) one process's file: never the end of the others'
+            unreadable.append(str(exc))
+    if unreadable:
+        # A report is written whole (replaced atomically), so this is a journal whose first line was cut
+        # short: its process was killed while it opened the journal, i.e. while it recorded its first
+        # finding. That finding is lost; the other processes' are all here, and the run fails for it.
+        print(f"ownsan run: {len(unreadable)} process{'es' * (len(unreadable) != 1)} left a file that cannot "
+              f"be read (killed while it recorded its first finding?): its findings are lost, the others' are "
+              f"merged; " + "; ".join(unreadable), file=sys.stderr)
+        if not reports:
+            return code or 1
+    merged = rep_mod.merge(reports)
+    cut_short = [f for f in loaded if f.endswith(JOURNAL_SUFFIX)]
     if cut_short:
         print(f"ownsan run: {len(cut_short)} process{'es' * (len(cut_short) != 1)} ended before writing a report "
               f"(killed?): their findings come from their journals, as they were made", file=sys.stderr)
@@ -339,7 +355,7 @@ def _finish_run(args: argparse.Namespace, files: List[str], code: int) -> int:
         print(format_triage(merged, args.report, top=args.top), file=sys.stderr)
     if code:
         return code
-    if merged["error_count"] or (args.fail_on_retention and merged["summary"]["retentions"]):
+    if merged["error_count"] or unreadable or (args.fail_on_retention and merged["summary"]["retentions"]):
         return 1
     return 0
 

@@ -708,3 +708,63 @@ def test_equal_shapes_are_kept_once_and_a_list_shape_becomes_a_tuple():
     b = led.lend(region.region_id, 8, 16, "b", "float32", tuple([2, 1]))
     c = led.lend(region.region_id, 16, 24, "c", "float32", [2, 1])
     assert a.shape == (2, 1) and a.shape is b.shape is c.shape  # one tuple for the three leases
+
+
+class _Cyclic:
+    """What a lease watches, in a reference cycle: only a collection frees it, at whatever allocation."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_a_death_the_gc_runs_inside_a_reuse_never_changes_the_index_under_it():
+    """Issue 46 (found with point 10): the ledger's lock is reentrant, so a lease death that the gc ran at
+    an allocation inside a reuse (its storage in a cycle) unfiled its lease from the very index block the
+    reuse was popping victims from: leases outside the reused bytes came out stale (a false alarm), some
+    inside stayed fresh (a miss), and a shorter block raised IndexError out of the write. The collections
+    are steered into the reuse by putting the watched objects in generation 1 and lowering its threshold
+    (each run of the loop lands the collection at another allocation)."""
+    import gc
+
+    n, step = 200, 5
+    wrong, deferred = [], [0]
+    old = gc.get_threshold()
+    try:
+        for k in range(1, 10):
+            ledger = Ledger()
+            region = ledger.add_region("ring", "cpu", 0, n * 64)
+
+            def died(lease, ledger=ledger) -> None:
+                deferred[0] += ledger._lock._is_owned()  # the case under test: a death inside the ledger's work
+                ledger.release(lease.handle, lease)
+
+            watched = [_Cyclic() for _ in range(n)]
+            leases = [ledger.lend(region.region_id, i * 64, i * 64 + 64, f"t{i}", "float32", (16,), handle=i,
+                                  watch=watched[i], on_death=died) for i in range(n)]
+            ledger.overlapping(region.region_id, 0, 1)  # every lease filed in the fresh index
+            for j in range(0, n, step):
+                gc.disable()
+                gc.collect(0)  # what is still held moves to generation 1
+                for i in range(j, min(n, j + step)):
+                    watched[i] = None  # garbage in generation 1: freed by its next collection
+                gc.set_threshold(1, k)
+                gc.enable()
+                try:
+                    ledger.reuse(region.region_id, j * 64, (j + step) * 64, by=f"next{j}")
+                except IndexError as exc:
+                    wrong.append(repr(exc))
+                    break
+                finally:
+                    gc.disable()
+                    gc.set_threshold(*old)
+                wrong += [f"{lease.name} {'stale' if lease.stale else 'fresh'} after a reuse up to t{j + step - 1}"
+                          for i, lease in enumerate(leases) if lease.alive and lease.stale != (i < j + step)]
+            gc.enable()
+            watched.clear()
+            gc.collect()
+            wrong += [f"{lease.name} dead, still filed" for lease in ledger.leases_of(region.region_id)]
+    finally:
+        gc.set_threshold(*old)
+        gc.enable()
+    assert deferred[0], "no collection ran inside the ledger: the test steered nothing"
+    assert wrong == [], wrong[:5]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import re
 import subprocess
 import sys
 import textwrap
@@ -180,3 +181,83 @@ def test_no_journal_beside_a_device_or_a_descriptors_link_and_a_stale_journal_is
 
     rep = R.load(str(report) + ".journal")
     assert rep["pid"] != 1 and len(rep["errors"]) == 1 and rep["ended_before_report"]["lines_cut"] == 0
+
+
+def _journal(path, pid: int, records: int) -> None:
+    """A whole journal of a killed process: its header and ``records`` stale uses."""
+    from sanitizer.core import journal
+
+    header = {"kind": journal.KIND, "format": "ownership-sanitizer-report", "version": 2, "pid": pid, "argv": []}
+    lines = [json.dumps(header)] + [json.dumps({"k": "error", "r": {"kind": "stale_use", "summary": f"read {i}"}})
+                                    for i in range(records)]
+    path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("cut", ["", '{"kind": "ownership-sanit'], ids=["empty", "header-cut"])
+def test_a_journal_cut_at_its_first_line_costs_the_merge_only_its_own_process(tmp_path, capsys, cut):
+    """Issue 46, point 10: a pool worker SIGKILLed while it opened its journal (at its first finding: the
+    file is made, its header not yet whole) left a file that is no journal. ``ownsan run`` raised on it
+    and wrote no merged report: every other worker's findings were lost with it. Now it is said and left
+    out, and the run fails (that process did make a finding, which is lost)."""
+    import argparse
+
+    from sanitizer.tools import cli
+
+    _journal(tmp_path / "report-101.json.journal", 101, 2)
+    _journal(tmp_path / "report-102.json.journal", 102, 1)
+    (tmp_path / "report-103.json.journal").write_text(cut)
+    out = tmp_path / "merged.json"
+    args = argparse.Namespace(report=str(out), quiet=True, top=5, fail_on_retention=False)
+    code = cli._finish_run(args, cli._process_reports(str(tmp_path)), 0)
+    merged = json.loads(out.read_text())
+    assert code == 1
+    assert sorted(e["pid"] for e in merged["errors"]) == [101, 101, 102]
+    err = capsys.readouterr().err
+    assert "1 process left a file that cannot be read" in err and "report-103.json.journal" in err
+
+
+_KILLED_AT_ITS_JOURNAL = textwrap.dedent('''
+    import multiprocessing as mp, os, signal, sys, time, torch
+    import sanitizer
+    KEPT = []
+    def work(i):
+        if i == 1:  # SIGKILLed the moment its journal is made, before the header is written
+            from sanitizer.core import journal
+            journal._write_all = lambda fd, data: os.kill(os.getpid(), signal.SIGKILL)
+        ring = sanitizer.StagingRing(4096, name=f"w{i}")
+        a = ring.put("a", torch.ones(1024))
+        KEPT.append(a)
+        ring.put("b", torch.zeros(1024))
+        float(a.sum())  # a stale read, recorded (ownsan run: triage=1)
+        if i == 2:  # SIGKILLed once its finding is in its journal
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.3)  # (each worker takes one task)
+        return i
+    if __name__ == "__main__":
+        with mp.get_context("fork").Pool(4) as pool:
+            results = [pool.apply_async(work, (i,)) for i in range(4)]
+            for i in (0, 3):
+                results[i].get(timeout=60)
+            for i in (1, 2):
+                results[i].wait(1)  # a killed worker's task never returns
+''')
+
+
+@pytest.mark.slow
+def test_sigkilled_pool_workers_lose_only_their_own_findings(tmp_path):
+    """Pool(4): one worker is SIGKILLed at its first finding (its journal made, not yet written), another
+    right after its finding. The merged report has the two live workers' findings and the second killed
+    worker's (from its journal); only the first one's is lost, and the run says so and fails."""
+    script = tmp_path / "killed.py"
+    script.write_text(_KILLED_AT_ITS_JOURNAL)
+    report = tmp_path / "r.json"
+    out = subprocess.run([sys.executable, "-m", "sanitizer", "run", "--quiet", "--report", str(report), "--",
+                          sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert out.returncode == 1, out.stderr[-2000:]
+    rep = json.loads(report.read_text())
+    stale = [e for e in rep["errors"] if e["kind"] == "stale_use"]
+    assert sorted(e["lease"]["buffer"] for e in stale) == ["w0", "w2", "w3"], out.stderr[-2000:]
+    assert len({e["pid"] for e in stale}) == 3
+    assert "1 process left a file that cannot be read" in out.stderr
+    # w2's worker (and any live one that terminate() ended before its report): from their journals
+    assert re.search(r"ownsan run: \d+ process(es)? ended before writing a report", out.stderr), out.stderr
