@@ -183,13 +183,29 @@ def test_no_journal_beside_a_device_or_a_descriptors_link_and_a_stale_journal_is
     assert rep["pid"] != 1 and len(rep["errors"]) == 1 and rep["ended_before_report"]["lines_cut"] == 0
 
 
+def _a_real_stale_use() -> dict:
+    """One stale use's record as a process writes it (journals are checked against the report schema)."""
+    import torch
+
+    import sanitizer
+
+    buf = sanitizer.StagingBuffer(64, name="r")
+    w = buf.write(0, torch.ones(4), name="w")
+    buf.reuse(0, 16, by="next")
+    with sanitizer.sanitize(halt_on_error=0):
+        float(w.sum())
+        record = sanitizer.report()["errors"][0]
+    sanitizer.clear_errors()
+    return record
+
+
 def _journal(path, pid: int, records: int) -> None:
     """A whole journal of a killed process: its header and ``records`` stale uses."""
     from sanitizer.core import journal
 
     header = {"kind": journal.KIND, "format": "ownership-sanitizer-report", "version": 2, "pid": pid, "argv": []}
-    lines = [json.dumps(header)] + [json.dumps({"k": "error", "r": {"kind": "stale_use", "summary": f"read {i}"}})
-                                    for i in range(records)]
+    record = _a_real_stale_use()
+    lines = [json.dumps(header)] + [json.dumps({"k": "error", "r": dict(record, pid=pid)}) for _ in range(records)]
     path.write_text("\n".join(lines) + "\n")
 
 
