@@ -151,16 +151,31 @@ AVAILABLE: bool = HERE_AVAILABLE and sys.version_info >= (3, 12)
 class _Batch(dict):
     """One pass's saved profilers, ``(tstate, thread state id) -> (c_profilefunc, c_profileobj)``; the object
     each visited thread's profile object points at. An object slot holds a reference taken in the pass
-    (``Py_IncRef``): given back when the entry is used, or when the batch goes (a thread that ended without
-    another Python event)."""
+    (``Py_IncRef``): given back when the entry is used, or when the batch goes.
+
+    A batch that goes with entries left lost visits that never ran: a thread ended without another Python
+    event, or (the case that matters) something replaced the threads' profile functions before they ran
+    (``threading.setprofile_all_threads`` of a sampling profiler starting or stopping): :data:`on_lost` is
+    told, and its owner visits them again."""
 
     def __del__(self) -> None:
         decref = _api.decref if _api is not None else None
+        lost = bool(self)
         if decref is not None:
             for _func, obj in self.values():
                 if obj:
                     decref(obj)
             self.clear()
+        hook = on_lost
+        if lost and hook is not None:
+            try:
+                hook()
+            except Exception:  # (a finalizer: never raises)
+                pass
+
+
+on_lost: Optional[Callable[[], None]] = None
+"""Called (from a finalizer, anywhere: only schedule work there) when visits were lost before they ran."""
 
 
 _run_in_threads: Optional[Callable[[], None]] = None
@@ -296,11 +311,16 @@ def run_in_running_threads(fn: Callable[[], None]) -> bool:
     me = api.get_tstate()
     interp = api.interp()
     # One C-level pass, no bytecode until the deque is done: accumulate drives PyThreadState_Next from the
-    # head and takewhile stops at NULL; for each thread state, zip reads its profile function and object, saves
-    # them in the batch (a reference on the object), and puts ours in their place (PyEval_SetProfileAllThreads's
-    # own calls, in its order).
-    states = itertools.takewhile(bool, itertools.accumulate(
+    # head and takewhile stops at NULL; compress keeps the thread states whose profile function is not ours
+    # (a visit that waits there is not stacked again); for each, zip reads its profile function and object,
+    # saves them in the batch (a reference on the object), and puts ours in their place
+    # (PyEval_SetProfileAllThreads's own calls, in its order).
+    all_states = itertools.takewhile(bool, itertools.accumulate(
         itertools.chain(map(api.head, (interp,)), itertools.repeat(None)), api.next2))
+    s_read, s_keep = itertools.tee(all_states, 2)
+    first_funcs = map(_VALUE, map(ctypes.c_void_p.from_address, map(operator.add, s_read,
+                                                                     itertools.repeat(api.func_off))))
+    states = itertools.compress(s_keep, map(operator.ne, first_funcs, itertools.repeat(_ON_EVENT_ADDRESS)))
     t_key, t_id, t_func, t_obj, t_set = itertools.tee(states, 5)
     funcs = map(_VALUE, map(ctypes.c_void_p.from_address, map(operator.add, t_func, itertools.repeat(api.func_off))))
     objs_saved, objs_held = itertools.tee(
@@ -323,4 +343,4 @@ def run_in_running_threads(fn: Callable[[], None]) -> bool:
 _VALUE = operator.attrgetter("value")
 
 
-__all__ = ["AVAILABLE", "HERE_AVAILABLE", "run_in_running_threads", "run_here_when"]
+__all__ = ["AVAILABLE", "HERE_AVAILABLE", "run_in_running_threads", "run_here_when", "on_lost"]

@@ -34,7 +34,7 @@ import torch
 
 from sanitizer.core import forking
 from sanitizer.core.options import Options
-from sanitizer.torch_layer import graph_capture, records, runtime
+from sanitizer.torch_layer import graph_capture, own_ops, records, runtime
 from sanitizer.torch_layer.hooks import RetireOrder, add_enable_hook, add_lend_hook, add_retire_hook
 from sanitizer.torch_layer.stale_use import check_not_stale
 from sanitizer.torch_layer.state import state
@@ -261,7 +261,7 @@ def on_lend(lease: Lease, view: torch.Tensor) -> None:
         return
     hooks = _kernels()
     if not hooks.devices.is_cuda(raw):
-        lease.checksum = hooks.checksum_host(raw.numpy())  # no tensor checks: ~4 of the ~7 us around the kernel
+        lease.checksum = hooks.checksum_host(own_ops.as_numpy(raw))  # no tensor checks: ~4 of the ~7 us around the kernel
         return
     if raw.numel() == 0:
         return  # no byte to change: no device slot, no launch
@@ -305,7 +305,7 @@ def _check(lease: Lease, where: str, event: Optional[ReuseEvent]) -> bool:
     hooks = _kernels()
     site = capture(state.options.stack_depth)
     if isinstance(expected, int):
-        found = hooks.checksum_host(raw.numpy())
+        found = hooks.checksum_host(own_ops.as_numpy(raw))
         if found != expected:
             records.raise_or_record(BorrowCorruptedError(lease, expected, found, where, site, event), lease)
         return False

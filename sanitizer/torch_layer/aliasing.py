@@ -79,7 +79,7 @@ def check_device(device: torch.device) -> None:
 
 def host_array(buffer_u8: torch.Tensor) -> Optional[np.ndarray]:
     """The numpy array over a CPU buffer (None on CUDA): the parent of every CPU lease."""
-    return None if devices.is_cuda(buffer_u8) else buffer_u8.numpy()
+    return None if devices.is_cuda(buffer_u8) else own_ops.as_numpy(buffer_u8)  # (not the attribute a user patches)
 
 
 def alias_view(

@@ -106,9 +106,12 @@ def _exports_wanted() -> bool:
 
 
 def regions_changed() -> None:
-    """A staging buffer was closed or forgotten: the exporters' hysteresis may end."""
+    """A staging buffer was closed or forgotten: the exporters' hysteresis may end. While disabled, a wrapper
+    a user's patch covered when we let go (and the user's restore put back on top) goes now."""
     if _now.exports and state.ledger.live_count == 0:
         sync_exports()
+    elif not state.enabled:
+        readers.sweep()
 
 
 def sync_exports() -> None:
@@ -154,6 +157,7 @@ def arm(on: bool) -> None:
         MODES.unhook_threads()
     sync()
     sync_exports()
+    readers.sweep()  # a wrapper a user's patch covered when we let go, and the user's restore put back on top
     if not on:
         MODES.sync_main(_wanted)
         MODES.sync_workers(_wanted)  # (3.12+: other threads drop theirs too)

@@ -26,7 +26,7 @@ from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 
 from cuda_hooks import devices
-from sanitizer.torch_layer import runtime
+from sanitizer.torch_layer import own_ops, runtime
 from sanitizer.torch_layer.aliasing import byte_extent, device_key
 from sanitizer.core.ledger import Lease
 from sanitizer.core.spans import subtract
@@ -280,7 +280,7 @@ def raw_bytes(device: torch.device, address: int, nbytes: int) -> torch.Tensor:
 
         import numpy as np
 
-        return torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address)))
+        return own_ops.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address)))
     if device.type == "cuda":
         return devices.from_interface(_DeviceBytes(address, nbytes), device)
     raise ValueError(f"buffers on '{device}' are not tracked (staging leases support {_TRACKED_DEVICES})")

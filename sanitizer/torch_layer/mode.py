@@ -7,8 +7,9 @@ capture: those cost 20 µs and more per op (see docs/domain notes).
 Dispatch modes live on a per-thread stack; :class:`ModeController` decides
 where ours sits. The main thread carries it only while a stale lease exists (a
 program whose leases are all fresh pays nothing per op there), following every
-change at once or, when another thread made it, at its next bytecode boundary
-through CPython's pending-call queue (``Py_AddPendingCall``). On Python 3.12+
+change at once or, when another thread made it, at its next eval-breaker check
+(a call into Python code, a loop's jump back) through CPython's pending-call queue
+(``Py_AddPendingCall``). On Python 3.12+
 other threads follow the same rule: at the first stale lease every running
 thread is made to install the mode at its next Python call (a visit through its
 profile function that keeps any profiler it has, see core/thread_reach.py), and
@@ -354,6 +355,11 @@ class ModeController:
         self._main_wants: Callable[[], bool] = lambda: False
         self._worker_wants: Callable[[], bool] = lambda: True  # (lazy workers: what the last sync asked)
         self._pending = _PendingCall(self._sync_main) if _PendingCall.available() else None
+        # Visits a third party took away before they ran (a profiler resetting every thread's profile function):
+        # the threads are visited again, from the main thread at its next eval-breaker check.
+        self._pending_reach = _PendingCall(self._reach_again) if _PendingCall.available() else None
+        if self._pending_reach is not None:
+            thread_reach.on_lost = self._pending_reach.schedule
 
     def after_fork_in_child(self) -> None:
         """In a forked child only the forking thread exists: a fresh lock, the count of threads carrying
@@ -362,6 +368,8 @@ class ModeController:
         self._installed = 1 if self.installed_here() else 0
         if self._pending is not None:
             self._pending._scheduled = False
+        if self._pending_reach is not None:
+            self._pending_reach._scheduled = False
 
     # -- this thread -------------------------------------------------------------
     def installed_here(self) -> bool:
@@ -442,7 +450,7 @@ class ModeController:
         """Make the main thread install or remove its mode as ``wants()`` says, soon.
 
         From the main thread this happens now; from another thread it is queued
-        to run in the main thread at its next bytecode boundary.
+        to run in the main thread at its next eval-breaker check (a call into Python code, a loop's jump back).
         """
         self._main_wants = wants
         if threading.current_thread() is threading.main_thread():
@@ -504,6 +512,12 @@ class ModeController:
                 warnings.warn("ownership-sanitizer: running threads could not be given the dispatch mode at the "
                               "first stale lease; threads started from now on carry it for their life, and the "
                               "others are covered by the guard's tombstones only", RuntimeWarning, stacklevel=3)
+
+    def _reach_again(self) -> None:
+        """(Main thread.) Visit again the threads whose visit was taken away before it ran (each thread with a
+        visit of ours still waiting is left as it is)."""
+        if self.lazy_workers and self._armed:
+            self.sync_workers(self._worker_wants)
 
     # -- thread starts and ends ----------------------------------------------------
     def hook_threads(self, should_install: Callable[[], bool]) -> None:

@@ -136,6 +136,12 @@ class _Wrapper:
             raise AttributeError(name) from None
         return getattr(original, name)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.__dict__["__wrapped__"], name, value)  # (a mock's return_value: set on the mock)
+
+    def __delattr__(self, name: str) -> None:
+        delattr(self.__dict__["__wrapped__"], name)
+
     def __repr__(self) -> str:
         return repr(self.__wrapped__)
 
@@ -264,11 +270,22 @@ def _ours_in_chain(fn: Any, key: Key) -> Optional[_Wrapper]:
     return None
 
 
+def _a_mock(fn: Any) -> bool:
+    """A ``unittest.mock`` object a user put there: the real function is not called through it, so there is
+    nothing to check or note, and the user's ``is`` and configuration of it must keep working."""
+    mock = sys.modules.get("unittest.mock")
+    return mock is not None and isinstance(fn, mock.NonCallableMock)
+
+
 def _install(key: Key, owner: Any, name: str, where: str, kind: type) -> None:
     """(Under the lock.) Make ours act for ``owner.name``: the one already on top or in a user's chain over it,
     else a wrapper of what is there now (made once per function wrapped: wrapping the same function again gives
-    the same wrapper, so a patch-and-restore cycle around a lend never stacks them)."""
+    the same wrapper, so a patch-and-restore cycle around a lend never stacks them). A user's mock in place is
+    left alone."""
     top = _current(owner, name)
+    if _a_mock(top):
+        _ACTIVE.pop(key, None)
+        return
     ours = _ours_in_chain(top, key)
     if ours is None:
         made = _WRAPPED.setdefault(key, {})
@@ -364,6 +381,15 @@ def _sync() -> None:
             _synced_for = signature
 
 
+def sweep() -> None:
+    """Take ours off wherever nothing is wanted any more and ours is on top again (a user's patch that covered
+    ours when the sanitizer let go, restored since): at every enable and disable, whatever the switches."""
+    global _synced_for
+    with _lock:
+        _synced_for = None
+    _sync()
+
+
 def hooked() -> bool:
     """Are the stale checks of the unseen readers on?"""
     return _now.check is not None and bool(_ACTIVE)
@@ -373,4 +399,4 @@ def noting() -> bool:
     return _now.note is not None
 
 
-__all__ = ["set_hooks", "set_export_notes", "hooked", "noting"]
+__all__ = ["set_hooks", "set_export_notes", "sweep", "hooked", "noting"]

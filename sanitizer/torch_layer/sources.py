@@ -230,13 +230,13 @@ def copy_into(dst: torch.Tensor, host: Optional[np.ndarray], offset: int, source
         if host is not None:
             host[offset:offset + nbytes] = data
         else:
-            dst[offset:offset + nbytes].copy_(torch.from_numpy(data.copy()))
+            dst[offset:offset + nbytes].copy_(own_ops.from_numpy(data.copy()))
         return
     # A file: read straight into the buffer's memory (CPU), as fast loaders do.
     target = host[offset:offset + nbytes] if host is not None else np.empty(nbytes, dtype=np.uint8)
     _read_exactly(source, memoryview(target).cast("B"), nbytes)
     if host is None:
-        dst[offset:offset + nbytes].copy_(torch.from_numpy(target))
+        dst[offset:offset + nbytes].copy_(own_ops.from_numpy(target))
 
 
 __all__ = ["Source", "Prepared", "layout", "prepare", "check_shape", "check_dtype", "check_source_tensor", "copy_into"]

@@ -45,7 +45,7 @@ import torch
 from sanitizer.core import fault_report, forking, pages
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.torch_layer import mode as _mode
-from sanitizer.torch_layer import runtime
+from sanitizer.torch_layer import own_ops, runtime
 from sanitizer.torch_layer.aliasing import HOST_VIEWS, host_view
 from sanitizer.torch_layer.hooks import RetireOrder, add_retire_hook
 from sanitizer.core.sites import format_site
@@ -298,7 +298,7 @@ class TrapMemory(WindowsByLease):
         address = pages.map_file(fd, 0, self.length, pages.PROT_READ | pages.PROT_WRITE, populate=True)
         writer = _Writer(address, self.length, self._file)
         self._writer = weakref.ref(writer)
-        self.data = torch.from_numpy(np.asarray(writer))[:nbytes]
+        self.data = own_ops.from_numpy(np.asarray(writer))[:nbytes]
         self._mirrors: List[_Mirror] = []
         super().__init__()
 
@@ -335,7 +335,7 @@ class TrapMemory(WindowsByLease):
         window = _Window(mirror, first, end - first)
         np_dtype, retype = HOST_VIEWS.get(dtype) or host_view(dtype)
         piece = np.ndarray(shape, np_dtype, np.asarray(window), offset - first)
-        view = torch.from_numpy(piece)
+        view = own_ops.from_numpy(piece)
         return (view.view(dtype) if retype else view), piece, window
 
     def trap(self, lease: Lease, window: _Window, event: ReuseEvent) -> None:

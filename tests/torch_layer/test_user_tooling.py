@@ -443,3 +443,49 @@ def test_a_thread_with_its_own_profiler_is_checked_and_keeps_it():
         buf.close()
     sanitizer.clear_errors()
     assert caught == [True] and kept == [True] and calls[0] > 0
+
+
+_RESET_ALL = r"""
+import sys, threading, time, torch, sanitizer
+variant = sys.argv[1]
+def userprof(frame, event, arg):
+    pass
+sanitizer.enable()
+buf = sanitizer.StagingBuffer(1 << 16, name="b")
+box, res, go = [None], {}, threading.Event()
+def worker(i):
+    go.wait()
+    try:
+        box[0].sum(); res[i] = "missed"
+    except sanitizer.StaleBorrowError:
+        res[i] = "caught"
+    res[f"{i}_profiler_kept"] = sys.getprofile() is (userprof if variant == "user" else None)
+threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+for t in threads:
+    t.start()
+time.sleep(0.2)
+w = buf.lend(0, (16,), torch.float32, name="w"); box[0] = w[:4]; del w
+buf.reuse(0, 64, by="next")  # the first stale lease: the waiting workers get a visit
+threading.setprofile_all_threads(userprof if variant == "user" else None)  # a profiler starting (or stopping)
+go.set()
+for t in threads:
+    t.join(30)
+threading.setprofile_all_threads(None)
+print(sorted(res.items(), key=str))
+"""
+
+
+@pytest.mark.parametrize("variant", ["user", "none"])
+def test_a_profiler_resetting_every_thread_does_not_take_our_visits_with_it(variant):
+    """A sampling profiler that sets (or clears) every thread's profile function before the visited threads ran
+    took our visits away: those threads stayed unchecked while the lease stayed stale (3.12+)."""
+    if not thread_reach.AVAILABLE:
+        pytest.skip("needs Python 3.12+ (threading.setprofile_all_threads, running threads visited)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OWNERSHIP_SANITIZE")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _RESET_ALL, variant], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == str(sorted({**{i: "caught" for i in range(3)},
+                                               **{f"{i}_profiler_kept": True for i in range(3)}}.items(),
+                                              key=str))

@@ -179,3 +179,85 @@ def test_a_users_wrapper_over_ours_keeps_working_and_ours_passes_through_once_we
         finally:
             torch.from_numpy = original
     assert calls and torch.from_numpy is original
+
+
+def test_a_users_mock_is_left_alone_and_configurable():
+    """A ``mock.patch`` in place when a lend happens: the real function is not called through it, so it is not
+    wrapped; ``torch.from_numpy is m`` and ``m.return_value = ...`` keep working."""
+    with mock.patch("torch.from_numpy") as m:
+        with sanitizer.sanitize():
+            buf = sanitizer.StagingBuffer(256, name="mocked")
+            w = buf.lend(0, (4,), torch.float32, name="w")
+            assert torch.from_numpy is m
+            torch.from_numpy.return_value = 7
+            assert torch.from_numpy(np.ones(2)) == 7 and m.call_count == 1
+            del w
+            buf.close()
+
+
+def test_writes_to_a_wrapped_function_reach_the_function():
+    """A user's own stand-in (not a mock) is wrapped while a lease is alive: an attribute set through the
+    attribute lands on their function, as it would without the sanitizer."""
+    def stand_in(*args, **kwargs):
+        return "stand-in"
+
+    with mock.patch("torch.from_numpy", stand_in):
+        with sanitizer.sanitize():
+            buf = sanitizer.StagingBuffer(256, name="stand-in")
+            w = buf.lend(0, (4,), torch.float32, name="w")
+            assert isinstance(torch.from_numpy, readers._Wrapper)
+            torch.from_numpy.calls = 3
+            assert stand_in.calls == 3
+            del torch.from_numpy.calls
+            assert not hasattr(stand_in, "calls")
+            del w
+            buf.close()
+
+
+def test_the_sanitizers_own_memory_never_goes_through_the_users_patch():
+    """``StagingBuffer()``, ``StagingRing()`` and a lend call torch's own ``numpy``/``from_numpy``, not the
+    attributes a user may have patched (a counting spy saw the sanitizer's calls as the program's)."""
+    calls = []
+    real_numpy, real_from_numpy = torch.Tensor.numpy, torch.from_numpy
+
+    def numpy_spy(self, *args, **kwargs):
+        calls.append("numpy")
+        return real_numpy(self, *args, **kwargs)
+
+    def from_numpy_spy(*args, **kwargs):
+        calls.append("from_numpy")
+        return real_from_numpy(*args, **kwargs)
+
+    with mock.patch.object(torch.Tensor, "numpy", numpy_spy), mock.patch("torch.from_numpy", from_numpy_spy):
+        for enabled in (False, True):
+            if enabled:
+                sanitizer.enable()
+            try:
+                buf = sanitizer.StagingBuffer(1024, name="own")
+                ring = sanitizer.StagingRing(1024, name="own-ring")
+                w = buf.write(0, torch.ones(4), name="w")
+                v = ring.put("v", torch.ones(4))
+                buf.reuse(0, 16, by="next")
+                del w, v
+                buf.close()
+                ring.close()
+            finally:
+                sanitizer.disable()
+    assert calls == []
+
+
+def test_enable_and_disable_take_off_a_wrapper_a_users_restore_put_back():
+    """The user's patch spans the sanitizer letting go (ours stays under theirs, passing through); their restore
+    puts ours back on top: the next enable, disable or buffer close takes it off."""
+    original = torch.from_numpy
+    with sanitizer.sanitize():
+        buf = sanitizer.StagingBuffer(256, name="spans")
+        w = buf.lend(0, (4,), torch.float32, name="w")
+        patch = mock.patch("torch.from_numpy", lambda *a, **k: "user")
+        patch.start()
+        del w
+        buf.close()
+    patch.stop()
+    assert isinstance(torch.from_numpy, readers._Wrapper)  # (no call, no sanitizer call since the restore)
+    sanitizer.disable()
+    assert torch.from_numpy is original
