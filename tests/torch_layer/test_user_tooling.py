@@ -369,60 +369,18 @@ def test_a_users_profile_hooks_survive_enable_lend_stale_and_disable_in_every_th
     assert seen == {"worker_during": True, "worker_after": True, "main_during": True, "main_after": True}
 
 
-def test_threads_started_while_enabled_are_checked_under_a_profiler_for_new_threads():
-    """yappi and viztracer set ``threading.setprofile``: the threads started while enabled carry that
-    profiler, and a stale read there is still caught (3.12+ reaches them under it; before, they carry the
-    mode from their start)."""
-    hook = lambda f, e, a: None  # noqa: E731
-    threading.setprofile(hook)
-    caught, kept = [], []
-    try:
-        with sanitizer.sanitize():
-            buf = sanitizer.StagingBuffer(64, name="yappi")
-            box = {"w": buf.write(0, torch.ones(4), name="w")}
-            started, stale = threading.Event(), threading.Event()
-
-            def reader() -> None:
-                started.set()
-                stale.wait()
-                try:
-                    box["w"].sum()
-                    caught.append(False)
-                except sanitizer.StaleBorrowError:
-                    caught.append(True)
-                kept.append(sys.getprofile() is hook)
-
-            t = threading.Thread(target=reader)
-            t.start()
-            started.wait()
-            buf.reuse(0, 16, by="next")
-            stale.set()
-            t.join(30)
-            box.clear()
-            buf.close()
-    finally:
-        threading.setprofile(None)
-        sanitizer.clear_errors()
-    assert caught == [True] and kept == [True]
-
-
-def test_a_thread_with_its_own_profiler_is_checked_and_keeps_it():
-    """A worker started while enabled sets its own ``sys.setprofile`` hook (cProfile in a worker, 3.11's
-    cProfile; pyinstrument): at the first stale lease it is still reached (3.12+: through its profiler, which
-    keeps every event), and a stale read there raises."""
-    calls = [0]
-
-    def hook(frame, event, arg):
-        calls[0] += 1
-
+def _stale_read_in_a_thread(name: str, hook, set_in_thread: bool):
+    """A thread started while enabled (its own profiler ``hook`` set in it when ``set_in_thread``) reads a view
+    that the main thread's reuse made stale: (was it caught, is the thread's profiler still ``hook``)."""
     caught, kept = [], []
     with sanitizer.sanitize():
-        buf = sanitizer.StagingBuffer(64, name="own-profiler")
+        buf = sanitizer.StagingBuffer(64, name=name)
         box = {"w": buf.write(0, torch.ones(4), name="w")}
         ready, stale = threading.Event(), threading.Event()
 
         def reader() -> None:
-            sys.setprofile(hook)
+            if set_in_thread:
+                sys.setprofile(hook)
             ready.set()
             stale.wait()
             try:
@@ -442,6 +400,32 @@ def test_a_thread_with_its_own_profiler_is_checked_and_keeps_it():
         box.clear()
         buf.close()
     sanitizer.clear_errors()
+    return caught, kept
+
+
+def test_threads_started_while_enabled_are_checked_under_a_profiler_for_new_threads():
+    """yappi and viztracer set ``threading.setprofile``: the threads started while enabled carry that
+    profiler, and a stale read there is still caught (3.12+ reaches them under it; before, they carry the
+    mode from their start)."""
+    hook = lambda f, e, a: None  # noqa: E731
+    threading.setprofile(hook)
+    try:
+        caught, kept = _stale_read_in_a_thread("yappi", hook, set_in_thread=False)
+    finally:
+        threading.setprofile(None)
+    assert caught == [True] and kept == [True]
+
+
+def test_a_thread_with_its_own_profiler_is_checked_and_keeps_it():
+    """A worker started while enabled sets its own ``sys.setprofile`` hook (cProfile in a worker, 3.11's
+    cProfile; pyinstrument): at the first stale lease it is still reached (3.12+: through its profiler, which
+    keeps every event), and a stale read there raises."""
+    calls = [0]
+
+    def hook(frame, event, arg):
+        calls[0] += 1
+
+    caught, kept = _stale_read_in_a_thread("own-profiler", hook, set_in_thread=True)
     assert caught == [True] and kept == [True] and calls[0] > 0
 
 
