@@ -27,7 +27,12 @@ ledger's cost, as a loader pays it in production); the guard, memory and
 retention figures with it on.
 
     python bench/scale.py [--sizes 1000,10000,100000] [--budget 30] [--quick]
-                          [--sections curves,retire,heap,tombstones,ring,holders] [--holders 1000,5000,...]
+                          [--sections curves,retire,heap,tombstones,ring,holders,shapes] [--holders 1000,5000,...]
+                          [--shapes 1000,5000,50000]
+
+``shapes`` (issue 47): the ways a user keeps views (a module list, a function's local list, a dict, an attribute
+list, a list in a dict, a ``functools.partial`` per weight, all mixed), each load in a fresh process with torch
+imported, wall time per retention from 1,000 to 50,000 (a heap walk once per holder, never per retention).
 """
 from __future__ import annotations
 
@@ -366,6 +371,75 @@ def holders_curve(sizes: Sequence[int]) -> None:
         print(f"  triage's cost per kept view, largest n / smallest: {per[-1] / per[0]:.2f}x (linear: ~1x)")
 
 
+_SHAPE_RUN = r"""
+import functools, sys, time
+sys.path.insert(0, sys.argv[3])
+import torch, sanitizer
+shape, n = sys.argv[1], int(sys.argv[2])
+sanitizer.enable(triage=1, halt_on_error=0, report="", max_records=n + 16)
+ring = sanitizer.StagingRing(256 * 1024, name="shapes")  # 256 views of 1 KiB: a victim is a whole ring old
+def load(w):
+    return w
+class Holder:
+    pass
+LIST, DICT, OBJ, NESTED, DEFERRED = [], {}, Holder(), {"layer": []}, []
+OBJ.kept = []
+KINDS = ("module list", "local list", "dict", "attribute list", "list in a dict", "partial per weight")
+def run():
+    local = []  # (each kept by a statement of its own, as a consumer writes it: no bound .append held anywhere)
+    t0 = time.perf_counter()
+    for i in range(n):
+        t = ring.put(f"layers.{i}.weight", torch.full((256,), float(i)))
+        how = KINDS[i % len(KINDS)] if shape == "mixed" else shape
+        if how == "module list":
+            LIST.append(t)
+        elif how == "local list":
+            local.append(t)
+        elif how == "dict":
+            DICT[f"w{i}"] = t
+        elif how == "attribute list":
+            OBJ.kept.append(t)
+        elif how == "list in a dict":
+            NESTED["layer"].append(t)
+        else:
+            DEFERRED.append(functools.partial(load, t))
+    del t
+    took = time.perf_counter() - t0
+    from sanitizer.features import triage
+    evs = triage.retentions()
+    walks = sum(1 for e in evs if (e.get("walk") or {}).get("when") == "walk")
+    print(took, len(evs), walks)
+run()
+"""
+SHAPES = ("module list", "local list", "dict", "attribute list", "list in a dict", "partial per weight", "mixed")
+
+
+def shapes_curve(sizes: Sequence[int]) -> None:
+    """Issue 47: triage's cost for the ways a user keeps views, each load in a fresh process with torch imported
+    (the heap a user has), wall time: a heap walk is paid once per new holder, never per retention."""
+    import subprocess
+
+    print("\nhow views are kept, triage=1, ring of 256 views (each retention a whole ring old), fresh process, "
+          "wall seconds; targets: <= 2 s at 5,000, cost per retention flat (<= 1.5x) from the smallest n")
+    print(f"{'shape':<20}" + "".join(f"{n:>12,}" for n in sizes) + f"{'us/kept, last/first':>22}{'heap walks':>12}")
+    for shape in SHAPES:
+        cells, per, walks = [], [], []
+        for n in sizes:
+            proc = subprocess.run([sys.executable, "-c", _SHAPE_RUN, shape, str(n), ROOT], capture_output=True,
+                                  text=True, timeout=3600)
+            try:
+                took, kept, walked = proc.stdout.split()
+            except ValueError:
+                cells.append(f"{'error':>12}")
+                continue
+            took_s = float(took)
+            cells.append(f"{took_s:11.2f}s" + ("" if n != 5_000 else "" if took_s <= 2 else "!"))
+            per.append(took_s / max(int(kept), 1) * 1e6)
+            walks.append(walked)
+        ratio = f"{per[-1]:.0f}/{per[0]:.0f} = {per[-1] / per[0]:.2f}x" if len(per) > 1 else ""
+        print(f"{shape:<20}" + "".join(cells) + f"{ratio:>22}{'/'.join(walks):>12}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1000,10000,100000")
@@ -374,8 +448,9 @@ def main(argv=None) -> int:
                     help="skip a K predicted to take longer than this many seconds (a quadratic curve)")
     ap.add_argument("--quick", action="store_true", help="fewer repeats, smaller retention figures")
     ap.add_argument("--holders", default="1000,5000,10000,50000", help="n for the three-holder ring load curve")
-    ap.add_argument("--sections", default="curves,retire,heap,tombstones,ring,holders",
+    ap.add_argument("--sections", default="curves,retire,heap,tombstones,ring,holders,shapes",
                     help="which parts to run (comma-separated)")
+    ap.add_argument("--shapes", default="1000,5000,50000", help="n for the ways-views-are-kept curve (issue 47)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -402,6 +477,8 @@ def main(argv=None) -> int:
         ring_retention(1_000 if args.quick else 5_000)
     if "holders" in sections:
         holders_curve([1_000, 5_000] if args.quick else [int(n) for n in args.holders.split(",")])
+    if "shapes" in sections:
+        shapes_curve([1_000, 5_000] if args.quick else [int(n) for n in args.shapes.split(",")])
     print("\n(CPU time of the measuring thread, best of several runs: a shared machine still adds cache noise)")
     return 0 if ok else 1
 

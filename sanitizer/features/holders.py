@@ -306,9 +306,135 @@ def _weak(obj: Any) -> Optional[Any]:
         return None
 
 
+_CONTAINER_KINDS = ("partial", "closure")  # roots a consumer makes one of per view (a deferred call per weight)
+_containers: List[tuple] = []  # (container getter, steps to it, wildcard tag, the root's own steps, kind, head, site)
+
+
+def learn_container(holder: Holder) -> bool:
+    """A holder whose root is made per view (a ``functools.partial`` or a closure per weight, kept in a list or
+    a dict): remember the container that keeps those roots, so the next retention is found through it (its
+    index) rather than by a heap walk, each named at its own root as the walk names it. Two passes over the
+    heap, once per such consumer; False when no container with a path from a global, an attribute or a
+    running frame's local holds the root."""
+    pattern = holder.pattern
+    if holder.kind not in _CONTAINER_KINDS or pattern is None or isinstance(pattern[0], FrameLocal):
+        return False
+    obj = pattern[0]()
+    if obj is None:
+        return False
+    own = _shape(pattern[1])
+    with _patterns_lock:
+        if any(c[3] == own and c[4] == holder.kind and c[5] == pattern[3] for c in _containers):
+            return True  # (known: its container is remembered already)
+    found = _container_of(obj)
+    del obj
+    if found is None:
+        return False
+    getter, steps, tag = found
+    with _patterns_lock:
+        _containers.insert(0, (getter, steps, tag, own, holder.kind, pattern[3], pattern[4]))
+        del _containers[_MAX_PATTERNS:]
+    return True
+
+
+def _container_of(obj: Any) -> Optional[Tuple[Any, Tuple[Seg, ...], str]]:
+    """The list or dict that holds ``obj`` and how to reach it again: (a getter of its root, the exact steps
+    from the root to it, its wildcard tag); None when it is not found within two levels of referrers."""
+    ignore = {id(sys._getframe())}
+    refs = gc.get_referrers(obj)
+    try:
+        containers = [r for r in refs if (type(r) is list or type(r) is dict) and id(r) not in ignore]
+    finally:
+        del refs
+    if not containers:
+        return None
+    container = containers[0]
+    del containers
+    tag = "i" if type(container) is list else "k"
+    modules: Dict[int, Tuple[str, Any]] = {}
+    for name, mod in list(sys.modules.items()):
+        d = getattr(mod, "__dict__", None) if isinstance(mod, types.ModuleType) else None
+        if isinstance(d, dict) and id(d) not in modules:
+            modules[id(d)] = (name, mod)
+    for frame, _mine in _stacks():  # a running function's local (executing frames are no referrers)
+        for name, value in locals_of(frame).items():
+            if value is container:
+                return FrameLocal(frame, name), (), tag
+    holders = gc.get_referrers(container)
+    try:
+        for r in holders:
+            if id(r) in ignore or r is modules:
+                continue
+            found = root(r, container, (), modules)
+            if found is not None and found.pattern is not None and not found.transient:
+                return found.pattern[0], tuple(found.pattern[1]), tag
+    finally:
+        del holders
+    return None
+
+
+def _replay_containers(walk: _Walk, wanted: Set[int], budget: List[int]) -> None:
+    """The ``wanted`` storages found under the roots a remembered container holds (see
+    :func:`learn_container`), through its index; each named at its own root."""
+    with _patterns_lock:
+        containers = list(_containers)
+    frames = None
+    seen: Dict[int, Dict[str, Any]] = {}
+    for getter, steps, tag, own, kind, head, site in containers:
+        if not wanted or budget[0] <= 0:
+            break
+        if isinstance(getter, FrameLocal):
+            if frames is None:
+                frames = Frames(sys._getframe(2))
+            base = getter.of(frames, seen)
+        else:
+            base = getter()
+        container = _resolve_container(base, steps)
+        del base
+        if container is None:
+            continue
+        for path, tensor in _indexed(container, tag, own, wanted, (), small_too=True):
+            try:
+                key = tensor.untyped_storage()._cdata
+            except Exception:
+                continue
+            new_root = _resolve_container(container, path[:1], plain=False)
+            ref = _weak(new_root) if new_root is not None else None
+            if ref is None or key not in wanted:
+                continue
+            wanted.discard(key)
+            concrete = tuple(path[1:])
+            walk.add(key, Holder(kind, head + render(concrete), site, pattern=(ref, concrete, kind, head, site),
+                                 detour=concrete.count(DETOUR)))
+            walk.result.replayed += 1
+            budget[0] -= 1
+    if frames is not None:
+        frames.clear()
+    seen.clear()
+
+
+def _resolve_container(obj: Any, steps: Tuple[Seg, ...], plain: bool = True) -> Optional[Any]:
+    """What exact ``steps`` reach from ``obj`` (a list or dict when ``plain``), or None."""
+    for seg in steps:
+        if obj is None:
+            return None
+        try:
+            if seg[0] == "i" and type(obj) in (list, tuple):
+                obj = obj[seg[1]]
+            elif seg[0] == "k" and isinstance(obj, dict):
+                obj = obj[seg[1]]
+            else:
+                obj = next(iter(step(obj, seg)), (None, None))[1]
+        except (IndexError, KeyError, TypeError):
+            return None
+    if plain and type(obj) is not list and type(obj) is not dict:
+        return None
+    return obj
+
+
 def has_patterns() -> bool:
     """Whether any holder path is remembered (a replay can find anything)."""
-    return bool(_patterns)
+    return bool(_patterns) or bool(_containers)
 
 
 def _remember(walk: _Walk) -> None:
@@ -347,7 +473,7 @@ def _replay(walk: _Walk, visits: int, names: Optional[Dict[int, Optional[str]]] 
     ``walk.keys``; stop as soon as each has a holder or the visit budget is spent."""
     with _patterns_lock:
         patterns = list(_patterns)
-    if not patterns:
+    if not patterns and not _containers:
         return
     budget = [visits]
     wanted = {k for k, bucket in walk.found.items() if not bucket}
@@ -361,7 +487,7 @@ def _replay(walk: _Walk, visits: int, names: Optional[Dict[int, Optional[str]]] 
         root = pattern[0]
         obj = root.of(frames, seen) if isinstance(root, FrameLocal) else root()
         if obj is not None:
-            live.append((pattern, _candidates(obj, pattern[1], budget, hints)))
+            live.append((pattern, _candidates(obj, pattern[1], budget, hints, wanted)))
         del obj
     frames.clear()
     seen.clear()
@@ -396,23 +522,123 @@ def _replay(walk: _Walk, visits: int, names: Optional[Dict[int, Optional[str]]] 
             if after[key] <= 0:
                 del after[key]
     live.clear()
+    if wanted and _containers and budget[0] > 0:
+        _replay_containers(walk, wanted, budget)
 
 
-def _candidates(obj: Any, segs: Tuple[Seg, ...], budget: List[int],
-                hints: Tuple[str, ...] = ()) -> Iterator[Tuple[Tuple[Seg, ...], Any]]:
+def _candidates(obj: Any, segs: Tuple[Seg, ...], budget: List[int], hints: Tuple[str, ...] = (),
+                wanted: Optional[Set[int]] = None) -> Iterator[Tuple[Tuple[Seg, ...], Any]]:
     """The tensors a remembered path offers, newest first: :func:`_follow`'s answer. The common path (exact
     steps, then at most one wildcard, last: ``lst[*]``, ``self.kept[*]``, ``params[*]``) is followed flat,
     one generator per path instead of one per step: a replay runs at every retire, and the chain of nested
-    generators was most of its cost."""
+    generators was most of its cost. A wildcard over a container larger than the window looks the ``wanted``
+    storages up in that container's index first (:class:`_Index`)."""
     last = len(segs) - 1
     for j, seg in enumerate(segs):
         if seg[0] in ("i", "k") and j != last:
-            return _follow(obj, segs, 0, (), budget, hints)
-    return _flat(obj, segs, budget, hints)
+            return _follow(obj, segs, 0, (), budget, hints, wanted)
+    return _flat(obj, segs, budget, hints, wanted)
 
 
-def _flat(obj: Any, segs: Tuple[Seg, ...], budget: List[int],
-          hints: Tuple[str, ...]) -> Iterator[Tuple[Tuple[Seg, ...], Any]]:
+class _Index:
+    """Where each storage sits in one container that a remembered path crosses with a wildcard (a list a
+    consumer appends its views to, a dict it keys them in): storage key -> the concrete steps from the
+    container down to the tensor. A replay used to try only the newest entries (the window): a ring's victim
+    is the view it lent a whole ring ago, far behind the newest in a list that keeps every view, and each such
+    retention paid a heap walk (issue 47: 400 s for 5,000 views kept in a plain list). The index is extended
+    with the entries added since the last look (a list's tail, a dict's newest keys), so the 50,000th view costs
+    what the first did; a hit is checked against the container before it is used, and a container that
+    shrank or changed its first entry is indexed afresh."""
+
+    __slots__ = ("seen", "first", "where")
+
+    def __init__(self) -> None:
+        self.seen = 0  # entries indexed (a list's leading ones, a dict's oldest ones)
+        self.first: Any = None  # id of the first entry (a list) or key (a dict) when indexed: a new container?
+        self.where: Dict[int, Tuple[Seg, ...]] = {}
+
+
+_INDEXES_KEPT = 64
+_INDEX_ENTRY_VISITS = 256  # objects the path below one entry may visit when the entry is indexed
+_indexes: Dict[Tuple[int, Tuple[Seg, ...]], _Index] = {}  # (id(container), the steps below it) -> its index
+_indexes_lock = threading.Lock()
+
+
+def _indexed(obj: Any, tag: str, rest: Tuple[Seg, ...], wanted: Set[int], hints: Tuple[str, ...],
+             small_too: bool = False) -> List[Tuple[Tuple[Seg, ...], Any]]:
+    """The ``wanted`` storages found in ``obj`` (a list or tuple for ``i``, a dict for ``k``) through its index:
+    ``(concrete steps from obj, tensor)``, each checked where it now is. A container the replay window covers
+    is not indexed (the window tries all of it), unless ``small_too``."""
+    is_list = tag == "i" and (type(obj) is list or type(obj) is tuple)
+    if not (is_list or (tag == "k" and type(obj) is dict)) or not obj or (len(obj) <= _REPLAY_WINDOW and not small_too):
+        return []
+    try:
+        first = id(obj[0]) if is_list else next(iter(obj))
+    except (IndexError, StopIteration, RuntimeError):
+        return []
+    key = (id(obj), rest)
+    with _indexes_lock:
+        index = _indexes.pop(key, None)
+        if index is None or index.seen > len(obj) or index.first != first:
+            index = _Index()
+            index.first = first
+        _indexes[key] = index  # (most recently used last)
+        while len(_indexes) > _INDEXES_KEPT:
+            del _indexes[next(iter(_indexes))]
+        fresh = len(obj) - index.seen
+        try:
+            if is_list:
+                news = [(("i", i), obj[i]) for i in range(index.seen, len(obj))]
+            else:
+                news = [(("k", k), obj[k]) for k in itertools.islice(reversed(obj), fresh)]
+        except (IndexError, KeyError, RuntimeError):  # changed under us: index it afresh next time
+            index.seen, index.first = len(obj) + 1, None
+            return []
+        index.seen = len(obj)
+        where = index.where
+        for concrete, child in news:
+            if rest:
+                below = _follow(child, rest, 0, (), [_INDEX_ENTRY_VISITS], hints)
+            else:
+                below = iter([((), child)]) if isinstance(child, torch.Tensor) else iter(())
+            for path, tensor in below:
+                try:
+                    where[tensor.untyped_storage()._cdata] = (concrete,) + path
+                except Exception:  # no storage of its own
+                    continue
+        hits = [(k, where[k]) for k in wanted if k in where]
+    out = []
+    for storage, path in hits:
+        tensor = _resolve_steps(obj, path)
+        try:
+            if tensor is not None and tensor.untyped_storage()._cdata == storage:
+                out.append((path, tensor))
+        except Exception:
+            continue
+    return out
+
+
+def _resolve_steps(obj: Any, path: Tuple[Seg, ...]) -> Optional[Any]:
+    """The object ``path`` (concrete steps) reaches from ``obj`` now, or None."""
+    for seg in path:
+        tag = seg[0]
+        try:
+            if tag == "i" and (type(obj) is list or type(obj) is tuple):
+                obj = obj[seg[1]]
+            elif tag == "k" and isinstance(obj, dict):
+                obj = obj[seg[1]]
+            else:
+                hit = next(iter(step(obj, seg)), None)
+                if hit is None:
+                    return None
+                obj = hit[1]
+        except (IndexError, KeyError, TypeError):
+            return None
+    return obj if isinstance(obj, torch.Tensor) else None
+
+
+def _flat(obj: Any, segs: Tuple[Seg, ...], budget: List[int], hints: Tuple[str, ...],
+          wanted: Optional[Set[int]] = None) -> Iterator[Tuple[Tuple[Seg, ...], Any]]:
     done: Tuple[Seg, ...] = ()
     tensor = torch.Tensor
     for seg in segs:
@@ -420,6 +646,9 @@ def _flat(obj: Any, segs: Tuple[Seg, ...], budget: List[int],
             return
         budget[0] -= 1
         tag = seg[0]
+        if tag in ("i", "k") and wanted:
+            for path, child in _indexed(obj, tag, (), wanted, hints):
+                yield done + path, child
         if tag == "i":  # the last step: the newest entries of a list or tuple
             if type(obj) is list or type(obj) is tuple:
                 for i in range(len(obj) - 1, max(-1, len(obj) - 1 - _REPLAY_WINDOW), -1):
@@ -468,7 +697,8 @@ def _hinted(obj: dict, hints: Tuple[str, ...]) -> Iterator[Tuple[str, Any]]:
 
 
 def _follow(obj: Any, segs: Tuple[Seg, ...], i: int, done: Tuple[Seg, ...],
-            budget: List[int], hints: Tuple[str, ...] = ()) -> Iterable[Tuple[Tuple[Seg, ...], Any]]:
+            budget: List[int], hints: Tuple[str, ...] = (),
+            wanted: Optional[Set[int]] = None) -> Iterable[Tuple[Tuple[Seg, ...], Any]]:
     if budget[0] <= 0:
         return
     budget[0] -= 1
@@ -477,15 +707,18 @@ def _follow(obj: Any, segs: Tuple[Seg, ...], i: int, done: Tuple[Seg, ...],
             yield done, obj
         return
     seg = segs[i]
-    if seg[0] in ("i", "k"):  # a wildcard: the wanted leases' own names first, then the newest entries
+    if seg[0] in ("i", "k"):  # a wildcard: the wanted storages by the index, the wanted leases' own names, then
+        if wanted:  # the newest entries
+            for path, child in _indexed(obj, seg[0], segs[i + 1:], wanted, hints):
+                yield done + path, child
         if seg[0] == "k" and hints and isinstance(obj, dict):
             for name, child in _hinted(obj, hints):
-                yield from _follow(child, segs, i + 1, done + (("k", name),), budget, hints)
+                yield from _follow(child, segs, i + 1, done + (("k", name),), budget, hints, wanted)
         children = itertools.islice(step(obj, seg), _REPLAY_WINDOW)
     else:
         children = step(obj, seg)
     for concrete, child in children:
-        yield from _follow(child, segs, i + 1, done + (concrete,), budget, hints)
+        yield from _follow(child, segs, i + 1, done + (concrete,), budget, hints, wanted)
 
 
 def _run(walk: _Walk) -> None:
@@ -653,15 +886,19 @@ def forget_patterns() -> None:
     """Drop the remembered holder paths (tests; a new process starts with none)."""
     with _patterns_lock:
         _patterns.clear()
+        _containers.clear()
+    with _indexes_lock:
+        _indexes.clear()
 
 
 
 @forking.in_child
 def _after_fork() -> None:
-    global _patterns_lock
+    global _patterns_lock, _indexes_lock
     _patterns_lock = threading.Lock()
+    _indexes_lock = threading.Lock()
     _instances_seen.clear()
 
 
-__all__ = ["Holder", "WalkResult", "find_holders", "replay", "replay_siblings", "resolve", "has_patterns", "remember", "consumer_key",
-           "forget_patterns"]
+__all__ = ["Holder", "WalkResult", "find_holders", "replay", "replay_siblings", "resolve", "has_patterns", "remember",
+           "learn_container", "consumer_key", "forget_patterns"]

@@ -568,6 +568,8 @@ class Triage:
         for h in reversed(found):  # the best last: remembered paths are tried newest first
             if h.rank < 2 and h.kind != "unknown":
                 _holders.remember(h)
+        if found:  # a root made per view (a partial per weight): remember the container that keeps them
+            _holders.learn_container(found[0])
 
     @staticmethod
     def _record(p: _Pending, found: List[Holder], walk: Dict[str, Any], used_stale: bool,
