@@ -8,6 +8,7 @@ once per holder, never per retention, and each retention is named at the entry t
 from __future__ import annotations
 
 import functools
+import gc
 
 import pytest
 import torch
@@ -35,10 +36,23 @@ DEFERRED: list = []
 KEEPER = _Keeper()
 
 
-def _run(shape: str) -> dict:
+def _clear() -> None:
     for container in (MODULE_LIST, NESTED["layer"], DEFERRED, KEEPER.kept):
         container.clear()
     MODULE_DICT.clear()
+
+
+@pytest.fixture(autouse=True)
+def _nothing_kept_after():
+    """The views kept here would stay stale, and keep interception on, in the tests that follow."""
+    yield
+    _clear()
+    holders.forget_patterns()
+    gc.collect()
+
+
+def _run(shape: str) -> dict:
+    _clear()
     holders.forget_patterns()
     triage.reset(records_too=True)
     local: list = []
