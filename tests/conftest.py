@@ -36,6 +36,19 @@ def _clean_sanitizer():
         gc.collect()
 
 
+@pytest.fixture
+def fresh_triage():
+    """Triage's records and remembered holder paths forgotten before and after the test: what one test's
+    retentions taught triage must not name the next test's holders."""
+    from sanitizer.features import holders, triage
+
+    triage.reset(records_too=True)
+    holders.forget_patterns()
+    yield
+    triage.reset(records_too=True)
+    holders.forget_patterns()
+
+
 def _ours_still_reachable() -> bool:
     """Whether a lease or a staging buffer of the test outlived it (kept in a cycle: a caught error's
     traceback, a closure): then a full collection ends them here, not in the middle of the next test. A

@@ -192,7 +192,13 @@ def resolve(pattern: Optional[tuple]) -> Optional[Any]:
         obj = pattern[0]()
     except Exception:  # a root that cannot be reached any more
         return None
-    for seg in pattern[1]:
+    return _follow_steps(obj, pattern[1])
+
+
+def _follow_steps(obj: Any, steps: Tuple[Seg, ...]) -> Optional[Any]:
+    """The object concrete ``steps`` (the index or key each was found at, not a wildcard) reach from ``obj``
+    now; None when a step no longer leads anywhere."""
+    for seg in steps:
         if obj is None:
             return None
         tag = seg[0]
@@ -351,11 +357,7 @@ def _container_of(obj: Any) -> Optional[Tuple[Any, Tuple[Seg, ...], str]]:
     container = containers[0]
     del containers
     tag = "i" if type(container) is list else "k"
-    modules: Dict[int, Tuple[str, Any]] = {}
-    for name, mod in list(sys.modules.items()):
-        d = getattr(mod, "__dict__", None) if isinstance(mod, types.ModuleType) else None
-        if isinstance(d, dict) and id(d) not in modules:
-            modules[id(d)] = (name, mod)
+    modules = _module_dicts()
     for frame, _mine in _stacks():  # a running function's local (executing frames are no referrers)
         for name, value in locals_of(frame).items():
             if value is container:
@@ -415,18 +417,7 @@ def _replay_containers(walk: _Walk, wanted: Set[int], budget: List[int]) -> None
 
 def _resolve_container(obj: Any, steps: Tuple[Seg, ...], plain: bool = True) -> Optional[Any]:
     """What exact ``steps`` reach from ``obj`` (a list or dict when ``plain``), or None."""
-    for seg in steps:
-        if obj is None:
-            return None
-        try:
-            if seg[0] == "i" and type(obj) in (list, tuple):
-                obj = obj[seg[1]]
-            elif seg[0] == "k" and isinstance(obj, dict):
-                obj = obj[seg[1]]
-            else:
-                obj = next(iter(step(obj, seg)), (None, None))[1]
-        except (IndexError, KeyError, TypeError):
-            return None
+    obj = _follow_steps(obj, steps)
     if plain and type(obj) is not list and type(obj) is not dict:
         return None
     return obj
@@ -619,21 +610,8 @@ def _indexed(obj: Any, tag: str, rest: Tuple[Seg, ...], wanted: Set[int], hints:
 
 
 def _resolve_steps(obj: Any, path: Tuple[Seg, ...]) -> Optional[Any]:
-    """The object ``path`` (concrete steps) reaches from ``obj`` now, or None."""
-    for seg in path:
-        tag = seg[0]
-        try:
-            if tag == "i" and (type(obj) is list or type(obj) is tuple):
-                obj = obj[seg[1]]
-            elif tag == "k" and isinstance(obj, dict):
-                obj = obj[seg[1]]
-            else:
-                hit = next(iter(step(obj, seg)), None)
-                if hit is None:
-                    return None
-                obj = hit[1]
-        except (IndexError, KeyError, TypeError):
-            return None
+    """The tensor ``path`` (concrete steps) reaches from ``obj`` now, or None."""
+    obj = _follow_steps(obj, path)
     return obj if isinstance(obj, torch.Tensor) else None
 
 
@@ -789,13 +767,19 @@ def _untracked_holders(targets: List[Tuple[Any, int, Tuple[Seg, ...]]],
     return out
 
 
-def _bfs(walk: _Walk, targets: List[Tuple[Any, int, Tuple[Seg, ...]]],
-         local_map: Dict[int, List[Tuple[types.FrameType, str, bool]]], ignore: Set[int]) -> None:
+def _module_dicts() -> Dict[int, Tuple[str, Any]]:
+    """id(a module's namespace) -> (its name, the module): what :func:`root` names a global by."""
     modules: Dict[int, Tuple[str, Any]] = {}
     for name, mod in list(sys.modules.items()):
         d = getattr(mod, "__dict__", None) if isinstance(mod, types.ModuleType) else None
         if isinstance(d, dict) and id(d) not in modules:
             modules[id(d)] = (name, mod)
+    return modules
+
+
+def _bfs(walk: _Walk, targets: List[Tuple[Any, int, Tuple[Seg, ...]]],
+         local_map: Dict[int, List[Tuple[types.FrameType, str, bool]]], ignore: Set[int]) -> None:
+    modules = _module_dicts()
     # Module-level code on this thread's stack: its plain globals are what locals are to a function.
     running = {id(f.f_globals) for f, mine in _stacks() if mine and not f.f_code.co_flags & CO_OPTIMIZED}
     # The frontier's objects live in one tuple (gc.get_referrers skips its own argument

@@ -18,19 +18,16 @@ import torch
 
 import sanitizer
 from sanitizer import StagingBuffer
-from sanitizer.features import holders, triage
+from sanitizer.features import triage
 
 KEPT: list = []  # what the consumer really keeps: each one is a retention
 
 
 @pytest.fixture(autouse=True)
-def _fresh_triage():
-    triage.reset(records_too=True)
-    holders.forget_patterns()
+def _fresh(fresh_triage):
     KEPT.clear()
     yield
     KEPT.clear()
-    triage.reset(records_too=True)
 
 
 def _drop_while_reused(n: int, rounds: int, drop: str, dropper: str) -> tuple:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import sanitizer
-from sanitizer.features import holders, store_site, triage
+from sanitizer.features import store_site
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "several_holders.py")
@@ -30,13 +30,9 @@ def _line(path: str, marker: str) -> int:
 
 
 @pytest.fixture(autouse=True)
-def _fresh():
-    triage.reset(records_too=True)
-    holders.forget_patterns()
+def _fresh(fresh_triage):
     store_site.forget()
     yield
-    triage.reset(records_too=True)
-    holders.forget_patterns()
 
 
 class _Holder:

@@ -16,7 +16,6 @@ import torch
 import sanitizer
 from sanitizer.audit import cli as audit_cli
 from sanitizer.core import journal
-from sanitizer.features import holders, triage
 from sanitizer.tools import cli
 
 R = importlib.import_module("sanitizer.reporting.report")  # `sanitizer.reporting.report` is also the function
@@ -35,12 +34,9 @@ _MORE_EVENTS = [
 
 
 @pytest.fixture(autouse=True)
-def _fresh():
-    triage.reset(records_too=True)
-    holders.forget_patterns()
+def _fresh(fresh_triage):
     _KEPT.clear()
     yield
-    triage.reset(records_too=True)
     _KEPT.clear()
 
 

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 import sanitizer
-from sanitizer.features import holders
 from sanitizer.features import triage
 from sanitizer.reporting import report as R
 from sanitizer.reporting import label_layout, timeline, trace
@@ -27,12 +26,9 @@ _KEPT: dict = {}
 
 
 @pytest.fixture(autouse=True)
-def _fresh():
-    triage.reset(records_too=True)
-    holders.forget_patterns()
+def _fresh(fresh_triage):
     _KEPT.clear()
     yield
-    triage.reset(records_too=True)
     _KEPT.clear()
 
 
