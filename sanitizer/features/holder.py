@@ -32,6 +32,9 @@ class Holder:
     # What it held of the view when triage last followed its path (``same``, ``slice``...: see
     # store_site.held_shape), so a record built right after need not follow the path again.
     held: Optional[str] = field(default=None, compare=False, repr=False)
+    # Found holding the view at its reuse, while the code that stored it still ran: the consumer to fix,
+    # named before whatever holds it later (the caller a function returned its local dict to).
+    at_reuse: bool = field(default=False, compare=False, repr=False)
     _consumer: Optional[str] = field(default=None, init=False, compare=False, repr=False)
 
     @property
@@ -54,8 +57,10 @@ class Holder:
         return bool(self.pattern and any(seg[0] not in ("al", "x") for seg in self.pattern[1])) or "[" in self.path \
             or "." in self.path.split(")", 1)[-1]
 
-    def to_dict(self) -> Dict[str, Any]:
-        out = {"kind": self.kind, "path": self.path, "site": self.site, "consumer": self.consumer}
+    def to_dict(self, lease_name: Optional[str] = None) -> Dict[str, Any]:
+        """Its record; ``lease_name``: the lease it holds, whose name as a key is wildcarded too."""
+        consumer = consumer_key(self.path, lease_name) if lease_name else self.consumer
+        out = {"kind": self.kind, "path": self.path, "site": self.site, "consumer": consumer}
         if self.counted:
             out["counted"] = True
         return out
@@ -94,11 +99,15 @@ class Holder:
 _NAME_KEY = re.compile(r"\[(?:'[^'\]]*[.*][^'\]]*'|\"[^\"\]]*[.*][^\"\]]*\")\]")  # ['layers.*.q_proj.weight']
 
 
-def consumer_key(path: str) -> str:
+def consumer_key(path: str, name: Optional[str] = None) -> str:
     """The grouping key: list indices and tensor-name keys wildcarded, so one consumer holding its 3rd and
     4th weight (or ``['layers.3.q_proj.weight']`` and ``['layers.4.k_proj.weight']``) is one group
-    (``[*]``), while a key that names a role, not a tensor (``['loaded_weight']``), stays. Which statement
-    stored the view splits a container's groups further (the report groups by that too)."""
+    (``[*]``), while a key that names a role, not a tensor (``['loaded_weight']``), stays. A key that is
+    the lease's own ``name`` is a tensor name whatever it looks like (``sd['a']``, ``sd['b']``: one
+    ``sd[*]``). Which statement stored the view splits a container's groups further (the report groups
+    by that too)."""
+    if name and isinstance(name, str):
+        path = path.replace(f"[{name!r}]", "[*]")
     return _NAME_KEY.sub("[*]", _NUMBER.sub("*", path))
 
 

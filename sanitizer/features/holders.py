@@ -415,6 +415,91 @@ def _replay_containers(walk: _Walk, wanted: Set[int], budget: List[int]) -> None
     seen.clear()
 
 
+_RUNNING_FRAMES = 16  # user frames above a retire whose local containers :func:`in_running_locals` looks in
+_RUNNING_VISITS = 2048  # container entries one look may check (most programs' locals hold a few small ones)
+
+
+def in_running_locals(wanted: Dict[int, Optional[str]], start: Optional[types.FrameType]) -> WalkResult:
+    """The ``wanted`` storages (storage key -> the lease's name) found in a list, tuple or dict that a
+    running function on this thread's stack, from ``start`` up, keeps in a local: ``local 'tensors' of
+    load_state_dict()['a']``.
+
+    Why: a function that fills a local dict with views and returns it after its loader closes is the
+    consumer to fix, but once it has returned only its caller's copy is left for a later walk to find.
+    Its frame is on the stack at the close (the close runs inside it), so it is named there, before any
+    heap walk, by looking where such a consumer keeps what it lends: under the lease's own name, among
+    the newest entries (and one level below them, a list of pairs). A local that *is* the view (a loop
+    variable) is not looked at: it is the reader, not a keeper. Bounded: a few thousand entries in all."""
+    walk = _Walk(set(wanted), 0, 0.0, 8)
+    hints = tuple(n for n in wanted.values() if n)
+    budget = [_RUNNING_VISITS]
+    left = set(wanted)
+    frame, seen = start, 0
+    try:
+        while frame is not None and left and seen < _RUNNING_FRAMES and budget[0] > 0:
+            code = frame.f_code
+            if code.co_flags & CO_OPTIMIZED and not internal(code) and not code.co_filename.startswith(torch_dir()):
+                seen += 1
+                for name, value in locals_of(frame).items():
+                    if type(value) not in (list, tuple, dict) or not value:
+                        continue
+                    for concrete, tensor in _newest_entries(value, hints, budget):
+                        try:
+                            key = tensor.untyped_storage()._cdata
+                        except Exception:
+                            continue
+                        if key not in left:
+                            continue
+                        left.discard(key)
+                        gen = bool(code.co_flags & GEN_FLAGS)
+                        kind = "generator" if gen else "frame"
+                        head = f"local '{name}' of {'generator ' if gen else ''}{qualname(code)}()"
+                        site = site_of_frame(frame)
+                        h = Holder(kind, head + render(concrete), site, frame_id=id(frame), local=name,
+                                   pattern=(FrameLocal(frame, name), concrete, kind, head, site))
+                        walk.add(key, h)
+                        remember(h)  # the next victims of this consumer: a replay through its index
+                        walk.result.replayed += 1
+                    if not left or budget[0] <= 0:
+                        break
+            frame = frame.f_back
+    finally:
+        del frame
+    for key, bucket in walk.found.items():
+        walk.result.holders[key] = bucket
+    return walk.result
+
+
+def _newest_entries(obj: Any, hints: Tuple[str, ...], budget: List[int]) -> Iterator[Tuple[Tuple[Seg, ...], Any]]:
+    """Tensors in a local container where a consumer puts what it keeps: under the wanted leases' own names
+    (a dict), then the newest entries, and the items of an entry that is itself a short list or tuple (a
+    list of ``(name, view)`` pairs); ``(concrete steps, tensor)``, within ``budget`` entries."""
+    tensor = torch.Tensor
+    if type(obj) is dict:
+        for name, child in _hinted(obj, hints):
+            budget[0] -= 1
+            if isinstance(child, tensor):
+                yield (("k", name),), child
+        try:
+            entries = [(("k", k), v) for k, v in itertools.islice(reversed(obj.items()), _REPLAY_WINDOW)]
+        except RuntimeError:  # changed under us (another thread)
+            return
+    else:
+        n = len(obj)
+        entries = [(("i", i), obj[i]) for i in range(n - 1, max(-1, n - 1 - _REPLAY_WINDOW), -1)]
+    for seg, child in entries:
+        if budget[0] <= 0:
+            return
+        budget[0] -= 1
+        if isinstance(child, tensor):
+            yield (seg,), child
+        elif (type(child) is tuple or type(child) is list) and len(child) <= 8:
+            for i, item in enumerate(child):
+                if isinstance(item, tensor):
+                    budget[0] -= 1
+                    yield (seg, ("i", i)), item
+
+
 def _resolve_container(obj: Any, steps: Tuple[Seg, ...], plain: bool = True) -> Optional[Any]:
     """What exact ``steps`` reach from ``obj`` (a list or dict when ``plain``), or None."""
     obj = _follow_steps(obj, steps)
@@ -469,19 +554,43 @@ def _replay(walk: _Walk, visits: int, names: Optional[Dict[int, Optional[str]]] 
     budget = [visits]
     wanted = {k for k, bucket in walk.found.items() if not bucket}
     hints = tuple(n for k, n in (names or {}).items() if n and k in wanted)
-    # Every known path at once, one tensor of each in turn (newest first): a load that sends views to
-    # five holders finds each in the first few entries of its own holder, not after the others' windows.
-    live = []
     frames = Frames(sys._getframe(1))
     seen: Dict[int, Dict[str, Any]] = {}  # frame id -> its locals: one snapshot per frame, not one per path
+    roots = []
     for pattern in patterns:
         root = pattern[0]
         obj = root.of(frames, seen) if isinstance(root, FrameLocal) else root()
         if obj is not None:
-            live.append((pattern, _candidates(obj, pattern[1], budget, hints, wanted)))
+            roots.append((pattern, obj))
         del obj
     frames.clear()
     seen.clear()
+    # First the exact look-ups of every known path (each container's index, the leases' own names as keys)
+    # and of the containers of per-view roots: a load that sends views to six holders finds each where it
+    # is without trying the newest entries of the five others (the mixed shape of bench/scale.py).
+    # A view kept in two indexed places is named at both (``wanted`` shrinks only once every path looked).
+    exact: Set[int] = set()
+    for pattern, obj in roots:
+        mine: Set[int] = set()
+        for concrete, tensor in _candidates(obj, pattern[1], budget, hints, wanted, window=False):
+            try:
+                key = tensor.untyped_storage()._cdata
+            except Exception:
+                continue
+            if key in wanted and key not in mine:
+                mine.add(key)
+                _credit(walk, None, pattern, concrete, tensor, key)
+        exact |= mine
+    wanted -= exact
+    if wanted and _containers and budget[0] > 0:
+        _replay_containers(walk, wanted, budget)
+    if not wanted:
+        roots.clear()
+        return
+    # Then every known path at once, one tensor of each in turn (newest first): a container too small to
+    # index, or an entry replaced in place, found in the first few entries of its own holder.
+    live = [(pattern, _candidates(obj, pattern[1], budget, hints, wanted)) for pattern, obj in roots]
+    roots.clear()
     # Once a storage is found, the other paths get a few more turns: a view kept in two places (a list
     # and a partial) is named in both, each only where it really is.
     after: Dict[int, int] = {}  # storage key found -> turns the other paths still get
@@ -504,21 +613,36 @@ def _replay(walk: _Walk, visits: int, names: Optional[Dict[int, Optional[str]]] 
                     wanted.discard(key)
                     after[key] = _MORE_TURNS
                 matched.setdefault(key, set()).add(id(entry))
-                walk.add(key, Holder(kind, head + render(concrete), site, frame_id=getattr(ref, "frame_id", None),
-                                     local=getattr(ref, "name", None), pattern=(ref, concrete, kind, head, site),
-                                     detour=concrete.count(DETOUR)))
-                walk.result.replayed += 1
+                _credit(walk, None, entry[0], concrete, tensor, key)
         for key in list(after):
             after[key] -= 1
             if after[key] <= 0:
                 del after[key]
     live.clear()
-    if wanted and _containers and budget[0] > 0:
-        _replay_containers(walk, wanted, budget)
+
+
+def _credit(walk: _Walk, wanted: Optional[Set[int]], pattern: tuple, concrete: Tuple[Seg, ...], tensor: Any,
+            key: Optional[int]) -> None:
+    """Name ``pattern``'s root, down ``concrete``, as a holder of ``tensor``'s storage (when ``wanted`` is
+    given, only if that storage is wanted, and then no longer)."""
+    if key is None:
+        try:
+            key = tensor.untyped_storage()._cdata
+        except Exception:
+            return
+    if wanted is not None:
+        if key not in wanted:
+            return
+        wanted.discard(key)
+    ref, _, kind, head, site = pattern
+    walk.add(key, Holder(kind, head + render(concrete), site, frame_id=getattr(ref, "frame_id", None),
+                         local=getattr(ref, "name", None), pattern=(ref, concrete, kind, head, site),
+                         detour=concrete.count(DETOUR)))
+    walk.result.replayed += 1
 
 
 def _candidates(obj: Any, segs: Tuple[Seg, ...], budget: List[int], hints: Tuple[str, ...] = (),
-                wanted: Optional[Set[int]] = None) -> Iterator[Tuple[Tuple[Seg, ...], Any]]:
+                wanted: Optional[Set[int]] = None, window: bool = True) -> Iterator[Tuple[Tuple[Seg, ...], Any]]:
     """The tensors a remembered path offers, newest first: :func:`_follow`'s answer. The common path (exact
     steps, then at most one wildcard, last: ``lst[*]``, ``self.kept[*]``, ``params[*]``) is followed flat,
     one generator per path instead of one per step: a replay runs at every retire, and the chain of nested
@@ -527,8 +651,8 @@ def _candidates(obj: Any, segs: Tuple[Seg, ...], budget: List[int], hints: Tuple
     last = len(segs) - 1
     for j, seg in enumerate(segs):
         if seg[0] in ("i", "k") and j != last:
-            return _follow(obj, segs, 0, (), budget, hints, wanted)
-    return _flat(obj, segs, budget, hints, wanted)
+            return _follow(obj, segs, 0, (), budget, hints, wanted, window)
+    return _flat(obj, segs, budget, hints, wanted, window)
 
 
 class _Index:
@@ -616,7 +740,7 @@ def _resolve_steps(obj: Any, path: Tuple[Seg, ...]) -> Optional[Any]:
 
 
 def _flat(obj: Any, segs: Tuple[Seg, ...], budget: List[int], hints: Tuple[str, ...],
-          wanted: Optional[Set[int]] = None) -> Iterator[Tuple[Tuple[Seg, ...], Any]]:
+          wanted: Optional[Set[int]] = None, window: bool = True) -> Iterator[Tuple[Tuple[Seg, ...], Any]]:
     done: Tuple[Seg, ...] = ()
     tensor = torch.Tensor
     for seg in segs:
@@ -627,6 +751,12 @@ def _flat(obj: Any, segs: Tuple[Seg, ...], budget: List[int], hints: Tuple[str, 
         if tag in ("i", "k") and wanted:
             for path, child in _indexed(obj, tag, (), wanted, hints):
                 yield done + path, child
+        if not window and tag in ("i", "k"):  # the exact look-ups only: the index, the leases' own names
+            if tag == "k" and isinstance(obj, dict):
+                for name, child in _hinted(obj, hints):
+                    if isinstance(child, tensor):
+                        yield done + (("k", name),), child
+            return
         if tag == "i":  # the last step: the newest entries of a list or tuple
             if type(obj) is list or type(obj) is tuple:
                 for i in range(len(obj) - 1, max(-1, len(obj) - 1 - _REPLAY_WINDOW), -1):
@@ -676,7 +806,7 @@ def _hinted(obj: dict, hints: Tuple[str, ...]) -> Iterator[Tuple[str, Any]]:
 
 def _follow(obj: Any, segs: Tuple[Seg, ...], i: int, done: Tuple[Seg, ...],
             budget: List[int], hints: Tuple[str, ...] = (),
-            wanted: Optional[Set[int]] = None) -> Iterable[Tuple[Tuple[Seg, ...], Any]]:
+            wanted: Optional[Set[int]] = None, window: bool = True) -> Iterable[Tuple[Tuple[Seg, ...], Any]]:
     if budget[0] <= 0:
         return
     budget[0] -= 1
@@ -691,12 +821,14 @@ def _follow(obj: Any, segs: Tuple[Seg, ...], i: int, done: Tuple[Seg, ...],
                 yield done + path, child
         if seg[0] == "k" and hints and isinstance(obj, dict):
             for name, child in _hinted(obj, hints):
-                yield from _follow(child, segs, i + 1, done + (("k", name),), budget, hints, wanted)
+                yield from _follow(child, segs, i + 1, done + (("k", name),), budget, hints, wanted, window)
+        if not window:  # the exact look-ups only
+            return
         children = itertools.islice(step(obj, seg), _REPLAY_WINDOW)
     else:
         children = step(obj, seg)
     for concrete, child in children:
-        yield from _follow(child, segs, i + 1, done + (concrete,), budget, hints, wanted)
+        yield from _follow(child, segs, i + 1, done + (concrete,), budget, hints, wanted, window)
 
 
 def _run(walk: _Walk) -> None:
@@ -884,5 +1016,5 @@ def _after_fork() -> None:
     _instances_seen.clear()
 
 
-__all__ = ["Holder", "WalkResult", "find_holders", "replay", "replay_siblings", "resolve", "has_patterns", "remember",
+__all__ = ["Holder", "WalkResult", "find_holders", "replay", "replay_siblings", "resolve", "in_running_locals", "has_patterns", "remember",
            "learn_container", "consumer_key", "forget_patterns"]

@@ -293,7 +293,7 @@ def _find(target: Target, into: bool, strict: bool, lent_from: Site, holder_site
         index = _index(code.co_filename)
         if index is None:
             continue
-        first = code.co_firstlineno
+        first = 0 if code.co_name == "<module>" else code.co_firstlineno  # (module level: span 0)
         inside = [(ln, col, shapes) for ln, col, t, kind, span, shapes in index.stores
                   if matches(t, kind) and span[0] == first]
         if inside:
@@ -314,10 +314,13 @@ def _find(target: Target, into: bool, strict: bool, lent_from: Site, holder_site
 def _choose(inside: List[Tuple[int, int, FrozenSet[str]]], line: int, held: Optional[str], path: str,
             function: str) -> dict:
     """Of the statements of the lending function that store into the target, the ones whose stored
-    expression fits what is held best; the first after the lend line among them (the store follows the
-    lend in a loop body). Several fit as well: all are listed as candidates."""
+    expression fits what is held best: the lend's own statement when it is one of them (the lend ran
+    inside the store), else the first after the lend line (the store follows the lend in a loop body).
+    Several fit as well and none is the lend's own: all are listed as candidates."""
     best = max(_score(shapes, held) for _, _, shapes in inside)
     fit = sorted({ln for ln, _, shapes in inside if _score(shapes, held) == best})
+    if line in fit:  # the lend ran inside a statement that stores into the target (cache[k] = ring.put(...))
+        return _frame(path, line, function)
     after = [ln for ln in fit if ln >= line]
     out = _frame(path, min(after) if after else max(fit), function)
     if len(fit) > 1:

@@ -136,18 +136,55 @@ def _by_consumer(found: List[Holder]) -> List[Holder]:
     if len(found) == 1:  # the common case (a ring load: every view kept in one place), nothing to rank
         return list(found)
     found = [h for h in found if not h.detour] or found
+    found = _without_readers(found)
     out: Dict[str, Holder] = {}
     # Rank, then the consumer's text: the same program names the same holder first every run, whether
     # a walk or a known path found them (and in which order).
-    for h in sorted(found, key=lambda h: (h.rank, h.local is not None and not h.pattern_steps, h.consumer)):
+    # What held it at its reuse while the storing code ran comes first: the consumer to fix.
+    for h in sorted(found, key=lambda h: (not h.at_reuse, h.rank, h.local is not None and not h.pattern_steps,
+                                          h.consumer)):
         out.setdefault(h.consumer, h)
     return list(out.values())
+
+
+def _bare_name(h: Holder) -> bool:
+    """Is ``h`` a name bound to the tensor itself (a local, a generator's local, a module global)?"""
+    if h.pattern is None:
+        return False
+    steps = [seg for seg in h.pattern[1] if seg[0] not in ("al", "x")]
+    return not steps or (len(steps) == 1 and steps[0][0] in ("g", "l"))
+
+
+def _without_readers(found: List[Holder]) -> List[Holder]:
+    """Drop a bare name (a local or a global, no container below it) bound to the very tensor another holder
+    keeps in a container or an attribute: ``for old in self.cache.values(): float(old.sum())`` leaves
+    ``old`` on a cached view; it reads what the cache holds, and owning the tensor where the cache stores
+    it fixes both, so it is not a consumer of its own."""
+    bare = [h for h in found if _bare_name(h)]
+    if not bare or len(bare) == len(found):
+        return found
+    kept_objects = set()
+    for h in found:
+        if h.pattern is not None and not _bare_name(h):
+            obj = _holders.resolve(h.pattern)
+            if obj is not None:
+                kept_objects.add(id(obj))
+            del obj  # (ids compared while every holder still holds its object: none is reused meanwhile)
+    if not kept_objects:
+        return found
+    readers = set()
+    for h in bare:
+        obj = _holders.resolve(h.pattern)
+        if obj is not None and id(obj) in kept_objects:
+            readers.add(id(h))
+        del obj
+    return [h for h in found if id(h) not in readers]
 
 
 def _holder_record(h: Holder, also: Sequence[Holder], lease: Lease, exported: Sequence[dict]) -> Dict[str, Any]:
     """A holder as the records carry it: who, where the holder lives, where it stored the view (the line a
     fix changes), the other consumers holding the same view, the aliases of it."""
-    rec = h.to_dict()
+    rec = h.to_dict(lease.name)
     found = stored_at(h.store_target(), lease.site, h.site, _held_shape(h, lease))
     candidates = found.pop("candidates", None) if found else None
     rec["stored_at"] = found
@@ -318,15 +355,21 @@ class Triage:
 
     @staticmethod
     def _name_at_reuse(lease: Lease) -> Optional[List[Holder]]:
-        """The lease's holders by a known path, while the code that stored it still runs (a ``load_weights``
-        that kept the last view in its local dict and then returned it is named at that dict, where the
-        fix goes, not at whatever its caller binds the result to). One replay, no heap walk; None when
-        no known path reaches it."""
-        if not _holders.has_patterns() or state.options.triage_budget_ms <= 0:
+        """The lease's holders while the code that stored it still runs (a ``load_state_dict`` that kept
+        its views in a local dict and returns it after its loader closed is named at that dict, where the
+        fix goes, not at whatever its caller binds the result to): by a known path, else in the local
+        containers of the functions running on this thread. No heap walk; None when neither reaches it."""
+        if state.options.triage_budget_ms <= 0:
             return None
         key = lease.handle
-        found = _holders.replay({key}, names={key: lease.name}).holders.get(key)
-        return [h for h in found if not h.transient] or None if found else None
+        names = {key: lease.name}
+        found = _holders.replay({key}, names=names).holders.get(key) if _holders.has_patterns() else None
+        found = [h for h in found if not h.transient] if found else None
+        if not found:
+            found = _holders.in_running_locals(names, sys._getframe(1)).holders.get(key)
+        for h in found or ():
+            h.at_reuse = True
+        return found or None
 
     def _still_early(self, p: _Pending) -> Optional[Tuple[List[Holder], Dict[str, Any]]]:
         """``p``'s holders at the reuse, if they still stand: a path that still reaches the lease's storage,
@@ -464,8 +507,17 @@ class Triage:
             return
         named: Dict[int, Tuple[List[Holder], Dict[str, Any]]] = {}
         to_walk: List[Lease] = []
+        returned: Dict[int, Tuple[List[Holder], Dict[str, Any]]] = {}  # named at the reuse, its function gone
         for p, _, evidence in due:
             cheap = self._still_early(p) if p.lease.alive else None
+            if cheap is not None and cheap[1]["when"] == "at-reuse":
+                returned[p.lease.lease_id] = cheap  # and what holds it now: its caller's copy, "also held by"
+                now_held = self._name_cheaply(p.lease, False)
+                if now_held is None:
+                    to_walk.append(p.lease)
+                else:
+                    named[p.lease.lease_id] = now_held
+                continue
             if cheap is None:
                 cheap = self._name_cheaply(p.lease, evidence)
             if cheap is None:
@@ -473,6 +525,8 @@ class Triage:
             else:
                 named[p.lease.lease_id] = cheap
         named.update(self._walk(to_walk))
+        for lid, early in returned.items():
+            named[lid] = self._with_current(early, named.get(lid))
         now = time.monotonic()  # (again: the walk may have run a while, other threads with it)
         for p, used, evidence in due:
             lid = p.lease.lease_id
@@ -481,6 +535,19 @@ class Triage:
                 continue
             if self._confirm(p, used, evidence, named=named.get(lid)) is None:
                 self.log.unwatch(lid)
+
+    def _with_current(self, early: Tuple[List[Holder], Dict[str, Any]],
+                      current: Optional[Tuple[List[Holder], Dict[str, Any]]]) -> Tuple[List[Holder], Dict[str, Any]]:
+        """The holders named at the reuse (first) and, as the other consumers, what holds the view now that
+        their function has returned (the caller it returned them to); a walk's finds are remembered."""
+        if not current or not current[0]:
+            return early
+        found, walk = current
+        kept = [h for h in found if not h.transient]
+        if kept and walk.get("when") == "walk":
+            self._learn(_by_consumer(kept))
+        mine = {h.consumer for h in early[0]}
+        return early[0] + [h for h in kept if h.consumer not in mine], early[1]
 
     def _confirm(self, p: _Pending, used_stale: bool, evidence: bool, read_at: Optional[dict] = None,
                  named: Optional[Tuple[List[Holder], Dict[str, Any]]] = None) -> Optional[dict]:

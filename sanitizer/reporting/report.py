@@ -109,10 +109,26 @@ def _every_holder(retention: Dict[str, Any]) -> List[Dict[str, Any]]:
     return [holder, *(holder.get("also") or ())]
 
 
+def _read_through(retention: Dict[str, Any], holders: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The holder a stale read of the retained view came through: what held it at the read when that was
+    named apart (``holder_at_read``: the caller's copy of a returned local, a module's parameter), else the
+    first holder; None when it was not read stale."""
+    if not retention.get("used_stale"):
+        return None
+    at_read = retention.get("holder_at_read")
+    if at_read and at_read.get("consumer"):
+        for h in holders:
+            if h.get("consumer") == at_read["consumer"] and h.get("path") == at_read.get("path"):
+                return h
+        return at_read
+    return holders[0]
+
+
 def _add_to_group(groups: Dict[tuple, Dict[str, Any]], e: Dict[str, Any], holder: Dict[str, Any],
-                  also: bool = False) -> None:
+                  also: bool = False, stale: bool = False) -> None:
     """Count retention ``e`` for the consumer of ``holder`` (grouped by consumer and where it stores views);
-    ``also``: ``holder`` held the view beside the one it is counted for (noted, not counted)."""
+    ``also``: ``holder`` held the view beside the one it is counted for (noted, not counted); ``stale``:
+    the view was read stale through this holder (credited here, whichever consumer it is counted for)."""
     site = site_text(holder.get("site"))
     stored = site_text(holder.get("stored_at"))
     consumer = holder.get("consumer") or "<unnamed holder>"
@@ -123,22 +139,26 @@ def _add_to_group(groups: Dict[tuple, Dict[str, Any]], e: Dict[str, Any], holder
             "site": site, "stored_at": stored, "count": 0, "bytes": 0, "leases": [], "used_stale": 0, "first": e,
             "read_stale_at": [], "lent_at": frame_text(e.get("lent_at")),
             "reused_at": frame_text(e.get("reused_at")),
-            "fix": fix_hint(holder.get("kind"), consumer, stored or site), "_also": 0}
+            "fix": fix_hint(holder.get("kind"), consumer, stored or site), "_also": 0, "_also_leases": []}
         if holder.get("stored_candidates"):
             g["stored_candidates"] = [site_text(c) for c in holder["stored_candidates"]]
+    if stale:
+        g["used_stale"] += 1
+        read = site_text(e.get("read_stale_at"))
+        if read and read not in g["read_stale_at"] and len(g["read_stale_at"]) < 4:
+            g["read_stale_at"].append(read)
     if also:
         g["_also"] += 1
+        if len(g["_also_leases"]) < 8:
+            g["_also_leases"].append(e["lease"].get("name"))
         return
-    if g["count"] == 0:
+    if g["count"] == 0:  # its example is its own first counted view (the path under the leases listed)
         g["first"] = e
+        g["holder"] = holder.get("path") or consumer
     g["count"] += 1
     g["bytes"] += int(e["lease"].get("nbytes") or 0)
-    g["used_stale"] += bool(e.get("used_stale"))
     if len(g["leases"]) < 8:
         g["leases"].append(e["lease"].get("name"))
-    read = site_text(e.get("read_stale_at"))
-    if read and read not in g["read_stale_at"] and len(g["read_stale_at"]) < 4:
-        g["read_stale_at"].append(read)
 
 
 def summarize(rep: Dict[str, Any], pending: int = 0) -> Dict[str, Any]:
@@ -156,15 +176,22 @@ def summarize(rep: Dict[str, Any], pending: int = 0) -> Dict[str, Any]:
             continue
         retained_bytes += int(e["lease"].get("nbytes") or 0)
         holders = _every_holder(e)
-        _add_to_group(groups, e, holders[0])  # each retention counts once, for the holder named first
+        through = _read_through(e, holders)
+        # each retention counts once, for the holder named first; a stale read, for the holder it came through
+        _add_to_group(groups, e, holders[0], stale=through is holders[0])
         for other in holders[1:]:  # the other consumers holding the same view: listed, not counted again
-            _add_to_group(groups, e, other, also=True)
+            _add_to_group(groups, e, other, also=True, stale=through is other)
+        if through is not None and all(through is not h for h in holders):  # named only at the read
+            _add_to_group(groups, e, through, also=True, stale=True)
     # Counted consumers first, biggest first; then those only seen holding views another consumer is
     # counted for (a view kept in two places: both need the fix, the retention counts once).
     consumers = sorted(groups.values(), key=lambda g: (not g["count"], -g["bytes"], -g["count"], -g["_also"],
                                                        g["consumer"]))
     for g in consumers:
         g["also_held"] = g.pop("_also")
+        also_leases = g.pop("_also_leases")
+        if not g["count"]:  # only seen beside another consumer: the views its example path holds
+            g["leases"] = also_leases
     counted = sum(1 for g in consumers if g["count"])
     also_only = len(consumers) - counted
     n_ret = events_by_kind.get("retention", 0)

@@ -83,7 +83,7 @@ def format_triage(rep: Dict[str, Any], path: Optional[str] = None, top: int = 20
             g = consumers[i - 1]
             pad = "  " + " " * (sum(widths) + 2 * 5)
             first = g["first"]
-            names = lease_names(g["leases"], g["count"])
+            names = lease_names(g["leases"], g["count"] or g.get("also_held") or 0)
             candidates = g.get("stored_candidates") or []
             if len(candidates) > 1:  # several statements store into that container alike
                 lines.append(f"{pad}stored at one of {', '.join(candidates)} (holder lives at {g['site'] or '?'}; "
@@ -101,7 +101,9 @@ def format_triage(rep: Dict[str, Any], path: Optional[str] = None, top: int = 20
                 lines.append(f"{pad}leases: {names}")
             reads = g.get("read_stale_at") or []
             if reads:
-                lines.append(f"{pad}read stale at {', '.join(reads)} ({g['used_stale']} of {g['count']})")
+                held = g["count"] + (g.get("also_held") or 0)  # the reads that came through this holder
+                lines.append(f"{pad}read stale at {', '.join(reads)} ({g['used_stale']} of {held} view"
+                             f"{'s' * (held != 1)})")
             if not shared:
                 lines.append(f"{pad}{lent_reused(first)}")
             if g.get("fix"):
@@ -113,7 +115,7 @@ def format_triage(rep: Dict[str, Any], path: Optional[str] = None, top: int = 20
         lines += ["", "emulated retentions (views kept past the emulated ring; each was moved onto an owned copy, "
                       "safetensors_strict=1 makes them errors):"]
         for g in emulated[:top]:
-            names = lease_names(g["leases"], g["count"])
+            names = lease_names(g["leases"], g["count"] or g.get("also_held") or 0)
             where = f"stored at {g['stored_at']}" if g.get("stored_at") else f"holder lives at {g['site'] or '?'}"
             lines.append(f"  {format_bytes(g['bytes'])}  {g['count']}  {g['kind']}  {g['consumer']} ({where})")
             lines.append(f"      leases: {names}")

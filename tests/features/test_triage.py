@@ -486,7 +486,7 @@ def test_triage_text_reads_stale_at_each_consumer_shows_the_sites_once_and_the_f
         rep = sanitizer.report(final=True)
     text = format_triage(rep, "r.json")
     assert text.count("lent at lend_at") == 1 and "(all lent at lend_at" in text  # shared by both consumers: once
-    assert f"read stale at {THIS_FILE}:{_line_of('for _ in range(3):') + 1} (1 of 1)" in text
+    assert f"read stale at {THIS_FILE}:{_line_of('for _ in range(3):') + 1} (1 of 1 view)" in text
     assert f"fix: own the tensor where {__name__}._KEPT[*] keeps it" in text
     assert text.count("stale_use: borrowed view 'a'") == 1  # each distinct error once
 

@@ -242,7 +242,11 @@ def _assert_each_view_credited_to_its_own_place(rep):
     for e in rets:
         proj = e["lease"]["name"].split(".")[2]
         assert place[proj] in e["holder"]["path"], (e["lease"]["name"], e["holder"]["path"])
-        assert len({h["consumer"] for h in e["holders"]}) == 1, e["holders"]
+        # one consumer; the only other holder a view may have is the caller's copy of what _five_places
+        # returned (named when the view was found in _five_places' own local at the reuse, issue 47)
+        others = {h["consumer"] for h in e["holders"][1:]}
+        assert all(c.startswith("local 'kept' of test_") for c in others), e["holders"]
+        assert e["holders"][0]["consumer"] not in others
     assert sum(g["count"] for g in rep["summary"]["retaining_consumers"]) == rep["summary"]["retentions"] == len(rets)
 
 
@@ -324,7 +328,9 @@ print(sum(float(x.sum()) for x in d.values()))
 def test_module_level_holders_live_at_their_binding_and_a_reading_genexpr_is_no_consumer(tmp_path):
     """Holders decided at exit (CPython has deleted ``__main__.__file__`` by then) still say where they
     live, and the generator expression that reads ``d.values()`` stale (its ``x`` and its ``.0`` iterator
-    hold each view it reads) is the reader, not a consumer: no extra rows, no "more holding" count."""
+    hold each view it reads) is the reader, not a consumer: no extra rows. ``load_weights``' own locals
+    ``d`` and ``pairs`` held the views when the file closed, while it ran: they are the consumers (issue
+    47), and the module's ``d`` and ``pairs`` it returned them to are listed as also holding them."""
     pytest.importorskip("safetensors", reason="the script loads through safetensors (pip install safetensors)")
     script = tmp_path / "load.py"
     script.write_text(_MODULE_LEVEL)
@@ -335,9 +341,15 @@ def test_module_level_holders_live_at_their_binding_and_a_reading_genexpr_is_no_
     text = out.stdout + out.stderr
     rep = json.loads(report.read_text())
     groups = rep["summary"]["retaining_consumers"]
-    assert "12 retentions by 4 consumers (1.5 KiB);" in text, text
+    assert "12 retentions by 4 consumers (1.5 KiB), 2 more holding the same views;" in text, text
     assert not any("genexpr" in g["consumer"] or g["kind"] == "generator" for g in groups), text
-    assert "more holding the same views" not in text and "holder lives at ?" not in text, text
+    assert "holder lives at ?" not in text, text
+    counted = {g["consumer"]: g for g in groups if g["count"]}
+    assert set(counted) == {"Helper.os[*]", "__main__.PARAMS[*]", "local 'd' of load_weights()[*]",
+                            "local 'pairs' of load_weights()[*][*]"}, text
+    also = {g["consumer"]: g for g in groups if not g["count"]}
+    assert set(also) == {"__main__.d[*]", "__main__.pairs[*][*]"}, text
+    assert also["__main__.d[*]"]["used_stale"] == 3, text  # the genexpr read them through the module's d
     lines = {name: i for i, row in enumerate(_MODULE_LEVEL.splitlines(), 1)
              for name in ("class Helper", "H = Helper(); PARAMS", "d, pairs = load_weights()") if row.startswith(name)}
     site = {g["consumer"]: g["site"] for g in groups}

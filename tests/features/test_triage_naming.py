@@ -1,0 +1,174 @@
+"""Triage names the holder a user acts on (issue 47, point 2).
+
+Each case is a shape a real consumer writes: accelerate's ``load_state_dict`` keeps ``get_tensor`` views in a
+local dict and returns it after its loader closed; a checking loop leaves its variable on a cached view; a
+view kept in two containers is read stale through one of them; a dict is filled at the line that lends.
+"""
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+
+import pytest
+import torch
+
+import sanitizer
+from sanitizer.features import triage
+from sanitizer.reporting.report import summarize
+from sanitizer.reporting.text import format_triage
+
+THIS_FILE = __file__
+
+
+def _line_of(text: str) -> int:
+    with open(THIS_FILE) as f:
+        for i, line in enumerate(f, 1):
+            if text in line and "_line_of(" not in line:
+                return i
+    raise AssertionError(text)
+
+
+@pytest.fixture(autouse=True)
+def _fresh(fresh_triage):
+    yield
+    gc.collect()
+
+
+def load_state_dict(names):
+    """accelerate's shape (utils/modeling.py, ``device_map`` given): views kept in a local dict, the loader
+    closed, the dict returned."""
+    ring = sanitizer.StagingRing(64 * 1024, name="ckpt")
+    tensors = {}
+    for name in names:
+        tensors[name] = ring.put(name, torch.full((64,), float(len(name))))  # stores the view
+    ring.close()
+    return tensors
+
+
+def test_a_returned_local_dict_is_named_at_its_storing_line_and_the_callers_copy_also():
+    """The close comes while ``load_state_dict`` still runs: its local ``tensors`` at the storing line is the
+    consumer (one, its keys wildcarded), the caller's ``sd`` is listed as also holding them, and the stale
+    read, which came through ``sd``, is credited to ``sd``."""
+    with sanitizer.sanitize(triage=1, halt_on_error=0, report=""):
+        sd = load_state_dict(["a", "b", "c"])
+        float(sd["a"].sum())
+        rep = sanitizer.report(final=True)
+    groups = rep["summary"]["retaining_consumers"]
+    counted = [g for g in groups if g["count"]]
+    assert len(counted) == 1, [g["consumer"] for g in groups]
+    local = counted[0]
+    assert local["consumer"] == "local 'tensors' of load_state_dict()[*]"
+    assert local["count"] == 3 and local["stored_at"] == f"{THIS_FILE}:{_line_of('# stores the view')}"
+    also = [g for g in groups if not g["count"]]
+    assert [g["consumer"] for g in also] == [f"{__name__}.sd[*]"] or \
+        [g["consumer"] for g in also] == ["local 'sd' of test_a_returned_local_dict_is_named_at_its_storing_line_and_the_callers_copy_also()[*]"]
+    assert also[0]["also_held"] == 3
+    assert local["used_stale"] == 0 and also[0]["used_stale"] == 1  # the read came through the caller's copy
+    text = format_triage(rep, "r.json")
+    assert "read stale at" in text and "(1 of 3 views)" in text
+    del sd
+
+
+def test_keys_that_are_the_leases_own_names_group_as_one_consumer():
+    """``sd['a']``, ``sd['b']``: keys that are tensor names, short or not, are one consumer ``sd[*]``."""
+    from sanitizer.features.holder import consumer_key
+
+    assert consumer_key("__main__.sd['a']", "a") == "__main__.sd[*]"
+    assert consumer_key("x.arguments['loaded_weight']", "layers.0.weight") == "x.arguments['loaded_weight']"
+    assert consumer_key("__main__.sd['layers.3.weight']") == "__main__.sd[*]"
+
+
+CACHE: dict = {}
+
+
+def test_a_loop_variable_reading_cached_views_is_not_a_consumer():
+    """Another thread's checking loop left ``old`` on the last cached view: it reads what the cache holds;
+    the cache is the only consumer of that view."""
+    ready, go = threading.Event(), threading.Event()
+
+    def reader():
+        for old in CACHE.values():
+            float(old.sum())
+        ready.set()
+        go.wait(10)
+
+    try:
+        with sanitizer.sanitize(triage=1, halt_on_error=0, report=""):
+            ring = sanitizer.StagingRing(4 * 1024, name="r")
+            for i in range(4):
+                CACHE[f"layers.{i}.weight"] = ring.put(f"layers.{i}.weight", torch.full((256,), float(i)))
+            t = threading.Thread(target=reader)
+            t.start()
+            assert ready.wait(10)
+            ring.close()
+            triage.settle(final=True)
+            found = {r["lease"]["name"]: [h["path"] for h in r["holders"]] for r in sanitizer.retentions()}
+    finally:
+        go.set()
+        t.join()
+        CACHE.clear()
+    assert found == {f"layers.{i}.weight": [f"{__name__}.CACHE['layers.{i}.weight']"] for i in range(4)}
+
+
+def _retention(name, holder, also=(), stale=False, at_read=None):
+    h = {"kind": "global", "path": holder, "consumer": holder.split("[")[0] + "[*]", "site": None,
+         "stored_at": None}
+    if also:
+        h["also"] = [{"kind": "global", "path": a, "consumer": a.split("[")[0] + "[*]", "site": None,
+                      "stored_at": None} for a in also]
+    e = {"kind": "retention", "lease": {"name": name, "nbytes": 4}, "holder": h, "used_stale": stale}
+    if stale:
+        e["read_stale_at"] = {"file": "f.py", "line": 9, "function": "g"}
+    if at_read is not None:
+        e["holder_at_read"] = {"kind": "global", "path": at_read, "consumer": at_read.split("[")[0] + "[*]"}
+    return e
+
+
+def test_each_example_path_names_a_lease_of_its_own_group():
+    """A consumer first seen holding a view counted for another, then counted for its own: its example is a
+    path to a view it is counted for, the one listed under it."""
+    rep = {"events": [_retention("w0", "m.A[0]", also=["m.B[0]"]), _retention("w1", "m.B[1]")],
+           "error_count": 0}
+    groups = {g["consumer"]: g for g in summarize(rep)["retaining_consumers"]}
+    assert groups["m.B[*]"]["holder"] == "m.B[1]" and groups["m.B[*]"]["leases"] == ["w1"]
+    assert groups["m.A[*]"]["holder"] == "m.A[0]" and groups["m.A[*]"]["leases"] == ["w0"]
+
+
+def test_a_stale_read_is_credited_to_the_holder_it_came_through():
+    """Held by ``m.A`` (counted) and ``m.B`` (also), read stale through ``m.B``: ``m.B``'s read."""
+    rep = {"events": [_retention("w0", "m.A[0]", also=["m.B[0]"], stale=True, at_read="m.B[0]"),
+                      _retention("w1", "m.A[1]", also=["m.B[1]"], stale=True)],
+           "error_count": 0}
+    groups = {g["consumer"]: g for g in summarize(rep)["retaining_consumers"]}
+    assert groups["m.A[*]"]["used_stale"] == 1 and groups["m.B[*]"]["used_stale"] == 1
+    assert groups["m.B[*]"]["read_stale_at"] == ["f.py:9"]
+
+
+MODULE_CODE = """
+import torch, sanitizer
+sanitizer.enable(triage=1, halt_on_error=0)
+ring = sanitizer.StagingRing(4 * 1024, name="r")
+cache = {}
+for i in range(4):
+    cache[f"w.{i}"] = ring.put(f"w.{i}", torch.full((256,), float(i)))
+for i in range(4, 8):
+    cache[f"w.{i}"] = ring.put(f"w.{i}", torch.full((256,), float(i)))
+import json
+print(json.dumps([[r["holder"]["stored_at"], r["holder"].get("stored_candidates")] for r in sanitizer.retentions()]))
+"""
+
+
+@pytest.mark.slow
+def test_module_level_store_at_the_lend_line_is_that_line(tmp_path):
+    """Module-level code that lends inside the statement that stores (``cache[k] = ring.put(...)``) stored
+    the view at that line, not "one of" every line storing into ``cache``."""
+    import json
+    import subprocess
+
+    script = tmp_path / "load.py"
+    script.write_text(MODULE_CODE)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    stored = json.loads(out.stdout.strip().splitlines()[-1])
+    assert stored and all(at["line"] == 7 and not candidates for at, candidates in stored), stored
