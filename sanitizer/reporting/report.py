@@ -110,17 +110,18 @@ def _every_holder(retention: Dict[str, Any]) -> List[Dict[str, Any]]:
 
 
 def _read_through(retention: Dict[str, Any], holders: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
-    """The holder a stale read of the retained view came through: what held it at the read when that was
-    named apart (``holder_at_read``: the caller's copy of a returned local, a module's parameter), else the
-    first holder; None when it was not read stale."""
+    """The holder a stale read of the retained view came through: the one of its holders that still held it
+    at the read, when that was named apart (``holder_at_read``: the caller's copy of a returned local);
+    else the first holder. Something named only at the read (the reading loop's own variable over deferred
+    calls popped from their list) is the reader, not a consumer: the read counts for the consumer that
+    kept the view. None when it was not read stale."""
     if not retention.get("used_stale"):
         return None
     at_read = retention.get("holder_at_read")
     if at_read and at_read.get("consumer"):
         for h in holders:
-            if h.get("consumer") == at_read["consumer"] and h.get("path") == at_read.get("path"):
+            if h.get("consumer") == at_read["consumer"]:
                 return h
-        return at_read
     return holders[0]
 
 
@@ -181,8 +182,6 @@ def summarize(rep: Dict[str, Any], pending: int = 0) -> Dict[str, Any]:
         _add_to_group(groups, e, holders[0], stale=through is holders[0])
         for other in holders[1:]:  # the other consumers holding the same view: listed, not counted again
             _add_to_group(groups, e, other, also=True, stale=through is other)
-        if through is not None and all(through is not h for h in holders):  # named only at the read
-            _add_to_group(groups, e, through, also=True, stale=True)
     # Counted consumers first, biggest first; then those only seen holding views another consumer is
     # counted for (a view kept in two places: both need the fix, the retention counts once).
     consumers = sorted(groups.values(), key=lambda g: (not g["count"], -g["bytes"], -g["count"], -g["_also"],

@@ -143,6 +143,10 @@ def test_a_stale_read_is_credited_to_the_holder_it_came_through():
     groups = {g["consumer"]: g for g in summarize(rep)["retaining_consumers"]}
     assert groups["m.A[*]"]["used_stale"] == 1 and groups["m.B[*]"]["used_stale"] == 1
     assert groups["m.B[*]"]["read_stale_at"] == ["f.py:9"]
+    # named only at the read (a reading loop's variable): the reader; the read counts for the keeper
+    rep = {"events": [_retention("w0", "m.A[0]", stale=True, at_read="m.call[0]")], "error_count": 0}
+    groups = {g["consumer"]: g for g in summarize(rep)["retaining_consumers"]}
+    assert list(groups) == ["m.A[*]"] and groups["m.A[*]"]["used_stale"] == 1
 
 
 MODULE_CODE = """
