@@ -13,6 +13,7 @@ from typing import Any, Dict, Optional, Tuple
 _NUMBER = re.compile(r"\d+")
 _MODULE_DICTS = ("_parameters", "_buffers")  # where torch.nn.Module keeps what reads as module.name
 _CLOSURE_VARIABLE = re.compile(r"\(variable '([A-Za-z_]\w*)'\)")
+_CLOSURE_FACTORY = re.compile(r"^closure of ([\w.]+?)\.<locals>\.")  # closure of make_loader.<locals>.replay
 _FIRST_ATTR = re.compile(r"^[\w.<>]*?\.([A-Za-z_]\w*)(?:\[|\.|$)")  # Type.attr[...] -> attr (a path not followable)
 
 
@@ -65,6 +66,12 @@ class Holder:
             out["counted"] = True
         return out
 
+    def closure_binding(self) -> Optional[Tuple[str, str, bool]]:
+        """A closure's variable, as a name bound in the function that made it (when its factory is the
+        function that lent the view: no call of the factory stored it)."""
+        found = _CLOSURE_VARIABLE.search(self.path) if self.kind == "closure" else None
+        return ("name", found.group(1), self.path.rstrip(")").endswith("]")) if found else None
+
     def store_target(self) -> Optional[Tuple[str, str, bool]]:
         """What the storing statement writes into (see :mod:`sanitizer.features.store_site`): the first
         attribute or name of the path, or the function a partial wraps, and whether the view sits in a
@@ -85,9 +92,11 @@ class Holder:
                 break
         if self.kind == "partial" and self.path.startswith("partial(") and ")" in self.path:
             return ("partial", self.path[len("partial("):self.path.index(")")].rsplit(".", 1)[-1], False)
-        found = _CLOSURE_VARIABLE.search(self.path) if self.kind == "closure" else None
-        if found:
-            return ("name", found.group(1), self.path.rstrip(")").endswith("]"))
+        if self.kind == "closure":
+            factory = _CLOSURE_FACTORY.match(self.path)
+            if factory:  # the closure was made by a call of its factory: that call stored the view in it
+                return ("call", factory.group(1), False)
+            return self.closure_binding()
         if self.kind in ("object", "class", "global"):
             found = _FIRST_ATTR.match(self.path)
             if found:

@@ -24,7 +24,7 @@ from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 from sanitizer.core.sites import Site, is_internal_file, line_of, torch_dir
 
-Target = Tuple[str, str]  # ("attr", name) | ("name", name) | ("partial", function name)
+Target = Tuple[str, str]  # ("attr", name) | ("name", name) | ("partial", function name) | ("call", factory name)
 Wanted = Tuple[str, str, bool]  # a target, and whether the view sits in a container below it
 _MUTATORS = frozenset({"append", "extend", "insert", "add", "update", "setdefault", "appendleft", "extendleft",
                        "put", "put_nowait", "__setitem__"})
@@ -176,10 +176,15 @@ def _targets_of(node: ast.AST) -> List[Tuple[Target, bool]]:
             attr = node.args[1]  # setattr(module, name, param): a parameter set by name
             out.append((("attr", attr.value if isinstance(attr, ast.Constant) and isinstance(attr.value, str)
                          else "*"), False))
+        if name == "load_state_dict" and any(k.arg == "assign" and isinstance(k.value, ast.Constant)
+                                             and k.value.value is True for k in node.keywords):
+            out.append((("attr", "*"), False))  # module.load_state_dict(sd, assign=True): parameters set by name
         if name in ("register_parameter", "register_buffer") and len(node.args) >= 2:
             attr = node.args[0]
             out.append((("attr", attr.value if isinstance(attr, ast.Constant) and isinstance(attr.value, str)
                          else "*"), False))
+        if name and (node.args or node.keywords):  # a call that may build a closure over its arguments
+            out.append((("call", name), False))
         if name == "partial" and node.args:
             fn = node.args[0]
             fn_name = fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else None
@@ -265,16 +270,32 @@ _found: Dict[tuple, Optional[dict]] = {}  # (wanted, lend site, holder file) -> 
 
 def _stored_at(wanted: Wanted, lent_from: Site, holder_site: Optional[dict], held: Optional[str]) -> Optional[dict]:
     target, into = (wanted[0], wanted[1]), wanted[2]
+    if target[0] == "call":  # a closure, made by a call of its factory (given by its qualified name)
+        if any(getattr(code, "co_qualname", code.co_name) == target[1] for code, _ in lent_from or ()):
+            return None  # made inside the lending code itself: no call of it stored the view
+        target = ("call", target[1].rsplit(".", 1)[-1])
     # The kind of store the path implies first (an append for a view inside a container, the binding for
     # one held by the name itself), then the other (a container literal bound with the view in it); an
     # attribute set by a name only known at run time (``setattr(module, name, param)``) last.
+    first = None
     for strict, by_name in ((True, False), (False, False), (False, True)):
         if by_name and target[0] != "attr":
             break
         found = _find(("attr", "*") if by_name else target, into, strict, lent_from, holder_site, held)
-        if found is not None:
+        if found is None:
+            continue
+        if not found.pop("_before", False):
+            if found.get("candidates") and target[0] == "attr" and not by_name:  # not known which: the
+                more = _find(("attr", "*"), into, False, lent_from, holder_site, held)  # by-name ones too
+                if more is not None and not more.pop("_before", False):
+                    seen = {c["line"] for c in found["candidates"]}
+                    found["candidates"] += [c for c in more.get("candidates") or [dict(more)] if c["line"] not in seen]
             return found
-    return None
+        # Every such statement of the lending function comes before the lend: the view was stored by
+        # another kind of statement after it, if there is one (load_state_dict(..., assign=True) after
+        # setattr lines of other parameters).
+        first = first or found
+    return first
 
 
 def _plumbing(path: str) -> bool:
@@ -286,7 +307,7 @@ def _plumbing(path: str) -> bool:
 def _find(target: Target, into: bool, strict: bool, lent_from: Site, holder_site: Optional[dict],
           held: Optional[str]) -> Optional[dict]:
     def matches(t: Target, kind: bool) -> bool:
-        return t == target and (not strict or kind == into or target[0] == "partial")
+        return t == target and (not strict or kind == into or target[0] in ("partial", "call"))
 
     frames = [(code, line_of(code, lasti)) for code, lasti in lent_from or () if not _plumbing(code.co_filename)]
     for code, line in frames:  # the innermost function on the lend stack that stores into the target
@@ -323,8 +344,11 @@ def _choose(inside: List[Tuple[int, int, FrozenSet[str]]], line: int, held: Opti
         return _frame(path, line, function)
     after = [ln for ln in fit if ln >= line]
     out = _frame(path, min(after) if after else max(fit), function)
-    if len(fit) > 1:
-        out["candidates"] = [_frame(path, ln, function) for ln in fit[:8]]
+    if not after:
+        out["_before"] = True  # (a loop's earlier line, or another kind of statement after the lend)
+    among = after or fit  # a statement after the lend stored it, if any does
+    if len(among) > 1:
+        out["candidates"] = [_frame(path, ln, function) for ln in among[:8]]
     return out
 
 

@@ -95,6 +95,9 @@ class _Pending:
     running: Tuple[frozenset, frozenset] = (frozenset(), frozenset())  # (frame ids, module dict ids) at the retire
     early: Optional[List[Holder]] = None  # its holders at the reuse, by a known path (the consumer's own frame alive)
     since: float = 0.0  # time.monotonic() at the retire (how long other threads have had to drop it)
+    # A container of a function running the retire (on this thread) held it after its bytes were reused:
+    # a retention even if it dies before its turn is decided (the function returned, dropping the list).
+    kept: bool = False
 
 
 def _running_code() -> Tuple[frozenset, frozenset]:
@@ -127,6 +130,14 @@ def _was_running(h: Holder, p: _Pending) -> bool:
         root = pattern[0]()
         return root is not None and id(root) in p.running[1]
     return False
+
+
+def _kept_by_running(h: Holder, running: Tuple[frozenset, frozenset]) -> bool:
+    """Was ``h`` an entry of a list, tuple or dict local to a function running on the retiring thread (the
+    consumer that is lending and keeping, not another thread tearing a list down)?"""
+    pattern = h.pattern
+    return (h.kind in ("frame", "generator") and h.frame_id is not None and h.frame_id in running[0]
+            and pattern is not None and any(seg[0] in ("i", "k") for seg in pattern[1]))
 
 
 def _by_consumer(found: List[Holder]) -> List[Holder]:
@@ -186,6 +197,8 @@ def _holder_record(h: Holder, also: Sequence[Holder], lease: Lease, exported: Se
     fix changes), the other consumers holding the same view, the aliases of it."""
     rec = h.to_dict(lease.name)
     found = stored_at(h.store_target(), lease.site, h.site, _held_shape(h, lease))
+    if found is None and h.kind == "closure":  # made where it was lent: the binding of its variable
+        found = stored_at(h.closure_binding(), lease.site, h.site, _held_shape(h, lease))
     candidates = found.pop("candidates", None) if found else None
     rec["stored_at"] = found
     if candidates:  # several statements store into that container alike: which one did is not known
@@ -286,7 +299,8 @@ class Triage:
         self._pending: Dict[int, _Pending] = {}  # lease id -> pending retention
         self._confirmed: Dict[int, dict] = {}  # lease id -> its retention record
         self._used_stale: Set[int] = set()  # lease ids used stale (reported through the stale-use hook)
-        self._best: Dict[int, Holder] = {}  # lease id -> the holder its retention was credited to (to re-check)
+        # lease id -> the holders its retention was credited to, best first (to re-check at a stale read)
+        self._best: Dict[int, List[Holder]] = {}
         self._at_read: Dict[int, Optional[dict]] = {}  # lease id -> its holder when first read stale
         # Unnamed retentions waiting for the other threads' turn (lease id -> pending), and when each thread
         # last saw a lease of each buffer die (region id -> thread ident -> [monotonic time, its Thread];
@@ -351,6 +365,7 @@ class Triage:
                 p = self._pending[lease.lease_id] = _Pending(lease, event, region, t, self.lends,
                                                              thread, running, since=time.monotonic())
                 p.early = self._name_at_reuse(lease)
+                p.kept = any(_kept_by_running(h, running) for h in p.early or ())
                 self.log.watch(lease, region)
 
     @staticmethod
@@ -411,8 +426,11 @@ class Triage:
                 # by the replay that reads it); what holds it at this read is named for the error.
                 early = (p.early, {"when": "at-reuse", "ms": 0.0, "tensors": len(p.early), "truncated": False}) \
                     if p.early else None
-                record = self._confirm(p, used_stale=True, evidence=False, read_at=at,
-                                       named=self._still_early(p) or early)
+                named = self._still_early(p)
+                if named is not None and named[1]["when"] == "at-reuse":  # its function returned: the caller's
+                    named = self._with_current(named, self._name_cheaply(lease, False)  # copy also holds it
+                                               or self._walk([lease]).get(lid))
+                record = self._confirm(p, used_stale=True, evidence=False, read_at=at, named=named or early)
                 return self._holder_at_read(lease, record) if record else None
             record = self._confirmed.get(lid)
             if record is None:  # retired while triage was not looking (the sanitizer off): a retention now
@@ -438,8 +456,18 @@ class Triage:
         if known is not None:
             return known
         holder = record.get("holder")
-        best = self._best.get(lid)
-        still = best is not None and _reaches(best, lease)
+        credited = self._best.get(lid) or []
+        still = bool(credited) and _reaches(credited[0], lease)
+        if not still and lease.alive:  # another holder named at the retention (the caller's copy of a
+            for other in credited[1:]:  # returned local): the read came through it, no walk needed
+                if _reaches(other, lease):
+                    now = _holder_record(other, (), lease, ())
+                    if holder is not None:
+                        now["earlier"] = {k: holder[k] for k in ("kind", "path", "consumer", "stored_at")
+                                          if k in holder}
+                    records.update_event(record, holder_at_read=now)
+                    holder, still = now, True
+                    break
         if not still and lease.alive and state.options.triage_budget_ms > 0:
             found, _ = self._walk([lease]).get(lid, ([], _SKIPPED))
             found = _by_consumer([h for h in found if not h.transient] or [_promote(h) for h in found])
@@ -500,6 +528,10 @@ class Triage:
                 continue  # decided meanwhile (a walk can run a finalizer that reports)
             used = p.lease.lease_id in self._used_stale
             if not used and not p.lease.alive:  # dropped once its consumer had its turn: a loop variable
+                if p.kept:  # ... unless a running function's list or dict held it across the reuse
+                    named = (p.early, {"when": "at-reuse", "ms": 0.0, "tensors": len(p.early), "truncated": False})
+                    if self._confirm(p, False, False, named=named, died=True) is not None:
+                        continue
                 self.log.unwatch(p.lease.lease_id)
                 continue
             due.append((p, used, final and p.lends >= self.lends and not used))
@@ -550,9 +582,9 @@ class Triage:
         return early[0] + [h for h in kept if h.consumer not in mine], early[1]
 
     def _confirm(self, p: _Pending, used_stale: bool, evidence: bool, read_at: Optional[dict] = None,
-                 named: Optional[Tuple[List[Holder], Dict[str, Any]]] = None) -> Optional[dict]:
+                 named: Optional[Tuple[List[Holder], Dict[str, Any]]] = None, died: bool = False) -> Optional[dict]:
         """(Under the lock.) Name the holder of a confirmed retention (unless ``named`` already) and record it
-        (None: no evidence)."""
+        (None: no evidence). ``died``: it is a retention though it is dead by now (``_Pending.kept``)."""
         lease = p.lease
         if named is None:
             named = self._name_cheaply(lease, evidence) or self._walk([lease]).get(lease.lease_id, ([], _SKIPPED))
@@ -567,7 +599,7 @@ class Triage:
         found = _by_consumer(found)
         best = found[0] if found else None
         built = self._record(p, found, walk, used_stale, read_at)
-        if not used_stale and not lease.alive:
+        if not used_stale and not lease.alive and not died:
             # It died while it was being decided (the walk runs for milliseconds, and other threads run
             # meanwhile): its consumer was dropping it, e.g. a list of views cleared while another thread
             # reused their bytes. Nobody kept it: not a retention (this is the decision's last look).
@@ -583,7 +615,7 @@ class Triage:
         if best is not None:
             if len(self._best) >= _CONFIRMED_KEPT:
                 self._best.clear()
-            self._best[lid] = best
+            self._best[lid] = found
         self.log.retained(lease, p.event, p.t, p.region, record)
         return record
 

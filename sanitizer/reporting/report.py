@@ -78,6 +78,7 @@ def report(final: bool = False, exclude: Optional[Set[int]] = None) -> Dict[str,
         "records_dropped": counts["dropped"],
         "errors_not_kept": {"max_records": counts["errors_dropped"],
                             "max_errors_per_lease": counts["errors_over_per_lease"]},
+        "events_not_kept": {} if exclude else dict(counts.get("events_dropped") or {}),
         "errors": errors,
         "events": events,
         "retained_stale_leases": retained,
@@ -194,11 +195,14 @@ def summarize(rep: Dict[str, Any], pending: int = 0) -> Dict[str, Any]:
     counted = sum(1 for g in consumers if g["count"])
     also_only = len(consumers) - counted
     n_ret = events_by_kind.get("retention", 0)
+    ret_dropped = int((rep.get("events_not_kept") or {}).get("retention", 0) or 0)  # over max_records
     n_err = rep.get("error_count", 0)
     parts = [f"{n_err} error{'s' * (n_err != 1)}" + _kept_text(n_err, errors_by_kind, rep.get("errors_not_kept"))]
     if n_ret:
-        parts.append(f"{n_ret} retention{'s' * (n_ret != 1)} by {counted} consumer"
-                     f"{'s' * (counted != 1)} ({format_bytes(retained_bytes)})"
+        total = n_ret + ret_dropped
+        kept_note = f" ({n_ret} kept: max_records)" if ret_dropped else ""
+        parts.append(f"{total} retention{'s' * (total != 1)}{kept_note} by {counted} consumer"
+                     f"{'s' * (counted != 1)} ({format_bytes(retained_bytes)}{' kept' if ret_dropped else ''})"
                      + (f", {also_only} more holding the same views" if also_only else ""))
         top = consumers[0]
         parts.append(f"top: {top['consumer']}" + (f" at {top['stored_at'] or top['site']}"
@@ -221,6 +225,7 @@ def summarize(rep: Dict[str, Any], pending: int = 0) -> Dict[str, Any]:
         "errors_by_kind": errors_by_kind,
         "events_by_kind": events_by_kind,
         "retentions": n_ret,
+        "retentions_not_kept": ret_dropped,
         "retained_bytes": retained_bytes,
         "pending_retentions": pending,
         "retaining_consumers": consumers,
@@ -295,6 +300,10 @@ def merge(reports: Iterable[Dict[str, Any]]) -> Dict[str, Any]:
     out["records_dropped"] = sum(r.get("records_dropped", 0) for r in reports)
     out["errors_not_kept"] = {cap: sum((r.get("errors_not_kept") or {}).get(cap, 0) for r in reports)
                               for cap in ("max_records", "max_errors_per_lease")}
+    out["events_not_kept"] = {}
+    for r in reports:
+        for kind, n in (r.get("events_not_kept") or {}).items():
+            out["events_not_kept"][kind] = out["events_not_kept"].get(kind, 0) + n
     for key in ("errors", "events", "retained_stale_leases", "buffers"):
         out[key] = [_from_process(item, r) for r in reports for item in r.get(key, ())]
     out["processes"] = [{"pid": r["pid"], "rank": r.get("rank"), "world_size": r.get("world_size"),

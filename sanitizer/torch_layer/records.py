@@ -33,6 +33,7 @@ class RecordStore:
         self.over_per_lease = 0  # errors not kept: their lease had max_errors_per_lease records already
         self._per_lease: Dict[int, int] = {}  # lease id -> stale uses seen
         self._tallies: Dict[tuple, dict] = {}  # (kind, key) -> its one aggregated event, while kept
+        self.dropped_events: Dict[str, int] = {}  # kind -> events not kept (the summary counts them all)
 
     def _keep(self, records: List[dict], record: dict, cap: int) -> bool:
         """(Under the lock.) Keep ``record`` unless the total cap is reached."""
@@ -66,6 +67,8 @@ class RecordStore:
         record["kind"] = kind
         with self._lock:
             kept = self._keep(self._events, record, cap)
+            if not kept:
+                self.dropped_events[kind] = self.dropped_events.get(kind, 0) + 1
         if kept:
             for hook in HOOKS.record:
                 hook("event", record)
@@ -109,6 +112,10 @@ class RecordStore:
                 self._events[:] = [e for e in self._events if e is not record]
             else:
                 self._events[:] = [e for e in self._events if kind is not None and e.get("kind") != kind]
+                if kind is None:
+                    self.dropped_events.clear()
+                else:
+                    self.dropped_events.pop(kind, None)
             kept = {id(e) for e in self._events}
             self._tallies = {k: r for k, r in self._tallies.items() if id(r) in kept}
 
@@ -130,7 +137,8 @@ class RecordStore:
         with self._lock:
             return {"errors_seen": self.error_total, "errors_kept": len(self._errors),
                     "events_kept": len(self._events), "dropped": self.dropped,
-                    "errors_dropped": self.dropped_errors, "errors_over_per_lease": self.over_per_lease}
+                    "errors_dropped": self.dropped_errors, "errors_over_per_lease": self.over_per_lease,
+                    "events_dropped": dict(self.dropped_events)}
 
 
 STORE = RecordStore()

@@ -176,3 +176,85 @@ def test_module_level_store_at_the_lend_line_is_that_line(tmp_path):
     assert out.returncode == 0, out.stderr
     stored = json.loads(out.stdout.strip().splitlines()[-1])
     assert stored and all(at["line"] == 7 and not candidates for at, candidates in stored), stored
+
+
+def _keep_pairs(ring, n):
+    pairs = []
+    for i in range(n):
+        w = ring.put(f"layers.{i}.weight", torch.full((1024,), float(i)))
+        pairs.append((f"layers.{i}.weight", w))
+    del w
+    return len(pairs)  # the list dies here, before any later lend gives the last retention its turn
+
+
+def test_a_view_a_running_functions_list_kept_across_the_reuse_is_a_retention_though_it_dies_first():
+    """The last view put into a one-view ring is retired by the put after it while the function's local list
+    still holds it; the function returns and the list dies before any later lend: held across the reuse of
+    its bytes, so it is recorded (it was missing: a view that died before its turn read as a loop variable)."""
+    with sanitizer.sanitize(triage=1, halt_on_error=0, report=""):
+        ring = sanitizer.StagingRing(4096, name="one")
+        assert _keep_pairs(ring, 5) == 5
+        rep = sanitizer.report(final=True)
+    rets = [e for e in rep["events"] if e["kind"] == "retention"]
+    assert sorted(e["lease"]["name"] for e in rets) == [f"layers.{i}.weight" for i in range(4)]
+    assert {e["holder"]["consumer"] for e in rets} == {"local 'pairs' of _keep_pairs()[*][*]"}
+
+
+def make_replay(w):
+    def replay():
+        return float(w.sum())
+    return replay
+
+
+HOOKS: dict = {}
+
+
+def _hook_each(ring, n):
+    for i in range(n):
+        w = ring.put(f"layers.{i}.weight", torch.full((1024,), float(i)))
+        HOOKS[f"layers.{i}.weight"] = make_replay(w)  # builds the closure
+
+
+def test_a_closure_per_weight_is_stored_where_its_factory_was_called():
+    """A closure made by a factory keeps the view from the call that built it: the fix goes there
+    (``make_replay(sanitizer.own(w))``), not at the line that lent ``w``."""
+    try:
+        with sanitizer.sanitize(triage=1, halt_on_error=0, report=""):
+            ring = sanitizer.StagingRing(4096, name="one")
+            _hook_each(ring, 4)
+            rep = sanitizer.report(final=True)
+    finally:
+        HOOKS.clear()
+    rets = [e for e in rep["events"] if e["kind"] == "retention"]
+    assert len(rets) == 3
+    closures = [h for e in rets for h in [e["holder"], *e["holder"].get("also", ())] if h["kind"] == "closure"]
+    assert closures and all(h["stored_at"]["line"] == _line_of("# builds the closure") for h in closures), closures
+
+
+def _set_parameters(ring, model):
+    Parameter = torch.nn.Parameter
+    w = ring.put("0.weight", torch.full((8, 8), 1.0))
+    setattr(model[0], "weight", Parameter(w, requires_grad=False))  # SET-0
+    w = ring.put("1.weight", torch.full((8, 8), 2.0))
+    model[1].register_parameter("weight", Parameter(w, requires_grad=False))  # SET-1
+    w = ring.put("2.weight", torch.full((8, 8), 3.0))
+    model.load_state_dict({"2.weight": w}, strict=False, assign=True)  # SET-2
+    ring.put("tail", torch.zeros(8, 8))
+
+
+def test_a_parameter_is_stored_by_the_statement_after_its_lend_whatever_its_kind():
+    """Parameters set by setattr, register_parameter and load_state_dict(assign=True) one after another:
+    each view was stored by the first such statement after its lend, never by one before it; only a
+    choice between statements that both follow the lend is left open."""
+    model = torch.nn.Sequential(*(torch.nn.Linear(8, 8, bias=False) for _ in range(3)))
+    with sanitizer.sanitize(triage=1, halt_on_error=0, report=""):
+        ring = sanitizer.StagingRing(8 * 8 * 4, name="one")
+        _set_parameters(ring, model)
+        rep = sanitizer.report(final=True)
+    stored = {e["lease"]["name"]: e["holder"] for e in rep["events"] if e["kind"] == "retention"}
+    assert set(stored) == {"0.weight", "1.weight", "2.weight"}
+    assert stored["1.weight"]["stored_at"]["line"] == _line_of("# SET-1") and not stored["1.weight"].get("stored_candidates")
+    assert stored["2.weight"]["stored_at"]["line"] == _line_of("# SET-2") and not stored["2.weight"].get("stored_candidates")
+    assert stored["0.weight"]["stored_at"]["line"] == _line_of("# SET-0")
+    assert _line_of("# SET-2") in {c["line"] for c in stored["0.weight"].get("stored_candidates") or ()}
+    del model

@@ -288,3 +288,21 @@ def test_the_validator_agrees_with_jsonschema_on_generated_cases(data):
     instance = data.draw(st.one_of(_scalar, _json, *([st.sampled_from([t for _, t in near])] if near else [])),
                          label="instance")
     assert (validate(instance, schema) == []) is _official(schema).is_valid(instance), validate(instance, schema)
+
+
+def test_retentions_over_max_records_are_counted_in_the_summary_line():
+    """max_records bounds the records kept, not the count a user reads: 29 retentions with 10 kept read as
+    29, saying how many were kept (it read as 10, the rest only in records_dropped)."""
+    kept = []
+    with sanitizer.sanitize(triage=1, halt_on_error=0, report="", max_records=10):
+        ring = sanitizer.StagingRing(4096, name="capped")
+        for i in range(30):
+            kept.append(ring.put(f"w{i}", torch.ones(1024)))
+        rep = sanitizer.report(final=True)
+    assert validate(rep, R.schema()) == []
+    assert rep["events_not_kept"] == {"retention": 19}
+    assert rep["summary"]["retentions"] == 10 and rep["summary"]["retentions_not_kept"] == 19
+    assert "29 retentions (10 kept: max_records) by 1 consumer" in rep["summary"]["line"]
+    merged = R.merge([rep, copy.deepcopy(dict(rep, pid=rep["pid"] + 1))])
+    assert merged["events_not_kept"] == {"retention": 38} and "58 retentions (20 kept" in merged["summary"]["line"]
+    kept.clear()
