@@ -79,7 +79,7 @@ class Holder:
         name); None when the path says neither."""
         steps = tuple(seg for seg in (self.pattern[1] if self.pattern else ()) if seg[0] not in ("al", "x"))
         if self.kind in ("frame", "generator") and self.local:
-            return ("name", self.local, bool(steps))
+            return ("local", self.local, bool(steps))  # bound by a statement of its own function
         for i, seg in enumerate(steps):
             if (seg[0] == "a" and seg[1] in _MODULE_DICTS and i + 1 < len(steps) and steps[i + 1][0] == "k"
                     and isinstance(steps[i + 1][1], str)):

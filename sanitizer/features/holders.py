@@ -375,15 +375,20 @@ def _container_of(obj: Any) -> Optional[Tuple[Any, Tuple[Seg, ...], str]]:
     return None
 
 
-def _replay_containers(walk: _Walk, wanted: Set[int], budget: List[int]) -> None:
+def _replay_containers(walk: _Walk, wanted: Set[int], budget: List[int], also: Set[int] = frozenset()) -> None:
     """The ``wanted`` storages found under the roots a remembered container holds (see
-    :func:`learn_container`), through its index; each named at its own root."""
+    :func:`learn_container`), through its index; each named at its own root. Every container looks, and
+    for the storages ``also`` found elsewhere in this replay too: a view kept by a closure per weight and
+    a partial per weight is named at both."""
     with _patterns_lock:
         containers = list(_containers)
+    if not containers:
+        return
+    looking = set(wanted) | set(also)
     frames = None
     seen: Dict[int, Dict[str, Any]] = {}
     for getter, steps, tag, own, kind, head, site in containers:
-        if not wanted or budget[0] <= 0:
+        if not looking or budget[0] <= 0:
             break
         if isinstance(getter, FrameLocal):
             if frames is None:
@@ -395,14 +400,14 @@ def _replay_containers(walk: _Walk, wanted: Set[int], budget: List[int]) -> None
         del base
         if container is None:
             continue
-        for path, tensor in _indexed(container, tag, own, wanted, (), small_too=True):
+        for path, tensor in _indexed(container, tag, own, looking, (), small_too=True):
             try:
                 key = tensor.untyped_storage()._cdata
             except Exception:
                 continue
             new_root = _resolve_container(container, path[:1], plain=False)
             ref = _weak(new_root) if new_root is not None else None
-            if ref is None or key not in wanted:
+            if ref is None or key not in looking:
                 continue
             wanted.discard(key)
             concrete = tuple(path[1:])
@@ -582,8 +587,8 @@ def _replay(walk: _Walk, visits: int, names: Optional[Dict[int, Optional[str]]] 
                 _credit(walk, None, pattern, concrete, tensor, key)
         exact |= mine
     wanted -= exact
-    if wanted and _containers and budget[0] > 0:
-        _replay_containers(walk, wanted, budget)
+    if _containers and budget[0] > 0:
+        _replay_containers(walk, wanted, budget, also=exact)
     if not wanted:
         roots.clear()
         return
@@ -793,6 +798,11 @@ def _flat(obj: Any, segs: Tuple[Seg, ...], budget: List[int], hints: Tuple[str, 
         yield done, obj
 
 
+def _small(obj: Any) -> bool:
+    """A list, tuple or dict the replay window covers whole (one :func:`_indexed` leaves unindexed)."""
+    return (type(obj) is list or type(obj) is tuple or type(obj) is dict) and len(obj) <= _REPLAY_WINDOW
+
+
 def _hinted(obj: dict, hints: Tuple[str, ...]) -> Iterator[Tuple[str, Any]]:
     """The entries of ``obj`` under the wanted leases' own names (a consumer keeps ``params[name]``)."""
     for name in hints:
@@ -822,8 +832,9 @@ def _follow(obj: Any, segs: Tuple[Seg, ...], i: int, done: Tuple[Seg, ...],
         if seg[0] == "k" and hints and isinstance(obj, dict):
             for name, child in _hinted(obj, hints):
                 yield from _follow(child, segs, i + 1, done + (("k", name),), budget, hints, wanted, window)
-        if not window:  # the exact look-ups only
-            return
+        if not window:  # the exact look-ups only: an indexed container's index is all of it; a small one
+            if not _small(obj):  # (not indexed: ``NESTED['layer']``'s one key) is gone through, entry by entry
+                return
         children = itertools.islice(step(obj, seg), _REPLAY_WINDOW)
     else:
         children = step(obj, seg)

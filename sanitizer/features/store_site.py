@@ -20,11 +20,12 @@ import ast
 import linecache
 import os
 import threading
-from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 from sanitizer.core.sites import Site, is_internal_file, line_of, torch_dir
 
 Target = Tuple[str, str]  # ("attr", name) | ("name", name) | ("partial", function name) | ("call", factory name)
+# (a holder also asks for ("local", name): a running function's local, bound by a statement of that function)
 Wanted = Tuple[str, str, bool]  # a target, and whether the view sits in a container below it
 _MUTATORS = frozenset({"append", "extend", "insert", "add", "update", "setdefault", "appendleft", "extendleft",
                        "put", "put_nowait", "__setitem__"})
@@ -270,23 +271,28 @@ _found: Dict[tuple, Optional[dict]] = {}  # (wanted, lend site, holder file) -> 
 
 def _stored_at(wanted: Wanted, lent_from: Site, holder_site: Optional[dict], held: Optional[str]) -> Optional[dict]:
     target, into = (wanted[0], wanted[1]), wanted[2]
+    within: Optional[Tuple[str, int]] = None
     if target[0] == "call":  # a closure, made by a call of its factory (given by its qualified name)
         if any(getattr(code, "co_qualname", code.co_name) == target[1] for code, _ in lent_from or ()):
             return None  # made inside the lending code itself: no call of it stored the view
         target = ("call", target[1].rsplit(".", 1)[-1])
+    elif target[0] == "local":  # a running function's local: only that function's statements bind it
+        target = ("name", target[1])
+        if holder_site and holder_site.get("file") and holder_site.get("line"):
+            within = (holder_site["file"], int(holder_site["line"]))
     # The kind of store the path implies first (an append for a view inside a container, the binding for
     # one held by the name itself), then the other (a container literal bound with the view in it); an
     # attribute set by a name only known at run time (``setattr(module, name, param)``) last.
+    kinds = [(True, False), (False, False)] + ([(False, True)] if target[0] == "attr" else [])
+    frames = [(code, line_of(code, lasti)) for code, lasti in lent_from or () if not _plumbing(code.co_filename)]
     first = None
-    for strict, by_name in ((True, False), (False, False), (False, True)):
-        if by_name and target[0] != "attr":
-            break
-        found = _find(("attr", "*") if by_name else target, into, strict, lent_from, holder_site, held)
+    for strict, by_name in kinds:  # the functions of the lending stack, innermost first
+        found = _on_stack(("attr", "*") if by_name else target, into, strict, frames, held, within)
         if found is None:
             continue
         if not found.pop("_before", False):
             if found.get("candidates") and target[0] == "attr" and not by_name:  # not known which: the
-                more = _find(("attr", "*"), into, False, lent_from, holder_site, held)  # by-name ones too
+                more = _on_stack(("attr", "*"), into, False, frames, held, within)  # by-name ones too
                 if more is not None and not more.pop("_before", False):
                     seen = {c["line"] for c in found["candidates"]}
                     found["candidates"] += [c for c in more.get("candidates") or [dict(more)] if c["line"] not in seen]
@@ -295,7 +301,19 @@ def _stored_at(wanted: Wanted, lent_from: Site, holder_site: Optional[dict], hel
         # another kind of statement after it, if there is one (load_state_dict(..., assign=True) after
         # setattr lines of other parameters).
         first = first or found
-    return first
+    if first is not None:
+        return first
+    # Else the files of that stack and the holder's, innermost first, every kind of statement in each
+    # before the next file: the loader's own ``setattr(module, name, param)`` before an unrelated
+    # ``old.weight = new.weight`` in a file further out.
+    files = [within[0]] if within else _unique([code.co_filename for code, _ in frames]
+                                               + [(holder_site or {}).get("file")])
+    for path in files:
+        for strict, by_name in kinds:
+            found = _in_file(path, ("attr", "*") if by_name else target, into, strict, within)
+            if found is not None:
+                return found
+    return None
 
 
 def _plumbing(path: str) -> bool:
@@ -304,32 +322,45 @@ def _plumbing(path: str) -> bool:
     return is_internal_file(path) or bool(tdir and path.startswith(tdir))
 
 
-def _find(target: Target, into: bool, strict: bool, lent_from: Site, holder_site: Optional[dict],
-          held: Optional[str]) -> Optional[dict]:
-    def matches(t: Target, kind: bool) -> bool:
-        return t == target and (not strict or kind == into or target[0] in ("partial", "call"))
+def _matches(target: Target, into: bool, strict: bool, t: Target, kind: bool) -> bool:
+    return t == target and (not strict or kind == into or target[0] in ("partial", "call"))
 
-    frames = [(code, line_of(code, lasti)) for code, lasti in lent_from or () if not _plumbing(code.co_filename)]
-    for code, line in frames:  # the innermost function on the lend stack that stores into the target
+
+def _inside(span: Tuple[int, int], within: Optional[Tuple[str, int]]) -> bool:
+    """Is a statement of the function ``span`` a statement of the function holding ``within``'s line?"""
+    return within is None or (span[0] != 0 and span[0] <= within[1] <= span[1])
+
+
+def _on_stack(target: Target, into: bool, strict: bool, frames: List[Tuple[Any, int]], held: Optional[str],
+              within: Optional[Tuple[str, int]]) -> Optional[dict]:
+    """The innermost function on the lend stack that stores into the target, and which of its statements."""
+    for code, line in frames:
+        if within is not None and code.co_filename != within[0]:
+            continue
         index = _index(code.co_filename)
         if index is None:
             continue
         first = 0 if code.co_name == "<module>" else code.co_firstlineno  # (module level: span 0)
         inside = [(ln, col, shapes) for ln, col, t, kind, span, shapes in index.stores
-                  if matches(t, kind) and span[0] == first]
+                  if _matches(target, into, strict, t, kind) and span[0] == first and _inside(span, within)]
         if inside:
             return _choose(inside, line, held, code.co_filename, getattr(code, "co_qualname", code.co_name))
-    files = _unique([code.co_filename for code, _ in frames] + [(holder_site or {}).get("file")])
-    for path in files:  # else the files of that stack and of the holder's class
-        index = _index(path)
-        hits = sorted((ln, col, span) for ln, col, t, kind, span, _ in (index.stores if index else ())
-                      if matches(t, kind))
-        if hits:
-            out = _frame(path, hits[0][0], _function_at(path, hits[0][2]))
-            if len(hits) > 1:
-                out["candidates"] = [_frame(path, ln, _function_at(path, span)) for ln, _, span in hits[:8]]
-            return out
     return None
+
+
+def _in_file(path: Optional[str], target: Target, into: bool, strict: bool,
+             within: Optional[Tuple[str, int]]) -> Optional[dict]:
+    """The statements of one file that store into the target (of the holder's function, ``within``):
+    a guess from the source alone, so more than one is always a list of candidates."""
+    index = _index(path) if path else None
+    hits = sorted((ln, col, span) for ln, col, t, kind, span, _ in (index.stores if index else ())
+                  if _matches(target, into, strict, t, kind) and _inside(span, within))
+    if not hits:
+        return None
+    out = _frame(path, hits[0][0], _function_at(path, hits[0][2]))
+    if len(hits) > 1:
+        out["candidates"] = [_frame(path, ln, _function_at(path, span)) for ln, _, span in hits[:8]]
+    return out
 
 
 def _choose(inside: List[Tuple[int, int, FrozenSet[str]]], line: int, held: Optional[str], path: str,

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import os
 import sys
+import sysconfig
 import threading
 import time
 from dataclasses import dataclass
@@ -147,6 +148,7 @@ def _by_consumer(found: List[Holder]) -> List[Holder]:
     if len(found) == 1:  # the common case (a ring load: every view kept in one place), nothing to rank
         return list(found)
     found = [h for h in found if not h.detour] or found
+    found = [h for h in found if not _in_transit(h)] or found
     found = _without_readers(found)
     out: Dict[str, Holder] = {}
     # Rank, then the consumer's text: the same program names the same holder first every run, whether
@@ -156,6 +158,23 @@ def _by_consumer(found: List[Holder]) -> List[Holder]:
                                           h.consumer)):
         out.setdefault(h.consumer, h)
     return list(out.values())
+
+
+_COMPREHENSIONS = ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>")
+_STDLIB_DIR = sysconfig.get_paths().get("stdlib") or ""
+
+
+def _in_transit(h: Holder) -> bool:
+    """A holder nobody fixes: a running comprehension's variable (it reads what it iterates), or a local of
+    the standard library's own code (``concurrent.futures``' work item carrying a result to its Future).
+    Named only when nothing else holds the view; never beside a holder in the user's or a library's code."""
+    if h.kind not in ("frame", "generator"):
+        return False
+    site = h.site or {}
+    if (site.get("function") or "").rsplit(".", 1)[-1] in _COMPREHENSIONS:
+        return True
+    path = site.get("file") or ""
+    return bool(_STDLIB_DIR) and path.startswith(_STDLIB_DIR + os.sep) and "-packages" + os.sep not in path
 
 
 def _bare_name(h: Holder) -> bool:
@@ -170,9 +189,16 @@ def _without_readers(found: List[Holder]) -> List[Holder]:
     """Drop a bare name (a local or a global, no container below it) bound to the very tensor another holder
     keeps in a container or an attribute: ``for old in self.cache.values(): float(old.sum())`` leaves
     ``old`` on a cached view; it reads what the cache holds, and owning the tensor where the cache stores
-    it fixes both, so it is not a consumer of its own."""
+    it fixes both, so it is not a consumer of its own. A function's bare local is dropped beside such a
+    holder whatever tensor of the view it is bound to (``param`` before ``setattr(module, name,
+    Parameter(param))``: the loop variable of a loader that hands each view on); a module global only when
+    it is that very tensor (module code may mean to keep it)."""
     bare = [h for h in found if _bare_name(h)]
     if not bare or len(bare) == len(found):
+        return found
+    found = [h for h in found if not (_bare_name(h) and h.kind in ("frame", "generator"))]
+    bare = [h for h in found if _bare_name(h)]
+    if not bare:
         return found
     kept_objects = set()
     for h in found:
@@ -667,8 +693,8 @@ class Triage:
         for h in reversed(found):  # the best last: remembered paths are tried newest first
             if h.rank < 2 and h.kind != "unknown":
                 _holders.remember(h)
-        if found:  # a root made per view (a partial per weight): remember the container that keeps them
-            _holders.learn_container(found[0])
+        for h in found[:4]:  # a root made per view (a partial per weight): remember the container keeping them
+            _holders.learn_container(h)
 
     @staticmethod
     def _record(p: _Pending, found: List[Holder], walk: Dict[str, Any], used_stale: bool,

@@ -105,9 +105,22 @@ def _kept_text(total: int, by_kind: Dict[str, int], not_kept: Optional[Dict[str,
 
 
 def _every_holder(retention: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """The retention's holder and every other consumer that held the same view (at least one entry)."""
+    """The retention's holder and every other consumer that held the same view (at least one entry). A
+    holder the retention could not name (``unknown``: a comprehension building its list, a view's base)
+    gives way to what held the view when it was read stale, when that was named (``Embedding.weight``):
+    the table and the error then name the same consumer."""
     holder = retention.get("holder") or {}
+    at_read = retention.get("holder_at_read")
+    if _in_flight(holder) and at_read and not _in_flight(at_read):
+        return [at_read, *(holder.get("also") or ())]
     return [holder, *(holder.get("also") or ())]
+
+
+def _in_flight(holder: Dict[str, Any]) -> bool:
+    """A holder that only carried the view at its reuse: none named, or a Future's result on its way to
+    the consumer (a loader's thread pool: which one holds a view at the reuse is a matter of timing, what
+    it was read through is not)."""
+    return holder.get("kind") in (None, "unknown") or str(holder.get("path") or "").endswith("._result")
 
 
 def _read_through(retention: Dict[str, Any], holders: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:

@@ -258,3 +258,147 @@ def test_a_parameter_is_stored_by_the_statement_after_its_lend_whatever_its_kind
     assert stored["0.weight"]["stored_at"]["line"] == _line_of("# SET-0")
     assert _line_of("# SET-2") in {c["line"] for c in stored["0.weight"].get("stored_candidates") or ()}
     del model
+
+
+THUNKS: list = []
+
+
+def _apply(w):
+    return float(w.sum())
+
+
+def _hook_and_defer(ring, n):
+    import functools
+
+    for i in range(n):
+        w = ring.put(f"layers.{i}.weight", torch.full((1024,), float(i)))
+        HOOKS[f"layers.{i}.weight"] = make_replay(w)
+        THUNKS.append(functools.partial(_apply, w))
+
+
+def test_a_view_kept_by_a_closure_and_a_partial_per_weight_names_both_for_every_view():
+    """Each view is kept by a closure (in a dict) and a partial (in a list): both consumers are named for
+    every retention, those named through a learned container as well as the walked first one."""
+    try:
+        with sanitizer.sanitize(triage=1, halt_on_error=0, report=""):
+            ring = sanitizer.StagingRing(4096, name="one")
+            _hook_and_defer(ring, 8)
+            rep = sanitizer.report(final=True)
+    finally:
+        HOOKS.clear()
+        THUNKS.clear()
+    rets = [e for e in rep["events"] if e["kind"] == "retention"]
+    assert len(rets) == 7
+    for e in rets:
+        kinds = sorted(h["kind"] for h in e["holders"])
+        assert kinds == ["closure", "partial"], (e["lease"]["name"], [h["path"] for h in e["holders"]])
+
+
+def test_an_unnamed_retention_read_through_a_named_holder_is_counted_for_it():
+    """The retention's holder was unknown (the walk found nothing nameable); at the stale read the view
+    was held by ``Embedding.weight``: the table counts it there, as the error says."""
+    unknown = {"kind": "unknown", "path": "<held where Python cannot see>", "consumer": "<held where Python cannot see>"}
+    at_read = {"kind": "object", "path": "Embedding.weight", "consumer": "Embedding.weight", "site": None}
+    e = {"kind": "retention", "lease": {"name": "emb", "nbytes": 4}, "holder": unknown, "used_stale": True,
+         "holder_at_read": at_read, "read_stale_at": {"file": "m.py", "line": 3, "function": "f"}}
+    groups = summarize({"events": [e], "error_count": 1})["retaining_consumers"]
+    assert [(g["consumer"], g["count"], g["used_stale"]) for g in groups] == [("Embedding.weight", 1, 1)]
+
+
+def test_a_comprehension_or_standard_library_local_is_not_listed_beside_a_real_holder():
+    """A running list comprehension's variable and a ``concurrent.futures`` work item carrying the view to
+    its Future are in transit: listed only when nothing else holds the view."""
+    from sanitizer.features.holder import Holder
+    import concurrent.futures.thread as cft
+
+    keeper = Holder("global", "m.KEPT[0]", {"file": "m.py", "line": 1, "function": "<module>"})
+    comp = Holder("frame", "local 'x' of f.<locals>.<listcomp>()", {"file": "m.py", "line": 4,
+                                                                     "function": "f.<locals>.<listcomp>"})
+    work = Holder("frame", "local 'result' of _WorkItem.run()", {"file": cft.__file__, "line": 58,
+                                                                 "function": "_WorkItem.run"})
+    assert triage._by_consumer([work, comp, keeper]) == [keeper]
+    assert triage._by_consumer([work]) == [work]
+
+
+def _fill_elsewhere():
+    tensors = {}
+    tensors["x"] = torch.zeros(1)  # ANOTHER FUNCTION'S STORE
+    return tensors
+
+
+def _collect_from(views, n, done):
+    tensors = {}
+    for _ in range(n):
+        name, view = views.get(timeout=30)
+        tensors[name] = view  # COLLECT-STORE
+    done.wait(30)
+    tensors.clear()
+
+
+def test_a_local_lent_on_another_thread_is_stored_by_a_statement_of_its_own_function():
+    """The views are lent on a loader thread and kept in a local dict of the consumer's function, which is
+    not on the lend stack: the storing line is searched in that function only, not in every function of
+    the file that binds a local of the same name."""
+    import queue
+
+    views, done = queue.Queue(), threading.Event()
+    with sanitizer.sanitize(triage=1, halt_on_error=0, report=""):
+        ring = sanitizer.StagingRing(4096, name="one")
+        consumer = threading.Thread(target=_collect_from, args=(views, 4, done))
+        consumer.start()
+        try:
+            def lend():
+                for i in range(4):
+                    views.put((f"w{i}", ring.put(f"w{i}", torch.full((1024,), float(i)))))
+            loader = threading.Thread(target=lend)
+            loader.start()
+            loader.join(30)
+            ring.put("tail", torch.zeros(1024))
+            rep = sanitizer.report(final=True)
+        finally:
+            done.set()
+            consumer.join(30)
+    holders = [e["holder"] for e in rep["events"] if e["kind"] == "retention"]
+    assert holders and all(h["consumer"] == "local 'tensors' of _collect_from()[*]" for h in holders), holders
+    assert all(h["stored_at"]["line"] == _line_of("# COLLECT-STORE") and not h.get("stored_candidates")
+               for h in holders), holders
+
+
+def test_a_loaders_bare_local_beside_the_parameter_it_was_wrapped_into_is_not_a_consumer():
+    """Another thread's function still has ``param`` bound to the view it wrapped into a module's Parameter:
+    a loop variable that handed the view on; the module is the consumer, listed alone."""
+    ready, go = threading.Event(), threading.Event()
+    model = torch.nn.Linear(32, 32, bias=False)
+
+    def set_param(ring):
+        param = ring.put("weight", torch.full((32, 32), 1.0))
+        setattr(model, "weight", torch.nn.Parameter(param, requires_grad=False))  # SET-PARAM
+        ready.set()
+        go.wait(30)
+
+    with sanitizer.sanitize(triage=1, halt_on_error=0, report=""):
+        ring = sanitizer.StagingRing(32 * 32 * 4, name="one")
+        t = threading.Thread(target=set_param, args=(ring,))
+        t.start()
+        try:
+            assert ready.wait(30)
+            ring.put("next", torch.zeros(32, 32))
+            triage.settle(final=True)
+            rets = sanitizer.retentions()
+        finally:
+            go.set()
+            t.join(30)
+    assert len(rets) == 1
+    assert [h["path"] for h in rets[0]["holders"]] == ["Linear.weight"], rets[0]["holders"]
+    del model
+
+
+def test_a_retention_carried_by_a_future_at_the_reuse_is_counted_for_what_it_was_read_through():
+    """A loader's thread pool: at the reuse the view was still a Future's result (timing decides), at the
+    stale read it was the module's parameter: counted for the parameter, the same every run."""
+    future = {"kind": "object", "path": "Renaming.collected[0][0]._result", "consumer": "Renaming.collected[*][*]._result"}
+    at_read = {"kind": "object", "path": "Embedding.weight", "consumer": "Embedding.weight", "site": None}
+    e = {"kind": "retention", "lease": {"name": "emb", "nbytes": 4}, "holder": future, "used_stale": True,
+         "holder_at_read": at_read, "read_stale_at": {"file": "m.py", "line": 3, "function": "f"}}
+    groups = summarize({"events": [e], "error_count": 1})["retaining_consumers"]
+    assert [(g["consumer"], g["count"], g["used_stale"]) for g in groups] == [("Embedding.weight", 1, 1)]
