@@ -117,10 +117,13 @@ def _every_holder(retention: Dict[str, Any]) -> List[Dict[str, Any]]:
 
 
 def _in_flight(holder: Dict[str, Any]) -> bool:
-    """A holder that only carried the view at its reuse: none named, or a Future's result on its way to
-    the consumer (a loader's thread pool: which one holds a view at the reuse is a matter of timing, what
-    it was read through is not)."""
-    return holder.get("kind") in (None, "unknown") or str(holder.get("path") or "").endswith("._result")
+    """A holder that only carried the view at its reuse: none named, a Future's result on its way to the
+    consumer, or a function's bare local (``param`` before ``setattr(module, name, Parameter(param))``).
+    With a loader's thread pool which of them holds a view at the reuse is a matter of timing; what it was
+    read stale through is not."""
+    path = str(holder.get("path") or "")
+    return (holder.get("kind") in (None, "unknown") or path.endswith("._result")
+            or (holder.get("kind") in ("frame", "generator") and path.endswith("()")))
 
 
 def _read_through(retention: Dict[str, Any], holders: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:

@@ -402,3 +402,6 @@ def test_a_retention_carried_by_a_future_at_the_reuse_is_counted_for_what_it_was
          "holder_at_read": at_read, "read_stale_at": {"file": "m.py", "line": 3, "function": "f"}}
     groups = summarize({"events": [e], "error_count": 1})["retaining_consumers"]
     assert [(g["consumer"], g["count"], g["used_stale"]) for g in groups] == [("Embedding.weight", 1, 1)]
+    bare = {"kind": "frame", "path": "local 'param' of convert()", "consumer": "local 'param' of convert()"}
+    groups = summarize({"events": [dict(e, holder=bare)], "error_count": 1})["retaining_consumers"]
+    assert [(g["consumer"], g["count"], g["used_stale"]) for g in groups] == [("Embedding.weight", 1, 1)]
