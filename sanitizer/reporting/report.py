@@ -111,8 +111,14 @@ def _every_holder(retention: Dict[str, Any]) -> List[Dict[str, Any]]:
     the table and the error then name the same consumer."""
     holder = retention.get("holder") or {}
     at_read = retention.get("holder_at_read")
-    if _in_flight(holder) and at_read and not _in_flight(at_read):
-        return [at_read, *(holder.get("also") or ())]
+    # A function's local held it at the reuse; the view went on into an object's attribute (a module's
+    # parameter, no container: not the caller's copy of a returned dict) and was read stale through it.
+    moved_on = (holder.get("kind") in ("frame", "generator") and at_read is not None
+                and at_read.get("kind") == "object" and "[" not in str(at_read.get("path") or "")
+                and all(h.get("consumer") != at_read.get("consumer") for h in (holder, *(holder.get("also") or ()))))
+    if (_in_flight(holder) or moved_on) and at_read and not _in_flight(at_read):
+        return [at_read, *(h for h in holder.get("also") or () if not _in_flight(h) and
+                           h.get("consumer") != at_read.get("consumer"))]
     return [holder, *(holder.get("also") or ())]
 
 

@@ -405,3 +405,14 @@ def test_a_retention_carried_by_a_future_at_the_reuse_is_counted_for_what_it_was
     bare = {"kind": "frame", "path": "local 'param' of convert()", "consumer": "local 'param' of convert()"}
     groups = summarize({"events": [dict(e, holder=bare)], "error_count": 1})["retaining_consumers"]
     assert [(g["consumer"], g["count"], g["used_stale"]) for g in groups] == [("Embedding.weight", 1, 1)]
+    two = dict(bare, also=[{"kind": "frame", "path": "local 'v' of set_param()", "consumer": "local 'v' of set_param()"}])
+    groups = summarize({"events": [dict(e, holder=two)], "error_count": 1})["retaining_consumers"]
+    assert [(g["consumer"], g["count"], g["used_stale"]) for g in groups] == [("Embedding.weight", 1, 1)]
+    # a function's local list held it at the reuse, the view went on into a parameter it was read through
+    local = {"kind": "frame", "path": "local 'collected' of convert()[0][0]", "consumer": "local 'collected' of convert()[*][*]"}
+    groups = summarize({"events": [dict(e, holder=local)], "error_count": 1})["retaining_consumers"]
+    assert [(g["consumer"], g["count"], g["used_stale"]) for g in groups] == [("Embedding.weight", 1, 1)]
+    # ... but a returned local dict read through the caller's copy of it stays the local's
+    sd = {"kind": "global", "path": "m.sd['emb']", "consumer": "m.sd[*]", "site": None}
+    groups = summarize({"events": [dict(e, holder=local, holder_at_read=sd)], "error_count": 1})["retaining_consumers"]
+    assert [(g["consumer"], g["count"]) for g in groups] == [("local 'collected' of convert()[*][*]", 1)]
