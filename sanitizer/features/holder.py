@@ -83,7 +83,7 @@ class Holder:
         for i, seg in enumerate(steps):
             if (seg[0] == "a" and seg[1] in _MODULE_DICTS and i + 1 < len(steps) and steps[i + 1][0] == "k"
                     and isinstance(steps[i + 1][1], str)):
-                return ("attr", steps[i + 1][1], i + 2 < len(steps))  # module._parameters['weight']: module.weight
+                return ("param", steps[i + 1][1], i + 2 < len(steps))  # module._parameters['weight']: module.weight
             if seg[0] in ("a", "ca"):
                 return ("attr", seg[1], i + 1 < len(steps))
             if seg[0] in ("g", "l"):

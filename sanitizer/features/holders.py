@@ -443,12 +443,13 @@ def in_running_locals(wanted: Dict[int, Optional[str]], start: Optional[types.Fr
     try:
         while frame is not None and left and seen < _RUNNING_FRAMES and budget[0] > 0:
             code = frame.f_code
-            if code.co_flags & CO_OPTIMIZED and not internal(code) and not code.co_filename.startswith(torch_dir()):
+            if _user_function(code):
                 seen += 1
                 for name, value in locals_of(frame).items():
                     if type(value) not in (list, tuple, dict) or not value:
                         continue
-                    for concrete, tensor in _newest_entries(value, hints, budget):
+                    budget[0] -= 1
+                    for concrete, tensor in _local_entries(value, left, budget):
                         try:
                             key = tensor.untyped_storage()._cdata
                         except Exception:
@@ -475,34 +476,37 @@ def in_running_locals(wanted: Dict[int, Optional[str]], start: Optional[types.Fr
     return walk.result
 
 
-def _newest_entries(obj: Any, hints: Tuple[str, ...], budget: List[int]) -> Iterator[Tuple[Tuple[Seg, ...], Any]]:
-    """Tensors in a local container where a consumer puts what it keeps: under the wanted leases' own names
-    (a dict), then the newest entries, and the items of an entry that is itself a short list or tuple (a
-    list of ``(name, view)`` pairs); ``(concrete steps, tensor)``, within ``budget`` entries."""
-    tensor = torch.Tensor
-    if type(obj) is dict:
-        for name, child in _hinted(obj, hints):
-            budget[0] -= 1
-            if isinstance(child, tensor):
-                yield (("k", name),), child
-        try:
-            entries = [(("k", k), v) for k, v in itertools.islice(reversed(obj.items()), _REPLAY_WINDOW)]
-        except RuntimeError:  # changed under us (another thread)
-            return
-    else:
-        n = len(obj)
-        entries = [(("i", i), obj[i]) for i in range(n - 1, max(-1, n - 1 - _REPLAY_WINDOW), -1)]
-    for seg, child in entries:
-        if budget[0] <= 0:
-            return
-        budget[0] -= 1
-        if isinstance(child, tensor):
-            yield (seg,), child
-        elif (type(child) is tuple or type(child) is list) and len(child) <= 8:
-            for i, item in enumerate(child):
-                if isinstance(item, tensor):
-                    budget[0] -= 1
-                    yield (seg, ("i", i)), item
+_USER_CODE: Dict[Any, bool] = {}  # code object -> a function of the user's (not ours, not torch's)
+
+
+def _user_function(code: types.CodeType) -> bool:
+    """Is ``code`` a function (not module code) of neither ours nor torch's? Remembered per code object:
+    a retire asks it of every frame above it."""
+    known = _USER_CODE.get(code)
+    if known is None:
+        if len(_USER_CODE) > 4096:
+            _USER_CODE.clear()
+        known = _USER_CODE[code] = bool(code.co_flags & CO_OPTIMIZED) and not internal(code) \
+            and not code.co_filename.startswith(torch_dir())
+    return known
+
+
+def _local_entries(obj: Any, wanted: Set[int], budget: List[int]) -> List[Tuple[Tuple[Seg, ...], Any]]:
+    """The ``wanted`` storages in a local container: its entries, or the items of its entries when they are
+    short lists or tuples (a list of ``(name, view)`` pairs), ``(concrete steps, tensor)``. Through the
+    container's index (:class:`_Index`): a retire looks at the entries added since the last look, so a
+    function that keeps a dict of 1,000 owned tensors beside its loop pays for them once, not at every
+    put. A container too long to index whole within the budget is left to the later walk."""
+    is_list = type(obj) is not dict
+    if len(obj) > budget[0]:
+        return []
+    rest: Tuple[Seg, ...] = ()
+    if is_list:
+        last = obj[-1]
+        if (type(last) is tuple or type(last) is list) and len(last) <= 8:
+            rest = (("i",),)
+    budget[0] -= 1
+    return _indexed(obj, "i" if is_list else "k", rest, wanted, (), small_too=True)
 
 
 def _resolve_container(obj: Any, steps: Tuple[Seg, ...], plain: bool = True) -> Optional[Any]:
@@ -678,7 +682,7 @@ class _Index:
         self.where: Dict[int, Tuple[Seg, ...]] = {}
 
 
-_INDEXES_KEPT = 64
+_INDEXES_KEPT = 256  # (the local containers of running functions have theirs too)
 _INDEX_ENTRY_VISITS = 256  # objects the path below one entry may visit when the entry is indexed
 _indexes: Dict[Tuple[int, Tuple[Seg, ...]], _Index] = {}  # (id(container), the steps below it) -> its index
 _indexes_lock = threading.Lock()

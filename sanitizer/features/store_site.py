@@ -25,7 +25,8 @@ from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tup
 from sanitizer.core.sites import Site, is_internal_file, line_of, torch_dir
 
 Target = Tuple[str, str]  # ("attr", name) | ("name", name) | ("partial", function name) | ("call", factory name)
-# (a holder also asks for ("local", name): a running function's local, bound by a statement of that function)
+# (a holder also asks for ("local", name): a running function's local, bound by a statement of that function;
+# and ("param", name): a module's parameter or buffer, an attribute set by name as often as not)
 Wanted = Tuple[str, str, bool]  # a target, and whether the view sits in a container below it
 _MUTATORS = frozenset({"append", "extend", "insert", "add", "update", "setdefault", "appendleft", "extendleft",
                        "put", "put_nowait", "__setitem__"})
@@ -276,6 +277,9 @@ def _stored_at(wanted: Wanted, lent_from: Site, holder_site: Optional[dict], hel
         if any(getattr(code, "co_qualname", code.co_name) == target[1] for code, _ in lent_from or ()):
             return None  # made inside the lending code itself: no call of it stored the view
         target = ("call", target[1].rsplit(".", 1)[-1])
+    param = target[0] == "param"  # a module's parameter or buffer: set by name as often as by attribute
+    if param:
+        target = ("attr", target[1])
     elif target[0] == "local":  # a running function's local: only that function's statements bind it
         target = ("name", target[1])
         if holder_site and holder_site.get("file") and holder_site.get("line"):
@@ -303,16 +307,18 @@ def _stored_at(wanted: Wanted, lent_from: Site, holder_site: Optional[dict], hel
         first = first or found
     if first is not None:
         return first
-    # Else the files of that stack and the holder's, innermost first, every kind of statement in each
-    # before the next file: the loader's own ``setattr(module, name, param)`` before an unrelated
-    # ``old.weight = new.weight`` in a file further out.
+    # Else the files of that stack and the holder's, innermost first. A parameter: every kind of statement
+    # in each file before the next (the loader's own ``setattr(module, name, param)`` before an unrelated
+    # ``old.weight = new.weight`` in a file further out); any other attribute: its own name in every file
+    # first (``info.loaded_weights.append(...)``), a store by a name known only at run time last.
     files = [within[0]] if within else _unique([code.co_filename for code, _ in frames]
                                                + [(holder_site or {}).get("file")])
-    for path in files:
-        for strict, by_name in kinds:
-            found = _in_file(path, ("attr", "*") if by_name else target, into, strict, within)
-            if found is not None:
-                return found
+    order = ([(path, kind) for path in files for kind in kinds] if param else
+             [(path, kind) for kind in kinds for path in files])
+    for path, (strict, by_name) in order:
+        found = _in_file(path, ("attr", "*") if by_name else target, into, strict, within)
+        if found is not None:
+            return found
     return None
 
 

@@ -406,8 +406,8 @@ class Triage:
         names = {key: lease.name}
         found = _holders.replay({key}, names=names).holders.get(key) if _holders.has_patterns() else None
         found = [h for h in found if not h.transient] if found else None
-        if not found:
-            found = _holders.in_running_locals(names, sys._getframe(1)).holders.get(key)
+        if not found and state.options.triage:  # (triage mode only: a correct ring load whose loop variable
+            found = _holders.in_running_locals(names, sys._getframe(1)).holders.get(key)  # holds each victim pays it)
         for h in found or ():
             h.at_reuse = True
         return found or None

@@ -117,8 +117,8 @@ def _every_holder(retention: Dict[str, Any]) -> List[Dict[str, Any]]:
                 and at_read.get("kind") == "object" and "[" not in str(at_read.get("path") or "")
                 and all(h.get("consumer") != at_read.get("consumer") for h in (holder, *(holder.get("also") or ()))))
     if (_in_flight(holder) or moved_on) and at_read and not _in_flight(at_read):
-        return [at_read, *(h for h in holder.get("also") or () if not _in_flight(h) and
-                           h.get("consumer") != at_read.get("consumer"))]
+        return [at_read, *(h for h in holder.get("also") or () if not _in_flight(h) and h.get("kind") not in
+                           ("frame", "generator") and h.get("consumer") != at_read.get("consumer"))]
     return [holder, *(holder.get("also") or ())]
 
 

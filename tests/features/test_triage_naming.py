@@ -416,3 +416,8 @@ def test_a_retention_carried_by_a_future_at_the_reuse_is_counted_for_what_it_was
     sd = {"kind": "global", "path": "m.sd['emb']", "consumer": "m.sd[*]", "site": None}
     groups = summarize({"events": [dict(e, holder=local, holder_at_read=sd)], "error_count": 1})["retaining_consumers"]
     assert [(g["consumer"], g["count"]) for g in groups] == [("local 'collected' of convert()[*][*]", 1)]
+    # and a worker's local list that also held it at that moment is not listed beside the parameter
+    busy = dict(local, also=[{"kind": "frame", "path": "local 'tensors' of materialize()[0]", "consumer": "local 'tensors' of materialize()[*]"}])
+    groups = summarize({"events": [dict(e, holder=busy)], "error_count": 1})["retaining_consumers"]
+    assert [g["consumer"] for g in groups] == ["Embedding.weight"]
+

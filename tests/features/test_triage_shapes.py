@@ -94,4 +94,5 @@ def _run(shape: str) -> dict:
                                    "partial per weight"])
 def test_a_holder_is_walked_once_not_once_per_retention(shape):
     out = _run(shape)
-    assert out == {"retentions": PUTS - RING_VIEWS, "walks": 1, "misnamed": []}
+    # at most one walk: the first retention of a local list is found without one, in the running function
+    assert out["retentions"] == PUTS - RING_VIEWS and out["walks"] <= 1 and out["misnamed"] == [], out
