@@ -178,6 +178,15 @@ def test_module_level_store_at_the_lend_line_is_that_line(tmp_path):
     assert stored and all(at["line"] == 7 and not candidates for at, candidates in stored), stored
 
 
+def _one_view_ring_retentions(fill, n):
+    """The retention records of ``fill(ring, n)`` on a ring of one 4 KiB view, triage on, settled."""
+    with sanitizer.sanitize(triage=1, halt_on_error=0, report=""):
+        ring = sanitizer.StagingRing(4096, name="one")
+        fill(ring, n)
+        rep = sanitizer.report(final=True)
+    return [e for e in rep["events"] if e["kind"] == "retention"]
+
+
 def _keep_pairs(ring, n):
     pairs = []
     for i in range(n):
@@ -191,11 +200,7 @@ def test_a_view_a_running_functions_list_kept_across_the_reuse_is_a_retention_th
     """The last view put into a one-view ring is retired by the put after it while the function's local list
     still holds it; the function returns and the list dies before any later lend: held across the reuse of
     its bytes, so it is recorded (it was missing: a view that died before its turn read as a loop variable)."""
-    with sanitizer.sanitize(triage=1, halt_on_error=0, report=""):
-        ring = sanitizer.StagingRing(4096, name="one")
-        assert _keep_pairs(ring, 5) == 5
-        rep = sanitizer.report(final=True)
-    rets = [e for e in rep["events"] if e["kind"] == "retention"]
+    rets = _one_view_ring_retentions(lambda ring, n: _keep_pairs(ring, n), 5)
     assert sorted(e["lease"]["name"] for e in rets) == [f"layers.{i}.weight" for i in range(4)]
     assert {e["holder"]["consumer"] for e in rets} == {"local 'pairs' of _keep_pairs()[*][*]"}
 
@@ -219,13 +224,9 @@ def test_a_closure_per_weight_is_stored_where_its_factory_was_called():
     """A closure made by a factory keeps the view from the call that built it: the fix goes there
     (``make_replay(sanitizer.own(w))``), not at the line that lent ``w``."""
     try:
-        with sanitizer.sanitize(triage=1, halt_on_error=0, report=""):
-            ring = sanitizer.StagingRing(4096, name="one")
-            _hook_each(ring, 4)
-            rep = sanitizer.report(final=True)
+        rets = _one_view_ring_retentions(_hook_each, 4)
     finally:
         HOOKS.clear()
-    rets = [e for e in rep["events"] if e["kind"] == "retention"]
     assert len(rets) == 3
     closures = [h for e in rets for h in [e["holder"], *e["holder"].get("also", ())] if h["kind"] == "closure"]
     assert closures and all(h["stored_at"]["line"] == _line_of("# builds the closure") for h in closures), closures
@@ -280,29 +281,33 @@ def test_a_view_kept_by_a_closure_and_a_partial_per_weight_names_both_for_every_
     """Each view is kept by a closure (in a dict) and a partial (in a list): both consumers are named for
     every retention, those named through a learned container as well as the walked first one."""
     try:
-        with sanitizer.sanitize(triage=1, halt_on_error=0, report=""):
-            ring = sanitizer.StagingRing(4096, name="one")
-            _hook_and_defer(ring, 8)
-            rep = sanitizer.report(final=True)
+        rets = _one_view_ring_retentions(_hook_and_defer, 8)
     finally:
         HOOKS.clear()
         THUNKS.clear()
-    rets = [e for e in rep["events"] if e["kind"] == "retention"]
     assert len(rets) == 7
     for e in rets:
         kinds = sorted(h["kind"] for h in e["holders"])
         assert kinds == ["closure", "partial"], (e["lease"]["name"], [h["path"] for h in e["holders"]])
 
 
+EMBEDDING = {"kind": "object", "path": "Embedding.weight", "consumer": "Embedding.weight", "site": None}
+
+
+def _counted_for(holder, at_read=EMBEDDING):
+    """(consumer, count, stale reads) of each group of one retention held by ``holder`` at its reuse and
+    through ``at_read`` at its stale read."""
+    e = {"kind": "retention", "lease": {"name": "emb", "nbytes": 4}, "holder": holder, "used_stale": True,
+         "holder_at_read": at_read, "read_stale_at": {"file": "m.py", "line": 3, "function": "f"}}
+    return [(g["consumer"], g["count"], g["used_stale"])
+            for g in summarize({"events": [e], "error_count": 1})["retaining_consumers"]]
+
+
 def test_an_unnamed_retention_read_through_a_named_holder_is_counted_for_it():
     """The retention's holder was unknown (the walk found nothing nameable); at the stale read the view
     was held by ``Embedding.weight``: the table counts it there, as the error says."""
     unknown = {"kind": "unknown", "path": "<held where Python cannot see>", "consumer": "<held where Python cannot see>"}
-    at_read = {"kind": "object", "path": "Embedding.weight", "consumer": "Embedding.weight", "site": None}
-    e = {"kind": "retention", "lease": {"name": "emb", "nbytes": 4}, "holder": unknown, "used_stale": True,
-         "holder_at_read": at_read, "read_stale_at": {"file": "m.py", "line": 3, "function": "f"}}
-    groups = summarize({"events": [e], "error_count": 1})["retaining_consumers"]
-    assert [(g["consumer"], g["count"], g["used_stale"]) for g in groups] == [("Embedding.weight", 1, 1)]
+    assert _counted_for(unknown) == [("Embedding.weight", 1, 1)]
 
 
 def test_a_comprehension_or_standard_library_local_is_not_listed_beside_a_real_holder():
@@ -397,27 +402,17 @@ def test_a_retention_carried_by_a_future_at_the_reuse_is_counted_for_what_it_was
     """A loader's thread pool: at the reuse the view was still a Future's result (timing decides), at the
     stale read it was the module's parameter: counted for the parameter, the same every run."""
     future = {"kind": "object", "path": "Renaming.collected[0][0]._result", "consumer": "Renaming.collected[*][*]._result"}
-    at_read = {"kind": "object", "path": "Embedding.weight", "consumer": "Embedding.weight", "site": None}
-    e = {"kind": "retention", "lease": {"name": "emb", "nbytes": 4}, "holder": future, "used_stale": True,
-         "holder_at_read": at_read, "read_stale_at": {"file": "m.py", "line": 3, "function": "f"}}
-    groups = summarize({"events": [e], "error_count": 1})["retaining_consumers"]
-    assert [(g["consumer"], g["count"], g["used_stale"]) for g in groups] == [("Embedding.weight", 1, 1)]
+    assert _counted_for(future) == [("Embedding.weight", 1, 1)]
     bare = {"kind": "frame", "path": "local 'param' of convert()", "consumer": "local 'param' of convert()"}
-    groups = summarize({"events": [dict(e, holder=bare)], "error_count": 1})["retaining_consumers"]
-    assert [(g["consumer"], g["count"], g["used_stale"]) for g in groups] == [("Embedding.weight", 1, 1)]
+    assert _counted_for(bare) == [("Embedding.weight", 1, 1)]
     two = dict(bare, also=[{"kind": "frame", "path": "local 'v' of set_param()", "consumer": "local 'v' of set_param()"}])
-    groups = summarize({"events": [dict(e, holder=two)], "error_count": 1})["retaining_consumers"]
-    assert [(g["consumer"], g["count"], g["used_stale"]) for g in groups] == [("Embedding.weight", 1, 1)]
+    assert _counted_for(two) == [("Embedding.weight", 1, 1)]
     # a function's local list held it at the reuse, the view went on into a parameter it was read through
     local = {"kind": "frame", "path": "local 'collected' of convert()[0][0]", "consumer": "local 'collected' of convert()[*][*]"}
-    groups = summarize({"events": [dict(e, holder=local)], "error_count": 1})["retaining_consumers"]
-    assert [(g["consumer"], g["count"], g["used_stale"]) for g in groups] == [("Embedding.weight", 1, 1)]
+    assert _counted_for(local) == [("Embedding.weight", 1, 1)]
     # ... but a returned local dict read through the caller's copy of it stays the local's
     sd = {"kind": "global", "path": "m.sd['emb']", "consumer": "m.sd[*]", "site": None}
-    groups = summarize({"events": [dict(e, holder=local, holder_at_read=sd)], "error_count": 1})["retaining_consumers"]
-    assert [(g["consumer"], g["count"]) for g in groups] == [("local 'collected' of convert()[*][*]", 1)]
+    assert [c[:2] for c in _counted_for(local, sd)] == [("local 'collected' of convert()[*][*]", 1)]
     # and a worker's local list that also held it at that moment is not listed beside the parameter
     busy = dict(local, also=[{"kind": "frame", "path": "local 'tensors' of materialize()[0]", "consumer": "local 'tensors' of materialize()[*]"}])
-    groups = summarize({"events": [dict(e, holder=busy)], "error_count": 1})["retaining_consumers"]
-    assert [g["consumer"] for g in groups] == ["Embedding.weight"]
-
+    assert [c[0] for c in _counted_for(busy)] == ["Embedding.weight"]
