@@ -468,12 +468,54 @@ def in_running_locals(wanted: Dict[int, Optional[str]], start: Optional[types.Fr
                         walk.result.replayed += 1
                     if not left or budget[0] <= 0:
                         break
+                if left and budget[0] > 0:
+                    _in_named_globals(walk, frame, left, budget)
             frame = frame.f_back
     finally:
         del frame
     for key, bucket in walk.found.items():
         walk.result.holders[key] = bucket
     return walk.result
+
+
+_GLOBAL_CONTAINERS: Dict[Any, Tuple[str, ...]] = {}  # code object -> the globals it names that held containers
+
+
+def _in_named_globals(walk: _Walk, frame: types.FrameType, left: Set[int], budget: List[int]) -> None:
+    """The ``left`` storages in the module-level lists and dicts a running function names in its code
+    (``KEPT.append(w)``, ``REGISTRY[name] = w``): ``pkg.mod.KEPT[3]``, found at the reuse without a heap
+    walk. Which of a code's global names are containers is remembered per code object (a function's
+    other names, its modules and functions, are never looked at again)."""
+    code, g = frame.f_code, frame.f_globals
+    names = _GLOBAL_CONTAINERS.get(code)
+    if names is None:
+        if len(_GLOBAL_CONTAINERS) > 4096:
+            _GLOBAL_CONTAINERS.clear()
+        names = _GLOBAL_CONTAINERS[code] = tuple(
+            n for n in code.co_names if type(g.get(n)) in (list, dict) and not n.startswith("__"))
+    for name in names:
+        value = g.get(name)
+        if type(value) not in (list, dict) or not value:
+            continue
+        budget[0] -= 1
+        for concrete, tensor in _local_entries(value, left, budget):
+            try:
+                key = tensor.untyped_storage()._cdata
+            except Exception:
+                continue
+            if key not in left:
+                continue
+            module_name = g.get("__name__")
+            module = sys.modules.get(module_name) if isinstance(module_name, str) else None
+            h = root(g, value, concrete, {id(g): (module_name, module)}) if module is not None else None
+            if h is None or h.pattern is None:
+                continue
+            left.discard(key)
+            walk.add(key, h)
+            remember(h)
+            walk.result.replayed += 1
+        if not left or budget[0] <= 0:
+            return
 
 
 _USER_CODE: Dict[Any, bool] = {}  # code object -> a function of the user's (not ours, not torch's)

@@ -416,3 +416,31 @@ def test_a_retention_carried_by_a_future_at_the_reuse_is_counted_for_what_it_was
     # and a worker's local list that also held it at that moment is not listed beside the parameter
     busy = dict(local, also=[{"kind": "frame", "path": "local 'tensors' of materialize()[0]", "consumer": "local 'tensors' of materialize()[*]"}])
     assert [c[0] for c in _counted_for(busy)] == ["Embedding.weight"]
+
+
+KEPT_G: list = []
+REG_G: dict = {}
+
+
+def _keep_in_globals(ring, n):
+    for i in range(n):
+        w = ring.put(f"w{i}", torch.full((1024,), float(i)))
+        if i % 2:
+            KEPT_G.append(w)  # KEEP-IN-LIST
+        else:
+            REG_G[f"w{i}"] = w  # KEEP-IN-DICT
+
+
+def test_module_level_containers_the_keeping_code_names_are_found_at_the_reuse_without_a_walk():
+    """``KEPT_G.append(w)``, ``REG_G[name] = w`` in the function that lends: the module's containers it names
+    are looked in at the reuse, so even the first retention of each is named without a heap walk."""
+    try:
+        rets = _one_view_ring_retentions(_keep_in_globals, 6)
+    finally:
+        KEPT_G.clear()
+        REG_G.clear()
+    assert len(rets) == 5 and not any(e["walk"]["when"] == "walk" for e in rets), [e["walk"] for e in rets]
+    for e in rets:
+        i = int(e["lease"]["name"][1:])
+        want = (f"{__name__}.KEPT_G[{i // 2}]", "# KEEP-IN-LIST") if i % 2 else (f"{__name__}.REG_G['w{i}']", "# KEEP-IN-DICT")
+        assert e["holder"]["path"] == want[0] and e["holder"]["stored_at"]["line"] == _line_of(want[1]), e["holder"]
