@@ -36,6 +36,9 @@ class Holder:
     # Found holding the view at its reuse, while the code that stored it still ran: the consumer to fix,
     # named before whatever holds it later (the caller a function returned its local dict to).
     at_reuse: bool = field(default=False, compare=False, repr=False)
+    # Found at the reuse by looking in the running code's containers, a consumer not seen before: its view
+    # may have other holders that only a heap walk finds (walked once, for this first retention).
+    fresh: bool = field(default=False, compare=False, repr=False)
     _consumer: Optional[str] = field(default=None, init=False, compare=False, repr=False)
 
     @property

@@ -464,18 +464,74 @@ def in_running_locals(wanted: Dict[int, Optional[str]], start: Optional[types.Fr
                         h = Holder(kind, head + render(concrete), site, frame_id=id(frame), local=name,
                                    pattern=(FrameLocal(frame, name), concrete, kind, head, site))
                         walk.add(key, h)
-                        remember(h)  # the next victims of this consumer: a replay through its index
+                        h.fresh = remember(h)  # the next victims of this consumer: a replay through its index
                         walk.result.replayed += 1
                     if not left or budget[0] <= 0:
                         break
                 if left and budget[0] > 0:
                     _in_named_globals(walk, frame, left, budget)
+                if left and budget[0] > 0:
+                    _in_named_attributes(walk, frame, left, budget)
             frame = frame.f_back
     finally:
         del frame
     for key, bucket in walk.found.items():
         walk.result.holders[key] = bucket
     return walk.result
+
+
+_PLAIN = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
+
+
+def _in_named_attributes(walk: _Walk, frame: types.FrameType, left: Set[int], budget: List[int]) -> None:
+    """The ``left`` storages in the lists and dicts that a running function's code names as attributes of
+    the objects it has in its locals or globals (``self.cache[name] = w``, ``OBJ.kept.append(w)``):
+    ``Cache.cache['w3']``, found at the reuse without a heap walk. Only the instances' own ``__dict__``
+    entries are read (never a property: reading must not run the user's code)."""
+    code = frame.f_code
+    attrs = code.co_names
+    if not attrs:
+        return
+    objects = [v for v in locals_of(frame).values() if not isinstance(v, _PLAIN)]
+    g = frame.f_globals
+    objects += [g.get(n) for n in _GLOBAL_OBJECTS.get(code) or _global_objects(code, g)]
+    for obj in objects:
+        d = getattr(obj, "__dict__", None) if obj is not None else None
+        if type(d) is not dict or not d:
+            continue
+        for attr in attrs:
+            value = d.get(attr)
+            if (type(value) is not list and type(value) is not dict) or not value:
+                continue
+            budget[0] -= 1
+            for concrete, tensor in _local_entries(value, left, budget):
+                try:
+                    key = tensor.untyped_storage()._cdata
+                except Exception:
+                    continue
+                if key not in left:
+                    continue
+                h = root(obj, value, concrete, {})
+                if h is None or h.pattern is None or h.kind != "object":
+                    continue
+                left.discard(key)
+                walk.add(key, h)
+                h.fresh = remember(h)
+                walk.result.replayed += 1
+            if not left or budget[0] <= 0:
+                return
+
+
+_GLOBAL_OBJECTS: Dict[Any, Tuple[str, ...]] = {}  # code object -> the globals it names that held objects
+
+
+def _global_objects(code: types.CodeType, g: Dict[str, Any]) -> Tuple[str, ...]:
+    if len(_GLOBAL_OBJECTS) > 4096:
+        _GLOBAL_OBJECTS.clear()
+    names = _GLOBAL_OBJECTS[code] = tuple(
+        n for n in code.co_names
+        if n in g and not isinstance(g[n], _PLAIN) and type(getattr(g[n], "__dict__", None)) is dict)
+    return names
 
 
 _GLOBAL_CONTAINERS: Dict[Any, Tuple[str, ...]] = {}  # code object -> the globals it names that held containers
@@ -512,7 +568,7 @@ def _in_named_globals(walk: _Walk, frame: types.FrameType, left: Set[int], budge
                 continue
             left.discard(key)
             walk.add(key, h)
-            remember(h)
+            h.fresh = remember(h)
             walk.result.replayed += 1
         if not left or budget[0] <= 0:
             return
@@ -571,16 +627,20 @@ def _remember(walk: _Walk) -> None:
                 remember(h)
 
 
-def remember(holder: Holder) -> None:
-    """Keep ``holder``'s path (its root and steps) to try first for the next retention."""
+def remember(holder: Holder) -> bool:
+    """Keep ``holder``'s path (its root and steps) to try first for the next retention; True when it was
+    not remembered already (a consumer seen for the first time)."""
     pattern = holder.pattern
     if pattern is None or holder.transient or holder.kind == "unknown":
-        return
+        return False
     shape = _shape(pattern[1])
     with _patterns_lock:
+        before = len(_patterns)
         _patterns[:] = [p for p in _patterns if not (_same_root(p[0], pattern[0]) and _shape(p[1]) == shape)]
+        new = len(_patterns) == before
         _patterns.insert(0, pattern)
         del _patterns[_MAX_PATTERNS:]
+    return new
 
 
 def _same_root(a: Any, b: Any) -> bool:

@@ -566,8 +566,13 @@ class Triage:
         named: Dict[int, Tuple[List[Holder], Dict[str, Any]]] = {}
         to_walk: List[Lease] = []
         returned: Dict[int, Tuple[List[Holder], Dict[str, Any]]] = {}  # named at the reuse, its function gone
+        first_seen: Dict[int, Tuple[List[Holder], Dict[str, Any]]] = {}  # a new consumer: walked once too
         for p, _, evidence in due:
             cheap = self._still_early(p) if p.lease.alive else None
+            if cheap is not None and cheap[1]["when"] != "at-reuse" and any(h.fresh for h in cheap[0]):
+                first_seen[p.lease.lease_id] = cheap  # its other holders (a partial beside the list): the walk's
+                to_walk.append(p.lease)
+                continue
             if cheap is not None and cheap[1]["when"] == "at-reuse":
                 returned[p.lease.lease_id] = cheap  # and what holds it now: its caller's copy, "also held by"
                 now_held = self._name_cheaply(p.lease, False)
@@ -584,6 +589,8 @@ class Triage:
                 named[p.lease.lease_id] = cheap
         named.update(self._walk(to_walk))
         for lid, early in returned.items():
+            named[lid] = self._with_current(early, named.get(lid))
+        for lid, early in first_seen.items():
             named[lid] = self._with_current(early, named.get(lid))
         now = time.monotonic()  # (again: the walk may have run a while, other threads with it)
         for p, used, evidence in due:
@@ -605,7 +612,8 @@ class Triage:
         if kept and walk.get("when") == "walk":
             self._learn(_by_consumer(kept))
         mine = {h.consumer for h in early[0]}
-        return early[0] + [h for h in kept if h.consumer not in mine], early[1]
+        # (how its other holders were looked for: a walk, once per consumer first seen, or a known path)
+        return early[0] + [h for h in kept if h.consumer not in mine], dict(early[1], others=walk.get("when"))
 
     def _confirm(self, p: _Pending, used_stale: bool, evidence: bool, read_at: Optional[dict] = None,
                  named: Optional[Tuple[List[Holder], Dict[str, Any]]] = None, died: bool = False) -> Optional[dict]:

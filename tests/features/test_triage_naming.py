@@ -431,15 +431,17 @@ def _keep_in_globals(ring, n):
             REG_G[f"w{i}"] = w  # KEEP-IN-DICT
 
 
-def test_module_level_containers_the_keeping_code_names_are_found_at_the_reuse_without_a_walk():
+def test_module_level_containers_the_keeping_code_names_are_found_at_the_reuse():
     """``KEPT_G.append(w)``, ``REG_G[name] = w`` in the function that lends: the module's containers it names
-    are looked in at the reuse, so even the first retention of each is named without a heap walk."""
+    are looked in at the reuse, where each view is named; a heap walk only looks, once per consumer, for the
+    other holders of its first view."""
     try:
         rets = _one_view_ring_retentions(_keep_in_globals, 6)
     finally:
         KEPT_G.clear()
         REG_G.clear()
     assert len(rets) == 5 and not any(e["walk"]["when"] == "walk" for e in rets), [e["walk"] for e in rets]
+    assert sum(e["walk"].get("others") == "walk" for e in rets) <= 2, [e["walk"] for e in rets]
     for e in rets:
         i = int(e["lease"]["name"][1:])
         want = (f"{__name__}.KEPT_G[{i // 2}]", "# KEEP-IN-LIST") if i % 2 else (f"{__name__}.REG_G['w{i}']", "# KEEP-IN-DICT")
