@@ -407,7 +407,7 @@ def run():
     took = time.perf_counter() - t0
     from sanitizer.features import triage
     evs = triage.retentions()
-    walks = sum(1 for e in evs if (e.get("walk") or {}).get("when") == "walk")
+    walks = sum(1 for e in evs if "walk" in ((e.get("walk") or {}).get("when"), (e.get("walk") or {}).get("others")))
     print(took, len(evs), walks)
 run()
 """
