@@ -561,9 +561,10 @@ def _in_named_globals(walk: _Walk, frame: types.FrameType, left: Set[int], budge
                 continue
             if key not in left:
                 continue
-            module_name = g.get("__name__")
-            module = sys.modules.get(module_name) if isinstance(module_name, str) else None
-            h = root(g, value, concrete, {id(g): (module_name, module)}) if module is not None else None
+            # (named as a walk names it: the module's first name in sys.modules, ``__main__`` in a spawn
+            # worker that runs the script as ``__mp_main__`` too)
+            modules = _module_dicts()
+            h = root(g, value, concrete, modules) if id(g) in modules else None
             if h is None or h.pattern is None:
                 continue
             left.discard(key)
