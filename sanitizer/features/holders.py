@@ -448,14 +448,7 @@ def in_running_locals(wanted: Dict[int, Optional[str]], start: Optional[types.Fr
                 for name, value in locals_of(frame).items():
                     if type(value) not in (list, tuple, dict) or not value:
                         continue
-                    budget[0] -= 1
-                    for concrete, tensor in _local_entries(value, left, budget):
-                        try:
-                            key = tensor.untyped_storage()._cdata
-                        except Exception:
-                            continue
-                        if key not in left:
-                            continue
+                    for concrete, key in _wanted_in(value, left, budget):
                         left.discard(key)
                         gen = bool(code.co_flags & GEN_FLAGS)
                         kind = "generator" if gen else "frame"
@@ -503,14 +496,7 @@ def _in_named_attributes(walk: _Walk, frame: types.FrameType, left: Set[int], bu
             value = d.get(attr)
             if (type(value) is not list and type(value) is not dict) or not value:
                 continue
-            budget[0] -= 1
-            for concrete, tensor in _local_entries(value, left, budget):
-                try:
-                    key = tensor.untyped_storage()._cdata
-                except Exception:
-                    continue
-                if key not in left:
-                    continue
+            for concrete, key in _wanted_in(value, left, budget):
                 h = root(obj, value, concrete, {})
                 if h is None or h.pattern is None or h.kind != "object":
                     continue
@@ -553,14 +539,7 @@ def _in_named_globals(walk: _Walk, frame: types.FrameType, left: Set[int], budge
         value = g.get(name)
         if type(value) not in (list, dict) or not value:
             continue
-        budget[0] -= 1
-        for concrete, tensor in _local_entries(value, left, budget):
-            try:
-                key = tensor.untyped_storage()._cdata
-            except Exception:
-                continue
-            if key not in left:
-                continue
+        for concrete, key in _wanted_in(value, left, budget):
             # (named as a walk names it: the module's first name in sys.modules, ``__main__`` in a spawn
             # worker that runs the script as ``__mp_main__`` too)
             modules = _module_dicts()
@@ -588,6 +567,19 @@ def _user_function(code: types.CodeType) -> bool:
         known = _USER_CODE[code] = bool(code.co_flags & CO_OPTIMIZED) and not internal(code) \
             and not code.co_filename.startswith(torch_dir())
     return known
+
+
+def _wanted_in(container: Any, left: Set[int], budget: List[int]) -> Iterator[Tuple[Tuple[Seg, ...], int]]:
+    """``(concrete steps, storage key)`` of the ``left`` storages a local or named container holds (one
+    budget unit for the container, then :func:`_local_entries`' look-ups)."""
+    budget[0] -= 1
+    for concrete, tensor in _local_entries(container, left, budget):
+        try:
+            key = tensor.untyped_storage()._cdata
+        except Exception:
+            continue
+        if key in left:
+            yield concrete, key
 
 
 def _local_entries(obj: Any, wanted: Set[int], budget: List[int]) -> List[Tuple[Tuple[Seg, ...], Any]]:
