@@ -436,7 +436,6 @@ def in_running_locals(wanted: Dict[int, Optional[str]], start: Optional[types.Fr
     the newest entries (and one level below them, a list of pairs). A local that *is* the view (a loop
     variable) is not looked at: it is the reader, not a keeper. Bounded: a few thousand entries in all."""
     walk = _Walk(set(wanted), 0, 0.0, 8)
-    hints = tuple(n for n in wanted.values() if n)
     budget = [_RUNNING_VISITS]
     left = set(wanted)
     frame, seen = start, 0
