@@ -17,11 +17,19 @@ viztracer, pyinstrument): ``threading.setprofile_all_threads`` and
   that event on to the thread's own profiler, which so misses nothing.
 * **Other threads** are visited in one C-level pass over the interpreter's
   thread states (``itertools`` driving ``PyThreadState_Next``, the reads and
-  ``_PyEval_SetProfile`` through ctypes), with no Python bytecode in between:
-  the GIL is not released during the pass, so no thread state can be freed
-  under it, and no thread can change its profiler between the read and ours
-  (the pass is as atomic as CPython's own ``PyEval_SetProfileAllThreads``,
-  which makes the same calls in the same order).
+  writes through ctypes functions that keep the GIL), with no Python code in
+  between: the GIL is not released during the pass, so no thread state can be
+  freed under it, and no thread can change its profiler between the read and
+  ours. The pass writes the two profile fields itself instead of calling
+  ``_PyEval_SetProfile`` per thread: that call first runs the audit hooks
+  (``sys.setprofile``), a Python hook (filelock installs one on 3.12+) may
+  let the GIL go, and a thread that ends meanwhile leaves a freed state under
+  the walk: a segfault (CPython's own ``PyEval_SetProfileAllThreads`` had the
+  same crash, gh-137400, fixed in 3.14 by auditing once before its loop). So
+  here too the audit runs before the pass, on this thread, and afterwards the
+  interpreter's count of profiled threads (which turns the monitoring events
+  for profilers on and off) is raised by the threads that had none, through
+  ``_PyEval_SetProfile`` on this thread's own state (:func:`_shift_count`).
 
 Where a thread's profile fields sit in ``PyThreadState`` is not public: it is
 found once, at run time, in a thread of our own (``sys.setprofile`` of a marker
@@ -36,6 +44,7 @@ from __future__ import annotations
 
 import _thread
 import ctypes
+import functools
 import itertools
 import operator
 import sys
@@ -65,6 +74,8 @@ class _Api:
         self.set_profile = _c_function("_PyEval_SetProfile", ctypes.c_int, vp, vp, vp)
         self.incref = _c_function("Py_IncRef", None, vp)
         self.decref = _c_function("Py_DecRef", None, vp)
+        # memmove, called with the GIL kept (ctypes.memmove itself lets the GIL go during the call)
+        self.write = ctypes.PYFUNCTYPE(vp, vp, vp, ctypes.c_size_t)(ctypes.cast(ctypes.memmove, vp).value)
         self.func_off, self.obj_off = _find_profile_fields(self.get_tstate)
 
     def read(self, tstate: int) -> Tuple[int, int]:
@@ -72,6 +83,10 @@ class _Api:
         func = ctypes.c_void_p.from_address(tstate + self.func_off).value or 0
         obj = ctypes.c_void_p.from_address(tstate + self.obj_off).value or 0
         return func, obj
+
+    def put_func(self, tstate: int, func: int) -> None:
+        """Write this thread's ``c_profilefunc`` alone (the count of profiled threads is not changed)."""
+        ctypes.c_void_p.from_address(tstate + self.func_off).value = func or None
 
 
 def _c_function(name: str, restype, *argtypes):  # type: ignore[no-untyped-def]
@@ -256,6 +271,8 @@ _C_CALL = 4  # PyTrace_C_CALL: ``arg`` is the builtin about to be called
 _GETPROFILE = id(sys.getprofile)
 _ON_EVENT = _TRACEFUNC(_on_event)
 _ON_EVENT_ADDRESS: int = ctypes.cast(_ON_EVENT, ctypes.c_void_p).value or 0
+_NOOP = _TRACEFUNC(lambda obj, frame, what, arg: 0)
+_NOOP_ADDRESS: int = ctypes.cast(_NOOP, ctypes.c_void_p).value or 0
 
 
 class _Here:
@@ -295,7 +312,8 @@ def run_here_when(ready: Optional[Callable[[], bool]], fn: Callable[[], None]) -
 
 def run_in_running_threads(fn: Callable[[], None]) -> bool:
     """Arrange for ``fn()`` to run once in every other running thread, at its next Python call or return, each
-    thread's own profiler kept (see the module doc); False when not possible here."""
+    thread's own profiler kept (see the module doc); False when not possible here (or when an audit hook
+    refuses ``sys.setprofile``: it raises then)."""
     global _run_in_threads
     api = _api
     if not AVAILABLE or api is None:
@@ -306,38 +324,111 @@ def run_in_running_threads(fn: Callable[[], None]) -> bool:
         if threading.get_ident() != caller:
             fn()
 
-    _run_in_threads = _once
-    batch = _Batch()
-    me = api.get_tstate()
-    interp = api.interp()
-    # One C-level pass, no bytecode until the deque is done: accumulate drives PyThreadState_Next from the
-    # head and takewhile stops at NULL; compress keeps the thread states whose profile function is not ours
-    # (a visit that waits there is not stacked again); for each, zip reads its profile function and object,
-    # saves them in the batch (a reference on the object), and puts ours in their place
-    # (PyEval_SetProfileAllThreads's own calls, in its order).
-    all_states = itertools.takewhile(bool, itertools.accumulate(
-        itertools.chain(map(api.head, (interp,)), itertools.repeat(None)), api.next2))
-    s_read, s_keep = itertools.tee(all_states, 2)
-    first_funcs = map(_VALUE, map(ctypes.c_void_p.from_address, map(operator.add, s_read,
-                                                                     itertools.repeat(api.func_off))))
-    states = itertools.compress(s_keep, map(operator.ne, first_funcs, itertools.repeat(_ON_EVENT_ADDRESS)))
-    t_key, t_id, t_func, t_obj, t_set = itertools.tee(states, 5)
-    funcs = map(_VALUE, map(ctypes.c_void_p.from_address, map(operator.add, t_func, itertools.repeat(api.func_off))))
-    objs_saved, objs_held = itertools.tee(
-        map(_VALUE, map(ctypes.c_void_p.from_address, map(operator.add, t_obj, itertools.repeat(api.obj_off)))), 2)
+    with _PASSES:  # one pass at a time: each counts the threads it gives a profile function
+        _run_in_threads = _once
+        batch = _Batch()
+        me = api.get_tstate()
+        my_func, my_obj = api.read(me)
+        # The audit hooks see the change now, on this thread, before any other thread's state is held: one
+        # that refuses raises here (the caller falls back); one that lets the GIL go frees nothing under us.
+        api.set_profile(me, my_func or None, my_obj or None)
+        for _round in range(_ROUNDS):
+            # Threads with no profile function get ours only as far as the count was raised for them first
+            # (the count may be above the truth for a moment, never below: below, a profiler set meanwhile
+            # in another thread could find the monitoring events off and miss its events).
+            wanted = _count_states(api, me, _HAS_NONE)
+            _shift_count(api, me, wanted)
+            _visit(api, me, batch, _HAS_ANOTHER, None)
+            given = _visit(api, me, batch, _HAS_NONE, wanted)
+            _shift_count(api, me, given - wanted)
+            if given < wanted or wanted == 0:
+                break
+        return True
+
+
+_PASSES = threading.Lock()
+_ROUNDS = 8
+"""Passes over the threads with no profiler, while threads keep starting between the count and the pass."""
+
+
+def _all_states(api: _Api, me: int):  # type: ignore[no-untyped-def]
+    """Every thread state but ``me``, from the head: ``PyThreadState_Next`` driven by ``accumulate`` and stopped
+    at NULL by ``takewhile`` (C-level, no Python code while it is consumed)."""
+    walk = itertools.takewhile(bool, itertools.accumulate(
+        itertools.chain(map(api.head, (api.interp(),)), itertools.repeat(None)), api.next2))
+    return itertools.filterfalse(functools.partial(operator.eq, me), walk)
+
+
+def _funcs(api: _Api, states):  # type: ignore[no-untyped-def]
+    """The states' ``c_profilefunc`` values (None for NULL), read lazily."""
+    return map(_VALUE, map(ctypes.c_void_p.from_address, map(operator.add, states, itertools.repeat(api.func_off))))
+
+
+def _HAS_NONE(funcs):  # type: ignore[no-untyped-def]
+    """Selector: the states with no profile function."""
+    return map(operator.not_, funcs)
+
+
+def _HAS_ANOTHER(funcs):  # type: ignore[no-untyped-def]
+    """Selector: the states whose profile function is some other one than ours (a visit of ours that waits
+    there is not stacked again)."""
+    some, other = itertools.tee(funcs, 2)
+    return map(operator.and_, map(bool, some), map(operator.ne, other, itertools.repeat(_ON_EVENT_ADDRESS)))
+
+
+def _count_states(api: _Api, me: int, select) -> int:  # type: ignore[no-untyped-def]
+    """How many other thread states ``select`` keeps (one C-level pass)."""
+    return sum(select(_funcs(api, _all_states(api, me))))
+
+
+def _visit(api: _Api, me: int, batch: _Batch, select, limit: Optional[int]) -> int:  # type: ignore[no-untyped-def]
+    """One C-level pass, no Python code until the deque is done: for each other thread state that ``select``
+    keeps (at most ``limit``), zip reads its profile function and object and saves them in the batch (the
+    state's reference on the object moves to the batch), takes a reference on the batch for the state, and
+    writes ours into the two fields. Returns how many states it visited."""
+    s_read, s_keep = itertools.tee(_all_states(api, me), 2)
+    states = itertools.compress(s_keep, select(_funcs(api, s_read)))
+    if limit is not None:
+        states = itertools.islice(states, max(0, limit))
+    t_key, t_id, t_func, t_obj, t_wf, t_wo = itertools.tee(states, 6)
+    objs = map(_VALUE, map(ctypes.c_void_p.from_address, map(operator.add, t_obj, itertools.repeat(api.obj_off))))
     keys = zip(t_key, map(api.get_id, t_id))
-    deque(zip(map(batch.__setitem__, keys, zip(funcs, objs_saved)),
-              map(api.incref, objs_held),
-              map(api.set_profile, t_set, itertools.repeat(_ON_EVENT_ADDRESS), itertools.repeat(id(batch)))),
+    cells = (ctypes.c_void_p(_ON_EVENT_ADDRESS), ctypes.c_void_p(id(batch)))
+    before = len(batch)
+    deque(zip(map(batch.__setitem__, keys, zip(_funcs(api, t_func), objs)),
+              map(api.incref, itertools.repeat(id(batch))),
+              map(api.write, map(operator.add, t_wf, itertools.repeat(api.func_off)),
+                  itertools.repeat(ctypes.addressof(cells[0])), itertools.repeat(_WORD)),
+              map(api.write, map(operator.add, t_wo, itertools.repeat(api.obj_off)),
+                  itertools.repeat(ctypes.addressof(cells[1])), itertools.repeat(_WORD))),
           maxlen=0)
-    # The calling thread was visited too: put back exactly what it had (its visit would run nothing).
-    own = batch.pop((me, api.get_id(me)), None)
-    if own is not None:
-        func, obj = own
-        api.set_profile(me, func or None, obj or None)
-        if obj:
-            api.decref(obj)
-    return True
+    return len(batch) - before
+
+
+def _shift_count(api: _Api, me: int, delta: int) -> None:
+    """Move the interpreter's count of threads with a profile function (``sys_profiling_threads``: while it is
+    non-zero the monitoring events that call profilers stay on) by ``delta``, through ``_PyEval_SetProfile``
+    on this thread's own state, which counts a change from none to one (+1) or back (-1): each round first
+    writes this thread's function field alone to the other side. This thread's profiler is as it was
+    afterwards. The rounds run in one C-level loop, so no profile event of this thread falls between them
+    (audit hooks run with tracing off)."""
+    if delta == 0:
+        return
+    func, obj = api.read(me)
+    field = me + api.func_off
+    if delta > 0:
+        side, target = ctypes.c_void_p(None), func or _NOOP_ADDRESS  # from none to one: +1
+    else:
+        side, target = ctypes.c_void_p(func or _NOOP_ADDRESS), None  # from one to none: -1
+    try:  # (the finite range first: zip stops before starting a round past it)
+        deque(zip(range(abs(delta)),
+                  map(api.write, itertools.repeat(field), itertools.repeat(ctypes.addressof(side)),
+                      itertools.repeat(_WORD)),
+                  map(api.set_profile, itertools.repeat(me), itertools.repeat(target),
+                      itertools.repeat(obj or None))),
+              maxlen=0)
+    finally:
+        api.put_func(me, func)
 
 
 _VALUE = operator.attrgetter("value")

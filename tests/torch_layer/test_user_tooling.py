@@ -232,6 +232,12 @@ _THREAD_CHURN = r"""
 import sys, threading, time, random, _thread
 sys.path.insert(0, sys.argv[1])
 from sanitizer.core import thread_reach
+AUDIT = sys.argv[2] == "audit"
+if AUDIT:  # a Python audit hook that lets the GIL go at every sys.setprofile (filelock installs one on 3.12+)
+    def hook(event, args):
+        if event == "sys.setprofile":
+            time.sleep(0)
+    sys.addaudithook(hook)
 lock = threading.Lock(); bad = []; done = [0]; stop = threading.Event()
 def churn():
     rng = random.Random(threading.get_ident())
@@ -264,21 +270,38 @@ stop.set()
 for w in workers:
     w.join()
 time.sleep(0.2)
-print(passes > 1000, done[0] > 1000, bad)
+# The count of profiled threads is exact afterwards: a worker setting and clearing its profiler does not turn
+# off the events of the main thread's one (it would, were the count below the truth).
+main_events = [0]
+def main_prof(f, e, a):
+    main_events[0] += 1
+sys.setprofile(main_prof)
+def on_and_off():
+    sys.setprofile(lambda f, e, a: None)
+    sys.setprofile(None)
+t = threading.Thread(target=on_and_off); t.start(); t.join()
+main_events[0] = 0
+sum(len(str(i)) for i in range(300))
+sys.setprofile(None)
+print(passes > (100 if AUDIT else 1000), done[0] > 1000, bad, main_events[0] > 300)
 """
 
 
-def test_the_reach_survives_threads_that_start_and_end_under_it():
+@pytest.mark.parametrize("version", ["3.12", "3.13"])
+@pytest.mark.parametrize("audit", ["plain", "audit"])
+def test_the_reach_survives_threads_that_start_and_end_under_it(version, audit):
     """Thousands of visits while short-lived threads (``threading`` and raw ``_thread`` ones, half with their own
-    profiler) start and end: no crash, and every profiler kept with all its events."""
+    profiler) start and end: no crash, every profiler kept with all its events, and the interpreter's count of
+    profiled threads exact afterwards. With a Python audit hook that lets the GIL go at each ``sys.setprofile``
+    (as filelock's may), a pass that called ``_PyEval_SetProfile`` per thread segfaulted within a second."""
     from tests.torch_layer.test_mode_placement import _python
 
-    exe = _python("3.12")
+    exe = _python(version)
     if exe is None:
-        pytest.skip("no Python 3.12 on this machine")
-    proc = subprocess.run([exe, "-c", _THREAD_CHURN, ROOT], capture_output=True, text=True, timeout=120)
+        pytest.skip(f"no Python {version} on this machine")
+    proc = subprocess.run([exe, "-c", _THREAD_CHURN, ROOT, audit], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["True", "True", "[]"], proc.stdout
+    assert proc.stdout.split() == ["True", "True", "[]", "True"], proc.stdout
 
 
 def test_a_visit_here_waits_for_its_moment_and_keeps_the_threads_profiler():
