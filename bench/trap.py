@@ -12,7 +12,11 @@ Prints absolute figures and ratios:
   count (``/proc/self/maps`` lines) before and after, fresh and after a reuse retired them all,
   next to the guard's tombstones (``trap=0``) for the same retention.
 
-    python bench/trap.py [--lends 2000] [--reps 7] [--hidden 512] [--views 10000]
+* **leases sharing pages**: 10,000 live leases, 64 on a page, lent from buffers of 16 MiB, 256 MiB and
+  1 GiB: the time per lend must not grow with the buffer.
+
+    python bench/trap.py [--lends 2000] [--reps 7] [--hidden 512] [--views 10000] [--shared 10000]
+    python bench/trap.py --only-shared [--shared 10000] [--sizes 16,256,1024]
 """
 from __future__ import annotations
 
@@ -139,19 +143,51 @@ def bench_mappings(views: int) -> None:
     del guard
 
 
+def bench_shared_pages(leases: int, sizes_mib: list) -> None:
+    """Leases that share pages, all alive (64 float32[16] on a page): the lend cost per lease for buffers of
+    growing size. Each depth of leases on a page needs a mapping of its own; what that mapping covers (the
+    whole buffer, populated, before issue 48; a 2 MiB chunk now) decides whether the cost grows with the
+    buffer."""
+    print(f"{leases} live leases sharing pages (64 on a page), lend time by buffer size (trap=poison):")
+    sanitizer.enable(trap="poison")
+    for mib in sizes_mib:
+        gc.collect()
+        buf = StagingBuffer(mib << 20, name=f"shared-{mib}")
+        maps0 = _maps()
+        t0 = time.perf_counter()
+        kept = [buf.lend(64 * i, (16,), torch.float32, f"v{i}") for i in range(leases)]
+        took = time.perf_counter() - t0
+        print(f"  {mib:6d} MiB buffer: {took:8.3f} s in all, {took / leases * 1e6:8.1f} us per lend, "
+              f"process maps +{_maps() - maps0}")
+        del kept
+        buf.close()
+        del buf
+        gc.collect()
+    sanitizer.disable()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lends", type=int, default=2000)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--views", type=int, default=10000)
+    ap.add_argument("--shared", type=int, default=10000, help="live leases sharing pages (0: skip)")
+    ap.add_argument("--sizes", default="16,256,1024", help="buffer sizes in MiB for --shared")
+    ap.add_argument("--only-shared", action="store_true", help="run the shared-pages case alone")
     args = ap.parse_args()
+    if args.only_shared:
+        bench_shared_pages(args.shared, [int(x) for x in args.sizes.split(",")])
+        return
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs (shared machine: ratios are interleaved, same run)\n")
     bench_lend(args.lends, args.reps)
     print()
     bench_ring(args.hidden, args.reps)
     print()
     bench_mappings(args.views)
+    if args.shared:
+        print()
+        bench_shared_pages(args.shared, [int(x) for x in args.sizes.split(",")])
 
 
 if __name__ == "__main__":

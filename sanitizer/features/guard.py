@@ -64,7 +64,7 @@ def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
         return
     fill = state.options.poison_byte
     for lease in victims:
-        if not lease.alive or lease.rescued or (_trap is not None and _trap.covers(lease)):
+        if not lease.alive or lease.rescued or (_trap is not None and _trap.replaced(lease)):
             continue  # (trap mode already replaced this lease's pages in place)
         storage = runtime.storage_of(lease)  # (whenever it was lent: a lease is a weak reference to its storage)
         if storage is None or storage_handles.holders(storage) <= 0:

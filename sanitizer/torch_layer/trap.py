@@ -97,14 +97,18 @@ class _File:
     malloc: the next trap buffer reuses its pages instead of having the kernel allocate and zero new ones
     (a ring load makes a buffer, and fresh shared-memory pages cost more than all of trap mode's mappings)."""
 
-    __slots__ = ("fd", "size", "__weakref__")
+    __slots__ = ("fd", "size", "pid", "__weakref__")
 
     def __init__(self, fd: int, size: int):
         self.fd, self.size = fd, size
+        self.pid = os.getpid()  # the process whose memory this file is
 
     def __del__(self) -> None:
         try:
-            _FILES.give(self.fd, self.size)
+            if self.pid == os.getpid():
+                _FILES.give(self.fd, self.size)
+            else:  # the parent's file, dying in a forked child: its pages are the parent's live memory,
+                os.close(self.fd)  # never the child's next buffer (MAP_SHARED would share them)
         except Exception:
             pass
 
@@ -152,21 +156,27 @@ class _FilePool:
 
 
 _FILES = _FilePool()
+_CHUNK = 2 << 20
+"""What a mirror for leases that share pages with live ones maps: a chunk of the buffer, not all of it."""
 
 
 class _Mirror:
-    """One whole mapping of the buffer's memfd, beside the loader's. A lease's window is its pages in a
-    mirror where no live lease holds any of them: leases that share no page share a mirror (a correct
-    program, whose lease dies before the next one over its pages, lends from one mirror with no system
-    call at all), and two live leases that share a page are in two mirrors, so that retiring one never
-    touches the other's mapping. Dead windows come back through :attr:`dead` (appended from ``__del__``,
-    which may run inside the GC: no list is reordered there)."""
+    """A mapping of the buffer's memfd beside the loader's: the whole file (``base`` 0), or one chunk of it
+    (:data:`_CHUNK`, from ``base``). A lease's window is its pages in a mirror where no live lease holds any
+    of them: leases that share no page share the whole mirror (a correct program, whose lease dies before
+    the next one over its pages, lends from it with no system call at all), and a lease that shares a page
+    with a live one goes to a chunk mirror where its pages are free, so that retiring one never touches the
+    other's mapping. A chunk bounds what such a lend costs by the chunk, never the buffer's size (a whole
+    mirror per depth of leases on a page cost 64 populated 256 MiB maps for 64 leases in one page), while
+    the leases of a chunk still share its mirrors. Dead windows come back through :attr:`dead` (appended
+    from ``__del__``, which may run inside the GC: no list is reordered there)."""
 
-    __slots__ = ("address", "length", "file", "_starts", "_ends", "dead", "__weakref__")
+    __slots__ = ("address", "length", "base", "file", "_starts", "_ends", "dead", "__weakref__")
 
-    def __init__(self, file: _File, length: int):
-        self.file, self.length = file, length
-        self.address = pages.map_file(file.fd, 0, length, pages.PROT_READ | pages.PROT_WRITE, populate=True)
+    def __init__(self, file: _File, length: int, base: int = 0, whole: bool = True):
+        self.file, self.length, self.base = file, length, base
+        self.address = pages.map_file(file.fd, base, length, pages.PROT_READ | pages.PROT_WRITE,
+                                      populate=whole)
         self._starts: List[int] = []  # the live windows' page ranges, sorted, never overlapping
         self._ends: List[int] = []
         self.dead: List[int] = []
@@ -179,7 +189,9 @@ class _Mirror:
                 del self._starts[i], self._ends[i]
 
     def fits(self, first: int, end: int) -> bool:
-        """(Under the lock.) Are the pages ``[first, end)`` free in this mirror?"""
+        """(Under the lock.) Are the pages ``[first, end)`` in this mirror and free there?"""
+        if first < self.base or end > self.base + self.length:
+            return False
         self._drain()
         i = bisect.bisect_left(self._starts, end) - 1
         return i < 0 or self._ends[i] <= first
@@ -208,8 +220,8 @@ class _Window:
     __slots__ = ("address", "length", "offset", "state", "mirror", "__weakref__")
 
     def __init__(self, mirror: _Mirror, offset: int, length: int):
-        self.mirror, self.offset, self.length = mirror, offset, length
-        self.address = mirror.address + offset
+        self.mirror, self.offset, self.length = mirror, offset, length  # (offset: in the file)
+        self.address = mirror.address + offset - mirror.base
         self.state = "fresh"
 
     @property
@@ -299,7 +311,8 @@ class TrapMemory(WindowsByLease):
         writer = _Writer(address, self.length, self._file)
         self._writer = weakref.ref(writer)
         self.data = own_ops.from_numpy(np.asarray(writer))[:nbytes]
-        self._mirrors: List[_Mirror] = []
+        self._mirrors: List[_Mirror] = []  # the whole mirror (made at the first lend) first, then chunk mirrors
+        self._chunks: Dict[int, List[_Mirror]] = {}  # chunk start -> its mirrors
         super().__init__()
 
     def close(self) -> None:
@@ -307,12 +320,23 @@ class TrapMemory(WindowsByLease):
         self._file = None
 
     def _mirror_for(self, first: int, end: int) -> _Mirror:
-        """(Under the lock.) The first mirror with the pages ``[first, end)`` free; a new one if none is."""
-        for mirror in self._mirrors:
+        """(Under the lock.) The whole mirror when the pages ``[first, end)`` are free there, else the first
+        mirror of their chunk where they are, else a new one for that chunk (it stays until the buffer goes,
+        for the next leases there: at most one per depth of live leases sharing a page)."""
+        assert self._file is not None
+        if not self._mirrors:
+            self._mirrors.append(_Mirror(self._file, self.length))
+            _counts["mirrors"] += 1
+        if self._mirrors[0].fits(first, end):
+            return self._mirrors[0]
+        base = first // _CHUNK * _CHUNK
+        chunk = self._chunks.setdefault(base, [])
+        for mirror in chunk:
             if mirror.fits(first, end):
                 return mirror
-        assert self._file is not None
-        mirror = _Mirror(self._file, self.length)
+        top = min(self.length, max(base + _CHUNK, pages.round_up(end)))
+        mirror = _Mirror(self._file, top - base, base, whole=False)
+        chunk.append(mirror)
         self._mirrors.append(mirror)
         _counts["mirrors"] += 1
         return mirror
@@ -371,7 +395,7 @@ class TrapMemory(WindowsByLease):
             pages.map_file(fd, 0, writer.length, pages.PROT_READ | pages.PROT_WRITE, at=writer.address)
             writer.file = new
         for mirror in self._mirrors:
-            pages.map_file(fd, 0, mirror.length, pages.PROT_READ | pages.PROT_WRITE, at=mirror.address)
+            pages.map_file(fd, mirror.base, mirror.length, pages.PROT_READ | pages.PROT_WRITE, at=mirror.address)
             mirror.file = new
         for window in live:
             if window.state == "trapped":
@@ -505,7 +529,11 @@ def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
             continue
         window = memory.window(lease)
         if window is not None and window.state == "fresh":
-            memory.trap(lease, window, event)
+            try:
+                memory.trap(lease, window, event)
+            except OSError as exc:  # no memory or maps left to split the mirror: the window stays fresh,
+                _fall_back(f"a retired lease could not be trapped ({exc})", key=f"os:{exc.errno}")
+                continue  # and the guard (replaced() False) re-points the lease's own tensor to poison
             with _lock:
                 _counts["trapped"] += 1
                 _trapped[window.address] = (window.address + window.length, lease)
@@ -514,9 +542,18 @@ def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
 
 
 def covers(lease: Lease) -> bool:
-    """Does trap mode handle this lease's memory (the guard then leaves it alone)?"""
+    """Does this lease live on a window of trap mode's (a mapping of its own, at another address than the
+    buffer's bytes)?"""
     memory = _MEMORY.get(lease.region_id)
     return memory is not None and memory.window(lease) is not None
+
+
+def replaced(lease: Lease) -> bool:
+    """Did trap mode replace this lease's pages (trapped or rescued: the guard then leaves it alone)? A window
+    still fresh after the retire (its mapping failed) is the guard's to cover."""
+    memory = _MEMORY.get(lease.region_id)
+    window = None if memory is None else memory.window(lease)
+    return window is not None and window.state != "fresh"
 
 
 def rescue_in_place(lease: Lease, event: Optional[ReuseEvent] = None) -> bool:
@@ -543,10 +580,16 @@ class TrapStagingBuffer(StagingBuffer):
             raise ValueError(f"staging buffer size must be >= 0, got {nbytes}")
         opts = state.options
         dev = torch.device(device)
-        if dev.type == "cuda":  # buffer_class checked that the driver can (virtual memory management)
-            self._memory: Any = _cuda_memory(nbytes, dev, opts["trap"], opts["poison_byte"], name or "staging")
-        else:
-            self._memory = TrapMemory(nbytes, opts["trap"], opts["poison_byte"], name or "staging")
+        try:
+            if dev.type == "cuda":  # buffer_class checked that the driver can (virtual memory management)
+                self._memory: Any = _cuda_memory(nbytes, dev, opts["trap"], opts["poison_byte"], name or "staging")
+            else:
+                self._memory = TrapMemory(nbytes, opts["trap"], opts["poison_byte"], name or "staging")
+        except OSError as exc:  # EMFILE (a descriptor per trap buffer), ENOMEM (maps or memory): the guard's
+            self._memory = None  # buffer instead, with one warning, never an error out of StagingBuffer()
+            _fall_back(f"a trap buffer could not be made ({exc})", key=f"os:{exc.errno}")
+            StagingBuffer.__init__(self, nbytes, device, name, pin_memory=pin_memory)
+            return
         self._setup(self._memory.data, name, owns_memory=True)
         self._memory.name = self.name
         _MEMORY[self._region.region_id] = self._memory
@@ -559,7 +602,7 @@ class TrapStagingBuffer(StagingBuffer):
                       name: Optional[str]) -> torch.Tensor:
         """The lend's tail in trap mode: the view on a window of its own (a plain one past the budget)."""
         memory = self._memory
-        made = memory.lend_view(offset, nbytes, tuple(shape), dtype) if _room() else None
+        made = memory.lend_view(offset, nbytes, tuple(shape), dtype) if memory is not None and _room() else None
         if made is None:
             return super()._lend_checked(data, offset, nbytes, shape, dtype, name)
         with _lock:  # (each window gives its count back when it dies, CPU and CUDA alike)
@@ -584,7 +627,8 @@ class TrapStagingBuffer(StagingBuffer):
 
     def close(self) -> None:
         super().close()
-        self._memory.close()
+        if self._memory is not None:
+            self._memory.close()
 
 
 def buffer_class(args: tuple, kwargs: dict) -> Optional[type]:
@@ -642,5 +686,5 @@ def _after_fork() -> None:
                           f"child ({exc}); its writes there reach the parent's buffer", RuntimeWarning)
 
 
-__all__ = ["TrapMemory", "TrapStagingBuffer", "lease_at", "covers", "rescue_in_place", "stats", "buffer_class",
+__all__ = ["TrapMemory", "TrapStagingBuffer", "lease_at", "covers", "replaced", "rescue_in_place", "stats", "buffer_class",
            "arm", "AVAILABLE", "UNAVAILABLE_REASON", "MODES"]

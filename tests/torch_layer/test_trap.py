@@ -308,7 +308,7 @@ def test_a_correct_program_lends_from_one_mirror_and_a_trapped_range_is_lent_aga
         del w
     assert len(buf._memory._mirrors) == 1
     kept = buf.write(0, FIRST, "kept")
-    buf.write(0, NEXT, "next")  # traps kept's range; "next" (dead at once) needed a second mirror meanwhile
+    buf.write(0, NEXT, "next")  # traps kept's range; "next" (dead at once) needed a chunk mirror meanwhile
     assert all(math.isnan(x) for x in _ctypes_floats(kept.data_ptr(), 8))
     first_mirror = buf._memory._mirrors[0]
     other = buf.write(8192, FIRST, "other")  # free pages of the first mirror
@@ -318,7 +318,7 @@ def test_a_correct_program_lends_from_one_mirror_and_a_trapped_range_is_lent_aga
     gc.collect()
     again = buf.write(0, NEXT * 2, "again")  # the trapped range was put back on the file
     assert buf._memory.window(sanitizer.lease_of(again)).mirror is first_mirror
-    assert again.tolist() == (NEXT * 2).tolist() and len(buf._memory._mirrors) == 2
+    assert again.tolist() == (NEXT * 2).tolist() and len(buf._memory._mirrors) == 2  # (the chunk's stays)
     assert trap.stats()["mirrors"] >= 1
 
 
@@ -348,3 +348,122 @@ def test_a_closed_buffers_file_is_reused_and_a_fork_child_never_shares_it():
                       "if pid == 0:\n    os._exit(0 if not trap._FILES._files else 3)\n"
                       "print('child', os.waitpid(pid, 0)[1] >> 8)\n")
     assert proc.stdout.strip() == "child 0", proc.stderr[-1000:]
+
+
+@pytest.mark.parametrize("parent_buffer_dies_in_child", [False, True])
+def test_a_forked_childs_new_buffer_never_shares_the_parents_live_memory(parent_buffer_dies_in_child):
+    """Issue 48.1: the parent's files moved onto copies in the child died there and went to the child's pool,
+    so the child's next buffer mapped the parent's live pages (MAP_SHARED): the child's writes reached the
+    parent's ``w``, and nothing was reported."""
+    import os
+
+    sanitizer.enable(trap="poison")
+    gc.collect()
+    b = StagingBuffer(1 << 16)
+    w = b.write(0, torch.full((16,), 1.0), "w")
+    r, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            global_b = [b]
+            if parent_buffer_dies_in_child:
+                global_b.clear()
+            del b
+            gc.collect()
+            mine = StagingBuffer(1 << 16)
+            mine.write(0, torch.full((16,), 99.0), "mine")
+            mine.tensor.fill_(0x55)
+            code = 0
+        finally:
+            os.write(wfd, b"x")
+            os._exit(code)
+    os.close(wfd)
+    os.read(r, 1)
+    _, status = os.waitpid(pid, 0)
+    os.close(r)
+    assert os.WEXITSTATUS(status) == 0
+    assert w.tolist() == [1.0] * 16  # the child's buffer was its own memory
+
+
+def test_past_the_descriptor_limit_buffers_fall_back_to_the_guard_with_one_warning():
+    """Issue 48.3: one memfd per live trap buffer; past RLIMIT_NOFILE ``StagingBuffer()`` raised ``OSError:
+    Too many open files``. Now: a plain buffer, one warning, and its leases are still checked by the guard."""
+    proc = run_python(textwrap.dedent("""
+        import resource, warnings, math, torch, sanitizer
+        from sanitizer import StagingBuffer, StaleBorrowError
+        sanitizer.enable(trap="poison")
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+        buffers, leases, caught = [], [], []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(100):
+                b = StagingBuffer(1 << 16, name=f"b{i}")
+                leases.append(b.write(0, torch.full((8,), float(i)), "w"))
+                buffers.append(b)
+        plain = [b for b in buffers if b._memory is None]
+        ok = all(w.tolist() == [float(i)] * 8 for i, w in enumerate(leases))
+        last = buffers[-1]
+        last.reuse(0, 64, by="next")
+        try:
+            leases[-1].sum()
+            stale = False
+        except StaleBorrowError:
+            stale = True
+        messages = [str(w.message) for w in caught if "trap buffer could not be made" in str(w.message)]
+        print(len(plain) > 0, ok, stale, len(messages), "Too many open files" in messages[0])
+    """))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["True", "True", "True", "1", "True"], proc.stdout
+
+
+def test_a_retire_that_cannot_map_the_trap_leaves_the_lease_to_the_guard(monkeypatch):
+    """Issue 48.3: ``ENOMEM`` from the retire's mapping (no maps left to split the mirror) raised out of the
+    reuse; now the window stays fresh, one warning says why, and the guard re-points the lease's own tensor."""
+    import errno
+
+    from sanitizer.torch_layer import trap
+
+    sanitizer.enable(trap="poison")
+    buf = StagingBuffer(1 << 14)
+    w = buf.write(0, FIRST, "w")
+
+    def no_memory(*args, **kwargs):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(trap.TrapMemory, "trap", no_memory)
+    monkeypatch.setattr(trap, "_warned_keys", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        buf.reuse(0, 64, by="next")
+    assert any("could not be trapped" in str(c.message) for c in caught)
+    with pytest.raises(StaleBorrowError):
+        w.sum()
+
+
+def test_leases_sharing_a_page_map_a_chunk_whatever_the_buffer_size():
+    """Issue 48.4: each live lease that shared a page with another mapped a whole-buffer mirror, populated
+    (64 leases in one page of 256 MiB: 64 maps of 256 MiB, seconds to lend). Now each depth of leases on a
+    page maps one chunk of the buffer, shared by the leases of that chunk: the cost is bounded by the chunk,
+    not the buffer; each lease reads its own bytes, and retiring one leaves the others as they were."""
+    from sanitizer.torch_layer import trap
+
+    sanitizer.enable(trap="poison")
+    buf = StagingBuffer(64 << 20, name="big")
+    leases = [buf.write(i * 64, torch.full((16,), float(i)), f"w{i}") for i in range(64)]
+    memory = buf._memory
+    windows = [memory.window(sanitizer.lease_of(w)) for w in leases]
+    assert windows[0].mirror is memory._mirrors[0] and memory._mirrors[0].length == 64 << 20
+    assert all(w.mirror.base == 0 and w.mirror.length == trap._CHUNK for w in windows[1:])
+    assert len({id(w.mirror) for w in windows}) == 64 == len(memory._mirrors)
+    below = buf.write(trap._CHUNK + 64, torch.full((16,), -1.0), "other chunk")  # free in the whole mirror
+    beside = buf.write(64 * 64 + 32, torch.full((8,), -2.0), "beside")  # page 1: whole mirror free there too
+    assert memory.window(sanitizer.lease_of(below)).mirror is memory._mirrors[0]
+    assert memory.window(sanitizer.lease_of(beside)).mirror is memory._mirrors[0]
+    assert all(w.tolist() == [float(i)] * 16 for i, w in enumerate(leases))
+    kept = leases[5].numpy()
+    buf.reuse(5 * 64, 64, by="x")
+    assert np.isnan(kept).all()
+    assert all(w.tolist() == [float(i)] * 16 for i, w in enumerate(leases) if i != 5)
+    assert below.tolist() == [-1.0] * 16 and beside.tolist() == [-2.0] * 8
