@@ -52,6 +52,8 @@ import threading
 from collections import deque
 from typing import Callable, List, Optional, Tuple
 
+from sanitizer.core import forking
+
 _WORD = ctypes.sizeof(ctypes.c_void_p)
 _SCAN_WORDS = 96  # PyThreadState's leading fields; the profile fields sit within the first 16 words (3.11-3.13)
 _TRACEFUNC = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)
@@ -346,8 +348,18 @@ def run_in_running_threads(fn: Callable[[], None]) -> bool:
         return True
 
 
-_PASSES = threading.Lock()
+_PASSES = threading.RLock()
+"""One pass at a time. Re-entrant: a lease that dies in a garbage collection run between the C-level steps
+reaches a pass again on the same thread (the inner one counts and visits what is left, and the outer one
+then finds fewer states with no profiler than it counted for, and gives the difference back)."""
 _ROUNDS = 8
+
+
+@forking.in_child
+def _after_fork() -> None:
+    """A child forked while another thread of the parent was in a pass would inherit the lock held."""
+    global _PASSES
+    _PASSES = threading.RLock()
 """Passes over the threads with no profiler, while threads keep starting between the count and the pass."""
 
 
