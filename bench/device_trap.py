@@ -1,5 +1,10 @@
 """Trap mode on a real GPU (``bench/device_check.sh`` section 6): the driver's virtual memory management.
 
+First, the probe (``--probe-only`` stops there): one line each for what no fake can answer, so a short
+device run answers them before anything else: does ``cuMemMap`` refuse a non-zero offset; does
+``cuMemSetAccess`` accept a read-only (``PROT_READ``) device mapping; what a trap lend costs with GPU
+work queued ahead of it. On a machine without CUDA it prints that it was skipped and exits 2.
+
 Prints, side by side in one run: the device's granularity; lend with ``trap=poison`` against lend without
 (median of interleaved repeats, and the absolute figures); a ring load with trap against the default debug
 run (bit-identical results checked); what a raw alias of a retired lease reads (poison), what it reads
@@ -83,14 +88,112 @@ FAULT_CHILD = textwrap.dedent("""
 """)
 
 
+def _probe_offset(drv, g: int) -> str:
+    """Map the second granule of a two-granule allocation (offset = one granule): refused?"""
+    from cuda_hooks import vmm
+
+    h = drv.create(2 * g, 0)
+    at = drv.reserve(g, g, 0)
+    try:
+        try:
+            drv.map(at, g, h, g)
+        except vmm.VmmError as exc:
+            return f"refused ({exc})"
+        drv.unmap(at, g)
+        return "ACCEPTED (cuda.h says it must be zero; trap mode maps offset 0 only anyway)"
+    finally:
+        drv.free(at, g)
+        drv.release(h)
+
+
+def _probe_read_only(drv, g: int) -> str:
+    """A device mapping granted PROT_READ: accepted, and does a device read of it work?"""
+    from cuda_hooks import vmm
+
+    h = drv.create(g, 0)
+    at = drv.reserve(g, g, 0)
+    try:
+        drv.map(at, g, h, 0)
+        try:
+            drv.set_access(at, g, [0], True)
+            drv.memset(at, 0xFF, g, 0)
+            drv.set_access(at, g, [0], False)
+        except vmm.VmmError as exc:
+            drv.unmap(at, g)
+            return f"REFUSED ({exc}): trap mode falls back to read-write poison"
+        from sanitizer.torch_layer.aliasing import device_region
+
+        t = torch.as_tensor(device_region(None, at, 16), device="cuda")
+        ok = bytes(t.cpu().tolist()) == b"\xff" * 16
+        del t
+        torch.cuda.synchronize()
+        drv.unmap(at, g)
+        return f"accepted; a device read of it {'reads the bytes' if ok else 'READ WRONG BYTES'}"
+    finally:
+        drv.free(at, g)
+        drv.release(h)
+
+
+def _probe_lend_behind_queued_work(leases: int = 50) -> str:
+    """Host cost of a trap lend (and of a trapping reuse) while a long kernel is queued ahead."""
+    sanitizer.enable(trap="poison")
+    buf = StagingBuffer(leases * 4096 + (4 << 20), device="cuda", name="probe")
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):  # ~ tens of ms of queued GPU work
+        a = a @ a
+        a /= a.norm()
+    t0 = time.perf_counter()
+    views = [buf.lend(i * 4096, (1024,), torch.float32, f"p{i}") for i in range(leases)]
+    lend = (time.perf_counter() - t0) / leases
+    queued = not torch.cuda.current_stream().query()
+    t0 = time.perf_counter()
+    buf.reuse(0, 4096, by="probe-next")  # traps p0: waits for the queued work
+    retire = time.perf_counter() - t0
+    del views, a
+    buf.close()
+    sanitizer.disable()
+    return (f"{lend * 1e6:.1f} us per lend with work still queued={queued}; "
+            f"first trapping retire {retire * 1e3:.1f} ms (includes the device wait)")
+
+
+def probe() -> int:
+    """Answer first what only a GPU can: each on one line. 2 when skipped (no CUDA)."""
+    if not torch.cuda.is_available():
+        print("PROBE skipped: no CUDA")
+        return 2
+    from cuda_hooks import vmm
+    from sanitizer.torch_layer import trap_cuda
+
+    why = trap_cuda.unavailable(torch.device("cuda", 0))
+    if why is not None:
+        print(f"PROBE skipped: trap mode cannot use this GPU: {why}")
+        return 1
+    drv = vmm.driver()
+    g = drv.granularity(0)
+    print(f"PROBE granularity: {g >> 10} KiB", flush=True)
+    for label, fn in (("cuMemMap non-zero offset", lambda: _probe_offset(drv, g)),
+                      ("cuMemSetAccess read-only device mapping", lambda: _probe_read_only(drv, g)),
+                      ("trap lend behind queued GPU work", _probe_lend_behind_queued_work)):
+        try:
+            answer = fn()
+        except Exception as exc:  # one probe's failure must not hide the others' answers
+            answer = f"ERROR {type(exc).__name__}: {exc}"
+        print(f"PROBE {label}: {answer}", flush=True)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--leases", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--probe-only", action="store_true", help="answer the probe's questions, then stop")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
+    rc = probe()
+    if rc == 2:
         print("SKIP: no CUDA device")
         return 2
+    if args.probe_only:
+        return rc
     from sanitizer.torch_layer import trap_cuda
     from cuda_hooks import vmm
 

@@ -6,11 +6,14 @@ when a reuse retires the lease, replaces that mapping in place, so that every al
 of the next tensor. On the CPU that is ``mmap`` of a memfd (:mod:`sanitizer.core.pages`); on a GPU it
 is the driver's virtual memory management:
 
-* the buffer's memory is one *physical* allocation (``cuMemCreate``), mapped once at a virtual range of
-  its own where the loader writes;
+* the loader writes at a virtual range of the buffer's own;
+* the buffer's memory is one physical allocation *per granule* (``cuMemCreate`` of one granule each),
+  mapped side by side at offset 0, as PyTorch's expandable segments do: ``cuMemMap``'s ``offset``
+  "currently must be zero" (cuda.h), so a granule past the first cannot be mapped out of one big
+  allocation;
 * a lease's tensor lives on a *virtual alias*: a range reserved for it (``cuMemAddressReserve``) onto
-  which the granules of the physical allocation that hold the lease are mapped (``cuMemMap`` at an
-  offset), so no byte is copied and two leases that share a granule have two aliases;
+  which the granules that hold the lease are mapped one by one (``cuMemMap``, offset 0 each), so no
+  byte is copied and two leases that share a granule have two aliases;
 * a retire unmaps the alias and maps a shared, read-only poison allocation there (``trap=poison``), or
   leaves the range reserved with nothing mapped (``trap=fault``: any access is an illegal address);
   a rescue maps a private copy of the lease's granules there instead.
@@ -30,13 +33,49 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import threading
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
-__all__ = ["Driver", "CudaDriver", "VmmError", "driver", "use_driver", "round_up", "ranges"]
+__all__ = ["Driver", "CudaDriver", "VmmError", "OutOfMemory", "ContextLost", "error", "driver", "use_driver",
+           "round_up", "ranges", "CUDA_ERROR_INVALID_VALUE", "CUDA_ERROR_OUT_OF_MEMORY", "CUDA_ERROR_NOT_SUPPORTED",
+           "CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_STUB_LIBRARY"]
+
+# CUresult values (cuda.h) that decide what the sanitizer does; any other failure is a plain VmmError
+CUDA_ERROR_INVALID_VALUE = 1
+CUDA_ERROR_OUT_OF_MEMORY = 2
+CUDA_ERROR_STUB_LIBRARY = 34
+CUDA_ERROR_ILLEGAL_ADDRESS = 700
+CUDA_ERROR_NOT_SUPPORTED = 801
+# errors after which the context is unusable ("the process must terminate and relaunch", cuda.h):
+# illegal address, launch timeout, hardware stack error, illegal instruction, misaligned address,
+# invalid address space, invalid PC, launch failed
+_STICKY = frozenset({700, 702, 714, 715, 716, 717, 718, 719})
 
 
 class VmmError(RuntimeError):
-    """A ``cuMem*`` call failed: the call, its arguments and the driver's error name."""
+    """A ``cuMem*`` call failed: the call, its arguments and the driver's error name (``code``: the CUresult,
+    None when no call was made)."""
+
+    def __init__(self, message: str, code: Optional[int] = None):
+        super().__init__(message)
+        self.code = code
+
+
+class OutOfMemory(VmmError):
+    """``CUDA_ERROR_OUT_OF_MEMORY``: the caller may free memory (torch's cache) and retry, then fall back."""
+
+
+class ContextLost(VmmError):
+    """A sticky error (``CUDA_ERROR_ILLEGAL_ADDRESS`` and kin): the CUDA context is gone. Never a fallback:
+    raise it, so the process ends saying why, as any CUDA call after it would fail anyway."""
+
+
+def error(message: str, code: Optional[int]) -> VmmError:
+    """The exception for a failed call: :class:`OutOfMemory`, :class:`ContextLost` or :class:`VmmError`."""
+    if code == CUDA_ERROR_OUT_OF_MEMORY:
+        return OutOfMemory(message, code)
+    if code in _STICKY:
+        return ContextLost(message, code)
+    return VmmError(message, code)
 
 
 def round_up(n: int, granule: int) -> int:
@@ -77,7 +116,8 @@ class Driver:
         """Unmap a range (it stays reserved, with no access)."""
         raise NotImplementedError
 
-    def set_access(self, address: int, size: int, device: int, writable: bool) -> None:
+    def set_access(self, address: int, size: int, devices: Sequence[int], writable: bool) -> None:
+        """Grant each of ``devices`` read-write (or read-only) access to a fully mapped range."""
         raise NotImplementedError
 
     def memset(self, address: int, byte: int, size: int, device: int) -> None:
@@ -121,67 +161,60 @@ class CudaDriver(Driver):
 
     def __init__(self) -> None:
         self._lib: Any = None
-        self._load_error: Optional[str] = None
+        self._load_error: Optional[str] = None  # the library could not be loaded (final)
+        self._initialised = False
+        self._init_error: Optional[str] = None  # the last cuInit failed (retried at the next call)
         self._contexts: Dict[int, ctypes.c_void_p] = {}
-        self._lock = threading.Lock()
+        self._devices: Dict[int, int] = {}  # ordinal -> cuDeviceGet's handle
+        self._lock = threading.RLock()
 
     def _cuda(self) -> Any:
-        if self._lib is None and self._load_error is None:
-            name = ctypes.util.find_library("cuda") or "libcuda.so.1"
-            try:
-                lib = ctypes.CDLL(name)
-            except OSError as exc:
-                self._load_error = f"the CUDA driver library could not be loaded ({exc})"
+        """The library, initialised; None (``_load_error`` says why) when it cannot be loaded or initialised.
+        A failed ``cuInit`` is retried at the next call (it may fail while a driver is still coming up)."""
+        with self._lock:
+            if self._lib is None and self._load_error is None:
+                self._lib, self._load_error = _load_library()
+            lib = self._lib
+        if lib is None:
+            return None
+        if not self._initialised:
+            rc = lib.cuInit(0)
+            if rc != 0:
+                self._init_error = f"cuInit(0) failed: {self._name(rc)}" + (
+                    " (a CUDA toolkit's stub libcuda was loaded, not the driver's)" if rc == CUDA_ERROR_STUB_LIBRARY else "")
                 return None
-            u64, size_t = ctypes.c_ulonglong, ctypes.c_size_t
-            sigs = {
-                "cuInit": [ctypes.c_uint],
-                "cuGetErrorName": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
-                "cuDeviceGet": [ctypes.POINTER(ctypes.c_int), ctypes.c_int],
-                "cuDeviceGetAttribute": [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int],
-                "cuDevicePrimaryCtxRetain": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int],
-                "cuCtxPushCurrent_v2": [ctypes.c_void_p],
-                "cuCtxPopCurrent_v2": [ctypes.POINTER(ctypes.c_void_p)],
-                "cuCtxSynchronize": [],
-                "cuMemGetAllocationGranularity": [ctypes.POINTER(size_t), ctypes.POINTER(_AllocationProp),
-                                                  ctypes.c_int],
-                "cuMemCreate": [ctypes.POINTER(u64), size_t, ctypes.POINTER(_AllocationProp), u64],
-                "cuMemRelease": [u64],
-                "cuMemAddressReserve": [ctypes.POINTER(u64), size_t, size_t, u64, u64],
-                "cuMemAddressFree": [u64, size_t],
-                "cuMemMap": [u64, size_t, size_t, u64, u64],
-                "cuMemUnmap": [u64, size_t],
-                "cuMemSetAccess": [u64, size_t, ctypes.POINTER(_AccessDesc), size_t],
-                "cuMemsetD8_v2": [u64, ctypes.c_ubyte, size_t],
-                "cuMemcpyDtoD_v2": [u64, u64, size_t],
-            }
-            try:
-                for fn, args in sigs.items():
-                    f = getattr(lib, fn)
-                    f.argtypes, f.restype = args, ctypes.c_int
-            except AttributeError as exc:
-                self._load_error = f"the CUDA driver has no virtual memory management ({exc})"
-                return None
-            self._lib = lib
-            self._check(lib.cuInit(0), "cuInit(0)")
-        return self._lib
+            self._initialised, self._init_error = True, None
+        return lib
+
+    def _name(self, rc: int) -> str:
+        name = ctypes.c_char_p()
+        lib = self._lib
+        if lib is not None and lib.cuGetErrorName(rc, ctypes.byref(name)) == 0 and name.value:
+            return name.value.decode()
+        return f"CUresult {rc}"
 
     def _check(self, rc: int, call: str) -> None:
         if rc != 0:
-            name = ctypes.c_char_p()
-            lib = self._lib
-            if lib is not None and lib.cuGetErrorName(rc, ctypes.byref(name)) == 0 and name.value:
-                what = name.value.decode()
-            else:
-                what = f"CUresult {rc}"
-            raise VmmError(f"{call} failed: {what}")
+            raise error(f"{call} failed: {self._name(rc)}", rc)
+
+    def _device(self, ordinal: int) -> int:
+        """``cuDeviceGet``'s handle of device ``ordinal`` (what the ``CUdevice`` arguments take)."""
+        with self._lock:
+            handle = self._devices.get(ordinal)
+        if handle is None:
+            dev = ctypes.c_int(0)
+            self._check(self._lib.cuDeviceGet(ctypes.byref(dev), ordinal), f"cuDeviceGet({ordinal})")
+            handle = int(dev.value)
+            with self._lock:
+                self._devices[ordinal] = handle
+        return handle
 
     def _context(self, device: int) -> ctypes.c_void_p:
         with self._lock:
             ctx = self._contexts.get(device)
             if ctx is None:
                 ctx = ctypes.c_void_p()
-                self._check(self._lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device),
+                self._check(self._lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), self._device(device)),
                             f"cuDevicePrimaryCtxRetain(device {device})")
                 self._contexts[device] = ctx
             return ctx
@@ -190,7 +223,7 @@ class CudaDriver(Driver):
         """``fn(*args)`` with ``device``'s primary context current (pushed, then popped)."""
         lib = self._cuda()
         if lib is None:
-            raise VmmError(self._load_error or "no CUDA driver")
+            raise VmmError(self._load_error or self._init_error or "no CUDA driver")
         self._check(lib.cuCtxPushCurrent_v2(self._context(device)), "cuCtxPushCurrent")
         try:
             self._check(getattr(lib, fn)(*args), f"{fn}{tuple(a if isinstance(a, int) else '&' for a in args)}")
@@ -208,14 +241,15 @@ class CudaDriver(Driver):
     def unavailable(self, device: int) -> Optional[str]:
         lib = self._cuda()
         if lib is None:
-            return self._load_error
+            return self._load_error or self._init_error
         value = ctypes.c_int(0)
-        dev = ctypes.c_int(0)
         try:
-            self._check(lib.cuDeviceGet(ctypes.byref(dev), device), f"cuDeviceGet({device})")
             self._check(lib.cuDeviceGetAttribute(ctypes.byref(value),
-                                                 _CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev),
+                                                 _CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                                                 self._device(device)),
                         "cuDeviceGetAttribute(VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)")
+        except ContextLost:
+            raise  # never a reason to fall back quietly: the context is gone
         except VmmError as exc:
             return str(exc)
         return None if value.value else f"device {device} does not support virtual memory management"
@@ -253,10 +287,12 @@ class CudaDriver(Driver):
     def unmap(self, address: int, size: int) -> None:
         self._call(self._device_of_handle(), "cuMemUnmap", address, size)
 
-    def set_access(self, address: int, size: int, device: int, writable: bool) -> None:
-        desc = _AccessDesc(_Location(_CU_MEM_LOCATION_TYPE_DEVICE, device),
-                           _CU_MEM_ACCESS_FLAGS_PROT_READWRITE if writable else _CU_MEM_ACCESS_FLAGS_PROT_READ)
-        self._call(device, "cuMemSetAccess", address, size, ctypes.byref(desc), 1)
+    def set_access(self, address: int, size: int, devices: Sequence[int], writable: bool) -> None:
+        # CUmemLocation.id of a CU_MEM_LOCATION_TYPE_DEVICE location is the device ordinal (cuda.h)
+        flags = _CU_MEM_ACCESS_FLAGS_PROT_READWRITE if writable else _CU_MEM_ACCESS_FLAGS_PROT_READ
+        descs = (_AccessDesc * len(devices))(*[_AccessDesc(_Location(_CU_MEM_LOCATION_TYPE_DEVICE, d), flags)
+                                               for d in devices])
+        self._call(devices[0], "cuMemSetAccess", address, size, descs, len(devices))
 
     def memset(self, address: int, byte: int, size: int, device: int) -> None:
         self._call(device, "cuMemsetD8_v2", address, byte, size)
@@ -265,6 +301,55 @@ class CudaDriver(Driver):
     def copy(self, dst: int, src: int, size: int, device: int) -> None:
         self._call(device, "cuMemcpyDtoD_v2", dst, src, size)
         self._call(device, "cuCtxSynchronize")
+
+
+def _declare(lib: Any) -> None:
+    """Set the argument and result types of every call made (AttributeError: a driver without one)."""
+    u64, size_t = ctypes.c_ulonglong, ctypes.c_size_t
+    sigs = {
+        "cuInit": [ctypes.c_uint],
+        "cuGetErrorName": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
+        "cuDeviceGet": [ctypes.POINTER(ctypes.c_int), ctypes.c_int],
+        "cuDeviceGetAttribute": [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int],
+        "cuDevicePrimaryCtxRetain": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int],
+        "cuCtxPushCurrent_v2": [ctypes.c_void_p],
+        "cuCtxPopCurrent_v2": [ctypes.POINTER(ctypes.c_void_p)],
+        "cuCtxSynchronize": [],
+        "cuMemGetAllocationGranularity": [ctypes.POINTER(size_t), ctypes.POINTER(_AllocationProp), ctypes.c_int],
+        "cuMemCreate": [ctypes.POINTER(u64), size_t, ctypes.POINTER(_AllocationProp), u64],
+        "cuMemRelease": [u64],
+        "cuMemAddressReserve": [ctypes.POINTER(u64), size_t, size_t, u64, u64],
+        "cuMemAddressFree": [u64, size_t],
+        "cuMemMap": [u64, size_t, size_t, u64, u64],
+        "cuMemUnmap": [u64, size_t],
+        "cuMemSetAccess": [u64, size_t, ctypes.POINTER(_AccessDesc), size_t],
+        "cuMemsetD8_v2": [u64, ctypes.c_ubyte, size_t],
+        "cuMemcpyDtoD_v2": [u64, u64, size_t],
+    }
+    for fn, args in sigs.items():
+        f = getattr(lib, fn)
+        f.argtypes, f.restype = args, ctypes.c_int
+
+
+def _load_library() -> "tuple[Any, Optional[str]]":
+    """``(lib, None)`` or ``(None, why)``. ``libcuda.so.1`` first: it is the driver's; the unversioned
+    name ``find_library`` finds may be a toolkit's stub (``lib64/stubs``), whose every call returns
+    ``CUDA_ERROR_STUB_LIBRARY``."""
+    errors = []
+    for name in ("libcuda.so.1", ctypes.util.find_library("cuda")):
+        if not name:
+            continue
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError as exc:
+            errors.append(str(exc))
+            continue
+        try:
+            _declare(lib)
+        except AttributeError as exc:
+            return None, f"the CUDA driver has no virtual memory management ({exc})"
+        return lib, None
+    return None, f"the CUDA driver library could not be loaded ({'; '.join(errors) or 'libcuda not found'})"
 
 
 _driver: Optional[Driver] = None

@@ -334,14 +334,31 @@ class FakeGpu:
         stream.launch("poison", lambda: inner.poison_async(data, byte, 0, device), self._allocs(data))
 
 
+class _Phys:
+    """One fake physical allocation: a memfd, its device, whether its handle was released, how many
+    mappings use it."""
+
+    __slots__ = ("fd", "size", "device", "released", "maps")
+
+    def __init__(self, fd: int, size: int, device: int):
+        self.fd, self.size, self.device, self.released, self.maps = fd, size, device, False, 0
+
+
 class FakeVmm:
-    """The driver's virtual memory management (:class:`cuda_hooks.vmm.Driver`) over host pages, with
-    CUDA's rules: a physical allocation is a memfd (fresh bytes 0xA5); a reservation is a range mapped
-    with no access and filed as memory of its device (so tensors over it are CUDA tensors here); ``map``
-    puts an allocation's pages at a reserved range (no access until ``set_access``); ``unmap`` takes
-    them away again (reserved, no access); sizes, offsets and addresses must be multiples of the
-    granularity, and a range must be mapped whole, as the driver demands. A read of a range with no
-    access faults (SIGSEGV), as a kernel's would be an illegal address."""
+    """The driver's virtual memory management (:class:`cuda_hooks.vmm.Driver`) over host pages, with every
+    rule the CUDA Driver API documents for the calls trap mode makes (each quoted beside its check, from
+    the "Virtual Memory Management" section of the Driver API reference, cuda.h's comments): a physical
+    allocation is a memfd (fresh bytes 0xA5); a reservation is a range mapped with no access and filed as
+    memory of its device (so tensors over it are CUDA tensors here); ``map`` puts an allocation's pages at
+    a reserved range with no access until ``set_access``, which is kept per mapping and per device; a host
+    read of a range with no access for its own device faults (SIGSEGV), as a kernel's would be an
+    illegal address, and a fake ``copy_`` on another device's stream checks that device's access.
+
+    What is not documented but decided here, each settable by a test: ``read_only_supported`` (does
+    ``cuMemSetAccess`` accept ``PROT_READ``; unverified on a real GPU), ``capacity`` (physical bytes per
+    device, ``cuMemCreate`` answers ``CUDA_ERROR_OUT_OF_MEMORY`` past it) and ``torch_cache`` (bytes
+    torch's caching allocator holds on a device until ``torch.cuda.empty_cache()``), ``fail_next`` (an
+    injected error, e.g. a lost context)."""
 
     def __init__(self, fake: "FakeCuda", granule: int = 64 * 1024, unavailable: Optional[str] = None):
         from sanitizer.core import pages
@@ -349,19 +366,100 @@ class FakeVmm:
         if granule % pages.PAGE:
             raise ValueError(f"granule must be a multiple of the page size {pages.PAGE}, got {granule}")
         self._fake, self._pages, self.granule, self.why_not = fake, pages, granule, unavailable
-        self._handles: Dict[int, Tuple[int, int, int]] = {}  # handle -> (fd, size, device)
+        self._handles: Dict[int, _Phys] = {}  # live handles (not released)
+        self._physical: Dict[int, _Phys] = {}  # every allocation whose memory is not freed yet
         self._next = 1
         self._blank = os.memfd_create("fake-vmm-reserved", os.MFD_CLOEXEC)  # what a reservation maps (no access)
         self._blank_size = 0
         self._reserved: Dict[int, Tuple[int, int]] = {}  # address -> (size, device)
-        self._mapped: Dict[int, int] = {}  # address -> size mapped there
+        self._mapped: Dict[int, Tuple[int, int]] = {}  # mapping address -> (size, handle)
+        self._access: Dict[int, Dict[int, str]] = {}  # mapping address -> {device: "r" | "rw"}
+        self.read_only_supported = True
+        self.capacity: Dict[int, int] = {}  # device -> physical bytes it has (absent: unlimited)
+        self.torch_cache: Dict[int, int] = {}  # device -> bytes torch's caching allocator holds there
+        self.empty_cache_calls = 0
+        self._fail: Dict[str, Tuple[int, int]] = {}
         self.calls: List[str] = []
+
+    # -- what a test sets or reads --------------------------------------------------------------------------
+    def fail_next(self, call: str, code: int, after: int = 0) -> None:
+        """The ``after``-th next ``call`` (a :class:`cuda_hooks.vmm.Driver` method name; 0: the next one)
+        fails with CUresult ``code``."""
+        self._fail[call] = (code, after)
+
+    def physical_bytes(self, device: int) -> int:
+        """Bytes of physical memory allocated on ``device`` and not freed yet."""
+        return sum(p.size for p in self._physical.values() if p.device == device)
+
+    def access_of(self, address: int, device: int) -> str:
+        """``""``, ``"r"`` or ``"rw"``: what ``device`` may do at ``address`` now."""
+        for a, (s, _) in self._mapped.items():
+            if a <= address < a + s:
+                return self._access.get(a, {}).get(device, "")
+        return ""
+
+    def check_device_access(self, address: int, nbytes: int, device: int, write: bool) -> None:
+        """A device touching a reserved range (a fake copy on its stream): an illegal address without the
+        access it needs, as on a GPU, filed as a hazard and raised as the sticky error."""
+        need = "rw" if write else "r"
+        for at in range(address - address % self.granule, address + nbytes, self.granule):
+            have = self.access_of(at, device)
+            if not have or (need == "rw" and have != "rw"):
+                self._fake.hazards.append(f"cuda:{device} {'wrote' if write else 'read'} {at:#x} without access")
+                raise self._err(f"cuda:{device} accessed {at:#x} with access {have!r}",
+                                vmm_module().CUDA_ERROR_ILLEGAL_ADDRESS)
+
+    def empty_cache(self) -> None:
+        """``torch.cuda.empty_cache()``: torch's cache gives its memory back."""
+        self.empty_cache_calls += 1
+        self.torch_cache.clear()
+
+    # -- helpers ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _err(message: str, code: int) -> Exception:
+        v = vmm_module()
+        return v.error(f"{message}: {_CU_NAMES.get(code, code)}", code)
+
+    def _injected(self, call: str) -> None:
+        if call not in self._fail:
+            return
+        code, after = self._fail[call]
+        if after:
+            self._fail[call] = (code, after - 1)
+            return
+        del self._fail[call]
+        raise self._err(f"{call} (injected)", code)
 
     def _check(self, what: str, *values: int) -> None:
         for v in values:
             if v % self.granule:
-                raise vmm_module().VmmError(f"{what}: {v:#x} is not a multiple of the granularity {self.granule:#x}")
+                raise self._err(f"{what}: {v:#x} is not a multiple of the granularity {self.granule:#x}",
+                                vmm_module().CUDA_ERROR_INVALID_VALUE)
 
+    def _reservation_of(self, address: int, size: int) -> Optional[Tuple[int, int, int]]:
+        for a, (s, d) in self._reserved.items():
+            if a <= address and address + size <= a + s:
+                return a, s, d
+        return None
+
+    def _mappings_in(self, address: int, size: int) -> Dict[int, Tuple[int, int]]:
+        return {a: v for a, v in self._mapped.items() if address < a + v[0] and a < address + size}
+
+    def _reprotect(self, address: int) -> None:
+        """The host view of a mapping: what the device owning its reservation may do there."""
+        size, _ = self._mapped[address]
+        found = self._reservation_of(address, size)
+        have = self._access.get(address, {}).get(found[2] if found else -1, "")
+        prot = {"": 0, "r": self._pages.PROT_READ, "rw": self._pages.PROT_READ | self._pages.PROT_WRITE}[have]
+        self._pages.protect(address, size, prot)
+
+    def _free_physical(self, handle: int) -> None:
+        phys = self._physical[handle]
+        if phys.released and phys.maps == 0:
+            del self._physical[handle]
+            os.close(phys.fd)
+
+    # -- the driver ---------------------------------------------------------------------------------------
     def unavailable(self, device: int) -> Optional[str]:
         return self.why_not
 
@@ -369,18 +467,31 @@ class FakeVmm:
         return self.granule
 
     def create(self, size: int, device: int) -> int:
+        self._injected("create")
+        # cuMemCreate: "The `size` of this allocation must be a multiple of the the value given via
+        # cuMemGetAllocationGranularity with the CU_MEM_ALLOC_GRANULARITY_MINIMUM flag."
         self._check("cuMemCreate size", size)
+        # cuMemCreate "Returns ... CUDA_ERROR_OUT_OF_MEMORY": past the device's memory, torch's cache included
+        cap = self.capacity.get(device)
+        if cap is not None and self.physical_bytes(device) + self.torch_cache.get(device, 0) + size > cap:
+            raise self._err(f"cuMemCreate({size}, device {device})", vmm_module().CUDA_ERROR_OUT_OF_MEMORY)
         fd = os.memfd_create("fake-vmm-physical", os.MFD_CLOEXEC)
         os.ftruncate(fd, size)
         os.pwrite(fd, b"\xa5" * size, 0)  # fresh device memory holds garbage, never zeros
         handle, self._next = self._next, self._next + 1
-        self._handles[handle] = (fd, size, device)
+        self._handles[handle] = self._physical[handle] = _Phys(fd, size, device)
         self.calls.append("create")
         return handle
 
     def release(self, handle: int) -> None:
-        fd, _, _ = self._handles.pop(handle)
-        os.close(fd)  # a mapping keeps the file (the memory) alive, as a mapped allocation lives on
+        self._injected("release")
+        phys = self._handles.pop(handle)
+        # cuMemRelease: "The memory allocation will be freed when all outstanding mappings to the memory are
+        # unmapped and when all outstanding references to the handle (including it's shareable counterparts)
+        # are also released. The generic memory handle can be freed when there are still outstanding
+        # mappings made with this handle."
+        phys.released = True
+        self._free_physical(handle)
         self.calls.append("release")
 
     def _blank_at(self, address: Optional[int], size: int) -> int:
@@ -390,13 +501,18 @@ class FakeVmm:
         return self._pages.map_file(self._blank, 0, size, self._pages.PROT_NONE, shared=False, at=address)
 
     def reserve(self, size: int, granule: int, device: int) -> int:
-        self._check("cuMemAddressReserve size", size)
-        # over-reserve by a granule and keep the aligned part, as the driver aligns to the granularity
-        raw = self._blank_at(None, size + self.granule)
-        address = -(-raw // self.granule) * self.granule
+        self._injected("reserve")
+        # cuMemAddressReserve: "The size and address parameters must be a multiple of the host page size and
+        # the alignment must be a power of two or zero for default alignment."
+        if size <= 0 or size % self._pages.PAGE or granule < 0 or granule & (granule - 1):
+            raise self._err(f"cuMemAddressReserve(size {size}, alignment {granule})",
+                            vmm_module().CUDA_ERROR_INVALID_VALUE)
+        align = max(granule, self.granule)  # (default alignment: the granularity, so the range can be mapped)
+        raw = self._blank_at(None, size + align)
+        address = -(-raw // align) * align
         if address > raw:
             self._pages.unmap(raw, address - raw)
-        tail = raw + size + self.granule - (address + size)
+        tail = raw + size + align - (address + size)
         if tail:
             self._pages.unmap(address + size, tail)
         self._reserved[address] = (size, device)
@@ -405,53 +521,117 @@ class FakeVmm:
         return address
 
     def free(self, address: int, size: int) -> None:
+        self._injected("free")
+        # cuMemAddressFree: "The size must match what was given to memAddressReserve and the ptr given must
+        # match what was returned from memAddressReserve."
         if self._reserved.get(address, (None,))[0] != size:
-            raise vmm_module().VmmError(f"cuMemAddressFree({address:#x}, {size}): not a reservation of that size")
-        if any(address <= a < address + size for a in self._mapped):
-            raise vmm_module().VmmError(f"cuMemAddressFree({address:#x}): still mapped")
+            raise self._err(f"cuMemAddressFree({address:#x}, {size}): not a reservation of that size",
+                            vmm_module().CUDA_ERROR_INVALID_VALUE)
+        # Programming guide, "Reserving a Virtual Address Range": "Users must ensure that the entire VA range
+        # is unmapped before calling cuMemAddressFree."
+        if self._mappings_in(address, size):
+            raise self._err(f"cuMemAddressFree({address:#x}): still mapped", vmm_module().CUDA_ERROR_INVALID_VALUE)
         del self._reserved[address]
         self._pages.unmap(address, size)
         self._fake._unfile_range(address)
         self.calls.append("free")
 
-    def _inside(self, address: int, size: int) -> bool:
-        return any(a <= address and address + size <= a + s for a, (s, _) in self._reserved.items())
-
     def map(self, address: int, size: int, handle: int, offset: int) -> None:
+        self._injected("map")
+        invalid = vmm_module().CUDA_ERROR_INVALID_VALUE
+        # cuMemMap, parameter offset: "Offset into the memory represented by handle from which to start
+        # mapping - Note: currently must be zero."
+        if offset != 0:
+            raise self._err(f"cuMemMap({address:#x}, {size}, offset {offset:#x}): offset must be zero", invalid)
+        # cuMemMap: "Both `ptr`, `size`, and `offset` must be a multiple of the value given via
+        # cuMemGetAllocationGranularity with the CU_MEM_ALLOC_GRANULARITY_MINIMUM flag."
         self._check("cuMemMap", address, size, offset)
-        fd, total, _ = self._handles[handle]
-        if not self._inside(address, size) or offset + size > total:
-            raise vmm_module().VmmError(f"cuMemMap({address:#x}, {size}, offset {offset}): out of range")
-        if any(address < a + s and a < address + size for a, s in self._mapped.items()):
-            raise vmm_module().VmmError(f"cuMemMap({address:#x}): already mapped")
-        self._pages.map_file(fd, offset, size, self._pages.PROT_NONE, at=address)
-        self._mapped[address] = size
+        phys = self._handles.get(handle)
+        if phys is None:
+            raise self._err(f"cuMemMap: handle {handle} is not a live allocation", invalid)
+        # cuMemMap: "This range must be an address reservation previously reserved with cuMemAddressReserve,
+        # and `offset` + `size` must be less than the size of the memory allocation." (up to its size)
+        if self._reservation_of(address, size) is None or offset + size > phys.size:
+            raise self._err(f"cuMemMap({address:#x}, {size}, offset {offset}): out of range", invalid)
+        # cuMemMap: "cuMemMap can only create mappings on VA range reservations that are not currently mapped."
+        if self._mappings_in(address, size):
+            raise self._err(f"cuMemMap({address:#x}): already mapped", invalid)
+        # cuMemMap: "Please note calling cuMemMap does not make the address accessible, the caller needs to
+        # update accessibility of a contiguous mapped VA range by calling cuMemSetAccess."
+        self._pages.map_file(phys.fd, offset, size, self._pages.PROT_NONE, at=address)
+        self._mapped[address] = (size, handle)
+        self._access[address] = {}
+        phys.maps += 1
         self.calls.append("map")
 
     def unmap(self, address: int, size: int) -> None:
-        inner = {a: s for a, s in self._mapped.items() if address <= a and a + s <= address + size}
-        if sum(inner.values()) != size:
-            raise vmm_module().VmmError(f"cuMemUnmap({address:#x}, {size}): not a whole mapped range")
-        for a in inner:
-            del self._mapped[a]
+        self._injected("unmap")
+        # cuMemUnmap: "The range must be the entire contiguous address range that was mapped to. In other
+        # words, cuMemUnmap cannot unmap a sub-range of an address range mapped by cuMemCreate / cuMemMap."
+        # (Strictest reading, kept here: one call, one whole mapping.)
+        if self._mapped.get(address, (None,))[0] != size:
+            raise self._err(f"cuMemUnmap({address:#x}, {size}): not a whole mapped range",
+                            vmm_module().CUDA_ERROR_INVALID_VALUE)
+        # cuMemUnmap: "This function exhibits synchronous behavior for most use cases." Unmapping under work
+        # still queued over the range is what makes that work read an unmapped address: the fake files it
+        # and answers with the sticky error the work would get (CUDA_ERROR_ILLEGAL_ADDRESS).
+        busy = self._fake.queued_over(address, size)
+        if busy:
+            self._fake.hazards.append(f"cuMemUnmap({address:#x}, {size}) under queued work {busy}")
+            raise self._err(f"cuMemUnmap({address:#x}, {size}) under queued work", vmm_module().CUDA_ERROR_ILLEGAL_ADDRESS)
+        _, handle = self._mapped.pop(address)
+        self._access.pop(address, None)
+        phys = self._physical[handle]
+        phys.maps -= 1
+        # cuMemUnmap: "Any backing memory allocations will be freed if there are no existing mappings and
+        # there are no unreleased memory handles."
+        self._free_physical(handle)
         self._blank_at(address, size)
         self.calls.append("unmap")
 
-    def set_access(self, address: int, size: int, device: int, writable: bool) -> None:
-        prot = self._pages.PROT_READ | (self._pages.PROT_WRITE if writable else 0)
-        self._pages.protect(address, size, prot)
+    def set_access(self, address: int, size: int, devices: Any, writable: bool) -> None:
+        self._injected("set_access")
+        v = vmm_module()
+        devices = [devices] if isinstance(devices, int) else list(devices)
+        # cuMemSetAccess: "The range must be a fully mapped address range containing all allocations created
+        # by cuMemMap / cuMemCreate."
+        inner = self._mappings_in(address, size)
+        if not inner or min(inner) < address or max(a + s for a, (s, _) in inner.items()) > address + size or \
+                sum(s for s, _ in inner.values()) != size:
+            raise self._err(f"cuMemSetAccess({address:#x}, {size}): not a fully mapped range", v.CUDA_ERROR_INVALID_VALUE)
+        # cuMemSetAccess "Returns ... CUDA_ERROR_INVALID_DEVICE": a location that is no device
+        if any(not 0 <= d < self._fake.n for d in devices):
+            raise self._err(f"cuMemSetAccess: devices {devices}", 101)
+        # CU_MEM_ACCESS_FLAGS_PROT_READ, "Make the address range read accessible": whether a device accepts it
+        # for device memory is not documented (unverified on a GPU): refused here when a test says so
+        if not writable and not self.read_only_supported:
+            raise self._err(f"cuMemSetAccess({address:#x}, PROT_READ)", v.CUDA_ERROR_NOT_SUPPORTED)
+        # "set the access flags for the target locations": per device, per mapping
+        for a in inner:
+            for d in devices:
+                self._access[a][d] = "rw" if writable else "r"
+            self._reprotect(a)
         self.calls.append("set_access" + ("" if writable else "(read)"))
 
     def memset(self, address: int, byte: int, size: int, device: int) -> None:
+        self._injected("memset")
         self._fake.synchronize(device)
+        self.check_device_access(address, size, device, True)
         ctypes.memset(address, byte, size)
 
     def copy(self, dst: int, src: int, size: int, device: int) -> None:
+        self._injected("copy")
         self._fake.synchronize(device)
+        self.check_device_access(src, size, device, False)
+        self.check_device_access(dst, size, device, True)
         ctypes.memmove(dst, src, size)
 
     def close(self) -> None:
         os.close(self._blank)
+
+
+_CU_NAMES = {1: "CUDA_ERROR_INVALID_VALUE", 2: "CUDA_ERROR_OUT_OF_MEMORY", 101: "CUDA_ERROR_INVALID_DEVICE",
+             700: "CUDA_ERROR_ILLEGAL_ADDRESS", 801: "CUDA_ERROR_NOT_SUPPORTED"}
 
 
 def vmm_module() -> Any:
@@ -496,6 +676,7 @@ class FakeCuda:
         self._free: Dict[Tuple[int, "FakeStream"], List[Tuple[int, int, List[Tuple["FakeStream", int]]]]] = {}
         self._watched: set = set()
         self.capturing: Optional[FakeStream] = None
+        self.peer_access = True  # torch.cuda.can_device_access_peer between distinct devices
         self.graph: List[Tuple[str, int, int]] = []
         self.launches: List[Tuple[str, int, int]] = []
         self.hazards: List[str] = []
@@ -643,6 +824,19 @@ class FakeCuda:
             if at < len(self._bases) and self._bases[at] == base:
                 del self._bases[at], self._allocs[at]
 
+    def _check_vmm_access(self, touched: List[Any], target: Any) -> None:
+        """A copy or fill on the target's device (torch runs a copy on its destination's device): each
+        operand in a VMM range needs that device's access there (read; write for the target)."""
+        vmm = getattr(self, "vmm", None)
+        dst = self._find(target.data_ptr()) if isinstance(target, (torch.Tensor, torch.UntypedStorage)) else None
+        if vmm is None or dst is None:
+            return
+        for x in touched:
+            ptr = x.data_ptr()
+            if ptr and any(a <= ptr < a + s for a, (s, _) in vmm._reserved.items()):
+                nbytes = x.nbytes() if isinstance(x, torch.UntypedStorage) else x.numel() * x.element_size()
+                vmm.check_device_access(ptr, nbytes, dst.device.index, x is target)
+
     def alloc_of(self, t: torch.Tensor) -> Optional[_Alloc]:
         return self._find(t.data_ptr())
 
@@ -744,6 +938,23 @@ class FakeCuda:
                 s.flush()
                 s.synced_at = self._tick()
 
+    def queued_over(self, address: int, size: int) -> List[str]:
+        """Launches still queued (on any stream) that touch ``[address, address + size)``."""
+        return [f"{name} on {s!r}" for s in list(self._streams.values()) for name, _, allocs in s.queue
+                if any(a.base < address + size and address < a.base + a.nbytes for a in allocs)]
+
+    def can_device_access_peer(self, device: Any, peer: Any) -> bool:
+        """``torch.cuda.can_device_access_peer``: every pair of distinct fake devices, unless a test turned
+        :attr:`peer_access` off."""
+        d, p = self._index(device), self._index(peer)
+        return self.peer_access and d != p and 0 <= d < self.n and 0 <= p < self.n
+
+    def empty_cache(self) -> None:
+        """``torch.cuda.empty_cache()``: the VMM driver's notion of torch's cache gives its memory back."""
+        vmm = getattr(self, "vmm", None)
+        if vmm is not None:
+            vmm.empty_cache()
+
     def pause(self, stream: FakeStream) -> None:
         """Hold ``stream``'s launches back until it is synchronised (a slow stream)."""
         stream.paused = True
@@ -810,6 +1021,8 @@ class FakeCuda:
         monkeypatch.setattr(cuda, "Event", FakeEvent)
         monkeypatch.setattr(cuda, "synchronize", self.synchronize)
         monkeypatch.setattr(cuda, "is_current_stream_capturing", self.is_current_stream_capturing)
+        monkeypatch.setattr(cuda, "can_device_access_peer", self.can_device_access_peer)
+        monkeypatch.setattr(cuda, "empty_cache", self.empty_cache)
         monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: fake.record_stream(t, s), raising=False)
 
         def swap(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
@@ -838,6 +1051,7 @@ class FakeCuda:
                 allocs = [a for a in (fake._find(x.data_ptr()) for x in touched) if a is not None]
                 if not allocs:
                     return real(target, *args, **kw)
+                fake._check_vmm_access(touched, target)
                 if not all(_contiguous(x) for x in touched):
                     real(target, *args, **kw)
                     fake.current_stream(allocs[0].device.index).launch(name, lambda: None, allocs)

@@ -89,14 +89,23 @@ def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
     # consumer on another stream (or the host) could read it before the copy lands, and which streams
     # will read it is not known here. So the host waits for the copies, once per reuse, not per view
     # (only a view that really was retained is copied: the cost is paid for retentions only).
-    for index in copied_on:
-        torch.cuda.current_stream(index).synchronize()
+    # Never while a graph captures (on this thread's current device or a device copied on): a synchronize
+    # there is illegal and ends the user's capture; each copy was skipped under capture anyway.
+    if copied_on and not _capturing_any(copied_on):
+        for index in copied_on:
+            torch.cuda.current_stream(index).synchronize()
+
+
+def _capturing_any(indices: set) -> bool:
+    if graph_capture.capturing():
+        return True
+    return any(graph_capture.capturing(torch.device("cuda", index)) for index in indices)
 
 
 def _capturing(storage: torch.UntypedStorage, lease: Lease) -> bool:
     """A CUDA graph capture on the lease's device: the copy would run only at replay; it stays stale."""
     device = devices.storage_device(storage)
-    if device.type == "cuda" and graph_capture.capturing(device):
+    if device.type == "cuda" and (graph_capture.capturing() or graph_capture.capturing(device)):
         graph_capture.skipped(f"rescuing '{lease.name}'")
         return True
     return False

@@ -562,7 +562,8 @@ def rescue_in_place(lease: Lease, event: Optional[ReuseEvent] = None) -> bool:
     window = None if memory is None else memory.window(lease)
     if window is None or window.state != "fresh":
         return False
-    memory.rescue(lease, window, event)
+    if memory.rescue(lease, window, event) is False:  # (CUDA: no memory for the copy; the window stays fresh)
+        return False
     with _lock:
         _counts["rescued"] += 1
         _counts["rescued_bytes"] += window.length

@@ -146,7 +146,7 @@ def test_dead_aliases_are_unmapped_after_a_device_wait_and_the_buffer_goes_whole
 
     sanitizer.enable(trap="poison")
     gc.collect()
-    trap_cuda.GRAVEYARD.empty(wait=True)
+    trap_cuda.GRAVEYARD.collect()
     reserved = len(fake.vmm._reserved)
     before = trap.stats()["windows"]
     buf = StagingBuffer(1 << 18, device="cuda")
@@ -162,9 +162,10 @@ def test_dead_aliases_are_unmapped_after_a_device_wait_and_the_buffer_goes_whole
     buf.close()
     del buf, x
     gc.collect()
-    trap_cuda.GRAVEYARD.empty(wait=True)
+    trap_cuda.GRAVEYARD.collect()
     assert len(fake.vmm._reserved) == reserved  # the buffer's own range too
-    assert len(fake.vmm._handles) == 1  # the buffer's allocation was released at close; the poison granule stays
+    assert len(fake.vmm._handles) == 1  # the buffer's allocations were released at close; the poison granule stays
+    assert fake.vmm.physical_bytes(0) == fake.vmm.granule  # and their memory went with the last mapping
 
 
 def test_a_device_without_virtual_memory_management_falls_back_with_one_warning(fake, monkeypatch):
