@@ -23,10 +23,13 @@ its tensors are served through a :class:`~sanitizer.torch_layer.ring.StagingRing
 
 What a kept view means depends on whose contract is asked. Under safetensors'
 own contract (the default) keeping one is correct: a view still held when the
-ring is about to reuse its bytes, or when the file is closed, is first moved
-onto an owned copy of its own (the program stays bit-exact) and reported once
-per file as an ``emulated_retention`` event (how many, how many bytes, who held
-the first), never as an error. ``safetensors_strict=1`` asks for the borrowed
+ring is about to reuse its bytes, or when the file is closed, keeps them, and
+every alias of it (``numpy()``, a memoryview, DLPack, ``frombuffer``) with them:
+in trap mode its pages become a private copy in place, otherwise the ring leaves
+that memory to the views on it and takes fresh memory (a close frees only what no
+view uses). The program stays bit-exact; each such view is reported once per file
+and holder as an ``emulated_retention`` event (how many, how many bytes, who held
+them, how their bytes were kept), never as an error. ``safetensors_strict=1`` asks for the borrowed
 contract instead: such a view is a retention, and its later use a stale-use
 error, as with a borrowing loader.
 """
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -118,17 +122,48 @@ def iterate(paths: Union[str, Iterable[str]], ring_bytes: Optional[int] = None, 
 class _Kept:
     """What one consumer kept of one emulated file past the emulated contract (for its one event)."""
 
-    __slots__ = ("count", "nbytes", "names", "holder")
+    __slots__ = ("count", "nbytes", "names", "holder", "copied")
 
     def __init__(self, holder: Optional[dict]) -> None:
         self.count = 0
         self.nbytes = 0
         self.names: List[str] = []
         self.holder = holder
+        self.copied = 0  # of ``count``: moved onto a private copy of their pages (trap mode); the rest stayed put
+
+
+def _holds(lease: Lease) -> bool:
+    """Does anything but the lease's own record hold its storage (the view, a derived view, an alias)?"""
+    storage = runtime.storage_of(lease)
+    return storage is not None and storage_handles.holders(storage) > 0
+
+
+def _held(leases: Iterable[Lease]) -> List[Lease]:
+    """The borrowed leases among ``leases`` that something still holds."""
+    return [lease for lease in leases
+            if lease.alive and not lease.rescued and lease.stale_by is None and _holds(lease)]
+
+
+def _copy_pages(lease: Lease) -> bool:
+    """Trap mode: replace the lease's window, in place, by a private copy of its pages (every alias points
+    at the window, so every alias follows). False when the lease has no window (no trap mode, or a lend
+    past trap mode's mapping budget). The trap module is looked up, never imported: without it no lease
+    has a window."""
+    trap = sys.modules.get("sanitizer.torch_layer.trap")
+    return trap is not None and trap.rescue_in_place(lease)
 
 
 class EmulatedSafeOpen:
-    """``safe_open`` whose tensors are lent as views of a staging ring (option ``safetensors_ring``)."""
+    """``safe_open`` whose tensors are lent as views of a staging ring (option ``safetensors_ring``).
+
+    Under safetensors' own contract (not strict) a view kept past the ring keeps its bytes, and so does
+    every alias of it (``numpy()``, a memoryview, DLPack, ``frombuffer``, a raw pointer): those point at
+    the memory, not at the view's storage, so moving the storage onto a copy (a rescue's ``repoint``)
+    would leave them reading the ring's next tensor, or unmapped memory (issue 48). So the memory stays:
+    in trap mode the view's own window becomes a private copy of its pages; otherwise the ring leaves
+    the segment to the views that hold it and takes fresh memory (:meth:`StagingRing.renew`), and a
+    close frees only what no view uses (each view's storage keeps its buffer's memory alive).
+    """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         if getattr(_bypass, "on", False):
@@ -143,6 +178,10 @@ class EmulatedSafeOpen:
         self._label = f"{NAME}:{os.path.basename(os.fspath(filename))}"
         self._ring: Optional[StagingRing] = None
         self._kept: Dict[Tuple[Optional[str], Optional[str]], _Kept] = {}  # (consumer, stored at) -> what it kept
+        # Views left on memory the ring moved away from before it came round to them: (segment, lease),
+        # reported as kept if still held when the ring passes their bytes (or at the close), as if it had
+        # not moved.
+        self._pending: List[Tuple[int, Lease]] = []
         self._lock = threading.Lock()  # transformers materializes slices from a thread pool: place + put are one step
 
     # -- lending -----------------------------------------------------------------
@@ -160,34 +199,73 @@ class EmulatedSafeOpen:
         with self._lock:
             if self._ring is None or self._ring.buffer.closed:
                 self._ring = StagingRing(ring_bytes, device=tensor.device, name=self._label)
+                self._pending = []
             if not self._strict():
                 segment, offset = self._ring.place(nbytes, tensor.element_size())
-                region = self._ring.segments[segment]._region
-                self._own_held(state.ledger.overlapping(region.region_id, offset, offset + nbytes), False)
+                self._keep_held(segment, offset, offset + nbytes)
             return self._ring.put(name, tensor)
 
-    def _own_held(self, leases: List[Lease], at_close: bool) -> None:
-        """Move every held view among ``leases`` onto an owned copy (safetensors' contract lets it be kept)."""
-        for lease in leases:
-            if not lease.alive or lease.rescued or lease.stale_by is not None:
+    def _keep_held(self, segment: int, start: int, end: int) -> None:
+        """(Under the lock.) The ring is about to write ``[start, end)`` of ``segment``: every view still
+        held there keeps its bytes, aliases included (safetensors' contract lets it be kept)."""
+        self._pass_pending(segment, start, end)
+        region = self._ring.segments[segment]._region.region_id
+        stay = []
+        for lease in _held(state.ledger.overlapping(region, start, end)):
+            if _copy_pages(lease):
+                self._keep(lease, copied=True)
+            else:
+                stay.append(lease)
+        if stay:
+            self._move_ring(segment, stay)
+
+    def _move_ring(self, segment: int, held: List[Lease]) -> None:
+        """(Under the lock.) Leave ``held`` (views over the bytes about to be written) where they are and
+        give the segment fresh memory. The segment's other held views are left there too: nothing writes
+        that memory any more, so they are owned now, and reported only if still held when the ring comes
+        round to their bytes (:meth:`_pass_pending`). Then the old buffer is closed: what no view holds
+        is freed with it."""
+        old = self._ring.renew(segment)
+        for lease in held:
+            self._keep(lease, copied=False)
+        for lease in _held(old.leases()):
+            runtime.disown(lease)
+            self._pending.append((segment, lease))
+        old.close()
+
+    def _pass_pending(self, segment: Optional[int], start: int, end: int) -> None:
+        """(Under the lock.) The ring passes ``[start, end)`` of ``segment`` (None: the close, everything):
+        a view left behind there that is still held is a kept one."""
+        left = []
+        for seg, lease in self._pending:
+            if not lease.alive:
                 continue
-            storage = runtime.storage_of(lease)
-            if storage is None or storage_handles.holders(storage) <= 0:
+            if segment is None or (seg == segment and lease.start < end and start < lease.end):
+                if _holds(lease):
+                    self._record(lease, copied=False)
                 continue
-            # Each view is named by what holds it (a file's views go to norms and linears alike: one
-            # holder per file would label the norm weights as the linear's), grouped by consumer.
-            holder = _name_holder(lease)
-            group = (holder or {}).get("consumer"), site_text((holder or {}).get("stored_at"))
-            kept = self._kept.get(group)
-            if kept is None:
-                kept = self._kept[group] = _Kept(holder)
-            previous, _ = storage_handles.repoint(storage)  # the view and its derived views now own a copy
-            runtime.disown(lease)  # before `previous` (now holding the staging alias) dies
-            del previous
-            kept.count += 1
-            kept.nbytes += lease.end - lease.start
-            if len(kept.names) < 8:
-                kept.names.append(lease.name or "?")
+            left.append((seg, lease))
+        self._pending = left
+
+    def _keep(self, lease: Lease, copied: bool) -> None:
+        """Record ``lease`` as kept, and disown it: its view (and every alias) owns the memory it is on."""
+        self._record(lease, copied)
+        runtime.disown(lease)
+
+    def _record(self, lease: Lease, copied: bool) -> None:
+        """Count a view kept past the emulated contract, for its consumer's one event."""
+        # Each view is named by what holds it (a file's views go to norms and linears alike: one
+        # holder per file would label the norm weights as the linear's), grouped by consumer.
+        holder = _name_holder(lease)
+        group = (holder or {}).get("consumer"), site_text((holder or {}).get("stored_at"))
+        kept = self._kept.get(group)
+        if kept is None:
+            kept = self._kept[group] = _Kept(holder)
+        kept.count += 1
+        kept.copied += copied
+        kept.nbytes += lease.end - lease.start
+        if len(kept.names) < 8:
+            kept.names.append(lease.name or "?")
 
     def _report_kept(self) -> None:
         groups, self._kept = self._kept, {}
@@ -199,9 +277,10 @@ class EmulatedSafeOpen:
                 "kind": "emulated_retention",
                 "summary": (f"{kept.count} view(s) of {self._label} ({format_bytes(kept.nbytes)}) were still held "
                             f"by {holder} when the emulation ring reused or freed them: a retention under the "
-                            f"emulated borrowed contract, correct under safetensors' own (each was moved onto an "
-                            f"owned copy; safetensors_strict=1 makes it an error)"),
+                            f"emulated borrowed contract, correct under safetensors' own (each kept its bytes, "
+                            f"aliases included: {_how_kept(kept)}; safetensors_strict=1 makes it an error)"),
                 "file": self._label, "count": kept.count, "nbytes": kept.nbytes, "leases": kept.names,
+                "copied": kept.copied, "kept_in_place": kept.count - kept.copied,
                 "holder": kept.holder, "pid": os.getpid()})
 
     # -- safe_open's API ---------------------------------------------------------
@@ -220,15 +299,18 @@ class EmulatedSafeOpen:
         return {k: self.get_tensor(k) for k in keys}
 
     def close(self) -> None:
-        """Free the ring: every view still held goes stale (strict) or onto an owned copy (the default)."""
+        """Free the ring: every view still held goes stale (strict) or keeps its bytes where they are (the
+        default: the ring's memory is freed only once no view uses it, aliases included)."""
         with self._lock:
-            if self._ring is not None:
-                if not self._strict() and not self._ring.buffer.closed:
-                    for segment in self._ring.segments:
-                        self._own_held(state.ledger.overlapping(segment._region.region_id, 0,
-                                                                        segment.nbytes), True)
-                self._ring.close()
-                self._ring = None
+            ring, self._ring = self._ring, None
+            if ring is not None:
+                if not self._strict() and not ring.buffer.closed:
+                    self._pass_pending(None, 0, 0)
+                    for segment in ring.segments:
+                        for lease in _held(segment.leases()):
+                            self._keep(lease, copied=False)
+                ring.close()
+            self._pending = []
         self._report_kept()
 
     def __enter__(self) -> "EmulatedSafeOpen":
@@ -254,6 +336,16 @@ class _EmulatedSlice:
 
     def __getattr__(self, name: str) -> Any:  # get_shape, get_dtype
         return getattr(self._inner, name)
+
+
+def _how_kept(kept: _Kept) -> str:
+    """What kept the bytes of ``kept``'s views, for its event's summary."""
+    parts = []
+    if kept.copied:
+        parts.append(f"{kept.copied} moved onto a private copy of their own pages")
+    if kept.count - kept.copied:
+        parts.append(f"{kept.count - kept.copied} left on the ring's memory, which the ring gave up to them")
+    return ", ".join(parts)
 
 
 def _name_holder(lease: Lease) -> Optional[dict]:

@@ -279,6 +279,28 @@ class StagingRing:
         seg, start, end = span
         self.segments[seg].retire(start, end - start, by=by)
 
+    def renew(self, segment: int) -> StagingBuffer:
+        """Give segment ``segment`` fresh memory of its size for the next puts, and return the buffer it
+        had, still open and never written again by the ring (the caller closes it once it has decided
+        what its leases are).
+
+        Why: a view must sometimes keep its bytes where the ring comes round (an emulated owning loader,
+        ``safetensors_ring``), and an alias of it (``numpy()``, a memoryview, DLPack, ``frombuffer``)
+        points at those very bytes, not at the view's storage: a storage-level move leaves the alias on
+        the ring. So the bytes stay and the ring moves. The old memory lives as long as a lease's storage
+        does (each keeps its buffer's memory alive, see aliasing.py), not longer. The ring's position and
+        quarantine are kept: only the memory changes. No put may be writing into that segment (the
+        caller serializes its puts with this call)."""
+        with self._lock:
+            if self._closing:
+                raise ValueError(f"staging ring '{self.name}' is closed: cannot renew segment {segment}")
+            if any(p.span[0] == segment for p in self._under_way):
+                raise RuntimeError(f"staging ring '{self.name}': cannot renew segment {segment} while a put "
+                                   f"is writing into it")
+            old = self.segments[segment]
+            self.segments[segment] = StagingBuffer(old.nbytes, device=self._device, name=old.name)
+            return old
+
     def close(self) -> None:
         """Free every segment. Later puts are refused; one under way either lent before (its view goes
         stale with the rest) or fails with the buffer's "closed" error: no lease outlives the close fresh."""
