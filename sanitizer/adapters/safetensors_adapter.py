@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import threading
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -146,11 +145,10 @@ def _held(leases: Iterable[Lease]) -> List[Lease]:
 
 def _copy_pages(lease: Lease) -> bool:
     """Trap mode: replace the lease's window, in place, by a private copy of its pages (every alias points
-    at the window, so every alias follows). False when the lease has no window (no trap mode, or a lend
-    past trap mode's mapping budget). The trap module is looked up, never imported: without it no lease
-    has a window."""
-    trap = sys.modules.get("sanitizer.torch_layer.trap")
-    return trap is not None and trap.rescue_in_place(lease)
+    at the window, so every alias follows). False when its buffer cannot (no trap mode, or a lend past
+    trap mode's mapping budget): the buffer says."""
+    buffer = runtime.buffer_of(lease.region_id)
+    return buffer is not None and buffer.rescue_pages(lease)
 
 
 class EmulatedSafeOpen:

@@ -45,15 +45,8 @@ def install() -> None:
     add_enable_hook(_on_enable)
 
 
-_trap: Any = None  # sanitizer.torch_layer.trap, once trap mode was asked for
-
-
 def _on_enable(options: Options) -> None:
-    global _installed, _trap
-    if options.trap != "0" and _trap is None:
-        from sanitizer.torch_layer import trap as _trap_module
-
-        _trap = _trap_module
+    global _installed
     if options.guard and storage_handles.AVAILABLE and not _installed:
         add_retire_hook(_on_retire, ORDER)
         _installed = True
@@ -64,7 +57,7 @@ def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
         return
     fill = state.options.poison_byte
     for lease in victims:
-        if not lease.alive or lease.rescued or (_trap is not None and _trap.replaced(lease)):
+        if not lease.alive or lease.rescued or _pages_replaced(region, lease):
             continue  # (trap mode already replaced this lease's pages in place)
         storage = runtime.storage_of(lease)  # (whenever it was lent: a lease is a weak reference to its storage)
         if storage is None or storage_handles.holders(storage) <= 0:
@@ -74,6 +67,12 @@ def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
             graph_capture.skipped(f"the tombstone of '{lease.name}'")  # (a new poison block would allocate and wait)
             continue
         _entomb(lease, storage, fill)
+
+
+def _pages_replaced(region: Region, lease: Lease) -> bool:
+    """Did the lease's buffer replace its pages in place at this retire (trap mode)? The buffer says."""
+    buffer = runtime.buffer_of(region.region_id)
+    return buffer is not None and buffer.pages_replaced(lease)
 
 
 def _entomb(lease: Lease, storage: Any, fill: int) -> None:

@@ -143,12 +143,9 @@ def _rescue(lease: Lease, storage: torch.UntypedStorage, event: ReuseEvent) -> O
 
 
 def _trap_rescue(lease: Lease, event: ReuseEvent) -> bool:
-    """Rescue at page level when the lease lives on a trap window (trap mode), else False."""
-    if state.options.trap == "0":
-        return False
-    from sanitizer.torch_layer import trap
-
-    return trap.rescue_in_place(lease, event)  # (on CUDA, the device waits once per reuse event)
+    """Rescue at page level when the lease's buffer can (trap mode: its own window), else False."""
+    buffer = runtime.buffer_of(lease.region_id)
+    return buffer is not None and buffer.rescue_pages(lease, event)  # (CUDA: the device waits once per reuse)
 
 
 def _remember(record: dict) -> None:

@@ -116,9 +116,26 @@ def stack_change_safe() -> bool:
 
 StaleHandler = Callable[[Any, Any, torch.Tensor], None]  # (lease, func, tensor)
 
-address_lookup: Optional[Callable[[torch.Tensor], Any]] = None
-"""Set by trap mode only while a trapped lease exists: the lease whose window holds a tensor whose
-storage the stale set does not know (``from_dlpack``/``from_numpy``/``frombuffer`` of a lease)."""
+_address_lookups: Tuple[Callable[[torch.Tensor], Any], ...] = ()
+"""Registered through :func:`add_address_lookup` (trap mode): each answers the stale lease whose memory
+holds a tensor whose storage the stale set does not know (``from_dlpack``/``from_numpy``/``frombuffer``
+of a lease), or None. Read on the hot path only when one is registered."""
+
+
+def add_address_lookup(lookup: Callable[[torch.Tensor], Any]) -> None:
+    """Declare a look-up of stale leases by address (idempotent)."""
+    global _address_lookups
+    if lookup not in _address_lookups:
+        _address_lookups = _address_lookups + (lookup,)
+
+
+def lease_by_address(t: torch.Tensor) -> Any:
+    """The stale lease a registered look-up finds for ``t`` by its address, or None."""
+    for lookup in _address_lookups:
+        lease = lookup(t)
+        if lease is not None:
+            return lease
+    return None
 
 
 class BorrowCheckMode(TorchDispatchMode):
@@ -199,8 +216,8 @@ class BorrowCheckMode(TorchDispatchMode):
                     continue
                 if lease is not None:
                     self._on_stale(lease, func, a)
-                elif address_lookup is not None:
-                    lease = address_lookup(a)
+                elif _address_lookups:
+                    lease = lease_by_address(a)
                     if lease is not None:
                         self._on_stale(lease, func, a)
             elif isinstance(a, _Tensor):
@@ -238,8 +255,8 @@ class BorrowCheckMode(TorchDispatchMode):
         except (RuntimeError, NotImplementedError):  # nested, storage-less subclasses
             return
         lease = stale.get(key)
-        if lease is None and address_lookup is not None:
-            lease = address_lookup(t)
+        if lease is None and _address_lookups:
+            lease = lease_by_address(t)
         if lease is not None:
             self._on_stale(lease, func, t)
 

@@ -127,6 +127,20 @@ _ENDS_LEASE = _EndsLease()
 _RESCUED: Dict[int, Lease] = {}
 
 
+_BUFFERS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+"""Each open staging buffer by its region id (registered by the buffer itself): a feature that must know
+how a lease's memory is held asks the lease's buffer (:func:`buffer_of`), never a module of its kind."""
+
+
+def register_buffer(region_id: int, buffer: Any) -> None:
+    _BUFFERS[region_id] = buffer
+
+
+def buffer_of(region_id: int) -> Any:
+    """The staging buffer registered as ``region_id`` (None once it is gone)."""
+    return _BUFFERS.get(region_id)
+
+
 def storage_of(lease: Lease) -> Optional[torch.UntypedStorage]:
     """The storage of an alive lease (a strong reference: keep it only as long as needed), or None
     when it died. The lease itself is the weak reference to it."""
@@ -201,11 +215,11 @@ def _still_borrowed(region: Region, victims: List[Lease]) -> List[Lease]:
     mapping of its own over the buffer's pages, at another address by design."""
     if not victims:
         return victims
-    trap = sys.modules.get("sanitizer.torch_layer.trap")  # loaded only when trap mode was asked for
     kept = []
     for lease in victims:
         storage = storage_of(lease) if lease.alive else None
-        if storage is not None and not (trap is not None and trap.covers(lease)):
+        buffer = _BUFFERS.get(lease.region_id) if storage is not None else None
+        if storage is not None and not (buffer is not None and buffer.lends_own_mapping(lease)):
             try:
                 ptr, size = storage.data_ptr(), storage.nbytes()
                 home = region if lease.region_id == region.region_id else state.ledger.region(lease.region_id)

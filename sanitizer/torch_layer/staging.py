@@ -92,16 +92,23 @@ def _install_marker() -> bool:
             _MARKER_ON_CLASS = isinstance(present, _BorrowedMarker)
     return _MARKER_ON_CLASS
 
-trap_buffer_class: Optional[Callable[[tuple, dict], Optional[type]]] = None
-"""Set by torch_layer/trap.py once ``enable(trap=...)`` asked for trap mode: the class that
-``StagingBuffer(*args, **kwargs)`` makes then (None: a plain buffer)."""
+BufferFactory = Callable[[tuple, dict], Optional[type]]
+_factories: tuple = ()
+"""Declared through :func:`add_buffer_factory` (trap mode, at an enable that asks for it): each may name
+the class ``StagingBuffer(*args, **kwargs)`` makes for memory the sanitizer allocates (None: not its
+kind). None registered: the plain class, its lend path untouched."""
 
-_BUFFERS: "weakref.WeakValueDictionary[int, StagingBuffer]" = weakref.WeakValueDictionary()
+
+def add_buffer_factory(factory: BufferFactory) -> None:
+    """Declare a factory of staging buffer classes (idempotent)."""
+    global _factories
+    if factory not in _factories:
+        _factories = _factories + (factory,)
 
 
 def buffer_bytes(region_id: int) -> Optional[torch.Tensor]:
     """The uint8 bytes of the open buffer registered as ``region_id`` (None once closed or gone)."""
-    buf = _BUFFERS.get(region_id)
+    buf = runtime.buffer_of(region_id)
     return None if buf is None else buf._data
 
 
@@ -109,7 +116,7 @@ def poisonable_bytes(region_id: int) -> Optional[torch.Tensor]:
     """The uint8 bytes of ``region_id`` that poison may overwrite: only an open buffer this sanitizer
     allocated itself. An adopted buffer (a loader's memory, a ``borrowed_iterator`` window over a
     state_dict that lives on) is never written: None."""
-    buf = _BUFFERS.get(region_id)
+    buf = runtime.buffer_of(region_id)
     return None if buf is None or not buf.owns_memory else buf._data
 
 
@@ -142,10 +149,12 @@ class StagingBuffer:
     """One contiguous byte buffer on a device whose lent views are tracked as leases."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "StagingBuffer":
-        """With ``trap`` on, memory allocated here is a trap buffer (see torch_layer/trap.py)."""
-        if cls is StagingBuffer and trap_buffer_class is not None and state.enabled \
-                and state.options.trap != "0":
-            cls = trap_buffer_class(args, kwargs) or cls
+        """A declared buffer factory may make memory allocated here a buffer of its kind (trap mode)."""
+        if cls is StagingBuffer and _factories and state.enabled:
+            for factory in _factories:
+                cls = factory(args, kwargs) or cls
+                if cls is not StagingBuffer:
+                    break
         return object.__new__(cls)
 
     def __init__(self, nbytes: int, device: Any = "cpu", name: Optional[str] = None, *, pin_memory: bool = False):
@@ -189,7 +198,7 @@ class StagingBuffer:
         self._region = state.ledger.add_region(
             name or f"staging@{data.data_ptr():#x}", device_key(data.device), data.data_ptr(), self.nbytes)
         self.name = self._region.name
-        _BUFFERS[self._region.region_id] = self
+        runtime.register_buffer(self._region.region_id, self)
         _install_marker()
         self._finalizer = weakref.finalize(self, _forget_region_at_gc, self._region)
         # Not at exit: the user's own atexit handlers (registered before the first buffer) may still
@@ -257,11 +266,40 @@ class StagingBuffer:
     def _lend_checked(self, data: torch.Tensor, offset: int, nbytes: int, shape: tuple, dtype: torch.dtype,
                       name: Optional[str]) -> torch.Tensor:
         """The one tail of every lend (checked already): the view over its own storage, its lease, its mark."""
-        view, _ = alias_view(data, self._host, offset, nbytes, shape, dtype)  # (its storage is what is watched)
-        runtime.track_lease(self._region, offset, nbytes, view, name, dtype, shape)
+        view, memory = self._lend_view(data, offset, nbytes, shape, dtype)
+        lease = runtime.track_lease(self._region, offset, nbytes, view, name, dtype, shape)
+        if memory is not None:
+            self._attach(lease, memory)
         if not _MARKER_ON_CLASS:
             setattr(view, BORROWED_MARKER, True)  # the name is taken on torch.Tensor: mark the view itself
         return view
+
+    # -- what a kind of buffer decides (trap mode's buffer overrides these) -----------
+    def _lend_view(self, data: torch.Tensor, offset: int, nbytes: int, shape: tuple, dtype: torch.dtype):
+        """``(view, memory)``: the lease's view over a storage of its own (what is watched), and the memory
+        it lives on when that is the buffer kind's own (None: the buffer's bytes)."""
+        view, _ = alias_view(data, self._host, offset, nbytes, shape, dtype)
+        return view, None
+
+    def _attach(self, lease: Lease, memory: Any) -> None:
+        """Remember which memory of its own a lease lives on (see :meth:`_lend_view`)."""
+
+    def lends_own_mapping(self, lease: Lease) -> bool:
+        """Does ``lease`` live on a mapping of its own, at another address than the buffer's bytes?"""
+        return False
+
+    def retire_pages(self, lease: Lease, event: ReuseEvent) -> bool:
+        """Replace ``lease``'s pages in place at its retire (every alias with them); False: not done."""
+        return False
+
+    def pages_replaced(self, lease: Lease) -> bool:
+        """Were ``lease``'s pages replaced in place (retired or rescued: the guard then leaves it alone)?"""
+        return False
+
+    def rescue_pages(self, lease: Lease, event: Optional[ReuseEvent] = None) -> bool:
+        """Make ``lease``'s own pages a private copy, in place (every alias keeps the bytes); False: not
+        possible here (a rescue then moves the storage instead)."""
+        return False
 
     def _check_lend(self, offset: Any, shape: Any, dtype: Any, name: Optional[str], what: str):
         """``(offset, shape, dtype, nbytes)`` of a valid lend; a clear error naming the value otherwise."""

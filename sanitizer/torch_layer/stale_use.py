@@ -64,8 +64,8 @@ def check_not_stale(tensor: torch.Tensor, where: str) -> bool:
         lease = state.stale.get(storage_key(tensor))
     except (RuntimeError, NotImplementedError):  # sparse, nested, storage-less subclasses
         return False
-    if lease is None and _mode.address_lookup is not None:
-        lease = _mode.address_lookup(tensor)  # an alias of a trapped lease (trap mode)
+    if lease is None and _mode._address_lookups:
+        lease = _mode.lease_by_address(tensor)  # an alias of a trapped lease (trap mode)
     if lease is None:
         return False
     report_stale_use(lease, where, tensor)

@@ -27,553 +27,42 @@ memory itself moves, as Electric Fence and GWP-ASan do for heap chunks:
   against ``vm.max_map_count`` (a trapped one splits its mirror's mapping): past half of it a lend
   falls back to a plain view (the guard covers it), with one warning naming the limit and the count.
 
-CPU only (``docs/cuda.md`` has the CUDA design); memory the sanitizer allocates only (adopted loader
-memory is never remapped). A buffer made in trap mode keeps it for its life.
+Where each part lives: this module is the buffer (what a trap buffer lends, and what it does to a
+lease's pages when asked); :mod:`~sanitizer.torch_layer.trap_memory` the page mechanics on the CPU and
+:mod:`~sanitizer.torch_layer.trap_cuda` on CUDA (``docs/cuda.md``); :mod:`sanitizer.features.trap_mode`
+the policy (retire what is still alive, at ``RetireOrder.TRAP``) and the registration, through declared
+doors (a retire hook, a buffer factory, an address look-up), at an enable that asks for trap mode. Other
+features ask the lease's buffer (:func:`sanitizer.torch_layer.runtime.buffer_of`), never this module.
+Memory the sanitizer allocates only (adopted loader memory is never remapped). A buffer made in trap
+mode keeps it for its life.
 """
+
 from __future__ import annotations
 
-import bisect
-import os
-import threading
 import warnings
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional
 
-import numpy as np
 import torch
 
-from sanitizer.core import fault_report, forking, pages
-from sanitizer.core.ledger import Lease, Region, ReuseEvent
-from sanitizer.torch_layer import mode as _mode
-from sanitizer.torch_layer import own_ops, runtime
-from sanitizer.torch_layer.aliasing import HOST_VIEWS, host_view
-from sanitizer.torch_layer.hooks import RetireOrder, add_retire_hook
-from sanitizer.core.sites import format_site
-from sanitizer.torch_layer import staging as _staging
-from sanitizer.torch_layer.staging import BORROWED_MARKER, StagingBuffer, _index
+from sanitizer.core import forking, pages
+from sanitizer.core.ledger import Lease, ReuseEvent
+from sanitizer.torch_layer import runtime, trap_memory
+from sanitizer.torch_layer.staging import StagingBuffer, _index
 from sanitizer.torch_layer.state import state
-from sanitizer.torch_layer.trap_windows import WindowsByLease
+from sanitizer.torch_layer.trap_memory import MODES, TrapMemory, lease_at, stats
 
-MODES = ("poison", "fault")
 AVAILABLE = pages.AVAILABLE
 UNAVAILABLE_REASON = pages.UNAVAILABLE_REASON
 
-_lock = threading.RLock()  # re-entrant: a window's __del__ may run in a GC inside a locked section
-_counts = {"windows": 0, "peak": 0, "mirrors": 0, "fallbacks": 0, "trapped": 0, "rescued": 0, "rescued_bytes": 0}
-_limits: Dict[str, Optional[int]] = {"max_map_count": None, "max_windows": None}  # tests lower max_windows
-_warned = False
-_warned_keys: set = set()  # other reasons warned about once each (a CUDA device without VMM)
+_MEMORY: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+"""Each trap buffer's memory by region id, for a forked child (which moves every one onto a copy)."""
 
-# address index of trapped windows (for the mode): start -> (end, lease); sorted starts cached
-_trapped: Dict[int, Tuple[int, Lease]] = {}
-_starts: List[int] = []
-_starts_dirty = False
 
-
-class _Writer:
-    """The buffer's own mapping of the memfd (the loader writes here); unmapped when its last view dies."""
-
-    __slots__ = ("address", "length", "file", "__weakref__")
-
-    def __init__(self, address: int, length: int, file: Any = None):
-        self.address, self.length = address, length
-        self.file = file  # the memfd stays out of the pool while this maps it
-
-    @property
-    def __array_interface__(self) -> dict:
-        return {"data": (self.address, False), "shape": (self.length,), "typestr": "|u1", "version": 3}
-
-    def __del__(self) -> None:
-        try:
-            pages.unmap(self.address, self.length)
-        except Exception:  # interpreter shutdown: the maps go with the process
-            pass
-
-
-class _File:
-    """The buffer's memfd: open while the buffer lends, or its own mapping or a mirror maps it (a trapped
-    or rescued range is put back on the file when its lease dies, so that the mirror can lend those pages
-    again). When nothing maps it any more it goes to :data:`_FILES`, as ``free`` gives memory back to
-    malloc: the next trap buffer reuses its pages instead of having the kernel allocate and zero new ones
-    (a ring load makes a buffer, and fresh shared-memory pages cost more than all of trap mode's mappings)."""
-
-    __slots__ = ("fd", "size", "pid", "__weakref__")
-
-    def __init__(self, fd: int, size: int):
-        self.fd, self.size = fd, size
-        self.pid = os.getpid()  # the process whose memory this file is
-
-    def __del__(self) -> None:
-        try:
-            if self.pid == os.getpid():
-                _FILES.give(self.fd, self.size)
-            else:  # the parent's file, dying in a forked child: its pages are the parent's live memory,
-                os.close(self.fd)  # never the child's next buffer (MAP_SHARED would share them)
-        except Exception:
-            pass
-
-
-class _FilePool:
-    """Memfds nothing maps any more, for the next trap buffers (at most :attr:`MAX_FILES`, :attr:`MAX_BYTES`
-    in all; past that a file is closed). Their old bytes are the next buffer's garbage, as recycled heap
-    memory is; a forked child closes them (:meth:`clear`), so parent and child never share one."""
-
-    MAX_FILES, MAX_BYTES = 4, 1 << 30
-
-    def __init__(self) -> None:
-        self._files: List[Tuple[int, int]] = []  # (fd, size)
-
-    def take(self, size: int) -> Tuple[int, int]:
-        """A memfd of at least ``size`` bytes: the smallest pooled one that is large enough, else a new one."""
-        with _lock:
-            fits = [f for f in self._files if f[1] >= size]
-            if fits:
-                best = min(fits, key=lambda f: f[1])
-                self._files.remove(best)
-                return best
-        fd = os.memfd_create("ownsan-trap", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(fd, size)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd, size
-
-    def give(self, fd: int, size: int) -> None:  # may run inside the GC
-        with _lock:
-            if len(self._files) < self.MAX_FILES and sum(f[1] for f in self._files) + size <= self.MAX_BYTES:
-                self._files.append((fd, size))
-                return
-        os.close(fd)
-
-    def clear(self) -> None:
-        files, self._files = self._files, []
-        for fd, _ in files:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
-_FILES = _FilePool()
-_CHUNK = 2 << 20
-"""What a mirror for leases that share pages with live ones maps: a chunk of the buffer, not all of it."""
-
-
-class _Mirror:
-    """A mapping of the buffer's memfd beside the loader's: the whole file (``base`` 0), or one chunk of it
-    (:data:`_CHUNK`, from ``base``). A lease's window is its pages in a mirror where no live lease holds any
-    of them: leases that share no page share the whole mirror (a correct program, whose lease dies before
-    the next one over its pages, lends from it with no system call at all), and a lease that shares a page
-    with a live one goes to a chunk mirror where its pages are free, so that retiring one never touches the
-    other's mapping. A chunk bounds what such a lend costs by the chunk, never the buffer's size (a whole
-    mirror per depth of leases on a page cost 64 populated 256 MiB maps for 64 leases in one page), while
-    the leases of a chunk still share its mirrors. Dead windows come back through :attr:`dead` (appended
-    from ``__del__``, which may run inside the GC: no list is reordered there)."""
-
-    __slots__ = ("address", "length", "base", "file", "_starts", "_ends", "dead", "__weakref__")
-
-    def __init__(self, file: _File, length: int, base: int = 0, whole: bool = True):
-        self.file, self.length, self.base = file, length, base
-        self.address = pages.map_file(file.fd, base, length, pages.PROT_READ | pages.PROT_WRITE,
-                                      populate=whole)
-        self._starts: List[int] = []  # the live windows' page ranges, sorted, never overlapping
-        self._ends: List[int] = []
-        self.dead: List[int] = []
-
-    def _drain(self) -> None:
-        while self.dead:
-            first = self.dead.pop()
-            i = bisect.bisect_left(self._starts, first)
-            if i < len(self._starts) and self._starts[i] == first:
-                del self._starts[i], self._ends[i]
-
-    def fits(self, first: int, end: int) -> bool:
-        """(Under the lock.) Are the pages ``[first, end)`` in this mirror and free there?"""
-        if first < self.base or end > self.base + self.length:
-            return False
-        self._drain()
-        i = bisect.bisect_left(self._starts, end) - 1
-        return i < 0 or self._ends[i] <= first
-
-    def take(self, first: int, end: int) -> None:
-        i = bisect.bisect_left(self._starts, first)
-        self._starts.insert(i, first)
-        self._ends.insert(i, end)
-
-    def __len__(self) -> int:
-        return len(self._starts) - len(self.dead)
-
-    def __del__(self) -> None:
-        try:
-            pages.unmap(self.address, self.length)
-            with _lock:
-                _counts["mirrors"] -= 1
-        except Exception:  # interpreter shutdown: the maps go with the process
-            pass
-
-
-class _Window:
-    """One lease's pages in a mirror: its tensor and every alias made from it point here. States: fresh,
-    trapped (poison or no access mapped over it), rescued (a private copy mapped over it)."""
-
-    __slots__ = ("address", "length", "offset", "state", "mirror", "__weakref__")
-
-    def __init__(self, mirror: _Mirror, offset: int, length: int):
-        self.mirror, self.offset, self.length = mirror, offset, length  # (offset: in the file)
-        self.address = mirror.address + offset - mirror.base
-        self.state = "fresh"
-
-    @property
-    def __array_interface__(self) -> dict:
-        return {"data": (self.address, False), "shape": (self.length,), "typestr": "|u1", "version": 3}
-
-    def __del__(self) -> None:  # may run inside the GC: dict operations and a syscall only
-        _forget(self.address)
-        try:
-            if self.state != "fresh":  # the buffer's pages back in the mirror (a trapped range split it)
-                pages.map_file(self.mirror.file.fd, self.offset, self.length,
-                               pages.PROT_READ | pages.PROT_WRITE, at=self.address)
-            self.mirror.dead.append(self.offset)
-        except Exception:  # the range stays taken (never lent again): never a wrong mapping
-            pass
-        with _lock:
-            _counts["windows"] -= 1
-
-
-def _forget(address: int) -> None:
-    global _starts_dirty
-    if _trapped.pop(address, None) is not None:
-        _starts_dirty = True
-        if not _trapped:
-            _mode.address_lookup = None
-    fault_report.remove(address)
-
-
-def lease_at(t: torch.Tensor) -> Optional[Lease]:
-    """The trapped lease whose window holds ``t``'s first byte (any storage: an alias), or None."""
-    global _starts, _starts_dirty
-    if not _trapped:
-        return None
-    try:
-        ptr = t.data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return None
-    if _starts_dirty:
-        _starts, _starts_dirty = sorted(_trapped), False
-    i = bisect.bisect_right(_starts, ptr) - 1
-    if i < 0:
-        return None
-    hit = _trapped.get(_starts[i])
-    if hit is None or ptr >= hit[0]:
-        return None
-    lease = hit[1]
-    return lease if lease.alive and not lease.rescued and lease.stale_by is not None else None
-
-
-class _PoisonPages:
-    """One memfd of ``fill`` bytes per fill value that every trapped window maps read-only (private)."""
-
-    def __init__(self) -> None:
-        self._files: Dict[int, Tuple[int, int]] = {}  # fill -> (fd, size)
-
-    def fd_for(self, length: int, fill: int) -> int:
-        with _lock:
-            fd, size = self._files.get(fill, (-1, 0))
-            if fd < 0:
-                fd = os.memfd_create("ownsan-trap-poison", os.MFD_CLOEXEC)
-            if size < length:
-                new = max(length, 2 * size)
-                os.ftruncate(fd, new)
-                chunk = bytes([fill]) * min(1 << 20, new)
-                at = size
-                while at < new:
-                    at += os.pwrite(fd, chunk[: new - at], at)
-                size = new
-            self._files[fill] = (fd, size)
-            return fd
-
-
-_POISON = _PoisonPages()
-
-
-class TrapMemory(WindowsByLease):
-    """A trap buffer's memory: the memfd, the loader's mapping, and the windows lent from it."""
-
-    def __init__(self, nbytes: int, mode: str, fill: int, name: str):
-        if mode not in MODES:
-            raise ValueError(f"trap mode must be one of {MODES}, got {mode!r}")
-        self.mode, self.fill, self.name = mode, fill, name
-        self.length = pages.round_up(max(nbytes, 1))
-        fd, size = _FILES.take(self.length)
-        self._file: Optional[_File] = _File(fd, size)
-        address = pages.map_file(fd, 0, self.length, pages.PROT_READ | pages.PROT_WRITE, populate=True)
-        writer = _Writer(address, self.length, self._file)
-        self._writer = weakref.ref(writer)
-        self.data = own_ops.from_numpy(np.asarray(writer))[:nbytes]
-        self._mirrors: List[_Mirror] = []  # the whole mirror (made at the first lend) first, then chunk mirrors
-        self._chunks: Dict[int, List[_Mirror]] = {}  # chunk start -> its mirrors
-        super().__init__()
-
-    def close(self) -> None:
-        """No more lends: the descriptor goes once no mirror maps the file any more."""
-        self._file = None
-
-    def _mirror_for(self, first: int, end: int) -> _Mirror:
-        """(Under the lock.) The whole mirror when the pages ``[first, end)`` are free there, else the first
-        mirror of their chunk where they are, else a new one for that chunk (it stays until the buffer goes,
-        for the next leases there: at most one per depth of live leases sharing a page)."""
-        assert self._file is not None
-        if not self._mirrors:
-            self._mirrors.append(_Mirror(self._file, self.length))
-            _counts["mirrors"] += 1
-        if self._mirrors[0].fits(first, end):
-            return self._mirrors[0]
-        base = first // _CHUNK * _CHUNK
-        chunk = self._chunks.setdefault(base, [])
-        for mirror in chunk:
-            if mirror.fits(first, end):
-                return mirror
-        top = min(self.length, max(base + _CHUNK, pages.round_up(end)))
-        mirror = _Mirror(self._file, top - base, base, whole=False)
-        chunk.append(mirror)
-        self._mirrors.append(mirror)
-        _counts["mirrors"] += 1
-        return mirror
-
-    def lend_view(self, offset: int, nbytes: int, shape: tuple, dtype: torch.dtype
-                  ) -> Optional[Tuple[torch.Tensor, Any, _Window]]:
-        """``(tensor, piece, window)`` of a lease on a window of its own; None when the buffer is closed or a
-        mapping failed (the budget is checked, and windows counted, by the buffer's lend)."""
-        if self._file is None:
-            return None
-        first = offset // pages.PAGE * pages.PAGE
-        end = pages.round_up(offset + max(nbytes, 1))
-        with _lock:
-            try:
-                mirror = self._mirror_for(first, end)
-            except OSError as exc:
-                _fall_back(f"mmap failed ({exc})")
-                return None
-            mirror.take(first, end)
-        window = _Window(mirror, first, end - first)
-        np_dtype, retype = HOST_VIEWS.get(dtype) or host_view(dtype)
-        piece = np.ndarray(shape, np_dtype, np.asarray(window), offset - first)
-        view = own_ops.from_numpy(piece)
-        return (view.view(dtype) if retype else view), piece, window
-
-    def trap(self, lease: Lease, window: _Window, event: ReuseEvent) -> None:
-        """Replace the window in place: poison (read-only) or no access."""
-        if self.mode == "poison":
-            fd = _POISON.fd_for(window.length, self.fill)
-            pages.map_file(fd, 0, window.length, pages.PROT_READ, shared=False, at=window.address)
-        else:
-            fault_report.install()
-            fault_report.add(window.address, window.address + window.length, _describe(lease, event, self.name))
-            pages.protect(window.address, window.length, pages.PROT_NONE)
-        window.state = "trapped"
-
-    def rescue(self, lease: Lease, window: _Window, event: Optional[ReuseEvent] = None) -> None:
-        """Replace the window, in place, by a private copy of its pages (read before the reuse writes)."""
-        _copy_in_place(window)
-        window.state = "rescued"
-
-    def after_fork_in_child(self) -> None:
-        """A forked child must not share the parent's buffer (``MAP_SHARED`` survives ``fork``, where
-        the memory of a plain buffer is copy-on-write): move the loader's mapping and every mirror onto a
-        copy of the file, in place, then put each trapped window's trap and each rescued window's own
-        copy back over it."""
-        writer = self._writer()
-        live = self._live_windows()
-        rescued = [(w, _copy_to_memfd(w.address, w.length)) for w in live if w.state == "rescued"]
-        source = writer.address if writer is not None else (self._mirrors[0].address if self._mirrors else None)
-        if source is None:
-            return
-        fd = _copy_to_memfd(source, self.length)
-        new = _File(fd, self.length)
-        if writer is not None:
-            pages.map_file(fd, 0, writer.length, pages.PROT_READ | pages.PROT_WRITE, at=writer.address)
-            writer.file = new
-        for mirror in self._mirrors:
-            pages.map_file(fd, mirror.base, mirror.length, pages.PROT_READ | pages.PROT_WRITE, at=mirror.address)
-            mirror.file = new
-        for window in live:
-            if window.state == "trapped":
-                self.retrap(window)
-        for window, copy in rescued:
-            try:
-                pages.map_file(copy, 0, window.length, pages.PROT_READ | pages.PROT_WRITE, at=window.address)
-            finally:
-                os.close(copy)
-        if self._file is not None:
-            self._file = new
-
-    def retrap(self, window: _Window) -> None:
-        """Map the trap over a window again (after a fork moved its mirror onto a copy)."""
-        if self.mode == "poison":
-            fd = _POISON.fd_for(window.length, self.fill)
-            pages.map_file(fd, 0, window.length, pages.PROT_READ, shared=False, at=window.address)
-        else:
-            pages.protect(window.address, window.length, pages.PROT_NONE)
-
-
-def _copy_to_memfd(address: int, length: int) -> int:
-    """A new memfd holding a copy of the ``length`` bytes mapped at ``address``."""
-    fd = os.memfd_create("ownsan-trap-copy", os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, length)
-        data = memoryview(np.asarray(_View().set(address, length)))
-        at = 0
-        while at < length:
-            at += os.pwrite(fd, data[at:], at)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-class _View:
-    """A plain array interface over mapped bytes (owns nothing, unmaps nothing)."""
-
-    __slots__ = ("address", "length")
-
-    def set(self, address: int, length: int) -> "_View":
-        self.address, self.length = address, length
-        return self
-
-    @property
-    def __array_interface__(self) -> dict:
-        return {"data": (self.address, False), "shape": (self.length,), "typestr": "|u1", "version": 3}
-
-
-def _copy_in_place(window: _Window) -> None:
-    """Replace ``window``'s pages, in place, by a private copy of their bytes (a memfd of its own)."""
-    fd = _copy_to_memfd(window.address, window.length)
-    try:
-        pages.map_file(fd, 0, window.length, pages.PROT_READ | pages.PROT_WRITE, at=window.address)
-    finally:
-        os.close(fd)
-
-
-def _describe(lease: Lease, event: ReuseEvent, buffer: str) -> str:
-    """The report text of a lease trapped with ``trap=fault``, rendered now (the handler only writes it)."""
-    lines = [f"  lease '{lease.name}' ({lease.dtype}{list(lease.shape)}, {lease.nbytes} bytes) of staging buffer "
-             f"'{buffer}', lent at generation {lease.generation}",
-             f"  retired: {event.describe()}"]
-    if lease.site:
-        lines.append("  lent at:\n" + format_site(lease.site, "    "))
-    holder = _holder_of(lease)
-    lines.append(f"  held by: {holder}" if holder else "  held by: (not known at retire time; triage=1 names it)")
-    return "\n".join(lines)
-
-
-def _holder_of(lease: Lease) -> Optional[str]:
-    """The holder triage named for this lease's retention at this retire, if it did (a short string)."""
-    try:
-        from sanitizer.torch_layer import records
-        for record in reversed(records.events("retention")):
-            if record.get("lease", {}).get("lease_id") == lease.lease_id:
-                holder = record.get("holder") or record.get("held_by")
-                return None if not holder else str(holder)[:300]
-    except Exception:  # a diagnostic never fails a retire
-        return None
-    return None
-
-
-def _room() -> bool:
-    if _limits["max_windows"] is None:
-        _limits["max_map_count"] = pages.read_max_map_count()
-        _limits["max_windows"] = _limits["max_map_count"] // 2
-    if _counts["windows"] < _limits["max_windows"]:
-        return True
-    _fall_back(f"{_counts['windows']} lease mappings reached the trap budget of {_limits['max_windows']} "
-               f"(half of vm.max_map_count={_limits['max_map_count']})")
-    return False
-
-
-def _fall_back(why: str, key: str = "budget") -> None:
-    """Count a lend (or buffer) that falls back to the guard; warn once per kind of reason."""
-    global _warned
-    with _lock:
-        _counts["fallbacks"] += 1
-        if key == "budget":
-            first = not _warned
-            _warned = True
-        else:
-            first = key not in _warned_keys
-            _warned_keys.add(key)
-    if first:
-        warnings.warn(f"ownership-sanitizer: trap mode: {why}; further leases fall back to the guard "
-                      f"(their own tensor reads poison, aliases of them are not trapped)", RuntimeWarning,
-                      stacklevel=4)
-
-
-def stats() -> Dict[str, Any]:
-    """Windows alive now and at peak, leases trapped and rescued, lends that fell back, the limit."""
-    with _lock:
-        return dict(_counts, trapped_alive=len(_trapped), **_limits)
-
-
-# -- the retire hook ---------------------------------------------------------------
-_MEMORY: "weakref.WeakValueDictionary[int, TrapMemory]" = weakref.WeakValueDictionary()
-_hooked = False
-
-
-def _on_retire(region: Region, event: ReuseEvent, victims: List[Lease]) -> None:
-    global _starts_dirty
-    memory = _MEMORY.get(region.region_id)
-    if memory is None:
-        return
-    for lease in victims:
-        if not lease.alive or lease.rescued:
-            continue
-        window = memory.window(lease)
-        if window is not None and window.state == "fresh":
-            try:
-                memory.trap(lease, window, event)
-            except OSError as exc:  # no memory or maps left to split the mirror: the window stays fresh,
-                _fall_back(f"a retired lease could not be trapped ({exc})", key=f"os:{exc.errno}")
-                continue  # and the guard (replaced() False) re-points the lease's own tensor to poison
-            with _lock:
-                _counts["trapped"] += 1
-                _trapped[window.address] = (window.address + window.length, lease)
-                _starts_dirty = True
-            _mode.address_lookup = lease_at
-
-
-def covers(lease: Lease) -> bool:
-    """Does this lease live on a window of trap mode's (a mapping of its own, at another address than the
-    buffer's bytes)?"""
-    memory = _MEMORY.get(lease.region_id)
-    return memory is not None and memory.window(lease) is not None
-
-
-def replaced(lease: Lease) -> bool:
-    """Did trap mode replace this lease's pages (trapped or rescued: the guard then leaves it alone)? A window
-    still fresh after the retire (its mapping failed) is the guard's to cover."""
-    memory = _MEMORY.get(lease.region_id)
-    window = None if memory is None else memory.window(lease)
-    return window is not None and window.state != "fresh"
-
-
-def rescue_in_place(lease: Lease, event: Optional[ReuseEvent] = None) -> bool:
-    """Rescue ``lease`` at page level (every alias keeps the bytes); False when it has no window."""
-    memory = _MEMORY.get(lease.region_id)
-    window = None if memory is None else memory.window(lease)
-    if window is None or window.state != "fresh":
-        return False
-    if memory.rescue(lease, window, event) is False:  # (CUDA: no memory for the copy; the window stays fresh)
-        return False
-    with _lock:
-        _counts["rescued"] += 1
-        _counts["rescued_bytes"] += window.length
-    return True
-
-
-# -- the buffer --------------------------------------------------------------------
 class TrapStagingBuffer(StagingBuffer):
     """A :class:`StagingBuffer` whose leases live on windows of their own (``StagingBuffer(...)`` makes
-    one when ``trap`` is on, for CPU memory it allocates). The default lend path is not touched."""
+    one when ``trap`` is on, for memory it allocates). It shares the plain buffer's lend tail and only
+    says where a lease's view lives (:meth:`_lend_view`) and what happens to its pages."""
 
     def __init__(self, nbytes: int, device: Any = "cpu", name: Optional[str] = None, *, pin_memory: bool = False):
         nbytes = _index(nbytes, "nbytes")
@@ -588,39 +77,70 @@ class TrapStagingBuffer(StagingBuffer):
                 self._memory = TrapMemory(nbytes, opts["trap"], opts["poison_byte"], name or "staging")
         except OSError as exc:  # EMFILE (a descriptor per trap buffer), ENOMEM (maps or memory): the guard's
             self._memory = None  # buffer instead, with one warning, never an error out of StagingBuffer()
-            _fall_back(f"a trap buffer could not be made ({exc})", key=f"os:{exc.errno}")
+            trap_memory.fall_back(f"a trap buffer could not be made ({exc})", key=f"os:{exc.errno}")
             StagingBuffer.__init__(self, nbytes, device, name, pin_memory=pin_memory)
             return
         self._setup(self._memory.data, name, owns_memory=True)
         self._memory.name = self.name
         _MEMORY[self._region.region_id] = self._memory
-        global _hooked
-        if not _hooked:
-            add_retire_hook(_on_retire, RetireOrder.TRAP)
-            _hooked = True
 
-    def _lend_checked(self, data: torch.Tensor, offset: int, nbytes: int, shape: tuple, dtype: torch.dtype,
-                      name: Optional[str]) -> torch.Tensor:
-        """The lend's tail in trap mode: the view on a window of its own (a plain one past the budget)."""
+    # -- lending --------------------------------------------------------------------
+    def _lend_view(self, data: torch.Tensor, offset: int, nbytes: int, shape: tuple, dtype: torch.dtype):
+        """The view on a window of its own; a plain one past the map budget or when a mapping failed."""
         memory = self._memory
-        made = memory.lend_view(offset, nbytes, tuple(shape), dtype) if memory is not None and _room() else None
+        made = memory.lend_view(offset, nbytes, tuple(shape), dtype) \
+            if memory is not None and trap_memory.room() else None
         if made is None:
-            return super()._lend_checked(data, offset, nbytes, shape, dtype, name)
-        with _lock:  # (each window gives its count back when it dies, CPU and CUDA alike)
-            _counts["windows"] += 1
-            _counts["peak"] = max(_counts["peak"], _counts["windows"])
+            return super()._lend_view(data, offset, nbytes, shape, dtype)
+        trap_memory.count_window()
         view, _, window = made
-        lease = runtime.track_lease(self._region, offset, nbytes, view, name, dtype, shape)
-        memory.attach(lease, window)
-        if not _staging._MARKER_ON_CLASS:
-            setattr(view, BORROWED_MARKER, True)
-        return view
+        return view, window
+
+    def _attach(self, lease: Lease, memory: Any) -> None:
+        self._memory.attach(lease, memory)
+
+    def _window(self, lease: Lease) -> Any:
+        return None if self._memory is None else self._memory.window(lease)
+
+    # -- what happens to a lease's pages ----------------------------------------------
+    def lends_own_mapping(self, lease: Lease) -> bool:
+        return self._window(lease) is not None
+
+    def retire_pages(self, lease: Lease, event: ReuseEvent) -> bool:
+        """Trap the lease's window in place (poison, or no access). A mapping that fails (no memory or maps
+        left to split the mirror) leaves the window fresh, with one warning: the guard then re-points the
+        lease's own tensor (:meth:`pages_replaced` is False)."""
+        window = self._window(lease)
+        if window is None or window.state != "fresh":
+            return False
+        try:
+            self._memory.trap(lease, window, event)
+        except OSError as exc:
+            trap_memory.fall_back(f"a retired lease could not be trapped ({exc})", key=f"os:{exc.errno}")
+            return False
+        trap_memory.index_trapped(window.address, window.address + window.length, lease)
+        return True
+
+    def pages_replaced(self, lease: Lease) -> bool:
+        window = self._window(lease)
+        return window is not None and window.state != "fresh"
+
+    def rescue_pages(self, lease: Lease, event: Optional[ReuseEvent] = None) -> bool:
+        """A private copy of the lease's pages mapped over its window, in place (every alias keeps the
+        bytes); False when it has no window, or (CUDA) no memory for the copy (the window stays fresh)."""
+        window = self._window(lease)
+        if window is None or window.state != "fresh":
+            return False
+        if self._memory.rescue(lease, window, event) is False:
+            return False
+        trap_memory.count_rescue(window.length)
+        return True
 
     def _payload(self, offset: int, src: Any, nbytes: int) -> Any:
         """A lease of this buffer written back lives on its own window, at another address than the
         bytes it will be copied to: copy it out before the reuse traps that window."""
         payload = src.payload
-        if isinstance(payload, torch.Tensor) and nbytes:
+        if isinstance(payload, torch.Tensor) and nbytes and self._memory is not None:
             lease = runtime.lease_of(payload)
             if lease is not None and lease.region_id == self._region.region_id:
                 return src._replace(payload=payload.clone())
@@ -633,10 +153,11 @@ class TrapStagingBuffer(StagingBuffer):
 
 
 def buffer_class(args: tuple, kwargs: dict) -> Optional[type]:
-    """The class ``StagingBuffer(*args, **kwargs)`` makes in trap mode: ours for memory the sanitizer
-    allocates itself (CPU, not pinned; CUDA where the driver has virtual memory management), None
-    otherwise (a CUDA device without it falls back to the guard, with one warning saying why)."""
-    if not AVAILABLE or not args and "nbytes" not in kwargs:
+    """The class ``StagingBuffer(*args, **kwargs)`` makes in trap mode (a buffer factory, declared by the
+    trap feature): ours for memory the sanitizer allocates itself (CPU, not pinned; CUDA where the driver
+    has virtual memory management), None otherwise (a CUDA device without it falls back to the guard,
+    with one warning saying why)."""
+    if not AVAILABLE or state.options.trap == "0" or not args and "nbytes" not in kwargs:
         return None
     device = args[1] if len(args) > 1 else kwargs.get("device", "cpu")
     try:
@@ -648,7 +169,7 @@ def buffer_class(args: tuple, kwargs: dict) -> Optional[type]:
 
         why = trap_cuda.unavailable(dev)
         if why is not None:
-            _fall_back(f"CUDA staging buffers cannot be trapped on {dev} ({why})", key=f"cuda:{dev}")
+            trap_memory.fall_back(f"CUDA staging buffers cannot be trapped on {dev} ({why})", key=f"cuda:{dev}")
             return None
         return TrapStagingBuffer
     if dev.type != "cpu" or kwargs.get("pin_memory"):
@@ -659,26 +180,12 @@ def buffer_class(args: tuple, kwargs: dict) -> Optional[type]:
 def _cuda_memory(nbytes: int, device: torch.device, mode: str, fill: int, name: str) -> Any:
     from sanitizer.torch_layer import trap_cuda
 
-    trap_cuda._on_window_death = _cuda_window_died
-    return trap_cuda.CudaTrapMemory(nbytes, device, mode, fill, name, _describe)
-
-
-def _cuda_window_died(address: int) -> None:  # may run inside the GC: dict operations only
-    _forget(address)
-    with _lock:
-        _counts["windows"] -= 1
-
-
-def arm() -> None:
-    """Let ``StagingBuffer(nbytes)`` make trap buffers while ``trap`` is on (idempotent)."""
-    _staging.trap_buffer_class = buffer_class
+    return trap_cuda.CudaTrapMemory(nbytes, device, mode, fill, name, trap_memory.describe)
 
 
 @forking.in_child
 def _after_fork() -> None:
-    global _lock
-    _lock = threading.RLock()
-    _FILES.clear()  # the parent's pooled files: its next buffers' memory, never the child's
+    """A forked child moves every trap buffer's memory onto a copy (``MAP_SHARED`` survives a fork)."""
     for memory in list(_MEMORY.values()):
         try:
             memory.after_fork_in_child()
@@ -687,5 +194,5 @@ def _after_fork() -> None:
                           f"child ({exc}); its writes there reach the parent's buffer", RuntimeWarning)
 
 
-__all__ = ["TrapMemory", "TrapStagingBuffer", "lease_at", "covers", "replaced", "rescue_in_place", "stats", "buffer_class",
-           "arm", "AVAILABLE", "UNAVAILABLE_REASON", "MODES"]
+__all__ = ["TrapMemory", "TrapStagingBuffer", "lease_at", "stats", "buffer_class", "AVAILABLE",
+           "UNAVAILABLE_REASON", "MODES"]

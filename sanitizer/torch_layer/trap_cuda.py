@@ -31,7 +31,6 @@ is always raised. ``docs/cuda.md`` has the figures.
 """
 from __future__ import annotations
 
-import sys
 import threading
 import warnings
 import weakref
@@ -41,7 +40,7 @@ import torch
 
 from cuda_hooks import devices, vmm
 from sanitizer.core import fault_report
-from sanitizer.torch_layer import graph_capture
+from sanitizer.torch_layer import graph_capture, trap_memory
 from sanitizer.torch_layer.aliasing import device_region
 from sanitizer.torch_layer.trap_windows import WindowsByLease
 
@@ -129,16 +128,8 @@ def _capturing(index: int) -> bool:
 
 def _fall_back(why: str, key: str) -> None:
     """One warning per kind of reason, counted with trap mode's other fallbacks (the guard covers the lease)."""
-    trap = sys.modules.get("sanitizer.torch_layer.trap")
-    if trap is not None and hasattr(trap, "_fall_back"):
-        trap._fall_back(why, key=key)
-    elif key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(f"ownership-sanitizer: trap mode: {why}; further leases fall back to the guard",
-                      RuntimeWarning, stacklevel=3)
+    trap_memory.fall_back(why, key=key)
 
-
-_WARNED: set = set()
 
 
 # -- the graveyard --------------------------------------------------------------------------------------------
@@ -231,7 +222,7 @@ class CudaWindow:
 
     def __del__(self) -> None:  # may run in the GC, on any thread: bookkeeping, then the graveyard (no device call)
         try:
-            _on_window_death(self.address)
+            trap_memory.window_died(self.address)  # out of the address index and the count
             GRAVEYARD.bury(self.address, self.length, self.mapped, self.access)
         except Exception:  # interpreter shutdown: the process's address space goes with it
             pass
@@ -250,9 +241,6 @@ class _Writer:
             GRAVEYARD.bury(self.address, self.length, self.mapped, self.access)
         except Exception:
             pass
-
-
-_on_window_death: Any = lambda address: None  # set by trap.py: forget the window's address index entry
 
 
 class _Poison:
@@ -541,7 +529,6 @@ def reset_device_state() -> None:
     with POISON._lock:
         POISON._handles.clear()
         POISON.read_only.clear()
-    _WARNED.clear()
 
 
 __all__ = ["CudaTrapMemory", "CudaWindow", "GRAVEYARD", "POISON", "unavailable", "MAX_GRAVEYARD",

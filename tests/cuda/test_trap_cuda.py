@@ -169,10 +169,10 @@ def test_dead_aliases_are_unmapped_after_a_device_wait_and_the_buffer_goes_whole
 
 
 def test_a_device_without_virtual_memory_management_falls_back_with_one_warning(fake, monkeypatch):
-    from sanitizer.torch_layer import trap
+    from sanitizer.torch_layer import trap, trap_memory
 
     monkeypatch.setattr(fake.vmm, "why_not", "device 0 does not support virtual memory management")
-    monkeypatch.setattr(trap, "_warned_keys", set())
+    monkeypatch.setattr(trap_memory, "_warned_keys", set())
     sanitizer.enable(trap="poison")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -302,9 +302,9 @@ def test_out_of_memory_empties_torchs_cache_and_retries_once(fake):
 
 
 def test_out_of_memory_after_the_retry_falls_back_to_the_guard_with_one_warning(fake, monkeypatch):
-    from sanitizer.torch_layer import trap
+    from sanitizer.torch_layer import trap, trap_memory
 
-    monkeypatch.setattr(trap, "_warned_keys", set())
+    monkeypatch.setattr(trap_memory, "_warned_keys", set())
     sanitizer.enable(trap="poison")
     g = fake.vmm.granule
     fake.vmm.capacity[0] = 2 * g

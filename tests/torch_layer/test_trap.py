@@ -121,7 +121,7 @@ def test_a_correct_program_is_bit_identical_with_trap_on(quarantine):
 
 @pytest.mark.slow
 def test_windows_are_unmapped_when_the_lease_dies():
-    from sanitizer.torch_layer import trap
+    from sanitizer.torch_layer import trap, trap_memory
 
     sanitizer.enable(trap="poison")
     gc.collect()
@@ -139,13 +139,13 @@ def test_windows_are_unmapped_when_the_lease_dies():
 
 
 def test_past_the_map_budget_lends_fall_back_to_the_guard_with_one_warning(monkeypatch):
-    from sanitizer.torch_layer import trap
+    from sanitizer.torch_layer import trap, trap_memory
 
     sanitizer.enable(trap="poison")
-    trap._room()  # read the kernel's limit
+    trap_memory.room()  # read the kernel's limit
     assert trap.stats()["max_map_count"] == pages.read_max_map_count()
-    monkeypatch.setitem(trap._limits, "max_windows", trap.stats()["windows"] + 1)
-    monkeypatch.setattr(trap, "_warned", False)
+    monkeypatch.setitem(trap_memory._limits, "max_windows", trap.stats()["windows"] + 1)
+    monkeypatch.setattr(trap_memory, "_warned", False)
     buf = StagingBuffer(256)
     a = buf.write(0, FIRST, "a")  # the last window the budget allows
     with warnings.catch_warnings(record=True) as caught:
@@ -177,7 +177,7 @@ def test_default_and_device_buffers_are_plain():
     assert type(StagingBuffer(64)) is StagingBuffer
     sanitizer.enable(trap="poison")
     assert type(StagingBuffer.adopt(torch.zeros(16))) is StagingBuffer  # a loader's memory is never remapped
-    from sanitizer.torch_layer import trap
+    from sanitizer.torch_layer import trap, trap_memory
 
     assert trap.buffer_class((64,), {"pin_memory": True}) is None  # pinned memory stays torch's
     from sanitizer.torch_layer import trap_cuda
@@ -297,7 +297,7 @@ def test_a_correct_program_lends_from_one_mirror_and_a_trapped_range_is_lent_aga
     """Leases that die before the next lend over their pages share one mirror (no mapping per lend); a
     trapped lease's pages go back to the file when it dies, and the next lease over them reads its own
     bytes, in the same mirror."""
-    from sanitizer.torch_layer import trap
+    from sanitizer.torch_layer import trap, trap_memory
 
     sanitizer.enable(trap="poison")
     gc.collect()
@@ -323,29 +323,29 @@ def test_a_correct_program_lends_from_one_mirror_and_a_trapped_range_is_lent_aga
 
 
 def test_a_closed_buffers_file_is_reused_and_a_fork_child_never_shares_it():
-    from sanitizer.torch_layer import trap
+    from sanitizer.torch_layer import trap, trap_memory
 
     sanitizer.enable(trap="poison")
     gc.collect()
-    trap._FILES.clear()
+    trap_memory._FILES.clear()
     a = StagingBuffer(1 << 16)
     a.write(0, FIRST, "w")
     a.close()
     del a
     gc.collect()
-    assert len(trap._FILES._files) == 1  # nothing maps it any more: kept for the next buffer
+    assert len(trap_memory._FILES._files) == 1  # nothing maps it any more: kept for the next buffer
     b = StagingBuffer(1 << 15)  # smaller: the pooled file serves it
-    assert len(trap._FILES._files) == 0
+    assert len(trap_memory._FILES._files) == 0
     w = b.write(0, NEXT, "w")
     assert w.tolist() == NEXT.tolist()
     del w, b
     gc.collect()
-    assert len(trap._FILES._files) == 1
+    assert len(trap_memory._FILES._files) == 1
     proc = run_python("import os, sanitizer, torch, gc\nfrom sanitizer import StagingBuffer\n"
-                      "from sanitizer.torch_layer import trap\nsanitizer.enable(trap='poison')\n"
+                      "from sanitizer.torch_layer import trap_memory\nsanitizer.enable(trap='poison')\n"
                       "b = StagingBuffer(4096); b.close(); del b; gc.collect()\n"
-                      "assert len(trap._FILES._files) == 1\npid = os.fork()\n"
-                      "if pid == 0:\n    os._exit(0 if not trap._FILES._files else 3)\n"
+                      "assert len(trap_memory._FILES._files) == 1\npid = os.fork()\n"
+                      "if pid == 0:\n    os._exit(0 if not trap_memory._FILES._files else 3)\n"
                       "print('child', os.waitpid(pid, 0)[1] >> 8)\n")
     assert proc.stdout.strip() == "child 0", proc.stderr[-1000:]
 
@@ -423,7 +423,7 @@ def test_a_retire_that_cannot_map_the_trap_leaves_the_lease_to_the_guard(monkeyp
     reuse; now the window stays fresh, one warning says why, and the guard re-points the lease's own tensor."""
     import errno
 
-    from sanitizer.torch_layer import trap
+    from sanitizer.torch_layer import trap, trap_memory
 
     sanitizer.enable(trap="poison")
     buf = StagingBuffer(1 << 14)
@@ -432,8 +432,8 @@ def test_a_retire_that_cannot_map_the_trap_leaves_the_lease_to_the_guard(monkeyp
     def no_memory(*args, **kwargs):
         raise OSError(errno.ENOMEM, "Cannot allocate memory")
 
-    monkeypatch.setattr(trap.TrapMemory, "trap", no_memory)
-    monkeypatch.setattr(trap, "_warned_keys", set())
+    monkeypatch.setattr(trap_memory.TrapMemory, "trap", no_memory)
+    monkeypatch.setattr(trap_memory, "_warned_keys", set())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         buf.reuse(0, 64, by="next")
@@ -447,7 +447,7 @@ def test_leases_sharing_a_page_map_a_chunk_whatever_the_buffer_size():
     (64 leases in one page of 256 MiB: 64 maps of 256 MiB, seconds to lend). Now each depth of leases on a
     page maps one chunk of the buffer, shared by the leases of that chunk: the cost is bounded by the chunk,
     not the buffer; each lease reads its own bytes, and retiring one leaves the others as they were."""
-    from sanitizer.torch_layer import trap
+    from sanitizer.torch_layer import trap, trap_memory
 
     sanitizer.enable(trap="poison")
     buf = StagingBuffer(64 << 20, name="big")
@@ -455,9 +455,9 @@ def test_leases_sharing_a_page_map_a_chunk_whatever_the_buffer_size():
     memory = buf._memory
     windows = [memory.window(sanitizer.lease_of(w)) for w in leases]
     assert windows[0].mirror is memory._mirrors[0] and memory._mirrors[0].length == 64 << 20
-    assert all(w.mirror.base == 0 and w.mirror.length == trap._CHUNK for w in windows[1:])
+    assert all(w.mirror.base == 0 and w.mirror.length == trap_memory._CHUNK for w in windows[1:])
     assert len({id(w.mirror) for w in windows}) == 64 == len(memory._mirrors)
-    below = buf.write(trap._CHUNK + 64, torch.full((16,), -1.0), "other chunk")  # free in the whole mirror
+    below = buf.write(trap_memory._CHUNK + 64, torch.full((16,), -1.0), "other chunk")  # free in the whole mirror
     beside = buf.write(64 * 64 + 32, torch.full((8,), -2.0), "beside")  # page 1: whole mirror free there too
     assert memory.window(sanitizer.lease_of(below)).mirror is memory._mirrors[0]
     assert memory.window(sanitizer.lease_of(beside)).mirror is memory._mirrors[0]
