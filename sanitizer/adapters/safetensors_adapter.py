@@ -4,7 +4,7 @@ safetensors (safetensors), read from versions 0.4.0 to below 1.0.0; outside them
 
 | versions | entry point | borrows when | valid until | checked |
 | --- | --- | --- | --- | --- |
-| 0.4.x-0.8.x | `safe_open(...).get_tensor`, `get_slice(name)[...]`, `get_tensors()` | never (owned views of a private file mapping); emulated with option `safetensors_ring=N` | the consumer's last reference (emulated: the ring coming round, or the file's close) | emulated: a view kept past the ring is moved onto an owned copy and reported as an `emulated_retention` (never an error); `safetensors_strict=1`: a retention and a stale use |
+| 0.4.x-0.8.x | `safe_open(...).get_tensor`, `get_slice(name)[...]`, `get_tensors()` | never (owned views of a private file mapping); emulated with option `safetensors_ring=N` | the consumer's last reference (emulated: the ring coming round, or the file's close) | emulated: a view kept past the ring keeps its bytes (aliases included) and is reported as an `emulated_retention` (never an error); `safetensors_strict=1`: a retention and a stale use |
 | 0.4.x-0.8.x | `safetensors.torch.load_file`, `safetensors.torch.load` | never | the consumer's last reference | nothing (a whole-checkpoint dict by contract, never emulated); counted: the summary says how many loads were not checked |
 
 ``safe_open`` hands out tensors that are safe to retain, so nothing is wrong
@@ -61,7 +61,7 @@ CONTRACTS = LoaderContracts(
         Contract("0.4.x-0.8.x", "`safe_open(...).get_tensor`, `get_slice(name)[...]`, `get_tensors()`",
                  "never (owned views of a private file mapping); emulated with option `safetensors_ring=N`",
                  "the consumer's last reference (emulated: the ring coming round, or the file's close)",
-                 "emulated: a view kept past the ring is moved onto an owned copy and reported as an "
+                 "emulated: a view kept past the ring keeps its bytes (aliases included) and is reported as an "
                  "`emulated_retention` (never an error); `safetensors_strict=1`: a retention and a stale use"),
         Contract("0.4.x-0.8.x", "`safetensors.torch.load_file`, `safetensors.torch.load`", "never",
                  "the consumer's last reference",

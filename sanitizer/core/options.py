@@ -159,7 +159,7 @@ OPTIONS: Dict[str, Option] = {
                "contract. 0: off (safetensors tensors are owned; load_file is never affected).", bounds=COUNT),
         Option("safetensors_strict", bool, False,
                "With safetensors_ring=N: hold the consumer to the emulated borrowed contract. 0 (default): a "
-               "view still held when the ring reuses or frees it is moved onto an owned copy and reported as an "
+               "view still held when the ring reuses or frees it keeps its bytes, aliases included, and is reported as an "
                "emulated_retention event (correct under safetensors' own contract), never an error. 1: it is a "
                "retention, and its later use a stale-use error, as with a borrowing loader."),
         Option("triage", bool, False,

@@ -274,7 +274,7 @@ def _unchecked_loads(events: Iterable[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 def _emulated_consumers(events: Iterable[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """The consumers that kept views past an *emulated* borrowed contract (``safetensors_ring`` without
-    strict: each view was moved onto an owned copy, nothing was wrong), grouped like retentions: a user
+    strict: each view kept its bytes, aliases included, nothing was wrong), grouped like retentions: a user
     who asked for the emulation wants to see them, marked as such, not "no retentions"."""
     groups: Dict[tuple, Dict[str, Any]] = {}
     for e in events:

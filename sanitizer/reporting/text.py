@@ -112,7 +112,7 @@ def format_triage(rep: Dict[str, Any], path: Optional[str] = None, top: int = 20
             lines.append(f"  ... {len(consumers) - top} more (ownsan triage --top N)")
     emulated = summary.get("emulated_consumers") or []
     if emulated:
-        lines += ["", "emulated retentions (views kept past the emulated ring; each was moved onto an owned copy, "
+        lines += ["", "emulated retentions (views kept past the emulated ring; each kept its bytes, aliases included, "
                       "safetensors_strict=1 makes them errors):"]
         for g in emulated[:top]:
             names = lease_names(g["leases"], g["count"] or g.get("also_held") or 0)
