@@ -25,9 +25,9 @@ What a kept view means depends on whose contract is asked. Under safetensors'
 own contract (the default) keeping one is correct: a view still held when the
 ring is about to reuse its bytes, or when the file is closed, keeps them, and
 every alias of it (``numpy()``, a memoryview, DLPack, ``frombuffer``) with them:
-in trap mode its pages become a private copy in place, otherwise the ring leaves
-that memory to the views on it and takes fresh memory (a close frees only what no
-view uses). The program stays bit-exact; each such view is reported once per file
+the ring leaves that memory to the views on it and takes fresh memory (a close
+frees only what no view uses; the ring's memory is of the plain kind even in trap
+mode, where a window per kept view would only cost mappings). The program stays bit-exact; each such view is reported once per file
 and holder as an ``emulated_retention`` event (how many, how many bytes, who held
 them, how their bytes were kept), never as an error. ``safetensors_strict=1`` asks for the borrowed
 contract instead: such a view is a retention, and its later use a stale-use
@@ -121,14 +121,13 @@ def iterate(paths: Union[str, Iterable[str]], ring_bytes: Optional[int] = None, 
 class _Kept:
     """What one consumer kept of one emulated file past the emulated contract (for its one event)."""
 
-    __slots__ = ("count", "nbytes", "names", "holder", "copied")
+    __slots__ = ("count", "nbytes", "names", "holder")
 
     def __init__(self, holder: Optional[dict]) -> None:
         self.count = 0
         self.nbytes = 0
         self.names: List[str] = []
         self.holder = holder
-        self.copied = 0  # of ``count``: moved onto a private copy of their pages (trap mode); the rest stayed put
 
 
 def _holds(lease: Lease) -> bool:
@@ -143,14 +142,6 @@ def _held(leases: Iterable[Lease]) -> List[Lease]:
             if lease.alive and not lease.rescued and lease.stale_by is None and _holds(lease)]
 
 
-def _copy_pages(lease: Lease) -> bool:
-    """Trap mode: replace the lease's window, in place, by a private copy of its pages (every alias points
-    at the window, so every alias follows). False when its buffer cannot (no trap mode, or a lend past
-    trap mode's mapping budget): the buffer says."""
-    buffer = runtime.buffer_of(lease.region_id)
-    return buffer is not None and buffer.rescue_pages(lease)
-
-
 class EmulatedSafeOpen:
     """``safe_open`` whose tensors are lent as views of a staging ring (option ``safetensors_ring``).
 
@@ -158,9 +149,10 @@ class EmulatedSafeOpen:
     every alias of it (``numpy()``, a memoryview, DLPack, ``frombuffer``, a raw pointer): those point at
     the memory, not at the view's storage, so moving the storage onto a copy (a rescue's ``repoint``)
     would leave them reading the ring's next tensor, or unmapped memory (issue 48). So the memory stays:
-    in trap mode the view's own window becomes a private copy of its pages; otherwise the ring leaves
-    the segment to the views that hold it and takes fresh memory (:meth:`StagingRing.renew`), and a
-    close frees only what no view uses (each view's storage keeps its buffer's memory alive).
+    the ring leaves the segment to the views that hold it and takes fresh memory
+    (:meth:`StagingRing.renew`), and a close frees only what no view uses (each view's storage keeps its
+    buffer's memory alive). The ring's memory is plain even in trap mode: no held view is ever retired
+    here, so a trap window per kept view would only cost mappings (40,000 kept views: the map budget).
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
@@ -196,7 +188,11 @@ class EmulatedSafeOpen:
                              f"of safetensors_ring={ring_bytes} bytes; raise the option to >= the largest tensor")
         with self._lock:
             if self._ring is None or self._ring.buffer.closed:
-                self._ring = StagingRing(ring_bytes, device=tensor.device, name=self._label)
+                # Not strict: held views are kept, never retired, so trap mode has nothing to trap and a
+                # window per kept view would only cost mappings (40,000 kept views: the process's map
+                # budget, and 13x the load time): plain memory, whose kept bytes the ring leaves to them.
+                self._ring = StagingRing(ring_bytes, device=tensor.device, name=self._label,
+                                         plain_memory=not self._strict())
                 self._pending = []
             if not self._strict():
                 segment, offset = self._ring.place(nbytes, tensor.element_size())
@@ -208,12 +204,7 @@ class EmulatedSafeOpen:
         held there keeps its bytes, aliases included (safetensors' contract lets it be kept)."""
         self._pass_pending(segment, start, end)
         region = self._ring.segments[segment]._region.region_id
-        stay = []
-        for lease in _held(state.ledger.overlapping(region, start, end)):
-            if _copy_pages(lease):
-                self._keep(lease, copied=True)
-            else:
-                stay.append(lease)
+        stay = _held(state.ledger.overlapping(region, start, end))
         if stay:
             self._move_ring(segment, stay)
 
@@ -225,7 +216,7 @@ class EmulatedSafeOpen:
         is freed with it."""
         old = self._ring.renew(segment)
         for lease in held:
-            self._keep(lease, copied=False)
+            self._keep(lease)
         for lease in _held(old.leases()):
             runtime.disown(lease)
             self._pending.append((segment, lease))
@@ -240,17 +231,17 @@ class EmulatedSafeOpen:
                 continue
             if segment is None or (seg == segment and lease.start < end and start < lease.end):
                 if _holds(lease):
-                    self._record(lease, copied=False)
+                    self._record(lease)
                 continue
             left.append((seg, lease))
         self._pending = left
 
-    def _keep(self, lease: Lease, copied: bool) -> None:
+    def _keep(self, lease: Lease) -> None:
         """Record ``lease`` as kept, and disown it: its view (and every alias) owns the memory it is on."""
-        self._record(lease, copied)
+        self._record(lease)
         runtime.disown(lease)
 
-    def _record(self, lease: Lease, copied: bool) -> None:
+    def _record(self, lease: Lease) -> None:
         """Count a view kept past the emulated contract, for its consumer's one event."""
         # Each view is named by what holds it (a file's views go to norms and linears alike: one
         # holder per file would label the norm weights as the linear's), grouped by consumer.
@@ -260,7 +251,6 @@ class EmulatedSafeOpen:
         if kept is None:
             kept = self._kept[group] = _Kept(holder)
         kept.count += 1
-        kept.copied += copied
         kept.nbytes += lease.end - lease.start
         if len(kept.names) < 8:
             kept.names.append(lease.name or "?")
@@ -276,9 +266,9 @@ class EmulatedSafeOpen:
                 "summary": (f"{kept.count} view(s) of {self._label} ({format_bytes(kept.nbytes)}) were still held "
                             f"by {holder} when the emulation ring reused or freed them: a retention under the "
                             f"emulated borrowed contract, correct under safetensors' own (each kept its bytes, "
-                            f"aliases included: {_how_kept(kept)}; safetensors_strict=1 makes it an error)"),
+                            f"aliases included: left on the ring's memory, which the ring gave up to them; "
+                            f"safetensors_strict=1 makes it an error)"),
                 "file": self._label, "count": kept.count, "nbytes": kept.nbytes, "leases": kept.names,
-                "copied": kept.copied, "kept_in_place": kept.count - kept.copied,
                 "holder": kept.holder, "pid": os.getpid()})
 
     # -- safe_open's API ---------------------------------------------------------
@@ -306,7 +296,7 @@ class EmulatedSafeOpen:
                     self._pass_pending(None, 0, 0)
                     for segment in ring.segments:
                         for lease in _held(segment.leases()):
-                            self._keep(lease, copied=False)
+                            self._keep(lease)
                 ring.close()
             self._pending = []
         self._report_kept()
@@ -334,16 +324,6 @@ class _EmulatedSlice:
 
     def __getattr__(self, name: str) -> Any:  # get_shape, get_dtype
         return getattr(self._inner, name)
-
-
-def _how_kept(kept: _Kept) -> str:
-    """What kept the bytes of ``kept``'s views, for its event's summary."""
-    parts = []
-    if kept.copied:
-        parts.append(f"{kept.copied} moved onto a private copy of their own pages")
-    if kept.count - kept.copied:
-        parts.append(f"{kept.count - kept.copied} left on the ring's memory, which the ring gave up to them")
-    return ", ".join(parts)
 
 
 def _name_holder(lease: Lease) -> Optional[dict]:

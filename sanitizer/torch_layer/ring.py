@@ -70,7 +70,10 @@ class StagingRing:
     """A ring of ``nbytes`` on ``device``; ``put`` returns borrowed views."""
 
     def __init__(self, nbytes: int, device: Any = "cpu", name: Optional[str] = None, *, alignment: int = 64,
-                 quarantine: Optional[int] = None):
+                 quarantine: Optional[int] = None, plain_memory: bool = False):
+        """``plain_memory``: segments of the plain kind even in trap mode (a ring whose held views are kept,
+        never retired: the ``safetensors_ring`` emulation's default contract, where a trap window per kept
+        view only costs mappings and time)."""
         if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a positive power of two, got {alignment!r}")
         if quarantine is None:
@@ -79,7 +82,8 @@ class StagingRing:
             raise ValueError(f"quarantine must be an int >= 0, got {quarantine!r}")
         self._name = name or "ring"
         self._device = device
-        self.segments: List[StagingBuffer] = [StagingBuffer(nbytes, device=device, name=self._name)]
+        self._plain = plain_memory
+        self.segments: List[StagingBuffer] = [self._segment(nbytes, self._name)]
         self.alignment = alignment
         self.quarantine = quarantine
         self._held: Deque[Span] = deque()  # quarantined spans, oldest first
@@ -149,8 +153,7 @@ class StagingRing:
 
     def _grow(self) -> Tuple[int, int]:
         """(Under the lock.) Quarantined spans leave no room: another segment of the ring's size."""
-        self.segments.append(StagingBuffer(self.segments[0].nbytes, device=self._device,
-                                           name=f"{self._name}+{len(self.segments)}"))
+        self.segments.append(self._segment(self.segments[0].nbytes, f"{self._name}+{len(self.segments)}"))
         return len(self.segments) - 1, 0
 
     def _blocker(self, seg: int, start: int, end: int, under_way: Any = ()) -> Optional[int]:
@@ -279,6 +282,11 @@ class StagingRing:
         seg, start, end = span
         self.segments[seg].retire(start, end - start, by=by)
 
+    def _segment(self, nbytes: int, name: str) -> StagingBuffer:
+        if self._plain:
+            return StagingBuffer.plain(nbytes, device=self._device, name=name)
+        return StagingBuffer(nbytes, device=self._device, name=name)
+
     def renew(self, segment: int) -> StagingBuffer:
         """Give segment ``segment`` fresh memory of its size for the next puts, and return the buffer it
         had, still open and never written again by the ring (the caller closes it once it has decided
@@ -298,7 +306,7 @@ class StagingRing:
                 raise RuntimeError(f"staging ring '{self.name}': cannot renew segment {segment} while a put "
                                    f"is writing into it")
             old = self.segments[segment]
-            self.segments[segment] = StagingBuffer(old.nbytes, device=self._device, name=old.name)
+            self.segments[segment] = self._segment(old.nbytes, old.name)
             return old
 
     def close(self) -> None:

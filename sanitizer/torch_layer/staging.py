@@ -167,6 +167,14 @@ class StagingBuffer:
         self._setup(data, name, owns_memory=True)
 
     @classmethod
+    def plain(cls, nbytes: int, device: Any = "cpu", name: Optional[str] = None) -> "StagingBuffer":
+        """A buffer of the plain kind whatever the declared factories say (trap mode): for memory whose
+        held views are kept, never retired, which a trap buffer's mappings would only make dearer."""
+        self = object.__new__(StagingBuffer)
+        StagingBuffer.__init__(self, nbytes, device, name)
+        return self
+
+    @classmethod
     def adopt(cls, tensor: torch.Tensor, name: Optional[str] = None) -> "StagingBuffer":
         """Track a loader's own buffer (any dtype, contiguous) without copying it."""
         if not isinstance(tensor, torch.Tensor):

@@ -102,8 +102,6 @@ SCRIPT = textwrap.dedent("""
     result = {"wrong_at_reuse": sorted(wrong_at_reuse), "wrong_at_close": wrong_at_close,
               "wrong_later": wrong_later, "wrong_dict": wrong_dict, "kept": len(kept), "n": len(oracle),
               "errors": len(sanitizer.errors()), "reported": sum(e["count"] for e in events),
-              "copied": sum(e.get("copied", 0) for e in events),
-              "in_place": sum(e.get("kept_in_place", 0) for e in events),
               "summaries": [e["summary"] for e in events]}
     del kept, everything, junk
     gc.collect()
@@ -125,15 +123,10 @@ def test_every_alias_of_a_kept_view_reads_its_own_bytes_at_reuse_and_after_close
     assert result["wrong_at_reuse"] == [] and result["wrong_at_close"] == [] and result["wrong_later"] == []
     assert result["wrong_dict"] == []
     assert result["errors"] == 0
-    # Each kept view reported once (the first pass's kept ones, then every tensor of the dict), and the event
-    # says what kept its bytes: under trap a private copy of its pages, else the ring's memory left to it.
+    # Each kept view reported once (the first pass's kept ones, then every tensor of the dict); the ring's
+    # memory is plain in every mode (trap mode has nothing to trap where kept views are never retired).
     assert result["reported"] == result["kept"] + result["n"]
-    assert result["copied"] + result["in_place"] == result["reported"]
-    if MODES[mode].get("trap"):
-        assert result["copied"] > 0
-        assert any("private copy of their own pages" in s for s in result["summaries"])
-    else:
-        assert result["copied"] == 0
+    assert all("left on the ring's memory" in s for s in result["summaries"])
     assert all("kept its bytes, aliases included" in s for s in result["summaries"])
     assert result["live_after"] == 0 and result["regions_after"] == 0  # nothing held: the memory went
 
@@ -189,3 +182,31 @@ def test_a_ring_renews_a_segment_only_while_open():
     ring.close()
     with pytest.raises(ValueError, match="closed"):
         ring.renew(0)
+
+
+def test_kept_views_under_trap_cost_no_mapping_each(tmp_path):
+    """Issue 48, found by a blind user: with ``trap=poison`` each kept view got a window, then a private copy
+    of its pages mapped over it: 40,000 kept tensors took 90 s (7 s without trap) and 62,634 process maps,
+    and the program's own mmaps then failed. The emulation ring is plain memory now (a kept view is never
+    retired here): the map count does not grow with the views kept."""
+    tensors = {f"t{i}": torch.full((16,), float(i)) for i in range(3000)}
+    path = str(tmp_path / "many.safetensors")
+    safetensors_torch.save_file(tensors, path)
+    proc = run_python(textwrap.dedent(f"""
+        import torch, sanitizer
+        from sanitizer import adapters
+        def maps():
+            with open("/proc/self/maps") as fh:
+                return sum(1 for _ in fh)
+        sanitizer.enable(safetensors_ring=4096, trap="poison", halt_on_error=False)
+        adapters.install_import_hooks()
+        from safetensors import safe_open
+        before = maps()
+        with safe_open({path!r}, framework="pt") as f:
+            state = {{k: f.get_tensor(k) for k in f.keys()}}
+        grown = maps() - before
+        ok = all(float(state[f"t{{i}}"][0]) == i for i in range(3000))
+        print(grown < 300, ok, len(sanitizer.errors()))
+    """), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["True", "True", "0"], proc.stdout
