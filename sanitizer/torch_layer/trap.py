@@ -39,6 +39,7 @@ mode keeps it for its life.
 
 from __future__ import annotations
 
+import os
 import warnings
 import weakref
 from typing import Any, Dict, Optional
@@ -181,6 +182,30 @@ def _cuda_memory(nbytes: int, device: torch.device, mode: str, fill: int, name: 
     from sanitizer.torch_layer import trap_cuda
 
     return trap_cuda.CudaTrapMemory(nbytes, device, mode, fill, name, trap_memory.describe)
+
+
+def _before_fork() -> None:
+    """(The parent.) Each trap buffer's bytes as they are at the fork, for the child (see
+    ``TrapMemory.snapshot_for_fork``); one that cannot be copied (no memory or descriptor) is copied by the
+    child instead."""
+    for memory in list(_MEMORY.values()):
+        snapshot = getattr(memory, "snapshot_for_fork", None)
+        if snapshot is not None:
+            try:
+                snapshot()
+            except OSError:
+                pass
+
+
+def _after_fork_in_parent() -> None:
+    for memory in list(_MEMORY.values()):
+        drop = getattr(memory, "drop_fork_snapshot", None)
+        if drop is not None:
+            drop()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent)
 
 
 @forking.in_child

@@ -309,6 +309,7 @@ class TrapMemory(WindowsByLease):
         writer = _Writer(address, self.length, self._file)
         self._writer = weakref.ref(writer)
         self.data = own_ops.from_numpy(np.asarray(writer))[:nbytes]
+        self._fork_snapshot: Optional[Tuple[int, Dict[int, int]]] = None  # (see snapshot_for_fork)
         self._mirrors: List[_Mirror] = []  # the whole mirror (made at the first lend) first, then chunk mirrors
         self._chunks: Dict[int, List[_Mirror]] = {}  # chunk start -> its mirrors
         super().__init__()
@@ -383,11 +384,16 @@ class TrapMemory(WindowsByLease):
         copy back over it."""
         writer = self._writer()
         live = self._live_windows()
-        rescued = [(w, _copy_to_memfd(w.address, w.length)) for w in live if w.state == "rescued"]
-        source = writer.address if writer is not None else (self._mirrors[0].address if self._mirrors else None)
-        if source is None:
-            return
-        fd = _copy_to_memfd(source, self.length)
+        snapshot, self._fork_snapshot = self._fork_snapshot, None
+        if snapshot is not None:  # taken in the parent just before the fork: what the child must see
+            fd, copies = snapshot
+            rescued = [(w, copies[id(w)]) for w in live if w.state == "rescued" and id(w) in copies]
+        else:  # (a fork the snapshot missed: copied now, racing the parent's writes)
+            source = self._source()
+            if source is None:
+                return
+            rescued = [(w, _copy_to_memfd(w.address, w.length)) for w in live if w.state == "rescued"]
+            fd = _copy_to_memfd(source, self.length)
         new = _File(fd, self.length)
         if writer is not None:
             pages.map_file(fd, 0, writer.length, pages.PROT_READ | pages.PROT_WRITE, at=writer.address)
@@ -405,6 +411,42 @@ class TrapMemory(WindowsByLease):
                 os.close(copy)
         if self._file is not None:
             self._file = new
+
+    def _source(self) -> Optional[int]:
+        """The address of a whole mapping of the buffer's bytes (the loader's, else the whole mirror)."""
+        writer = self._writer()
+        return writer.address if writer is not None else (self._mirrors[0].address if self._mirrors else None)
+
+    def snapshot_for_fork(self) -> None:
+        """(The parent, just before a fork.) Copy the buffer's bytes and each rescued window's now: a
+        ``MAP_SHARED`` mapping is shared by the child, so a copy made in the child would see the parent's
+        writes made after the fork (the child must see the memory as it was at the fork, as with a plain
+        buffer's copy-on-write pages). The cost is one copy of each live trap buffer per fork."""
+        self.drop_fork_snapshot()
+        source = self._source()
+        if source is None:
+            return
+        copies: Dict[int, int] = {}
+        try:
+            for window in self._live_windows():
+                if window.state == "rescued":
+                    copies[id(window)] = _copy_to_memfd(window.address, window.length)
+            self._fork_snapshot = (_copy_to_memfd(source, self.length), copies)
+        except OSError:
+            for fd in copies.values():
+                os.close(fd)
+            raise
+
+    def drop_fork_snapshot(self) -> None:
+        """(The parent, after the fork; or a child's leftovers.) Close the snapshot's descriptors."""
+        snapshot, self._fork_snapshot = self._fork_snapshot, None
+        if snapshot is not None:
+            fd, copies = snapshot
+            for each in (fd, *copies.values()):
+                try:
+                    os.close(each)
+                except OSError:
+                    pass
 
     def retrap(self, window: _Window) -> None:
         """Map the trap over a window again (after a fork moved its mirror onto a copy)."""

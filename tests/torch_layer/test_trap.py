@@ -467,3 +467,31 @@ def test_leases_sharing_a_page_map_a_chunk_whatever_the_buffer_size():
     assert np.isnan(kept).all()
     assert all(w.tolist() == [float(i)] * 16 for i, w in enumerate(leases) if i != 5)
     assert below.tolist() == [-1.0] * 16 and beside.tolist() == [-2.0] * 8
+
+
+@pytest.mark.parametrize("mode", ["poison", "fault"])
+def test_a_forked_child_sees_the_buffer_as_it_was_at_the_fork(mode):
+    """Issue 48, found by a blind user: the child copied its trap buffers after the fork, from the mapping it
+    still shared with the parent, so a write the parent made right after the fork reached the child (the
+    lease and a numpy alias of it read 3.0). The parent now snapshots each trap buffer just before the fork."""
+    proc = run_python(textwrap.dedent(f"""
+        import os, time, torch, sanitizer
+        sanitizer.enable(trap={mode!r})
+        buf = sanitizer.StagingBuffer(1 << 16, name="ring0")
+        w = buf.lend(0, (4,), torch.float32, name="a")
+        w.fill_(1.0)
+        a = w.numpy()
+        r, wfd = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.read(r, 1)  # the parent has written by now
+            ok = w.tolist() == [1.0] * 4 and a.tolist() == [1.0] * 4
+            os._exit(0 if ok else 3)
+        w.fill_(3.0)
+        a[0] = 5.0
+        os.write(wfd, b"x")
+        _, status = os.waitpid(pid, 0)
+        print(os.WEXITSTATUS(status), w.tolist())
+    """))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "0 [5.0, 3.0, 3.0, 3.0]", proc.stdout
