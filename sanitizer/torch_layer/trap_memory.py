@@ -30,7 +30,8 @@ from sanitizer.torch_layer.trap_windows import WindowsByLease
 MODES = ("poison", "fault")
 
 _lock = threading.RLock()  # re-entrant: a window's __del__ may run in a GC inside a locked section
-_counts = {"windows": 0, "peak": 0, "mirrors": 0, "fallbacks": 0, "trapped": 0, "rescued": 0, "rescued_bytes": 0}
+_counts = {"windows": 0, "peak": 0, "mirrors": 0, "fallbacks": 0, "trapped": 0, "rescued": 0, "rescued_bytes": 0,
+           "replaced": 0}  # replaced: CPU windows alive whose range was remapped (each splits its mirror: +2 maps)
 _limits: Dict[str, Optional[int]] = {"max_map_count": None, "max_windows": None}  # tests lower max_windows
 _warned = False
 _warned_keys: set = set()  # other reasons warned about once each (a CUDA device without VMM)
@@ -210,6 +211,8 @@ class _Window:
             pass
         with _lock:
             _counts["windows"] -= 1
+            if self.state != "fresh":
+                _counts["replaced"] -= 1
 
 
 def _forget(address: int) -> None:
@@ -371,11 +374,13 @@ class TrapMemory(WindowsByLease):
             fault_report.add(window.address, window.address + window.length, describe(lease, event, self.name))
             pages.protect(window.address, window.length, pages.PROT_NONE)
         window.state = "trapped"
+        _count_replaced()
 
     def rescue(self, lease: Lease, window: _Window, event: Optional[ReuseEvent] = None) -> None:
         """Replace the window, in place, by a private copy of its pages (read before the reuse writes)."""
         _copy_in_place(window)
         window.state = "rescued"
+        _count_replaced()
 
     def after_fork_in_child(self) -> None:
         """A forked child must not share the parent's buffer (``MAP_SHARED`` survives ``fork``, where
@@ -520,14 +525,25 @@ def _holder_of(lease: Lease) -> Optional[str]:
     return None
 
 
+def _count_replaced() -> None:
+    with _lock:
+        _counts["replaced"] += 1
+
+
 def room() -> bool:
+    """May one more window be mapped? Trap mode keeps its process maps under half of ``vm.max_map_count``:
+    a window is one map, and a trapped or rescued one splits its mirror's mapping (two more), so that the
+    program (and the guard's tombstones) keep the other half; counting windows alone let a retaining
+    program reach the kernel's limit, and its own ``mmap``/``malloc`` then failed."""
     if _limits["max_windows"] is None:
         _limits["max_map_count"] = pages.read_max_map_count()
         _limits["max_windows"] = _limits["max_map_count"] // 2
-    if _counts["windows"] < _limits["max_windows"]:
+    maps = _counts["windows"] + 2 * _counts["replaced"]
+    if maps < _limits["max_windows"]:
         return True
-    fall_back(f"{_counts['windows']} lease mappings reached the trap budget of {_limits['max_windows']} "
-               f"(half of vm.max_map_count={_limits['max_map_count']})")
+    fall_back(f"{_counts['windows']} lease mappings ({maps} process maps with the splits of the retired ones) "
+              f"reached the trap budget of {_limits['max_windows']} (half of vm.max_map_count="
+              f"{_limits['max_map_count']})")
     return False
 
 

@@ -495,3 +495,25 @@ def test_a_forked_child_sees_the_buffer_as_it_was_at_the_fork(mode):
     """))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "0 [5.0, 3.0, 3.0, 3.0]", proc.stdout
+
+
+def test_the_map_budget_counts_the_splits_of_retired_windows(monkeypatch):
+    """Issue 48, found by a blind user: the budget counted windows only, while each retired one splits its
+    mirror (two more maps); a retaining program reached vm.max_map_count and its own allocations failed.
+    Now a retired window counts as three maps."""
+    from sanitizer.torch_layer import trap_memory
+
+    sanitizer.enable(trap="poison")
+    trap_memory.room()
+    monkeypatch.setattr(trap_memory, "_warned", False)
+    base = trap_memory.stats()["windows"] + 2 * trap_memory.stats()["replaced"]
+    monkeypatch.setitem(trap_memory._limits, "max_windows", base + 9)
+    buf = StagingBuffer(1 << 16)
+    kept = [buf.write(i * 4096, FIRST, f"k{i}") for i in range(3)]  # 3 windows, each on a page of its own
+    buf.reuse(0, 3 * 4096, by="next")  # all three retired in place: 3 + 2 * 3 = 9 maps
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        more = buf.write(8 * 4096, FIRST, "more")
+    assert any("process maps with the splits" in str(c.message) for c in caught)
+    assert buf._memory.window(sanitizer.lease_of(more)) is None  # a plain view: the guard's
+    del kept
