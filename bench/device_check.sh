@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check, in one prepared run (at most 6 minutes on one GPU, whatever hangs; no network needed):
+#   0. trap mode's probe first (bench/device_trap.py --probe-only): what the fake driver cannot answer
 #   1. the environment: python, torch and its CUDA, the GPUs, numba and its CUDA target (numba's built-in
 #      one or NVIDIA's numba-cuda), the CUDA toolkit found as tests/cuda/test_kernels_ptx.py finds it (exported
 #      as CUDA_HOME), the NVVM version, the kernels compiled and loaded (seconds, registers, resident blocks)
@@ -102,6 +103,17 @@ LOG="$WORK/section"  # the running section's output (also appended to $FULL_LOG)
 : >"$VERDICTS"
 : >"$FULL_LOG"
 echo "device_check: verdicts go to $VERDICTS as each section ends, the sections' output to $FULL_LOG"
+
+# 0. What cannot be known without a GPU, asked first (issue 48): does cuMemMap refuse a non-zero offset,
+#    does a device accept a read-only mapping, what does a trap lend cost behind queued work.
+if [ "$CUDA" = 1 ]; then
+  run_bounded 90 "$PY" bench/device_trap.py --probe-only
+  code=$?
+  probes=$(grep -E '^PROBE' "$LOG" | tr '\n' ';' | sed 's/;$//')
+  if [ "$code" = 0 ]; then record "trap probe" PASS "$probes"
+  else record "trap probe" FAIL "status $code: ${probes:-$(tail -n 1 "$LOG")}"
+  fi
+fi
 
 # 1. The environment, the toolkit, the kernels.
 t0=$SECONDS
