@@ -338,10 +338,10 @@ def run_in_running_threads(fn: Callable[[], None]) -> bool:
             # Threads with no profile function get ours only as far as the count was raised for them first
             # (the count may be above the truth for a moment, never below: below, a profiler set meanwhile
             # in another thread could find the monitoring events off and miss its events).
-            wanted = _count_states(api, me, _HAS_NONE)
+            wanted = _count_states(api, me, _with_none)
             _shift_count(api, me, wanted)
-            _visit(api, me, batch, _HAS_ANOTHER, None)
-            given = _visit(api, me, batch, _HAS_NONE, wanted)
+            _visit(api, me, batch, _with_another, None)
+            given = _visit(api, me, batch, _with_none, wanted)
             _shift_count(api, me, given - wanted)
             if given < wanted or wanted == 0:
                 break
@@ -376,12 +376,12 @@ def _funcs(api: _Api, states):  # type: ignore[no-untyped-def]
     return map(_VALUE, map(ctypes.c_void_p.from_address, map(operator.add, states, itertools.repeat(api.func_off))))
 
 
-def _HAS_NONE(funcs):  # type: ignore[no-untyped-def]
+def _with_none(funcs):  # type: ignore[no-untyped-def]
     """Selector: the states with no profile function."""
     return map(operator.not_, funcs)
 
 
-def _HAS_ANOTHER(funcs):  # type: ignore[no-untyped-def]
+def _with_another(funcs):  # type: ignore[no-untyped-def]
     """Selector: the states whose profile function is some other one than ours (a visit of ours that waits
     there is not stacked again)."""
     some, other = itertools.tee(funcs, 2)

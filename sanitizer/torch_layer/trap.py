@@ -42,7 +42,7 @@ from __future__ import annotations
 import os
 import warnings
 import weakref
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 import torch
 

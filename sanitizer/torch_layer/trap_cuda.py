@@ -32,7 +32,6 @@ is always raised. ``docs/cuda.md`` has the figures.
 from __future__ import annotations
 
 import threading
-import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 

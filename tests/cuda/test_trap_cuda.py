@@ -169,7 +169,7 @@ def test_dead_aliases_are_unmapped_after_a_device_wait_and_the_buffer_goes_whole
 
 
 def test_a_device_without_virtual_memory_management_falls_back_with_one_warning(fake, monkeypatch):
-    from sanitizer.torch_layer import trap, trap_memory
+    from sanitizer.torch_layer import trap_memory
 
     monkeypatch.setattr(fake.vmm, "why_not", "device 0 does not support virtual memory management")
     monkeypatch.setattr(trap_memory, "_warned_keys", set())

@@ -137,12 +137,19 @@ class _Region:
                                          "version": 2}
 
 
-def test_fake_release_of_a_mapped_handle_keeps_the_memory_until_unmapped(fake):
-    drv, g = fake.vmm, fake.vmm.granule
+def _one_granule(drv, writable: bool):
+    """``(handle, address)``: one granule of device 0 created, reserved, mapped and given access."""
+    g = drv.granule
     h = drv.create(g, 0)
     at = drv.reserve(g, g, 0)
     drv.map(at, g, h, 0)
-    drv.set_access(at, g, [0], True)
+    drv.set_access(at, g, [0], writable)
+    return h, at
+
+
+def test_fake_release_of_a_mapped_handle_keeps_the_memory_until_unmapped(fake):
+    drv, g = fake.vmm, fake.vmm.granule
+    h, at = _one_granule(drv, writable=True)
     ctypes.memset(at, 0x11, 16)
     drv.release(h)
     assert drv.physical_bytes(0) == g and ctypes.string_at(at, 16) == b"\x11" * 16
@@ -155,10 +162,7 @@ def test_fake_release_of_a_mapped_handle_keeps_the_memory_until_unmapped(fake):
 
 def test_fake_read_only_mappings_and_a_device_that_refuses_them(fake):
     drv, g = fake.vmm, fake.vmm.granule
-    h = drv.create(g, 0)
-    at = drv.reserve(g, g, 0)
-    drv.map(at, g, h, 0)
-    drv.set_access(at, g, [0], False)
+    h, at = _one_granule(drv, writable=False)
     assert drv.access_of(at, 0) == "r"
     drv.read_only_supported = False
     with pytest.raises(_vmm().VmmError) as info:
@@ -302,7 +306,7 @@ def test_out_of_memory_empties_torchs_cache_and_retries_once(fake):
 
 
 def test_out_of_memory_after_the_retry_falls_back_to_the_guard_with_one_warning(fake, monkeypatch):
-    from sanitizer.torch_layer import trap, trap_memory
+    from sanitizer.torch_layer import trap_memory
 
     monkeypatch.setattr(trap_memory, "_warned_keys", set())
     sanitizer.enable(trap="poison")

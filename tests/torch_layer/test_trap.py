@@ -121,7 +121,7 @@ def test_a_correct_program_is_bit_identical_with_trap_on(quarantine):
 
 @pytest.mark.slow
 def test_windows_are_unmapped_when_the_lease_dies():
-    from sanitizer.torch_layer import trap, trap_memory
+    from sanitizer.torch_layer import trap
 
     sanitizer.enable(trap="poison")
     gc.collect()
@@ -177,7 +177,7 @@ def test_default_and_device_buffers_are_plain():
     assert type(StagingBuffer(64)) is StagingBuffer
     sanitizer.enable(trap="poison")
     assert type(StagingBuffer.adopt(torch.zeros(16))) is StagingBuffer  # a loader's memory is never remapped
-    from sanitizer.torch_layer import trap, trap_memory
+    from sanitizer.torch_layer import trap
 
     assert trap.buffer_class((64,), {"pin_memory": True}) is None  # pinned memory stays torch's
     from sanitizer.torch_layer import trap_cuda
@@ -297,7 +297,7 @@ def test_a_correct_program_lends_from_one_mirror_and_a_trapped_range_is_lent_aga
     """Leases that die before the next lend over their pages share one mirror (no mapping per lend); a
     trapped lease's pages go back to the file when it dies, and the next lease over them reads its own
     bytes, in the same mirror."""
-    from sanitizer.torch_layer import trap, trap_memory
+    from sanitizer.torch_layer import trap
 
     sanitizer.enable(trap="poison")
     gc.collect()
@@ -323,7 +323,7 @@ def test_a_correct_program_lends_from_one_mirror_and_a_trapped_range_is_lent_aga
 
 
 def test_a_closed_buffers_file_is_reused_and_a_fork_child_never_shares_it():
-    from sanitizer.torch_layer import trap, trap_memory
+    from sanitizer.torch_layer import trap_memory
 
     sanitizer.enable(trap="poison")
     gc.collect()
@@ -423,7 +423,7 @@ def test_a_retire_that_cannot_map_the_trap_leaves_the_lease_to_the_guard(monkeyp
     reuse; now the window stays fresh, one warning says why, and the guard re-points the lease's own tensor."""
     import errno
 
-    from sanitizer.torch_layer import trap, trap_memory
+    from sanitizer.torch_layer import trap_memory
 
     sanitizer.enable(trap="poison")
     buf = StagingBuffer(1 << 14)
@@ -447,7 +447,7 @@ def test_leases_sharing_a_page_map_a_chunk_whatever_the_buffer_size():
     (64 leases in one page of 256 MiB: 64 maps of 256 MiB, seconds to lend). Now each depth of leases on a
     page maps one chunk of the buffer, shared by the leases of that chunk: the cost is bounded by the chunk,
     not the buffer; each lease reads its own bytes, and retiring one leaves the others as they were."""
-    from sanitizer.torch_layer import trap, trap_memory
+    from sanitizer.torch_layer import trap_memory
 
     sanitizer.enable(trap="poison")
     buf = StagingBuffer(64 << 20, name="big")
