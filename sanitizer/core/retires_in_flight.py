@@ -9,10 +9,17 @@ buffer that was about 2% of stale reads (issue 29, point 4).
 
 So each retire is registered, under one small lock, before it asks the ledger, and a retire waits, once its
 own work is done, for the other threads' overlapping retires that were registered before its ledger call
-ended (only those can have taken its victims). It waits with its own entry removed and holding no lock
-of ours, so two waiters never wait for each other; a thread never waits for its own retires (a finalizer
-that runs inside a retire hook and reuses bytes itself), and the wait is bounded. Torch-free: ranges,
-thread idents and a condition variable.
+ended (only those can have taken its victims). "Overlapping" is judged on what a retire took, not only on the
+bytes it asked for: a lease wider than either of two neighbouring reuses is taken by the first, and the
+second, which overlaps the lease but not the first reuse, must still wait for it (it did not: with
+``rescue=1``, four threads putting through one ring kept 2-8% of their tensors with a neighbour's bytes,
+the second put writing while the first still copied the lease out). So a retire widens its entry to its
+victims' extent once the ledger answered, and a retire registered earlier that has not answered yet is
+waited for until it has (a ledger call: no hook runs in between).
+
+A retire waits with its own entry removed and holding no lock of ours, so two waiters never wait for each
+other; a thread never waits for its own retires (a finalizer that runs inside a retire hook and reuses bytes
+itself), and the wait is bounded. Torch-free: ranges, thread idents and a condition variable.
 """
 from __future__ import annotations
 
@@ -25,7 +32,8 @@ WAIT_S = 10.0  # the longest a reuse waits for another thread's retire (a hook s
 
 
 class RetiresInFlight:
-    """The retires in flight: sequence number -> (region id, start, end, thread ident)."""
+    """The retires in flight: sequence number -> (region id, start, end, thread ident, answered), where
+    ``[start, end)`` grows to cover the victims once the ledger answered."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
@@ -36,8 +44,19 @@ class RetiresInFlight:
         """Register a retire of ``[start, end)`` of ``region_id`` about to ask the ledger; its ticket."""
         with self._cond:
             self._seq += 1
-            self._flight[self._seq] = (region_id, start, end, threading.get_ident())
+            self._flight[self._seq] = (region_id, start, end, threading.get_ident(), False)
             return self._seq
+
+    def took(self, ticket: int, start: int, end: int) -> None:
+        """The ledger answered ``ticket``'s retire, whose victims span ``[start, end)`` (its own range when it
+        took none): another thread's retire overlapping them waits for this one."""
+        with self._cond:
+            entry = self._flight.get(ticket)
+            if entry is None:
+                return
+            region_id, a, b, thread, _ = entry
+            self._flight[ticket] = (region_id, min(a, start), max(b, end), thread, True)
+            self._cond.notify_all()
 
     def asked(self) -> int:
         """The limit to wait up to, read once the ledger answered: a retire registered later asked it later
@@ -56,11 +75,11 @@ class RetiresInFlight:
             self._cond.notify_all()
             if entry is None or not self._flight:
                 return True
-            region_id, start, end, me = entry
+            region_id, start, end, me, _ = entry
 
             def pending() -> bool:
-                return any(seq <= limit and r == region_id and a < end and start < b and t != me
-                           for seq, (r, a, b, t) in self._flight.items())
+                return any(seq <= limit and r == region_id and t != me and (not done or (a < end and start < b))
+                           for seq, (r, a, b, t, done) in self._flight.items())
 
             if not pending():
                 return True
@@ -76,13 +95,19 @@ class RetiresInFlight:
 
     @contextlib.contextmanager
     def retiring(self, region_id: int, start: int, end: int,
-                 may_wait: Optional[Callable[[], bool]] = None) -> Iterator[Callable[[], None]]:
-        """One retire, registered around its body: call what it yields once the ledger answered (the limit
-        of :meth:`end`); on the way out it waits as :meth:`end` does, even when the body raised."""
+                 may_wait: Optional[Callable[[], bool]] = None) -> Iterator[Callable[..., None]]:
+        """One retire, registered around its body: call what it yields once the ledger answered, with the
+        extent ``(start, end)`` of the victims it took, or none (the limit of :meth:`end`, and :meth:`took`);
+        on the way out it waits as :meth:`end` does, even when the body raised."""
         ticket = self.begin(region_id, start, end)
         limit: List[int] = [ticket]
+
+        def answered(took_start: Optional[int] = None, took_end: Optional[int] = None) -> None:
+            limit[0] = self.asked()
+            self.took(ticket, start if took_start is None else took_start, end if took_end is None else took_end)
+
         try:
-            yield lambda: limit.__setitem__(0, self.asked())
+            yield answered
         finally:
             self.end(ticket, limit[0], may_wait=may_wait)
 

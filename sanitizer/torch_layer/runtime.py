@@ -15,7 +15,7 @@ import os
 import sys
 import threading
 import weakref
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -181,13 +181,22 @@ def _retire_range(region: Region, start: int, end: int, by: Optional[str], kind:
     with _RETIRES.retiring(region.region_id, start, end, _not_inside_our_own_work) as answered:
         event, victims = state.ledger.reuse(region.region_id, start, end, by, site, threading.current_thread().name,
                                             kind)
-        answered()
+        answered(*_extent(region, victims, start, end))
         victims = _still_borrowed(region, victims)
         interception.retry_leave()
         for hook in HOOKS.reuse:
             hook(region, event)
         _run_retire_hooks(region, event, victims)
     return event
+
+
+def _extent(region: Region, victims: List[Lease], start: int, end: int) -> Tuple[int, int]:
+    """``[start, end)`` widened to the victims of ``region`` a retire took: another thread's reuse of bytes
+    only those leases share waits for this retire to have marked (rescued, checked) them."""
+    for lease in victims:
+        if lease.region_id == region.region_id:
+            start, end = min(start, lease.start), max(end, lease.end)
+    return start, end
 
 
 _OWN_WORK = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), part) + os.sep
