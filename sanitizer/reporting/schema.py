@@ -4,8 +4,12 @@ The report schema (``report_schema.json``) is plain JSON Schema (draft
 2020-12), so any standard validator accepts it. We check it with this one to
 avoid a dependency for one file: it supports ``type``, ``const``, ``enum``,
 ``required``, ``properties``, ``additionalProperties``, ``items``,
-``minimum``, ``minItems``, ``maxItems``, ``anyOf``, ``not`` and local
-``$ref`` (``#/$defs/NAME``). An unsupported keyword is an error, so the schema
+``minimum``, ``maximum``, ``minItems``, ``maxItems``, ``uniqueItems``,
+``pattern``, ``format`` (``uri``, ``uri-reference``, ``date-time``), ``anyOf``,
+``oneOf``, ``not`` and local ``$ref`` (``#/$defs/NAME``, and draft-04's
+``#/definitions/NAME``: the official SARIF 2.1.0 schema, which ``ownsan audit
+--format sarif`` is checked against in tests/audit, is draft-04 and uses no
+other keyword). An unsupported keyword is an error, so the schema
 cannot silently say more than is checked. Types and equality are the
 specification's, not Python's: ``1.0`` is an ``integer``, ``true`` is neither an
 integer nor equal to ``1``. ``tests/reporting/test_report.py`` checks it against the
@@ -13,7 +17,8 @@ integer nor equal to ``1``. ``tests/reporting/test_report.py`` checks it against
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List
+import re
+from typing import Any, Callable, Dict, List
 
 _TYPES = {
     "object": lambda v: isinstance(v, dict),
@@ -25,9 +30,23 @@ _TYPES = {
     "boolean": lambda v: isinstance(v, bool),
     "null": lambda v: v is None,
 }
-_ANNOTATIONS = {"$schema", "$id", "$comment", "title", "description", "$defs", "default", "examples"}
+_ANNOTATIONS = {"$schema", "$id", "id", "$comment", "title", "description", "$defs", "definitions", "default",
+                "examples"}
 _KNOWN = _ANNOTATIONS | {"type", "const", "enum", "required", "properties", "additionalProperties", "items",
-                         "minimum", "minItems", "maxItems", "anyOf", "not", "$ref"}
+                         "minimum", "maximum", "minItems", "maxItems", "uniqueItems", "pattern", "format", "anyOf",
+                         "oneOf", "not", "$ref"}
+# RFC 3986: a URI has a scheme; a URI reference is made of its characters, a percent sign only before two hex digits.
+_URI_CHARS = r"(?:[A-Za-z0-9\-._~:/?#\[\]@!$&'()*+,;=]|%[0-9A-Fa-f]{2})*"
+_URI_REFERENCE = re.compile(_URI_CHARS + r"\Z")
+_URI = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*:" + _URI_CHARS + r"\Z")
+# RFC 3339's date-time: full-date "T" full-time, the offset required.
+_DATE_TIME = re.compile(r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])[Tt]([01]\d|2[0-3]):[0-5]\d:([0-5]\d|60)"
+                        r"(\.\d+)?([Zz]|[+-]([01]\d|2[0-3]):[0-5]\d)\Z")
+_FORMATS: Dict[str, Callable[[str], bool]] = {
+    "uri": lambda v: _URI.match(v) is not None,
+    "uri-reference": lambda v: _URI_REFERENCE.match(v) is not None,
+    "date-time": lambda v: _DATE_TIME.match(v) is not None,
+}
 
 
 class SchemaError(ValueError):
@@ -70,6 +89,16 @@ def _check(v: Any, s: Dict[str, Any], root: Dict[str, Any], path: str, errors: L
         errors.append(f"{path}: {_short(v)} is not one of {s['enum']}")
     if "minimum" in s and _TYPES["number"](v) and v < s["minimum"]:
         errors.append(f"{path}: {v} is below the minimum {s['minimum']}")
+    if "maximum" in s and _TYPES["number"](v) and v > s["maximum"]:
+        errors.append(f"{path}: {v} is above the maximum {s['maximum']}")
+    if isinstance(v, str):
+        if "pattern" in s and re.search(s["pattern"], v) is None:
+            errors.append(f"{path}: {_short(v)} does not match the pattern {s['pattern']!r}")
+        if "format" in s:
+            if s["format"] not in _FORMATS:
+                raise SchemaError(f"unsupported format at {path}: {s['format']!r} (known: {', '.join(_FORMATS)})")
+            if not _FORMATS[s["format"]](v):
+                errors.append(f"{path}: {_short(v)} is not a valid {s['format']}")
     if isinstance(v, dict):
         for key in s.get("required", ()):
             if key not in v:
@@ -88,6 +117,11 @@ def _check(v: Any, s: Dict[str, Any], root: Dict[str, Any], path: str, errors: L
             errors.append(f"{path}: {len(v)} items, fewer than {s['minItems']}")
         if "maxItems" in s and len(v) > s["maxItems"]:
             errors.append(f"{path}: {len(v)} items, more than {s['maxItems']}")
+        if s.get("uniqueItems") is True:
+            for i, item in enumerate(v):
+                if any(_json_equal(item, earlier) for earlier in v[:i]):
+                    errors.append(f"{path}[{i}]: {_short(item)} repeats an earlier item (uniqueItems)")
+                    break
         if "items" in s:
             for i, item in enumerate(v):
                 _check(item, s["items"], root, f"{path}[{i}]", errors)
@@ -102,6 +136,16 @@ def _check(v: Any, s: Dict[str, Any], root: Dict[str, Any], path: str, errors: L
         else:
             best = min(attempts, key=len) if attempts else [f"{path}: no alternative given"]
             errors.append(f"{path}: matches none of {len(s['anyOf'])} alternatives; closest: {'; '.join(best[:3])}")
+    if "oneOf" in s:
+        outcomes = []
+        for option in s["oneOf"]:
+            sub = []
+            _check(v, option, root, path, sub)
+            outcomes.append(sub)
+        matched = sum(1 for sub in outcomes if not sub)
+        if matched != 1:
+            closest = "" if matched else "; closest: " + "; ".join(min(outcomes, key=len)[:3]) if outcomes else ""
+            errors.append(f"{path}: matches {matched} of {len(s['oneOf'])} alternatives, not exactly one{closest}")
     if "not" in s:
         sub = []
         _check(v, s["not"], root, path, sub)
