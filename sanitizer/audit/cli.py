@@ -1,4 +1,9 @@
-"""``ownsan audit PATH...`` (also ``python -m sanitizer audit`` and ``python -m sanitizer.audit``).
+"""``ownsan audit [PATH...]`` (also ``python -m sanitizer audit`` and ``python -m sanitizer.audit``).
+
+Its conventions are a linter's, spelt as ruff spells them: no PATH audits ``.``; ``--select``, ``--ignore``,
+``--extend-select``, ``--extend-ignore``, ``--exclude``, ``--extend-exclude``, ``--per-file-ignores`` on
+top of ``[tool.ownsan]``'s keys of the same names; ``# noqa: OWN106`` honoured. ``-o`` is not one of its
+flags: across ``ownsan`` a short flag means one thing, and ``-o`` is ``ownsan run --option``.
 
 Exit status: 0 when nothing is found, 1 when a finding is reported (or, with ``--report``, a retention
 the run saw that the audit missed), 2 on a usage error: a path that does not exist, a file that does
@@ -10,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
-from sanitizer.audit.codes import CODES, CodeSelectionError, selected_codes
+from sanitizer.audit.codes import CODES, CodeSelectionError
 from sanitizer.core import output_file, report_file
 from sanitizer.core.suggest import HintingParser
 
@@ -29,7 +34,7 @@ def epilog(width: Optional[int] = None) -> str:
         lines.extend(textwrap.wrap(f"{c.name}: {c.meaning}", width, initial_indent=head,
                                    subsequent_indent=" " * len(head), break_on_hyphens=False))
     return "\n".join(lines) + \
-        "\n\nsuppress one statement with `# ownsan: ignore[OWN101]` (or a bare `# ownsan: ignore`)."
+        "\n\nsuppress one statement with `# noqa: OWN101` or `# ownsan: ignore[OWN101]` (bare: every code)."
 
 
 def build_parser(prog: str = "ownsan audit") -> argparse.ArgumentParser:
@@ -38,14 +43,30 @@ def build_parser(prog: str = "ownsan audit") -> argparse.ArgumentParser:
         description="Find, without running it, every statement of a code base that keeps a tensor a weight "
                     "loader yielded (or a view of it) past the loader's step. Reads the source with ast; "
                     "never imports it, never imports torch.")
-    p.add_argument("paths", nargs="*", metavar="PATH", help="Python files or directories")
+    p.add_argument("paths", nargs="*", metavar="PATH", help="Python files or directories (default: .)")
     p.add_argument("--format", choices=("text", "concise", "json", "sarif"), default="text",
                    help="text (default: each finding with its chain and fix), concise (one line each), "
                         "json (findings_schema.json), sarif (SARIF 2.1.0, for code scanning)")
-    p.add_argument("-o", "--output", metavar="FILE", default=None, help="write the output here, not to stdout")
-    p.add_argument("--select", action="append", default=[], metavar="CODES",
-                   help="report only these codes (comma-separated; a prefix such as OWN10 selects several)")
-    p.add_argument("--ignore", action="append", default=[], metavar="CODES", help="do not report these codes")
+    p.add_argument("--output", metavar="FILE", default=None, help="write the output here, not to stdout")
+    rules = p.add_argument_group("which codes and files (as ruff spells them; on top of [tool.ownsan])")
+    rules.add_argument("--select", action="append", default=[], metavar="CODES",
+                       help="report only these codes, instead of the settings' select (comma-separated; a prefix "
+                            "such as OWN10 selects several, ALL every code)")
+    rules.add_argument("--extend-select", action="append", default=[], metavar="CODES",
+                       help="report these codes as well")
+    rules.add_argument("--ignore", action="append", default=[], metavar="CODES", help="do not report these codes")
+    rules.add_argument("--extend-ignore", action="append", default=[], metavar="CODES",
+                       help="the same as --ignore (ruff's older spelling)")
+    rules.add_argument("--exclude", action="append", default=None, metavar="GLOBS",
+                       help="leave these files and directories out of an audited directory, instead of the "
+                            "settings' exclude (comma-separated globs)")
+    rules.add_argument("--extend-exclude", action="append", default=[], metavar="GLOBS",
+                       help="leave these out as well")
+    rules.add_argument("--per-file-ignores", action="append", default=None, metavar="GLOB:CODE",
+                       help="ignore CODE in the files GLOB matches, instead of the settings' per-file-ignores "
+                            "(comma-separated pairs)")
+    rules.add_argument("--extend-per-file-ignores", action="append", default=[], metavar="GLOB:CODE",
+                       help="the same, on top of the settings' per-file-ignores")
     p.add_argument("--report", metavar="REPORT", default=None,
                    help="an ownsan run report (ownsan-report.json): mark the findings the run confirmed and "
                         "list the retentions it saw that the audit missed")
@@ -59,31 +80,50 @@ def build_parser(prog: str = "ownsan audit") -> argparse.ArgumentParser:
     return p
 
 
+def _split(values: Optional[Sequence[str]]) -> Optional[List[str]]:
+    """Repeated, comma-separated option values -> one list (None stays None: the option was not given)."""
+    return None if values is None else [v.strip() for raw in values for v in raw.split(",") if v.strip()]
+
+
+def _short_o(argv: Sequence[str]) -> bool:
+    """Is ``-o`` (``-o FILE``, ``-oFILE``) among the flags? Once ``--output``'s short form; now refused with
+    a line that says what to write, rather than argparse's bare "unrecognized argument"."""
+    for arg in argv:
+        if arg == "--":
+            return False
+        if arg.startswith("-o") and not arg.startswith("--"):
+            return True
+    return False
+
+
 def main(argv: Optional[Sequence[str]] = None, prog: str = "ownsan audit") -> int:
     parser = build_parser(prog)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if _short_o(argv):
+        print(f"{prog}: -o is not a flag of ownsan audit (across ownsan, -o is ownsan run's --option); "
+              f"write --output FILE", file=sys.stderr)
+        return 2
     try:
-        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+        args = parser.parse_args(argv)
     except SystemExit as exc:  # usage printed; --help is 0
         return exc.code if isinstance(exc.code, int) else 2
-    try:
-        selected_codes(args.select, args.ignore)
-    except CodeSelectionError as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
-        return 2
+    paths = args.paths or ["."]  # as ruff checks the current directory
+    extend_select = args.extend_select
+    ignore = args.ignore + args.extend_ignore
+    from sanitizer.audit.engine import reported_codes
     from sanitizer.audit.settings import SettingsError, resolve
 
     try:
-        settings = resolve(args.paths or ["."], args.config)
-    except SettingsError as exc:
+        reported_codes(args.select, ignore, None, extend_select)
+        settings = resolve(paths, args.config).overridden(
+            _split(args.exclude), _split(args.extend_exclude) or (), args.per_file_ignores,
+            args.extend_per_file_ignores)
+    except (SettingsError, CodeSelectionError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     if args.show_settings:
         sys.stdout.write(settings.describe())
         return 0
-    if not args.paths:
-        parser.print_usage(sys.stderr)
-        print(f"{prog}: error: the following arguments are required: PATH", file=sys.stderr)
-        return 2
     from sanitizer.audit import crosscheck as cc
     from sanitizer.audit.engine import audit_paths
     from sanitizer.audit.formats import render
@@ -100,7 +140,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "ownsan audit") -> in
         if note:  # the run was killed: its findings come from its journal
             print(f"{prog}: --report: {note}", file=sys.stderr)
     try:
-        result = audit_paths(args.paths, args.select, args.ignore, settings)
+        result = audit_paths(paths, args.select, ignore, settings, extend_select)
     except AuditInputError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2

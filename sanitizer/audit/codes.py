@@ -1,5 +1,5 @@
 """The audit's finding codes: one table that the output formats, the docs, the flake8 plugin and
-``--select/--ignore`` all read, so a code means the same thing everywhere.
+``--select/--ignore`` (:mod:`sanitizer.audit.selection`) all read, so a code means the same thing everywhere.
 
 A *retention* (OWN101-OWN106) keeps a tensor that a weight loader yielded, or something that shares its
 memory, past the step that yielded it: a borrowing loader (InstantTensor, fastsafetensors, runai) may
@@ -9,7 +9,7 @@ write into the yielded tensor itself, that is into the loader's (possibly shared
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict
 
 OWN_FIX = "own it where it is kept: `sanitizer.own(t)` or `t.clone()`"
 
@@ -20,71 +20,63 @@ class Code:
     name: str  # a short slug, also the SARIF rule name
     meaning: str
     fix: str
+    # One whole sentence, distinct per code: SARIF's rule title (``shortDescription``, what code scanning lists).
+    # A title cut out of ``meaning`` at its first parenthesis or colon made OWN101 and OWN102 both read
+    # "a yielded tensor".
+    title: str
 
 
 CODES: Dict[str, Code] = {c.code: c for c in (
     Code("OWN101", "container-store",
          "a yielded tensor (or a view of it) is stored in a container that outlives the loader's step "
          "(a side list, a dict by name, a tensor parked until its partner arrives)",
-         OWN_FIX),
+         OWN_FIX,
+         title="A yielded tensor is stored in a container that outlives the loader's step."),
     Code("OWN102", "attribute-store",
          "a yielded tensor (or a view of it) is stored in an attribute of an object that outlives the step "
          "(`self.x = t`, `param.data = t`, `setattr`, `nn.Parameter(t)` kept on a module)",
-         OWN_FIX),
+         OWN_FIX,
+         title="A yielded tensor is stored in an attribute of an object that outlives the loader's step."),
     Code("OWN103", "materialised-iterator",
          "the weights iterator is materialised: `list`/`dict`/`tuple`/`sorted`/`set`, a comprehension that "
          "keeps the tensors, or `itertools.tee`, so every tensor is kept while the loader moves on",
          "iterate once and consume each tensor in its step; if all are needed at once, own each one as it "
-         "arrives: `[(n, sanitizer.own(t)) for n, t in weights]`"),
+         "arrives: `[(n, sanitizer.own(t)) for n, t in weights]`",
+         title="The weights iterator is materialised, so every tensor is kept while the loader moves on."),
     Code("OWN104", "deferred-capture",
          "a yielded tensor is captured for a deferred call: a closure or lambda, `functools.partial`, or "
          "`inspect.BoundArguments` (`sig.bind(...)`) that outlives the step",
          "own the arguments before deferring: `sanitizer.own_arguments(bound)`, `sanitizer.own(t)` or "
-         "`t.clone()`"),
+         "`t.clone()`",
+         title="A yielded tensor is captured for a deferred call that outlives the loader's step."),
     Code("OWN105", "kept-variable",
          "a local variable keeps a yielded tensor past its step: it is read after the loop or by a later "
          "iteration (the loader has moved on by then)",
-         OWN_FIX),
+         OWN_FIX,
+         title="A local variable keeps a yielded tensor past the loader's step."),
     Code("OWN106", "global-store",
          "a yielded tensor is stored in a global, class-level or enclosing-scope (`nonlocal`) name",
-         OWN_FIX),
+         OWN_FIX,
+         title="A yielded tensor is stored in a global, class-level or nonlocal name."),
     Code("OWN107", "conditional-retention",
          "stored where it outlives the step (as OWN101/OWN102/OWN106) through a conversion that is a no-op when "
          "nothing needs converting (`.contiguous()`, `.to(dtype)`, `.cuda()`): a retention when the loaded "
          "tensor is already in place, a copy otherwise",
-         "own it where it is kept, or make the copy explicit: `sanitizer.own(t)` or `t.clone()`"),
+         "own it where it is kept, or make the copy explicit: `sanitizer.own(t)` or `t.clone()`",
+         title="A yielded tensor is stored past the loader's step through a conversion that returns the tensor "
+               "itself when nothing needs converting."),
     Code("OWN120", "inplace-write",
          "an in-place write into a yielded tensor (`t.mul_()`, `t.copy_(x)`, `t[...] = x`, `t += x`, "
          "`out=t`): with a borrowing loader that writes into the loader's staging buffer",
-         "write into an owned copy: `t = t.clone()` (or `sanitizer.own(t)`) before modifying it"),
+         "write into an owned copy: `t = t.clone()` (or `sanitizer.own(t)`) before modifying it",
+         title="A yielded tensor is written in place, into the loader's staging buffer."),
 )}
 
 RETENTION_CODES = tuple(c for c in CODES if c != "OWN120")
 
 
 class CodeSelectionError(ValueError):
-    """A --select/--ignore value that names no code."""
+    """A --select/--ignore value that names no code (:mod:`sanitizer.audit.selection` reads them)."""
 
 
-def _expand(items: Iterable[str], option: str) -> List[str]:
-    """``OWN101,OWN12`` -> the codes they denote (a prefix selects every code that starts with it)."""
-    out: List[str] = []
-    for raw in items:
-        for item in (p.strip().upper() for p in raw.split(",")):
-            if not item:
-                continue
-            hits = [c for c in CODES if c.startswith(item)]
-            if not hits:
-                raise CodeSelectionError(f"{option} {item!r}: no such code (known: {', '.join(CODES)})")
-            out.extend(hits)
-    return out
-
-
-def selected_codes(select: Optional[Sequence[str]] = None, ignore: Optional[Sequence[str]] = None) -> Tuple[str, ...]:
-    """The codes reported: ``select`` (default: all) minus ``ignore``; prefixes allowed (``OWN1``)."""
-    chosen = _expand(select, "--select") if select else list(CODES)
-    dropped = set(_expand(ignore, "--ignore")) if ignore else set()
-    return tuple(c for c in CODES if c in chosen and c not in dropped)
-
-
-__all__ = ["Code", "CODES", "RETENTION_CODES", "OWN_FIX", "CodeSelectionError", "selected_codes"]
+__all__ = ["Code", "CODES", "RETENTION_CODES", "OWN_FIX", "CodeSelectionError"]

@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from sanitizer.audit import suppression
-from sanitizer.audit.codes import selected_codes
 from sanitizer.audit.discovery import Seed, seed_value, seeds_of, uses_producer
 from sanitizer.audit.findings import Finding
 from sanitizer.audit.flow import Flow
 from sanitizer.audit.index import FunctionInfo, build_index
 from sanitizer.audit.project import Project
+from sanitizer.audit.selection import RuleSelection, parse_selectors, resolve
 from sanitizer.audit.settings import Settings
 from sanitizer.audit.sources import TOO_DEEP_TO_FOLLOW, AuditInputError, Source, parse, python_files, read
 from sanitizer.audit.snippets import Snippets
@@ -134,7 +134,7 @@ def _audit_one(source: Source, codes: set, result: AuditResult, project: Optiona
     texts = dict(project.texts) if project is not None else {}
     texts[source.path] = source.text
     kept = suppression.apply(findings, texts)
-    if settings is not None and settings.per_path_ignores:  # [tool.ownsan.per-path-ignores]
+    if settings is not None and settings.per_path_ignores:  # [tool.ownsan.per-file-ignores]
         kept = [f for f in kept if f.code not in settings.ignored_codes(f.path)]
     result.suppressed += len(findings) - len(kept)
     result.findings.extend(f for f in kept if f.code in codes)
@@ -145,9 +145,20 @@ def _audit_one(source: Source, codes: set, result: AuditResult, project: Optiona
     result.skipped.extend(skipped)
 
 
+def reported_codes(select: Optional[Sequence[str]] = None, ignore: Optional[Sequence[str]] = None,
+                   settings: Optional[Settings] = None, extend_select: Sequence[str] = ()) -> set:
+    """The codes reported: the settings' selection, then the command line's (``select``, ``extend_select``,
+    ``ignore``: selectors, comma-separated), resolved as ruff resolves them. A selector that names no code
+    raises :class:`sanitizer.audit.codes.CodeSelectionError`."""
+    cli = RuleSelection(parse_selectors(select, "--select") if select else None,
+                        parse_selectors(extend_select, "--extend-select"), parse_selectors(ignore or (), "--ignore"))
+    return set(resolve([settings.selection, cli] if settings is not None else [cli]))
+
+
 def audit_sources(sources: Iterable[Source], select: Optional[Sequence[str]] = None,
-                  ignore: Optional[Sequence[str]] = None, settings: Optional[Settings] = None) -> AuditResult:
-    codes = set(selected_codes(select, ignore))
+                  ignore: Optional[Sequence[str]] = None, settings: Optional[Settings] = None,
+                  extend_select: Sequence[str] = ()) -> AuditResult:
+    codes = reported_codes(select, ignore, settings, extend_select)
     result = AuditResult()
     for source in sources:
         try:
@@ -158,16 +169,18 @@ def audit_sources(sources: Iterable[Source], select: Optional[Sequence[str]] = N
 
 
 def audit_paths(paths: Sequence[str], select: Optional[Sequence[str]] = None,
-                ignore: Optional[Sequence[str]] = None, settings: Optional[Settings] = None) -> AuditResult:
-    """Audit files and directories. A path that does not exist raises :class:`AuditInputError`; a file
-    that cannot be read or parsed is named in ``errors``, a function too deep to follow in ``skipped``,
-    and the rest are audited.
+                ignore: Optional[Sequence[str]] = None, settings: Optional[Settings] = None,
+                extend_select: Sequence[str] = ()) -> AuditResult:
+    """Audit files and directories (what the settings' ``exclude`` names is left out of a directory). A
+    path that does not exist raises :class:`AuditInputError`; a file that cannot be read or parsed is
+    named in ``errors``, a function too deep to follow in ``skipped``, and the rest are audited.
 
     One file at a time: parse, analyse, let the tree go (holding every tree of a large code base at
     once makes the garbage collector's full passes, and so parsing, several times slower)."""
-    codes = set(selected_codes(select, ignore))
+    codes = reported_codes(select, ignore, settings, extend_select)
+    files = python_files(paths, settings.exclusion() if settings is not None else None)
     with _collector_paused():
-        return _audit_files(python_files(paths), codes, settings)
+        return _audit_files(files, codes, settings)
 
 
 @contextmanager
@@ -215,9 +228,11 @@ def _audit_files(files: List[str], codes: set, settings: Optional[Settings] = No
 
 
 def audit_text(text: str, path: str = "<string>", select: Optional[Sequence[str]] = None,
-               ignore: Optional[Sequence[str]] = None, settings: Optional[Settings] = None) -> AuditResult:
+               ignore: Optional[Sequence[str]] = None, settings: Optional[Settings] = None,
+               extend_select: Sequence[str] = ()) -> AuditResult:
     """Audit one module given as text (tests, editors)."""
-    return audit_sources([parse(path, text)], select, ignore, settings)
+    return audit_sources([parse(path, text)], select, ignore, settings, extend_select)
 
 
-__all__ = ["AuditResult", "Consumer", "Skipped", "analyse", "audit_sources", "audit_paths", "audit_text"]
+__all__ = ["AuditResult", "Consumer", "Skipped", "analyse", "audit_sources", "audit_paths", "audit_text",
+           "reported_codes"]

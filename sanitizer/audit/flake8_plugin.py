@@ -2,7 +2,8 @@
 ``flake8.extension``: ``OWN = sanitizer.audit.flake8_plugin:OwnsanAuditChecker``).
 
 flake8 hands the plugin the parsed tree, so nothing is parsed twice; flake8's ``--select``/
-``--extend-ignore``/``# noqa`` apply as for any plugin, and ``# ownsan: ignore[...]`` still works.
+``--extend-ignore``/``# noqa`` apply as for any plugin (flake8 reads ``# noqa`` itself, so that its
+``--disable-noqa`` still shows every finding), and ``# ownsan: ignore[...]`` still works.
 flake8 is not a dependency: the class only follows its plugin protocol.
 """
 from __future__ import annotations
@@ -40,7 +41,7 @@ class OwnsanAuditChecker:
 
         text = self._text()
         findings, _ = analyse(Source(self.filename, text, self.tree))
-        for f in suppression.apply(findings, {self.filename: text}):
+        for f in suppression.apply(findings, {self.filename: text}, noqa=False):
             if f.path != self.filename:
                 continue
             yield f.line, f.col - 1, f"{f.code} {f.message} (fix: {f.fix})", type(self)

@@ -158,7 +158,7 @@ def to_sarif(result: AuditResult, crosscheck: Optional[Dict[str, Any]] = None) -
     codes = list(CODES)
     rules = [{
         "id": c.code, "name": c.name.replace("-", " ").title().replace(" ", ""),
-        "shortDescription": {"text": c.meaning.split(":")[0].split(" (")[0]},
+        "shortDescription": {"text": c.title},  # a whole sentence: the rule's title in code scanning
         "fullDescription": {"text": c.meaning},
         "help": {"text": f"Fix: {c.fix}", "markdown": f"**Fix:** {c.fix}"},
         "helpUri": INFO_URI,

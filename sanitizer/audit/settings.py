@@ -10,7 +10,14 @@ producers = ["_checkpoint_engine.parameters", "my_loader.stream", "weights.get_t
 # step is the call), or with "=iterator", "=dict" (a dict of weights by name) or "=pairs"
 consumers = ["LayerContainer.set_dependency:dep_value", "Layer.load:weights=dict"]
 
-[tool.ownsan.per-path-ignores]
+# which codes, as ruff spells it: codes, prefixes or "ALL"; the command line's --select/--ignore/
+# --extend-select/--extend-ignore override or extend these (sanitizer.audit.selection)
+select = ["OWN1"]
+ignore = ["OWN107"]
+# files left out of an audited directory: globs, as ruff's exclude (sanitizer.audit.exclusion)
+extend-exclude = ["vendored/", "*_pb2.py"]
+
+[tool.ownsan.per-file-ignores]      # ruff's name; per-path-ignores, the older one, still works
 "tests/*" = ["OWN101", "OWN105"]
 "scripts/convert_*.py" = ["OWN1"]
 ```
@@ -27,16 +34,20 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from sanitizer.audit.codes import CodeSelectionError, selected_codes
+from sanitizer.audit.codes import CodeSelectionError
+from sanitizer.audit.exclusion import Exclusion
+from sanitizer.audit.selection import RuleSelection, codes_of, parse_selectors
 
 CONSUMER_KINDS = ("tensor", "iterator", "dict", "pairs")
 # What a configured producer's call returns: an iterator of (name, tensor) pairs (one step per item), or
 # one borrowed tensor (a getter such as TGI's ``weights.get_tensor(name)``: valid for the step that called it).
 PRODUCER_KINDS = ("iterator", "tensor")
-_KEYS = frozenset({"producers", "consumers", "per-path-ignores"})
+_IGNORE_TABLES = ("per-file-ignores", "extend-per-file-ignores", "per-path-ignores")  # the last: the older name
+_SELECTORS = ("select", "extend-select", "ignore", "extend-ignore")
+_KEYS = frozenset({"producers", "consumers", "exclude", "extend-exclude", *_IGNORE_TABLES, *_SELECTORS})
 
 
 class SettingsError(Exception):
@@ -61,7 +72,34 @@ class Settings:
     consumers: Tuple[Consumer, ...] = ()
     per_path_ignores: Dict[str, Tuple[str, ...]] = field(default_factory=dict)
     producer_kinds: Tuple[str, ...] = ()  # one of PRODUCER_KINDS per pattern ("iterator" when not given)
+    selection: RuleSelection = RuleSelection()  # select / extend-select / ignore (+ extend-ignore)
+    exclude: Optional[Tuple[str, ...]] = None  # None: the default list
+    extend_exclude: Tuple[str, ...] = ()
     _producer_res: Optional[List["re.Pattern[str]"]] = None
+
+    @property
+    def root(self) -> Optional[str]:
+        """The project root relative globs are read from: the settings file's directory (None: the cwd)."""
+        return os.path.dirname(os.path.abspath(self.path)) if self.path else None
+
+    def exclusion(self) -> Exclusion:
+        return Exclusion.of(self.exclude, self.extend_exclude, self.root)
+
+    def overridden(self, exclude: Optional[Sequence[str]] = None,
+                   extend_exclude: Sequence[str] = (), per_file_ignores: Optional[Sequence[str]] = None,
+                   extend_per_file_ignores: Sequence[str] = ()) -> "Settings":
+        """These settings with the command line's on top, as ruff combines them: ``--exclude`` and
+        ``--per-file-ignores`` replace the file's, their ``--extend-`` forms add to it (the command line's
+        ``--select``/``--ignore`` are a selection of a higher priority, given to the audit beside these).
+        A ``--per-file-ignores`` value is ``GLOB:CODE`` pairs, comma-separated, as ruff's."""
+        ignores = dict(self.per_path_ignores) if per_file_ignores is None else {}
+        for option, values in (("--per-file-ignores", per_file_ignores or ()),
+                               ("--extend-per-file-ignores", extend_per_file_ignores)):
+            for pattern, codes in _pairs(values, option):
+                ignores[pattern] = ignores.get(pattern, ()) + codes
+        return replace(self, per_path_ignores=ignores, _producer_res=None,
+                       exclude=self.exclude if exclude is None else tuple(exclude),
+                       extend_exclude=self.extend_exclude + tuple(extend_exclude))
 
     def producer_kind(self, call_name: str) -> Optional[str]:
         """What ``call_name`` (dotted, as written) returns when it is a configured producer (equal, a dotted
@@ -90,16 +128,22 @@ class Settings:
         return [c for c in self.consumers if c.qualname == qualname or qualname.endswith("." + c.qualname)]
 
     def ignored_codes(self, path: str) -> Tuple[str, ...]:
-        """Codes ignored for ``path`` (matched relative to the settings file's directory, and as given)."""
+        """Codes ignored for ``path``: a glob matches the file's name, its path relative to the settings
+        file's directory (or the cwd), or the path as given, a directory everything under it; as in ruff's
+        per-file-ignores, "An initial '!' negates the file pattern" (the codes are ignored in every file
+        it does not match)."""
         if not self.per_path_ignores:
             return ()
-        candidates = {path.replace(os.sep, "/")}
-        if self.path is not None:
-            rel = os.path.relpath(os.path.abspath(path), os.path.dirname(os.path.abspath(self.path)))
-            candidates.add(rel.replace(os.sep, "/"))
+        candidates = {path.replace(os.sep, "/"), os.path.basename(path)}
+        rel = os.path.relpath(os.path.abspath(path), self.root or os.getcwd())
+        candidates.add(rel.replace(os.sep, "/"))
         out: List[str] = []
         for pattern, codes in self.per_path_ignores.items():
-            if any(fnmatch.fnmatch(c, pattern) or c.startswith(pattern.rstrip("/") + "/") for c in candidates):
+            negated = pattern.startswith("!")
+            glob = pattern[1:] if negated else pattern
+            glob = glob[2:] if glob.startswith("./") else glob
+            hit = any(fnmatch.fnmatch(c, glob) or c.startswith(glob.rstrip("/") + "/") for c in candidates)
+            if hit != negated:
                 out.extend(codes)
         return tuple(out)
 
@@ -110,11 +154,17 @@ class Settings:
                                       or "(none beyond the built-in ones)"))
         lines.append("consumers: " + (", ".join(f"{c.qualname}:{c.param}={c.kind}" for c in self.consumers)
                                       or "(none beyond the discovered ones)"))
+        sel = self.selection
+        lines.append("select: " + (", ".join(sel.select) if sel.select is not None else "(all codes)"))
+        lines.append("extend-select: " + (", ".join(sel.extend_select) or "(none)"))
+        lines.append("ignore: " + (", ".join(sel.ignore) or "(none)"))
+        lines.append("exclude: " + (", ".join(self.exclude) if self.exclude is not None else "(the default list)"))
+        lines.append("extend-exclude: " + (", ".join(self.extend_exclude) or "(none)"))
         if self.per_path_ignores:
-            lines.append("per-path-ignores:")
+            lines.append("per-file-ignores:")
             lines.extend(f"  {p}: {', '.join(c)}" for p, c in self.per_path_ignores.items())
         else:
-            lines.append("per-path-ignores: (none)")
+            lines.append("per-file-ignores: (none)")
         return "\n".join(lines) + "\n"
 
 
@@ -169,17 +219,48 @@ def parse(table: dict, path: str) -> Settings:
     producer_kinds = tuple(kind for _, kind in producer_specs)
     consumers = tuple(_consumer(s, path) for s in _strings(table.get("consumers", []), "consumers", path))
     ignores: Dict[str, Tuple[str, ...]] = {}
-    raw = table.get("per-path-ignores", {})
-    if not isinstance(raw, dict):
-        raise SettingsError(f"{path}: [tool.ownsan] per-path-ignores must be a table of glob = [codes], got {raw!r:.80}")
-    for pattern, codes in raw.items():
-        names = _strings(codes, f"per-path-ignores {pattern!r}", path)
-        try:
-            ignores[pattern] = selected_codes(list(names))
-        except CodeSelectionError as exc:
-            raise SettingsError(f"{path}: [tool.ownsan] per-path-ignores {pattern!r}: {exc}".replace("--select ", "")) \
-                from None
-    return Settings(path, producers, consumers, ignores, producer_kinds)
+    for key in _IGNORE_TABLES:
+        raw = table.get(key, {})
+        if not isinstance(raw, dict):
+            raise SettingsError(f"{path}: [tool.ownsan] {key} must be a table of glob = [codes], got {raw!r:.80}")
+        for pattern, codes in raw.items():
+            names = _strings(codes, f"{key} {pattern!r}", path)
+            ignores[pattern] = ignores.get(pattern, ()) + _codes(names, f"{key} {pattern!r}", path)
+    selectors = {key: _selectors(table, key, path) for key in _SELECTORS}
+    selection = RuleSelection(selectors["select"] if "select" in table else None, selectors["extend-select"],
+                              selectors["ignore"] + selectors["extend-ignore"])
+    exclude = _strings(table["exclude"], "exclude", path) if "exclude" in table else None
+    extend_exclude = _strings(table.get("extend-exclude", []), "extend-exclude", path)
+    return Settings(path, producers, consumers, ignores, producer_kinds, selection, exclude, extend_exclude)
+
+
+def _selectors(table: dict, key: str, path: str) -> Tuple[str, ...]:
+    try:  # `select = []` is an empty selection: nothing reported, as in ruff
+        return parse_selectors(_strings(table.get(key, []), key, path), key)
+    except CodeSelectionError as exc:
+        raise SettingsError(f"{path}: [tool.ownsan] {exc}") from None
+
+
+def _codes(names: Sequence[str], what: str, path: str) -> Tuple[str, ...]:
+    """The codes a per-file-ignores entry's selectors denote (prefixes and ALL expanded)."""
+    try:
+        return tuple(code for s in parse_selectors(names, what) for code in codes_of(s))
+    except CodeSelectionError as exc:
+        raise SettingsError(f"{path}: [tool.ownsan] {exc}") from None
+
+
+def _pairs(values: Sequence[str], option: str) -> List[Tuple[str, Tuple[str, ...]]]:
+    """``["tests/*:OWN101,scripts/*:OWN1"]`` -> (glob, codes) pairs, as ruff reads ``--per-file-ignores``."""
+    out = []
+    for raw in values:
+        for item in (p.strip() for p in raw.split(",")):
+            if not item:
+                continue
+            pattern, sep, code = item.rpartition(":")
+            if not sep or not pattern or not code:
+                raise CodeSelectionError(f"{option} {item!r}: expected GLOB:CODE (for instance 'tests/*:OWN101')")
+            out.append((pattern, tuple(c for s in parse_selectors([code], option) for c in codes_of(s))))
+    return out
 
 
 # `tool.ownsan` may be spelt `[tool.ownsan]`, `[tool]` then `ownsan = {...}` or `ownsan.key = ...`,

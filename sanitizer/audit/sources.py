@@ -8,10 +8,9 @@ import os
 import threading
 import tokenize
 from dataclasses import dataclass
-from typing import List, Sequence, Set
+from typing import List, Optional, Sequence, Set
 
-SKIP_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__", ".venv", "venv", ".tox", ".nox", "node_modules",
-                       ".mypy_cache", ".pytest_cache", "build", "dist", ".eggs"})
+from sanitizer.audit.exclusion import DEFAULT as DEFAULT_EXCLUSION, SKIP_DIRS, Exclusion
 
 
 class AuditInputError(Exception):
@@ -29,9 +28,9 @@ class Source:
     tree: ast.Module
 
 
-def python_files(paths: Sequence[str]) -> List[str]:
-    """Every ``.py`` file named or under a named directory (sorted, hidden and build directories skipped),
-    each once: a file named again (``x.py ./x.py /abs/x.py``, a directory and a file in it, a symlink to
+def python_files(paths: Sequence[str], exclusion: Optional[Exclusion] = None) -> List[str]:
+    """Every ``.py`` file named or under a named directory (sorted; what ``exclusion`` names is left out
+    of a walked directory: by default hidden, build and cache directories), each once: a file named again (``x.py ./x.py /abs/x.py``, a directory and a file in it, a symlink to
     it) is the same file by :func:`os.path.realpath`, and auditing it twice reported each of its
     statements twice. The first name given is the one findings use."""
     out: List[str] = []
@@ -43,12 +42,13 @@ def python_files(paths: Sequence[str]) -> List[str]:
             seen.add(real)
             out.append(name)
 
+    exclusion = exclusion or DEFAULT_EXCLUSION
     for path in paths:
         if os.path.isdir(path):
             for root, dirs, files in os.walk(path):
-                dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not d.startswith("."))
+                dirs[:] = sorted(d for d in dirs if not exclusion.excludes(os.path.join(root, d)))
                 for f in sorted(files):
-                    if f.endswith(".py"):
+                    if f.endswith(".py") and not exclusion.excludes(os.path.join(root, f)):
                         add(os.path.join(root, f))
         elif os.path.isfile(path):
             add(path)

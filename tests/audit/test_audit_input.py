@@ -319,7 +319,7 @@ def odd_name(tmp_path):
 @pytest.mark.parametrize("fmt", ["text", "concise", "json", "sarif"])
 def test_a_non_utf_8_file_name_is_written_whole_in_every_format(odd_name, capsys, fmt):
     out_file = odd_name / "out.txt"
-    code, out, _ = _run(capsys, "-o", str(out_file), "--format", fmt, str(odd_name))
+    code, out, _ = _run(capsys, "--output", str(out_file), "--format", fmt, str(odd_name))
     assert code == 1 and out == ""
     data = out_file.read_bytes()
     if fmt in ("json", "sarif"):
@@ -351,7 +351,7 @@ def test_a_failed_write_leaves_the_old_output_whole_and_no_temp_file(tmp_path, c
         raise PermissionError(13, "Permission denied")
 
     monkeypatch.setattr(os, "replace", refuse)
-    code, _, err = _run(capsys, "-o", str(out_file), "--format", "json", str(tmp_path / "m.py"))
+    code, _, err = _run(capsys, "--output", str(out_file), "--format", "json", str(tmp_path / "m.py"))
     assert code == 2 and str(out_file) in err and "Permission denied" in err and len(err.splitlines()) == 1
     assert out_file.read_text() == "the previous output\n"
     assert sorted(os.listdir(str(tmp_path))) == ["m.py", "out.json"]
@@ -362,10 +362,10 @@ def test_the_output_file_keeps_its_permissions(tmp_path, capsys):
     out_file = tmp_path / "out.txt"
     out_file.write_text("old\n")
     os.chmod(str(out_file), 0o644)
-    _run(capsys, "-o", str(out_file), str(tmp_path / "m.py"))
+    _run(capsys, "--output", str(out_file), str(tmp_path / "m.py"))
     assert os.stat(str(out_file)).st_mode & 0o777 == 0o644 and "OWN103" in out_file.read_text()
     new = tmp_path / "new.txt"
-    _run(capsys, "-o", str(new), str(tmp_path / "m.py"))
+    _run(capsys, "--output", str(new), str(tmp_path / "m.py"))
     umask = os.umask(0)
     os.umask(umask)
     assert os.stat(str(new)).st_mode & 0o777 == 0o666 & ~umask
