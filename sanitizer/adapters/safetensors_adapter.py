@@ -32,16 +32,28 @@ and holder as an ``emulated_retention`` event (how many, how many bytes, who hel
 them, how their bytes were kept), never as an error. ``safetensors_strict=1`` asks for the borrowed
 contract instead: such a view is a retention, and its later use a stale-use
 error, as with a borrowing loader.
+
+Both contracts decide a kept view at the same moment: once its consumer has had
+its turn (issue 49). When the ring reuses or frees a view's bytes, the code that
+asked for the next tensor may still be bound to the previous one: a loop variable
+(``for name, w in weights``), or a local of a generator that hands the weights on
+(vLLM's ``WeightsMapper.apply()``: its ``data`` and ``shard_data`` are rebound, or
+the generator ends, before anything can read them). Such a view is not kept;
+a view still held at the next lend but one, or at a settle (a report, a test's
+end), is. Strict mode's triage uses that rule for its retentions; the default
+mode uses it for its ``emulated_retention`` events (:class:`_Turns`), so the two
+modes name the same views.
 """
 from __future__ import annotations
 
 import functools
 import os
 import threading
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from sanitizer.core import forking
 from sanitizer.core.ledger import Lease
 from sanitizer.core.safetensors_header import read_header
 from sanitizer.core.sites import capture as capture_site, site_text, to_records
@@ -121,13 +133,14 @@ def iterate(paths: Union[str, Iterable[str]], ring_bytes: Optional[int] = None, 
 class _Kept:
     """What one consumer kept of one emulated file past the emulated contract (for its one event)."""
 
-    __slots__ = ("count", "nbytes", "names", "holder")
+    __slots__ = ("count", "nbytes", "names", "holder", "record")
 
     def __init__(self, holder: Optional[dict]) -> None:
         self.count = 0
         self.nbytes = 0
         self.names: List[str] = []
         self.holder = holder
+        self.record: Optional[dict] = None  # its event, once reported (views decided after the close join it)
 
 
 def _holds(lease: Lease) -> bool:
@@ -140,6 +153,115 @@ def _held(leases: Iterable[Lease]) -> List[Lease]:
     """The borrowed leases among ``leases`` that something still holds."""
     return [lease for lease in leases
             if lease.alive and not lease.rescued and lease.stale_by is None and _holds(lease)]
+
+
+class _Waiting:
+    """A view still held when the ring reused or freed its bytes, waiting for its consumer's turn."""
+
+    __slots__ = ("owner", "lease", "due", "holder", "at_close")
+
+    def __init__(self, owner: "EmulatedSafeOpen", lease: Lease, due: int, holder: Optional[dict],
+                 at_close: bool) -> None:
+        self.owner, self.lease, self.due, self.holder, self.at_close = owner, lease, due, holder, at_close
+
+
+class _Turns:
+    """When a view the ring passed while it was held is decided: after its consumer's turn, process-wide.
+
+    The lend that reuses a view's bytes runs inside the consumer's ``next()``: its loop variable, or a
+    local of a generator between it and the loader (vLLM's ``WeightsMapper.apply()``: ``for name, data in
+    weights``), still holds the previous tensor and is rebound as that ``next()`` returns, before anything
+    can read it. So a view held at lend ``n`` is decided at lend ``n + 1`` (the consumer had its turn in
+    between), as triage decides a strict-mode retention; one held when its file closes (inside the
+    ``next()`` that asks past the file's last tensor, which may open the next file and lend from it
+    before returning) at the lend after the next one, at the next file's close, or at a settle (a report, a
+    test's end: :func:`sanitizer.features.triage.settle`). Still held then: kept, an
+    ``emulated_retention``, named by what held it when it was found (the code that stored it, while it
+    still ran); dropped: a loop variable or a generator's local that moved on, forgotten. Process-wide
+    because a load spans files: a file's last views are decided during the next file's lends."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()  # taken under an EmulatedSafeOpen's lock, never the other way round
+        self.lends = 0
+        self.lender = 0  # the thread of the last lend (a settle from another thread may be inside its turn)
+        self.waiting: List[_Waiting] = []
+
+    def reset(self) -> None:
+        """A forked child starts with nothing waiting (its parent decides its own views)."""
+        self.lock = threading.RLock()
+        self.lends, self.lender, self.waiting = 0, 0, []
+
+    def lend(self) -> None:
+        """A lend of any emulated file begins: the previous lend's consumer has had its turn."""
+        with self.lock:
+            self.lends += 1
+            self.lender = threading.get_ident()
+            if self.waiting:
+                limit = self.lends
+                self._decide(lambda w: w.due < limit)
+
+    def close(self) -> None:
+        """A file closes: the consumer had its turn with every tensor lent before (the close runs inside the
+        ``next()`` that asks past the file's last tensor, or after the ``with`` block that used them)."""
+        with self.lock:
+            if self.waiting:
+                limit = self.lends
+                self._decide(lambda w: w.due <= limit)
+
+    def wait(self, owner: "EmulatedSafeOpen", lease: Lease, at_close: bool) -> None:
+        """``lease`` (disowned: its view keeps its bytes) was held as the ring reused or freed them: decide
+        it after its consumer's turn. At a close, what holds it is named now, while the code that stored
+        it may still run (``load_state_dict``'s dict, before it is returned to a caller's name)."""
+        holder = _name_holder(lease) if at_close else None
+        with self.lock:
+            self.waiting.append(_Waiting(owner, lease, self.lends + (1 if at_close else 0), holder, at_close))
+
+    def settle(self, final: bool = False) -> None:
+        """A report or a test's end is about to read the records: decide what has had its turn (``final``:
+        everything). Asked from another thread while the last lend's thread runs, that lend's consumer may
+        still be in its turn: only what waited for an earlier lend is decided (triage's own rule)."""
+        with self.lock:
+            if not self.waiting:
+                return
+            if final:  # a view held at a close with no lend since: only a holder other than a running
+                last = self.lends  # local confirms it (the loop variable left on the last tensor), as in triage
+                self._decide(lambda w: True, evidence=lambda w: w.due > last)
+                return
+            limit = self.lends
+            if self.lender not in (0, threading.get_ident()):
+                lender = threading._active.get(self.lender)  # type: ignore[attr-defined]
+                if lender is not None and lender.is_alive():
+                    limit -= 1
+            self._decide(lambda w: w.due < limit or (w.at_close and w.due <= limit + 1))
+
+    def _decide(self, due: Callable[[_Waiting], bool],
+                evidence: Optional[Callable[[_Waiting], bool]] = None) -> None:
+        """(Under the lock.) Each waiting view that is due: kept if still held (where ``evidence`` says so,
+        by more than a local of the running code), else forgotten; a closed file's kept views are reported
+        at once (an open one reports at its close)."""
+        now = [w for w in self.waiting if due(w)]
+        if not now:
+            return
+        self.waiting = [w for w in self.waiting if not due(w)]
+        closed: Dict[int, EmulatedSafeOpen] = {}
+        for w in now:
+            if not (w.lease.alive and _holds(w.lease)):
+                continue
+            if evidence is None or not evidence(w) or _held_past_running(w.lease):
+                w.owner._record(w.lease, w.holder)
+                if w.owner._closed:
+                    closed[id(w.owner)] = w.owner
+        for owner in closed.values():
+            owner._report_kept()
+
+
+_TURNS = _Turns()
+forking.in_child(_TURNS.reset)
+
+
+def settle(final: bool = False) -> None:
+    """Decide the views that waited for their consumer's turn (a settle hook of triage's)."""
+    _TURNS.settle(final)
 
 
 class EmulatedSafeOpen:
@@ -167,6 +289,7 @@ class EmulatedSafeOpen:
         self._emulate = framework in _TORCH_FRAMEWORKS
         self._label = f"{NAME}:{os.path.basename(os.fspath(filename))}"
         self._ring: Optional[StagingRing] = None
+        self._closed = False
         self._kept: Dict[Tuple[Optional[str], Optional[str]], _Kept] = {}  # (consumer, stored at) -> what it kept
         # Views left on memory the ring moved away from before it came round to them: (segment, lease),
         # reported as kept if still held when the ring passes their bytes (or at the close), as if it had
@@ -186,7 +309,9 @@ class EmulatedSafeOpen:
         if nbytes > ring_bytes:
             raise ValueError(f"{self._label}: tensor '{name}' ({nbytes} bytes) does not fit the emulation ring "
                              f"of safetensors_ring={ring_bytes} bytes; raise the option to >= the largest tensor")
+        _TURNS.lend()
         with self._lock:
+            self._closed = False
             if self._ring is None or self._ring.buffer.closed:
                 # Not strict: held views are kept, never retired, so trap mode has nothing to trap and a
                 # window per kept view would only cost mappings (40,000 kept views: the process's map
@@ -216,7 +341,7 @@ class EmulatedSafeOpen:
         is freed with it."""
         old = self._ring.renew(segment)
         for lease in held:
-            self._keep(lease)
+            self._wait(lease, at_close=False)
         for lease in _held(old.leases()):
             runtime.disown(lease)
             self._pending.append((segment, lease))
@@ -231,21 +356,23 @@ class EmulatedSafeOpen:
                 continue
             if segment is None or (seg == segment and lease.start < end and start < lease.end):
                 if _holds(lease):
-                    self._record(lease)
+                    _TURNS.wait(self, lease, at_close=segment is None)
                 continue
             left.append((seg, lease))
         self._pending = left
 
-    def _keep(self, lease: Lease) -> None:
-        """Record ``lease`` as kept, and disown it: its view (and every alias) owns the memory it is on."""
-        self._record(lease)
+    def _wait(self, lease: Lease, at_close: bool) -> None:
+        """Disown ``lease`` (its view, and every alias, owns the memory it is on) and decide after its
+        consumer's turn whether it was kept (:class:`_Turns`)."""
         runtime.disown(lease)
+        _TURNS.wait(self, lease, at_close)
 
-    def _record(self, lease: Lease) -> None:
-        """Count a view kept past the emulated contract, for its consumer's one event."""
+    def _record(self, lease: Lease, holder: Optional[dict] = None) -> None:
+        """(Under ``_TURNS.lock``.) Count a view kept past the emulated contract, for its consumer's one
+        event; ``holder``: what held it when it was found, else named now."""
         # Each view is named by what holds it (a file's views go to norms and linears alike: one
         # holder per file would label the norm weights as the linear's), grouped by consumer.
-        holder = _name_holder(lease)
+        holder = holder or _name_holder(lease)
         group = (holder or {}).get("consumer"), site_text((holder or {}).get("stored_at"))
         kept = self._kept.get(group)
         if kept is None:
@@ -256,20 +383,27 @@ class EmulatedSafeOpen:
             kept.names.append(lease.name or "?")
 
     def _report_kept(self) -> None:
-        groups, self._kept = self._kept, {}
-        for kept in groups.values():
-            if not kept.count:
-                continue
-            holder = (kept.holder or {}).get("path") or "something the walk could not name"
-            records.record_event("emulated_retention", {
-                "kind": "emulated_retention",
-                "summary": (f"{kept.count} view(s) of {self._label} ({format_bytes(kept.nbytes)}) were still held "
-                            f"by {holder} when the emulation ring reused or freed them: a retention under the "
-                            f"emulated borrowed contract, correct under safetensors' own (each kept its bytes, "
-                            f"aliases included: left on the ring's memory, which the ring gave up to them; "
-                            f"safetensors_strict=1 makes it an error)"),
-                "file": self._label, "count": kept.count, "nbytes": kept.nbytes, "leases": kept.names,
-                "holder": kept.holder, "pid": os.getpid()})
+        """One event per consumer (and place it stored the views) of this file; views decided after an
+        earlier report join its event."""
+        with _TURNS.lock:
+            for kept in self._kept.values():
+                if not kept.count:
+                    continue
+                holder = (kept.holder or {}).get("path") or "something the walk could not name"
+                fields = {
+                    "summary": (f"{kept.count} view(s) of {self._label} ({format_bytes(kept.nbytes)}) were still "
+                                f"held by {holder} after their consumer's turn, past the emulation ring's reuse or "
+                                f"free of their bytes: a retention under the emulated borrowed contract, correct "
+                                f"under safetensors' own (each kept its bytes, aliases included: left on the "
+                                f"ring's memory, which the ring gave up to them; safetensors_strict=1 makes it a "
+                                f"retention, and a read of it a stale-use error)"),
+                    "count": kept.count, "nbytes": kept.nbytes, "leases": list(kept.names)}
+                if kept.record is None:
+                    kept.record = records.record_event("emulated_retention", {
+                        "kind": "emulated_retention", "summary": fields.pop("summary"), "file": self._label,
+                        **fields, "holder": kept.holder, "pid": os.getpid()})
+                else:
+                    records.update_event(kept.record, **fields)
 
     # -- safe_open's API ---------------------------------------------------------
     def get_tensor(self, name: str) -> Any:
@@ -293,12 +427,14 @@ class EmulatedSafeOpen:
             ring, self._ring = self._ring, None
             if ring is not None:
                 if not self._strict() and not ring.buffer.closed:
+                    _TURNS.close()
                     self._pass_pending(None, 0, 0)
                     for segment in ring.segments:
                         for lease in _held(segment.leases()):
-                            self._keep(lease)
+                            self._wait(lease, at_close=True)
                 ring.close()
             self._pending = []
+            self._closed = True
         self._report_kept()
 
     def __enter__(self) -> "EmulatedSafeOpen":
@@ -335,6 +471,15 @@ def _name_holder(lease: Lease) -> Optional[dict]:
     return name_holder(lease)
 
 
+def _held_past_running(lease: Lease) -> bool:
+    """Held by more than a plain local of the running code (triage's walk; without walks, yes)?"""
+    if state.options.triage_budget_ms <= 0:
+        return True
+    from sanitizer.features.triage import held_past_running
+
+    return held_past_running(lease)
+
+
 _UNCHECKED_WHY = "owned tensors by safetensors' contract (a whole-checkpoint dict): never emulated"
 
 
@@ -369,6 +514,9 @@ def _owned_loads(load: Any, entry: str) -> Any:
 
 def patch(module: Any) -> None:
     global _original_safe_open
+    from sanitizer.features import triage
+
+    triage.add_settler(settle)  # a report decides the views that waited for their consumer's turn
     _original_safe_open = module.safe_open
     EmulatedSafeOpen._ownsan_original = module.safe_open  # type: ignore[attr-defined]
     import safetensors.torch as st_torch  # its `from safetensors import safe_open` may predate the patch

@@ -59,7 +59,7 @@ import threading
 import time
 from dataclasses import dataclass
 from inspect import CO_OPTIMIZED
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from sanitizer.core import forking
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
@@ -823,7 +823,19 @@ def reset(records_too: bool = False) -> None:
         records.forget_events("retention")
 
 
+_SETTLERS: List[Callable[[bool], None]] = []  # an adapter's own turn-decided findings (safetensors' emulation)
+
+
+def add_settler(fn: Callable[[bool], None]) -> None:
+    """Have ``fn(final)`` decide its own findings whenever triage settles (a report, a test's end): an adapter
+    that, like triage, decides what a view's holder did only after the consumer's turn (issue 49)."""
+    if fn not in _SETTLERS:
+        _SETTLERS.append(fn)
+
+
 def settle(final: bool = False) -> None:
+    for fn in list(_SETTLERS):
+        fn(final)
     _TRIAGE.settle(final)
 
 
@@ -854,6 +866,16 @@ def name_holder(lease: Lease) -> Optional[dict]:
         return _holder_record(found[0], (), lease, ())
 
 
+def held_past_running(lease: Lease) -> bool:
+    """Is ``lease``'s view held by something other than a plain local of code running on this thread? What
+    confirms a retention at a final settle with no lend since (a loop variable left on the last tensor is
+    not one); for an adapter deciding its own findings by the same rule (:func:`add_settler`)."""
+    t = _TRIAGE
+    with t._lock:
+        named = t._walk([lease]).get(lease.lease_id)
+    return bool(named) and any(not h.transient for h in named[0])
+
+
 def pending_count() -> int:
     """Retentions recorded at a reuse whose consumer has not had its turn yet (decided later)."""
     return _TRIAGE.pending_count()
@@ -871,6 +893,6 @@ def _after_fork() -> None:
     reset()
 
 
-__all__ = ["Triage", "install", "uninstall", "installed_hooks", "reset", "settle", "retentions", "holder_of",
-           "name_holder", "pending_count",
+__all__ = ["Triage", "install", "uninstall", "installed_hooks", "reset", "settle", "add_settler", "retentions",
+           "holder_of", "name_holder", "held_past_running", "pending_count",
            "timeline", "ORDER", "find_holders"]

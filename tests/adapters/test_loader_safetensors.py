@@ -33,7 +33,8 @@ def ckpt(tmp_path):
 def emulation():
     def start(**options):
         options.setdefault("safetensors_strict", 0)  # options outlive disable(): say which contract, every time
-        sanitizer.enable(safetensors_ring=RING, **options)
+        options.setdefault("safetensors_ring", RING)
+        sanitizer.enable(**options)
         assert "safetensors" in adapters.install_import_hooks()
         from safetensors import safe_open
 
@@ -179,3 +180,97 @@ def test_load_file_is_left_alone_and_counted_as_unchecked_in_the_summary(ckpt, e
     assert "2 loads not checked (safetensors.torch.load_file: 8 tensors, 8.0 KiB; owned tensors" in line, line
     assert new[0]["first_at"]["file"] == os.path.abspath(__file__)
     sanitizer.disable()
+
+
+# -- issue 49: a generator between the loader and the consumer (vLLM 0.32's WeightsMapper.apply()) ----------
+STACKED = {"layers.2.weight": ["q", "k"]}  # the file's last tensor but one is a stacked (sharded) one
+
+
+def _weights_mapper_apply(weights, stacked):
+    """vLLM 0.32.0's ``WeightsMapper.apply()`` (vllm/model_executor/models/utils.py), its shape: a generator
+    whose locals ``data`` and ``shard_data`` still hold the previous tensor while it asks the loader for the
+    next one (and, after the file's last tensor, while the loader closes the file)."""
+    for name, data in weights:
+        shard_ids = stacked.get(name)
+        if shard_ids is None:
+            yield name, data
+            continue
+        for i, one_shard_id in enumerate(shard_ids):
+            shard_data = data if i == 0 else data.detach()
+            yield f"{name}.{one_shard_id}", shard_data
+
+
+def _safetensors_weights_iterator(safe_open, path):
+    """vLLM's default loader's ``safetensors_weights_iterator``: ``get_tensor`` per key inside the ``with``."""
+    with safe_open(path, framework="pt") as f:
+        for name in f.keys():
+            yield name, f.get_tensor(name)
+
+
+def _emulated(rep):
+    return [e for e in rep["events"] if e["kind"] == "emulated_retention"]
+
+
+@pytest.mark.parametrize("strict", [0, 1])
+def test_a_generator_that_passes_weights_on_keeps_nothing_in_either_mode(ckpt, emulation, strict):
+    """vLLM's case: a ring that holds the whole file, so only the close frees what the generator's locals hold
+    (``shard_data`` the stacked tensor, ``data`` the last one). The generator ends as the loader's ``next()``
+    returns, before anything can read them: not a retention under the borrowed contract, so neither mode
+    reports one (the default mode reported both as emulated retentions, held at the close; strict, nothing)."""
+    path, tensors = ckpt
+    safe_open = emulation(safetensors_strict=strict, safetensors_ring=len(tensors) * RING)
+    params = {}
+    for name, t in _weights_mapper_apply(_safetensors_weights_iterator(safe_open, path), STACKED):
+        params[name] = t.clone()  # a consumer that copies each tensor before the next (vLLM's weight_loader)
+    assert torch.equal(params["layers.3.weight"], tensors["layers.3.weight"])
+    assert torch.equal(params["layers.2.weight.k"], tensors["layers.2.weight"])
+    rep = sanitizer.report(final=True)
+    assert sanitizer.errors() == [] and sanitizer.retentions() == []
+    assert _emulated(rep) == [], [e["summary"] for e in _emulated(rep)]
+
+
+@pytest.mark.parametrize("strict", [0, 1])
+def test_a_loop_variable_rebound_at_each_reuse_is_not_kept_and_both_modes_agree(ckpt, emulation, strict):
+    """A ring of one tensor: every lend reuses the previous tensor's bytes while ``data`` still holds it
+    (rebound as the lend returns: forgotten in both modes; the default mode reported each one). ``shard_data``
+    is not rebound by the next, unstacked, tensor: it still holds the stacked one after that tensor's turn,
+    so both modes report that one view, held by ``shard_data`` (a dead local, never read again: see
+    docs/loaders.md, vLLM 0.32.0)."""
+    path, tensors = ckpt
+    safe_open = emulation(safetensors_strict=strict)
+    for name, t in _weights_mapper_apply(_safetensors_weights_iterator(safe_open, path), STACKED):
+        t.clone()
+    rep = sanitizer.report(final=True)
+    assert sanitizer.errors() == []
+    found = [r for r in rep["events"] if r["kind"] == ("retention" if strict else "emulated_retention")]
+    names = sorted(n for r in found for n in (r.get("leases") or [r.get("lease", {}).get("name")]))
+    paths = {(r.get("holder") or {}).get("path", "") for r in found}
+    assert names == ["layers.2.weight"], (names, paths)
+    assert all("shard_data" in p for p in paths), paths
+
+
+KEPT_BY_CONSUMER = {}
+
+
+@pytest.mark.parametrize("strict", [0, 1])
+def test_a_consumer_that_keeps_what_the_generator_passes_on_is_reported_in_both_modes(ckpt, emulation, strict):
+    """The same generator, a consumer that keeps every tensor: four views kept (the two shards share one),
+    named at the consumer's dict in both modes: emulated retentions by default, retentions when strict."""
+    path, tensors = ckpt
+    safe_open = emulation(safetensors_strict=strict)
+    try:
+        for name, t in _weights_mapper_apply(_safetensors_weights_iterator(safe_open, path), STACKED):
+            KEPT_BY_CONSUMER[name] = t
+        rep = sanitizer.report(final=True)
+        if strict:
+            found = [r for r in rep["events"] if r["kind"] == "retention"]
+            assert len(found) == len(tensors) and not _emulated(rep)
+            paths = {(r.get("holder") or {}).get("path", "") for r in found}
+        else:
+            assert torch.equal(KEPT_BY_CONSUMER["layers.0.weight"], tensors["layers.0.weight"])
+            found = _emulated(rep)
+            assert sum(e["count"] for e in found) == len(tensors) and sanitizer.retentions() == []
+            paths = {(e.get("holder") or {}).get("path", "") for e in found}
+        assert paths and all("KEPT_BY_CONSUMER" in p for p in paths), paths
+    finally:
+        KEPT_BY_CONSUMER.clear()
