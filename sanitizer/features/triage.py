@@ -322,6 +322,7 @@ class Triage:
         self._lock = threading.RLock()
         self.log = log
         self.lends = 0
+        self._lender = 0  # the thread that made the last lend (its ident)
         self._pending: Dict[int, _Pending] = {}  # lease id -> pending retention
         self._confirmed: Dict[int, dict] = {}  # lease id -> its retention record
         self._used_stale: Set[int] = set()  # lease ids used stale (reported through the stale-use hook)
@@ -340,6 +341,7 @@ class Triage:
         """Count the lend; decide what was retired before the previous one (its consumer had its turn)."""
         with self._lock:
             self.lends += 1
+            self._lender = _get_ident()
             if self._pending or self._waiting:
                 self._checkpoint(self.lends - 1)
 
@@ -527,10 +529,20 @@ class Triage:
 
         A pending one is decided once a lend happened after it, or at once when ``final`` (end of a
         test, of the process): then, with no lend since, only a holder other than a local of the
-        running code confirms it (nothing else tells a loop variable from a retention)."""
+        running code confirms it (nothing else tells a loop variable from a retention).
+
+        Asked from a thread other than the one that made the last lend while that one still runs (a
+        report writer's thread), the last lend says nothing of its consumer's turn: it may be between
+        that lend and its loop variable's move, the reused view still bound (issue 49). Then only what
+        was retired before the lend but one is decided, as a lend decides it."""
         with self._lock:
             self._waiting_looked = 0.0  # (a settle asked for: look at the waiting ones whenever last looked)
-            self._checkpoint(self.lends, final)
+            limit = self.lends
+            if not final and self._lender not in (0, _get_ident()):
+                lender = _python_thread(self._lender)  # (None: ended, or never known to threading)
+                if lender is not None and lender.is_alive():
+                    limit -= 1
+            self._checkpoint(limit, final)
 
     def _checkpoint(self, limit: int, final: bool = False) -> None:
         """(Under the lock.) Decide the pending retentions recorded before lend number ``limit``.
@@ -881,6 +893,12 @@ def pending_count() -> int:
     return _TRIAGE.pending_count()
 
 
+def lend_count() -> int:
+    """Lends seen so far (a reader on another thread, such as Ray's report flusher, tells a running loop from
+    an idle process by it: a correct loop changes no finding)."""
+    return _TRIAGE.lends
+
+
 def timeline() -> Dict[str, Any]:
     """The report's ``timeline`` section (see :meth:`TimelineLog.section`)."""
     return _TRIAGE.log.section()
@@ -894,5 +912,5 @@ def _after_fork() -> None:
 
 
 __all__ = ["Triage", "install", "uninstall", "installed_hooks", "reset", "settle", "add_settler", "retentions",
-           "holder_of", "name_holder", "held_past_running", "pending_count",
+           "holder_of", "name_holder", "held_past_running", "pending_count", "lend_count",
            "timeline", "ORDER", "find_holders"]

@@ -13,14 +13,22 @@ sanitizer in its ``runtime_env`` instead::
     merged = collect("/shared/ownsan-reports")          # after the last ray.get, before ray.shutdown()
     ray.shutdown()
 
-``runtime_env`` sets ``OWNERSHIP_SANITIZE=1`` and the options (``triage=1`` as ``ownsan run`` does,
+``runtime_env`` asks for the sanitizer and its options (``triage=1`` as ``ownsan run`` does,
 ``report=<dir>/report-{pid}.json``) in each worker's environment and names
-:func:`worker_setup` as Ray's ``worker_process_setup_hook``: it turns the sanitizer on as the worker
-starts (so the adapters wrap the loaders as the worker imports them) and starts a small daemon
-thread that rewrites the worker's report whenever its findings change. That thread is what makes
-the reports survive: Ray ends its workers with SIGKILL at ``ray.shutdown()``, so no exit handler of
-theirs ever runs. Each worker needs ownership-sanitizer installed (``pip install ownership-sanitizer``
-in the cluster's image, or ``"pip"`` in the runtime_env); the report directory must be reachable from
+:func:`worker_setup` as Ray's ``worker_process_setup_hook``: it arms the sanitizer to turn on when the
+worker's code imports torch (or a loader, which the adapters then wrap), as the zero-code start-up hook
+does, and starts a small daemon thread that rewrites the worker's report whenever its findings change.
+Neither imports torch: Ray sets ``OMP_NUM_THREADS`` to the worker's CPUs only at its first task, so a
+torch imported by the set-up hook would run every 1-CPU worker with all the node's intra-op threads
+(issue 49). The request travels as ``OWNSAN_RAY_SANITIZE``/``OWNSAN_RAY_OPTIONS`` (the switch and
+the options under their own names are set empty, an inherited ``ownsan run`` switch included) and becomes
+``OWNERSHIP_SANITIZE``/``_OPTIONS`` in the hook: under those names Ray's import of this module (the
+package's first import) would have turned the sanitizer on there and then, torch with it.
+
+The flusher thread is what makes the reports survive: Ray ends its workers with SIGKILL at
+``ray.shutdown()``, so no exit handler of theirs ever runs. Each worker needs ownership-sanitizer
+installed (``pip install ownership-sanitizer`` in the cluster's image, or ``"pip"`` in the runtime_env);
+the report directory must be reachable from
 every node. :func:`collect` waits a moment (a worker writes its report within a flush interval of a
 finding), merges the reports (``report.merge``), each finding naming its process and rank, and returns
 the merged report (``ownsan triage`` reads it once written with ``out=``). Call it before
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 from typing import Any, Dict, List, Mapping, Optional
@@ -40,6 +49,8 @@ from sanitizer.core.journal import reports_or_journals
 
 ENV_SWITCH = _opts.ENV_SWITCH
 ENV_OPTIONS = _opts.ENV_OPTIONS
+ENV_REQUEST = "OWNSAN_RAY_SANITIZE"  # the switch, until worker_setup arms it (see the module's docstring)
+ENV_REQUEST_OPTIONS = "OWNSAN_RAY_OPTIONS"  # the options, likewise
 ENV_FLUSH = "OWNSAN_RAY_FLUSH_S"
 ENV_USER_HOOK = "OWNSAN_RAY_USER_SETUP_HOOK"
 SETUP_HOOK = "sanitizer.tools.ray_env.worker_setup"
@@ -67,8 +78,9 @@ def runtime_env(report_dir: str, options: Optional[Mapping[str, Any]] = None,
     os.makedirs(directory, exist_ok=True)
     env = dict(base or {})
     env_vars = dict(env.get("env_vars") or {})
-    env_vars[ENV_SWITCH] = "1"
-    env_vars[ENV_OPTIONS] = ":".join([f"{k}={v}" for k, v in values.items()]
+    env_vars[ENV_REQUEST] = "1"
+    env_vars[ENV_SWITCH] = env_vars[ENV_OPTIONS] = ""  # not at Ray's import of the hook: in it (docstring)
+    env_vars[ENV_REQUEST_OPTIONS] = ":".join([f"{k}={v}" for k, v in values.items()]
                                      + [f"report={os.path.join(directory, REPORT_NAME)}"])
     env_vars[ENV_FLUSH] = repr(float(flush_interval_s))
     user_hook = env.get("worker_process_setup_hook")
@@ -82,12 +94,23 @@ def runtime_env(report_dir: str, options: Optional[Mapping[str, Any]] = None,
     return env
 
 
+def _sanitizer_on() -> bool:
+    """Has the sanitizer turned on in this process (its code imported torch)? Read from ``sys.modules``
+    only: the flusher never imports torch itself (see the module's docstring)."""
+    module = sys.modules.get("sanitizer.torch_layer.state")
+    state = getattr(module, "state", None)
+    # (enabled only once compose() imported triage and the report: they are in by then)
+    return bool(state is not None and state.enabled)
+
+
 class _Flusher(threading.Thread):
     """Rewrites this worker's report whenever its findings change (Ray kills workers: no exit handler runs).
 
     A retired view still held is *pending* until its consumer has had its turn (see features/triage.py);
     once the worker has been idle for ``IDLE_TICKS`` intervals with such views pending, the report is
     written as at exit (``final=True``): a worker between tasks that still holds a retired view retains it.
+    Idle means that nothing lent either: a correct loop changes no finding, and a final write in the middle
+    of it decided the view its loop variable was about to drop as a retention (issue 49).
     """
 
     IDLE_TICKS = 4
@@ -95,47 +118,78 @@ class _Flusher(threading.Thread):
     def __init__(self, interval: float):
         super().__init__(name="ownsan-report-flusher", daemon=True)
         self.interval = interval
-        self._last: Optional[tuple] = None
+        self._findings: Optional[tuple] = None
+        self._lends = -1
         self._idle = 0
 
     def run(self) -> None:
-        from sanitizer.features import triage
-        from sanitizer.reporting import report as rep
-        from sanitizer.torch_layer import records
-        from sanitizer.torch_layer.state import state
-
         while True:
             time.sleep(self.interval)
-            try:
-                path = state.options.report
-                counts = (tuple(sorted(records.record_counts().items())), state.ledger.live_count)
-                if not path:
-                    continue
-                if counts != self._last:
-                    self._idle = 0
-                    rep.write_report(path)
-                elif triage.pending_count():
-                    self._idle += 1
-                    if self._idle >= self.IDLE_TICKS:
-                        rep.write_report(path, final=True)
-                        self._idle = 0
-                self._last = (tuple(sorted(records.record_counts().items())), state.ledger.live_count)
-            except Exception:  # never harm the worker; the next tick tries again
-                pass
+            self.tick()
+
+    def tick(self) -> Optional[str]:
+        """One look: ``"write"`` (the findings changed), ``"final"`` (idle with views pending) or None
+        (nothing written: unchanged, the sanitizer not on yet, no report path, or a failure)."""
+        if not _sanitizer_on():
+            return None
+        try:
+            from sanitizer.features import triage
+            from sanitizer.reporting import report as rep
+            from sanitizer.torch_layer import records
+            from sanitizer.torch_layer.state import state
+
+            path = state.options.report
+            if not path:
+                return None
+            lends = triage.lend_count()
+            findings = (tuple(sorted(records.record_counts().items())), state.ledger.live_count)
+            moved, self._lends = lends != self._lends, lends
+            if findings != self._findings:
+                # Noted before the write: a finding filed while the report is built (a stale use's error
+                # right after its retention) differs from this at the next tick, and is written then.
+                self._findings, self._idle = findings, 0
+                rep.write_report(path)
+                return "write"
+            if moved or not triage.pending_count():
+                self._idle = 0
+                return None
+            self._idle += 1
+            if self._idle < self.IDLE_TICKS:
+                return None
+            self._idle = 0
+            rep.write_report(path, final=True)
+            self._findings = None  # (what the final write decided is a finding of its own: compared afresh)
+            return "final"
+        except Exception:  # never harm the worker; the next tick tries again
+            return None
 
 
 _started = False
 _lock = threading.Lock()
 
 
-def worker_setup() -> None:
-    """Ray's ``worker_process_setup_hook``: sanitizer on, report flusher started, then the job's own hook."""
-    global _started
-    # the one activation path: the package activates itself from OWNERSHIP_SANITIZE / _OPTIONS at its first
-    # import (enable, then the adapters' import hooks)
-    import sanitizer  # noqa: F401
+def _arm(environ: Any) -> bool:
+    """Turn this worker's request (``OWNSAN_RAY_SANITIZE``/``_OPTIONS``) into the switch and the options,
+    and arm the start-up hook: the sanitizer turns on when the worker's code imports torch (at once if it
+    has). Children of the worker inherit the switch. Returns whether the sanitizer was asked for."""
+    if not environ.get(ENV_REQUEST):
+        return bool(environ.get(ENV_SWITCH))  # (a worker with the switch itself: on already, or never)
+    environ[ENV_SWITCH] = environ.pop(ENV_REQUEST)
+    requested = environ.pop(ENV_REQUEST_OPTIONS, None)
+    if requested is not None:
+        environ[ENV_OPTIONS] = requested
+    from sanitizer.tools import startup  # (standard library only)
 
-    if os.environ.get(ENV_SWITCH):
+    # The start-up hook's own module, as its .pth line loads it (one finder per process, whoever arms it).
+    exec(startup.BOOTSTRAP, {"__name__": "ownsan_ray_bootstrap"})
+    return True
+
+
+def worker_setup() -> None:
+    """Ray's ``worker_process_setup_hook``: the sanitizer armed for the worker's import of torch, the report
+    flusher started, then the job's own hook. Imports no torch (see the module's docstring)."""
+    global _started
+    if _arm(os.environ):
         with _lock:
             if not _started:
                 _started = True

@@ -89,7 +89,15 @@ def _enable_now(trigger: str) -> None:
     try:
         # the one activation path: the package activates itself from the environment at its first import
         # (sanitizer.activation.activate_from_environment: enable, then the adapters' import hooks)
-        import sanitizer  # noqa: F401
+        package = sys.modules.get("sanitizer")
+        if package is not None and not getattr(getattr(package, "__spec__", None), "_initializing", False):
+            # imported whole before the switch was set (Ray's worker hook lives in the package and arms
+            # this hook from there): that import activated nothing, so activate as it would have
+            from sanitizer.activation import activate_from_environment
+
+            activate_from_environment()
+        else:  # not imported yet, or being imported (activating itself: that import brought torch in)
+            import sanitizer  # noqa: F401
 
         state["activated"] = True
     except Exception as exc:
