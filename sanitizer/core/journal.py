@@ -26,6 +26,8 @@ import sys
 import threading
 from typing import Any, Callable, Dict, List, Optional
 
+from sanitizer.core.report_skeleton import HEADER_KEYS, skeleton
+
 SUFFIX = ".journal"
 KIND = "ownership-sanitizer-journal"
 
@@ -202,11 +204,9 @@ def load_journal(path: str, check: Optional[Check] = None, max_depth: Optional[i
                 (errors if kind == "error" else events).append(record)
     except OSError as exc:
         raise ValueError(f"cannot read journal {path!r}: {exc.strerror or exc}") from None
-    rep = {key: header.get(key) for key in ("format", "version", "pid", "rank", "world_size", "argv")}
-    rep.update(enabled=True, options=header.get("options") or {}, error_count=len(errors), records_dropped=0,
-               errors_not_kept={"max_records": 0, "max_errors_per_lease": 0}, errors=errors, events=events,
-               retained_stale_leases=[], buffers=[],
-               ended_before_report={"journal": path, "lines_cut": cut})
+    rep = skeleton(**{key: header[key] for key in HEADER_KEYS if header.get(key) is not None},
+                   error_count=len(errors), errors=errors, events=events)
+    rep["ended_before_report"] = {"journal": path, "lines_cut": cut}
     return rep
 
 

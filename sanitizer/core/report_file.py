@@ -10,9 +10,7 @@ import os
 from typing import Any, Dict, Optional
 
 from sanitizer.core import journal
-
-FORMAT = "ownership-sanitizer-report"
-VERSION = 2
+from sanitizer.core.report_skeleton import FORMAT, VERSION
 MAX_DEPTH = 100  # a report nests about 8 levels; every reader (schema check, triage, audit) recurses on it
 
 

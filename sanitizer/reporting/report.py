@@ -23,6 +23,7 @@ from sanitizer.core import forking, journal, output_file
 from sanitizer.core import report_file
 from sanitizer.core.options import Options
 from sanitizer.core.report_file import FORMAT, VERSION
+from sanitizer.core.report_skeleton import ERROR_CAPS, HEADER_KEYS, process_label, skeleton
 from sanitizer.core.describe import fix_hint
 from sanitizer.core.sites import frame_text, site_text
 from sanitizer.core.units import format_bytes
@@ -46,6 +47,41 @@ def _rank_info() -> Dict[str, Any]:
             "world_size": int(world) if world and world.isdigit() else None}
 
 
+def _process_info() -> Dict[str, Any]:
+    """Who this process is in its job, recorded in its report and journal at write time so that every
+    finding can be named by it after a merge: rank and world size (torch.distributed, else ``RANK`` and
+    ``WORLD_SIZE``), ``LOCAL_RANK`` (torchrun), and the worker it is (:func:`_worker_info`)."""
+    local = os.environ.get("LOCAL_RANK")
+    return {**_rank_info(), "local_rank": int(local) if local and local.isdigit() else None,
+            "worker": _worker_info()}
+
+
+def _worker_info() -> Optional[Dict[str, Any]]:
+    """A DataLoader worker's id (``torch.utils.data.get_worker_info()``), or a Ray worker's (its worker id,
+    short, and its actor's when it runs one); None in any other process. Read only from modules the program
+    already imported (never imports torch.utils.data or ray itself); never raises."""
+    data = sys.modules.get("torch.utils.data")
+    try:
+        info = data.get_worker_info() if data is not None else None
+        if info is not None:
+            return {"kind": "dataloader", "id": int(info.id), "num_workers": int(info.num_workers)}
+    except Exception:
+        pass
+    ray = sys.modules.get("ray")
+    try:
+        if ray is not None and ray.is_initialized():
+            context = ray.get_runtime_context()
+            private = sys.modules.get("ray._private.worker")
+            if getattr(context.worker, "mode", None) != getattr(private, "WORKER_MODE", 1):
+                return None  # the driver: its rank, if any, names it
+            actor = context.get_actor_id()
+            return {"kind": "ray", "id": context.get_worker_id()[:8], "actor": actor[:8] if actor else None,
+                    "actor_name": context.get_actor_name() if actor else None}
+    except Exception:  # a worker between tasks, or a Ray that changed its context: unnamed, never lost
+        pass
+    return None
+
+
 def report(final: bool = False, exclude: Optional[Set[int]] = None) -> Dict[str, Any]:
     """The whole report as a JSON-ready dict.
 
@@ -66,27 +102,25 @@ def report(final: bool = False, exclude: Optional[Set[int]] = None) -> Dict[str,
     events = [e if "pid" in e else dict(e, pid=pid) for e in events]
     retained = [lease.to_dict() | {"stale_by": lease.stale_by.to_dict()} for lease in state.ledger.stale_alive()
                 if lease.stale_by is not None]
-    rep = {
-        "format": FORMAT,
-        "version": VERSION,
-        "pid": pid,
-        **_rank_info(),
-        "argv": [str(a) for a in sys.argv],
-        "enabled": state.enabled,
-        "options": runtime.options(),
-        "error_count": len(errors) if exclude else max(counts["errors_seen"], len(errors)),
-        "records_dropped": counts["dropped"],
-        "errors_not_kept": {"max_records": counts["errors_dropped"],
-                            "max_errors_per_lease": counts["errors_over_per_lease"]},
-        "events_not_kept": {} if exclude else dict(counts.get("events_dropped") or {}),
-        "errors": errors,
-        "events": events,
-        "retained_stale_leases": retained,
-        "buffers": [
+    rep = skeleton(
+        pid=pid,
+        **_process_info(),
+        argv=[str(a) for a in sys.argv],
+        enabled=state.enabled,
+        options=runtime.options(),
+        error_count=len(errors) if exclude else max(counts["errors_seen"], len(errors)),
+        records_dropped=counts["dropped"],
+        errors_not_kept={"max_records": counts["errors_dropped"],
+                         "max_errors_per_lease": counts["errors_over_per_lease"]},
+        events_not_kept={} if exclude else dict(counts.get("events_dropped") or {}),
+        errors=errors,
+        events=events,
+        retained_stale_leases=retained,
+        buffers=[
             {"name": r.name, "device": r.device, "nbytes": r.nbytes, "generation": r.generation, "closed": r.closed}
             for r in state.ledger.regions()
         ],
-    }
+    )
     rep["timeline"] = triage.timeline()
     rep["summary"] = summarize(rep, pending=triage.pending_count())
     return rep
@@ -299,38 +333,54 @@ def _emulated_consumers(events: Iterable[Dict[str, Any]]) -> List[Dict[str, Any]
     return sorted(groups.values(), key=lambda g: (-g["bytes"], -g["count"], g["consumer"]))
 
 
-def process_label(pid: Any, rank: Any) -> str:
-    """How a merged report names the process of a finding: ``rank 1 (pid 4242)``, or ``pid 4242``."""
-    return f"rank {rank} (pid {pid})" if rank is not None else f"pid {pid}"
+def _processes(rep: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The processes a report stands for, each labelled: its own, or a merged report's (a Ray job's merged
+    report read by ``ownsan run``'s merge keeps every worker's)."""
+    if isinstance(rep.get("processes"), list):
+        return [dict(p, label=p.get("label") or process_label(p.get("pid"), p.get("rank"), p.get("worker")))
+                for p in rep["processes"] if isinstance(p, dict)]
+    return [{"pid": rep["pid"], "rank": rep.get("rank"), "world_size": rep.get("world_size"),
+             "local_rank": rep.get("local_rank"), "worker": rep.get("worker"),
+             "error_count": rep.get("error_count", 0), "argv": rep.get("argv", []),
+             "label": process_label(rep["pid"], rep.get("rank"), rep.get("worker"))}]
+
+
+def _one(values: Iterable[Any]) -> Any:
+    """The value every process shares (the job's world size), else None: a merge claims no process's own."""
+    known = {v for v in values if v is not None}
+    return known.pop() if len(known) == 1 else None
 
 
 def merge(reports: Iterable[Dict[str, Any]]) -> Dict[str, Any]:
     """One report from the reports of several processes (ranks, workers); a single one is returned as is.
 
     Every error, event and retained lease names the process it came from (``pid``, ``rank`` and a
-    ``process`` label such as ``rank 1 (pid 4242)``), and each retaining consumer of the summary lists
-    the processes whose retentions it groups: in a multi-worker load, which worker kept what.
+    ``process`` label such as ``rank 1 (pid 4242)`` or ``DataLoader worker 1 (pid 4243)``), and each
+    retaining consumer of the summary lists the processes whose retentions it groups: in a multi-worker
+    load, which worker kept what. A merged report among them (a Ray job's) is merged process by process.
+    The merged report's own ``rank`` and ``world_size`` are the ones all its processes share, else null.
     """
-    reports = sorted(reports, key=lambda r: (r.get("rank") is None, r.get("rank") or 0, r.get("pid", 0)))
+    reports = sorted(reports, key=lambda r: (r.get("rank") is None, r.get("rank") or 0,
+                                             str((r.get("worker") or {}).get("id", "")), r.get("pid", 0)))
     if not reports:
         raise ValueError("no report to merge")
     if len(reports) == 1:
         return reports[0]
     first = reports[0]
-    out = {k: first[k] for k in ("format", "version", "pid", "rank", "world_size", "argv", "enabled", "options")}
+    processes = [p for r in reports for p in _processes(r)]
+    out = skeleton(**{k: first[k] for k in ("format", "version", "pid", "argv", "enabled", "options")},
+                   rank=processes[0].get("rank") if len({p.get("rank") for p in processes}) == 1 else None,
+                   world_size=_one(p.get("world_size") for p in processes))
     out["error_count"] = sum(r.get("error_count", 0) for r in reports)
     out["records_dropped"] = sum(r.get("records_dropped", 0) for r in reports)
     out["errors_not_kept"] = {cap: sum((r.get("errors_not_kept") or {}).get(cap, 0) for r in reports)
-                              for cap in ("max_records", "max_errors_per_lease")}
-    out["events_not_kept"] = {}
+                              for cap in ERROR_CAPS}
     for r in reports:
         for kind, n in (r.get("events_not_kept") or {}).items():
             out["events_not_kept"][kind] = out["events_not_kept"].get(kind, 0) + n
     for key in ("errors", "events", "retained_stale_leases", "buffers"):
         out[key] = [_from_process(item, r) for r in reports for item in r.get(key, ())]
-    out["processes"] = [{"pid": r["pid"], "rank": r.get("rank"), "world_size": r.get("world_size"),
-                         "error_count": r.get("error_count", 0), "argv": r.get("argv", []),
-                         "label": process_label(r["pid"], r.get("rank"))} for r in reports]
+    out["processes"] = processes
     timelines = [r["timeline"] for r in reports if isinstance(r.get("timeline"), dict)]
     if timelines:  # buffers, leases and reuses carry their pid: ids are per process
         out["timeline"] = {"cap": max(t.get("cap", 0) for t in timelines),
@@ -352,12 +402,16 @@ def merge(reports: Iterable[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 def _from_process(item: Any, rep: Dict[str, Any]) -> Any:
-    """``item`` of ``rep`` with the process it came from (its own pid wins: a forked child's records)."""
+    """``item`` of ``rep`` with the process it came from (its own pid wins: a forked child's records; an
+    item of a merged report keeps the label it was given there)."""
     if not isinstance(item, dict):
         return item
     pid = item.get("pid", rep.get("pid"))
     rank = item["rank"] if "rank" in item else rep.get("rank")
-    return dict(item, pid=pid, rank=rank, process=process_label(pid, rank))
+    if isinstance(item.get("process"), str):
+        return dict(item, pid=pid, rank=rank)
+    worker = rep.get("worker") if pid == rep.get("pid") else None
+    return dict(item, pid=pid, rank=rank, process=process_label(pid, rank, worker))
 
 
 def load(path: str) -> Dict[str, Any]:
@@ -381,7 +435,6 @@ _SUMMARY_READS = {
             "stored_at": _SITE}}]}}},
     "unchecked_load": {"type": "object", "properties": {"count": _COUNT, "tensors": _COUNT, "bytes": _COUNT}},
 }
-_HEADER = ("format", "version", "pid", "rank", "world_size", "argv", "options")
 _KINDS = {"error": ("stale_use", "checksum_mismatch"), "event": ("retention", "rescue", "clone")}  # (their $defs)
 _journal_schemas: Dict[str, Dict[str, Any]] = {}
 
@@ -399,7 +452,7 @@ def journal_check(what: str, value: Dict[str, Any]) -> Optional[str]:
         defs = {"$defs": root["$defs"]}
         _journal_schemas.update(
             header={"type": "object", "required": ["format", "version", "pid", "argv"],
-                    "properties": {k: root["properties"][k] for k in _HEADER}, **defs},
+                    "properties": {k: root["properties"][k] for k in HEADER_KEYS}, **defs},
             error={"$ref": "#/$defs/error", **defs}, event={"$ref": "#/$defs/event", **defs},
             **{kind: {"$ref": f"#/$defs/{kind}", **defs} for kinds in _KINDS.values() for kind in kinds},
             **{kind: dict(sub, **defs) for kind, sub in _SUMMARY_READS.items()})
@@ -493,7 +546,7 @@ _journal_targets: Dict[tuple, str] = {}  # (pid, report option) -> the journal's
 
 
 def _journal_header() -> Dict[str, Any]:
-    return {"format": FORMAT, "version": VERSION, "pid": os.getpid(), **_rank_info(),
+    return {"format": FORMAT, "version": VERSION, "pid": os.getpid(), **_process_info(),
             "argv": [str(a) for a in sys.argv], "options": runtime.options()}
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
+from sanitizer.core.report_skeleton import process_label
 from sanitizer.core.sites import frame_text, site_text
 from sanitizer.core.units import format_bytes
 
@@ -57,13 +58,25 @@ def lease_names(names: List[str], count: int, shown: int = 4) -> str:
     return ", ".join(parts) + (", ..." if len(tally) > shown or count > len(names) else "")
 
 
+def who_wrote(rep: Dict[str, Any], shown: int = 4) -> str:
+    """The report's processes for its header: its one process (``rank 1 of 2, pid 4242``), or a merged
+    report's, each by its own label (never the first one's rank for all)."""
+    processes = rep.get("processes")
+    if not isinstance(processes, list):
+        label = process_label(rep.get("pid"), rep.get("rank"), rep.get("worker"))
+        if rep.get("rank") is not None and rep.get("world_size") is not None:
+            label = label.replace(f"rank {rep['rank']}", f"rank {rep['rank']} of {rep['world_size']}", 1)
+        return label
+    labels = [p.get("label") or process_label(p.get("pid"), p.get("rank"), p.get("worker"))
+              for p in processes if isinstance(p, dict)]
+    more = f"; {len(labels) - shown} more" if len(labels) > shown else ""
+    return f"{len(labels)} processes: {'; '.join(labels[:shown])}{more}"
+
+
 def format_triage(rep: Dict[str, Any], path: Optional[str] = None, top: int = 20) -> str:
     """The human summary: one line, the retaining consumers by bytes with holder and sites, then the errors."""
     summary = rep["summary"]
-    who = f"pid {rep['pid']}" if "processes" not in rep else f"{len(rep['processes'])} processes"
-    if rep.get("rank") is not None:
-        who += f", rank {rep['rank']} of {rep.get('world_size')}"
-    lines = [summary["line"], f"report: {path or '(in process)'} ({who})"]
+    lines = [summary["line"], f"report: {path or '(in process)'} ({who_wrote(rep)})"]
     consumers = summary["retaining_consumers"]
     if consumers:
         shown = consumers[:top]
@@ -99,6 +112,8 @@ def format_triage(rep: Dict[str, Any], path: Optional[str] = None, top: int = 20
             lines.append(f"{pad}e.g. {g.get('holder') or '?'}")
             if names:
                 lines.append(f"{pad}leases: {names}")
+            if g.get("processes"):  # a merged report: which rank or worker kept them
+                lines.append(f"{pad}kept in {'; '.join(g['processes'])}")
             reads = g.get("read_stale_at") or []
             if reads:
                 held = g["count"] + (g.get("also_held") or 0)  # the reads that came through this holder
@@ -135,12 +150,21 @@ def _first_of_each_kind(errors: List[Dict[str, Any]], head: str, indent: str) ->
     and who holds it."""
     lines: List[str] = []
     seen = set()
+    where_by_kind: Dict[Any, Dict[str, int]] = {}  # a merged report's: each kind's processes, with counts
+    for e in errors:
+        if e.get("process"):
+            tally = where_by_kind.setdefault(e.get("kind"), {})
+            tally[e["process"]] = tally.get(e["process"], 0) + 1
     for e, _ in distinct_errors(errors):
         kind = e.get("kind")
         if kind in seen:
             continue
         seen.add(kind)
         lines.append(head.format(kind=kind, summary=e.get("summary")))
+        tally = where_by_kind.get(kind) or {}
+        if tally:
+            lines.append(f"{indent}in " + "; ".join(f"{label} ({n})" if len(tally) > 1 else label
+                                                     for label, n in tally.items()))
         where = (e.get("used_at") or [None])[0]
         if isinstance(where, dict) and where.get("file"):
             lines.append(f"{indent}read stale at {site_text(where)}")
@@ -169,4 +193,4 @@ def section_for_test(rep: Dict[str, Any], path: Optional[str]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["format_triage", "section_for_test", "lent_reused", "distinct_errors", "lease_names"]
+__all__ = ["format_triage", "who_wrote", "section_for_test", "lent_reused", "distinct_errors", "lease_names"]

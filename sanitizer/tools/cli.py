@@ -1,7 +1,7 @@
 """``ownsan``: run a program under the sanitizer, read its report, show the options.
 
     ownsan run [-o k=v ...] [--report PATH] -- python script.py args
-    ownsan triage report.json [--html timeline.html] [--trace trace.json]
+    ownsan triage report.json [--html timeline.html] [--trace trace.json] [--exit-zero]
     ownsan demo [demo args]
     ownsan options
     ownsan fuzz [fuzz args]
@@ -13,10 +13,14 @@
 recorded) and puts a ``sitecustomize`` on ``PYTHONPATH`` that arms the same
 start-up hook as the installed .pth, so every Python process the command
 starts (ranks, workers) is sanitized and writes its own report; they are merged
-into one. Exit status: the program's own when it failed, else 1 when the
-sanitizer recorded an error or confirmed a retention (as LeakSanitizer fails a
-run that leaked; ``-o fail_on_retention=0`` keeps retentions from failing it),
-else 0. ``-o report=PATH`` is ``--report PATH``. Argument errors print the
+into one (``sanitizer.reporting.collect``, the one pipeline; the run's report
+directory is exported as ``OWNSAN_RUN_REPORT_DIR`` so that a Ray driver's
+``ray_env.collect`` hands its workers' reports to it). Exit status: the
+program's own when it failed, else 1 when the sanitizer recorded an error or
+confirmed a retention in any process (as LeakSanitizer fails a run that leaked;
+``-o fail_on_retention=0`` keeps retentions from failing it), else 0;
+``triage`` gives a saved report the same status (``--exit-zero``: 0), and 2
+when it cannot be read. ``-o report=PATH`` is ``--report PATH``. Argument errors print the
 usage of the command they were given to and one line naming the bad value, with
 the closest valid name when one is close (``ownsan audti``: did you mean
 'audit'?), and exit 2. ``--help`` and argument errors never import torch: each
@@ -26,9 +30,7 @@ from __future__ import annotations
 
 import argparse
 import glob
-import importlib
 import importlib.util
-import json
 import os
 import shutil
 import sys
@@ -39,15 +41,12 @@ from typing import Any, Dict, List, Optional, Sequence
 from sanitizer.core import options as _opts
 from sanitizer.core import output_file
 from sanitizer.core.suggest import HintingParser
-from sanitizer.core.journal import SUFFIX as JOURNAL_SUFFIX, reports_or_journals
 from sanitizer.core.version import __version__
+from sanitizer.reporting import collect
+from sanitizer.reporting.text import format_triage
 from sanitizer.tools import startup
 
 _PKG_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _report_mod():
-    return importlib.import_module("sanitizer.reporting.report")  # the package's `report` attribute is the function
 
 
 # -- run ---------------------------------------------------------------------
@@ -265,6 +264,7 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             fh.write(_SITECUSTOMIZE.format(parent=_PKG_PARENT, bootstrap=startup.BOOTSTRAP))
         env = dict(os.environ)
         env[startup.ENV_SWITCH] = "1"
+        env[collect.ENV_RUN_DIR] = tmp  # a Ray driver's collect() hands its workers' reports to us here
         env[_opts.ENV_OPTIONS] = _opts.format_options_string(
             {**options, "report": os.path.join(tmp, "report-{pid}.json")})
         env["PYTHONPATH"] = os.pathsep.join([boot] + [p for p in [env.get("PYTHONPATH")] if p])
@@ -304,50 +304,36 @@ def _unwritable(path: str) -> Optional[str]:
 def _write_report(merged: Dict[str, Any], path: str) -> str:
     """Write the merged report to ``path``; if that fails now (it was writable at the start), to a temporary
     file instead, so the findings are never lost. Returns where it went."""
-    text = json.dumps(merged, indent=2) + "\n"
     try:
-        return output_file.write_text(path, text)  # never half a report; /dev/null, a FIFO, a link kept as they are
+        return collect.write(merged, path)  # never half a report; /dev/null, a FIFO, a link kept as they are
     except OSError as exc:
         fd, fallback = tempfile.mkstemp(prefix="ownsan-report-", suffix=".json")
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        os.close(fd)
+        collect.write(merged, fallback)
         print(f"ownsan run: cannot write {path!r} ({exc.strerror or exc}); the report is in {fallback}",
               file=sys.stderr)
         return fallback
 
 
-def _process_reports(directory: str) -> List[str]:
-    """Each process's report, or its journal when it ended before writing one: its findings as made."""
-    return reports_or_journals(os.path.join(directory, "report-*.json"))
+def _process_reports(directory: str) -> "collect.Collected":
+    """Each process's report (its journal when it ended before writing one), and a Ray driver's collected
+    workers' (``ray_env.collect`` under ``ownsan run``), read and merged by the one pipeline."""
+    return collect.collect([directory])
 
 
-def _finish_run(args: argparse.Namespace, files: List[str], code: int) -> int:
-    rep_mod = _report_mod()
-    if not files:
+def _finish_run(args: argparse.Namespace, found: "collect.Collected", code: int) -> int:
+    if found.report is None and not found.unreadable:
         print("ownsan run: no process wrote a report (the program never imported torch, or exited through "
               "os._exit): nothing was sanitized", file=sys.stderr)
         return code
-    reports, loaded, unreadable = [], [], []
-    for f in files:
-        try:
-            reports.append(rep_mod.load(f))
-            loaded.append(f)
-        except ValueError as exc:  # (ReportFileError) one process's file: never the end of the others'
-            unreadable.append(str(exc))
-    if unreadable:
-        # A report is written whole (replaced atomically), so this is a journal whose first line was cut
-        # short: its process was killed while it opened the journal, i.e. while it recorded its first
-        # finding. That finding is lost; the other processes' are all here, and the run fails for it.
-        print(f"ownsan run: {len(unreadable)} process{'es' * (len(unreadable) != 1)} left a file that cannot "
-              f"be read (killed while it recorded its first finding?): its findings are lost, the others' are "
-              f"merged; " + "; ".join(unreadable), file=sys.stderr)
-        if not reports:
-            return code or 1
-    merged = rep_mod.merge(reports)
-    cut_short = [f for f in loaded if f.endswith(JOURNAL_SUFFIX)]
-    if cut_short:
-        print(f"ownsan run: {len(cut_short)} process{'es' * (len(cut_short) != 1)} ended before writing a report "
-              f"(killed?): their findings come from their journals, as they were made", file=sys.stderr)
+    for line in found.notes("ownsan run"):
+        # A report is written whole (replaced atomically), so an unreadable file is a journal whose first
+        # line was cut short: its process was killed while it recorded its first finding. That finding is
+        # lost; the other processes' are all here, and the run fails for it.
+        print(line, file=sys.stderr)
+    if found.report is None:
+        return code or 1
+    merged = found.report
     args.report = _write_report(merged, args.report)
     if args.quiet:
         print(merged["summary"]["line"], file=sys.stderr)
@@ -355,56 +341,51 @@ def _finish_run(args: argparse.Namespace, files: List[str], code: int) -> int:
         print(format_triage(merged, args.report, top=args.top), file=sys.stderr)
     if code:
         return code
-    if merged["error_count"] or unreadable or (args.fail_on_retention and merged["summary"]["retentions"]):
-        return 1
-    return 0
+    return 1 if found.failing(args.fail_on_retention) else 0
 
 
 # -- triage ------------------------------------------------------------------
-from sanitizer.reporting.text import format_triage  # noqa: E402  (torch-free; also the pytest plugin's text)
-
-
-_SCHEMA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "reporting",
-                       "report_schema.json")
-
-
 def cmd_triage(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """Reads JSON only: torch is not imported (the runtime's report module is, for a journal's summary)."""
+    """Reads JSON only: torch is not imported (the runtime's report module is, for a journal's summary).
+    Exit status as ``ownsan run``'s: 1 when the report has an error or a confirmed retention (unless it was
+    made with ``fail_on_retention=0``), 0 when it has none or with ``--exit-zero``; 2 when it cannot be read."""
     from sanitizer.core import report_file
-    from sanitizer.reporting.schema import validate
 
-    try:  # a journal's records are checked before its summary is made of them
-        rep = report_file.load(args.report, lambda what, value: _report_mod().journal_check(what, value))
-    except ValueError as exc:
-        print(f"ownsan triage: {exc}", file=sys.stderr)
+    found = collect.collect([args.report])
+    if found.report is None:
+        for problem in found.unreadable or [f"no report at {args.report!r}"]:
+            print(f"ownsan triage: {problem}", file=sys.stderr)
         return 2
+    rep = found.report
     note = report_file.journal_note(args.report, rep)
     if note:
         print(f"ownsan triage: {note}", file=sys.stderr)
-    if "summary" not in rep:  # a journal (the process was killed before it wrote its report)
-        rep["summary"] = _report_mod().summarize(rep)
-    with open(_SCHEMA, encoding="utf-8") as fh:
-        problems = validate(rep, json.load(fh))
-    if problems:
-        print(f"ownsan triage: {args.report} does not match the report schema:", file=sys.stderr)
-        for p in problems[:10]:
-            print(f"  {p}", file=sys.stderr)
-        return 2
     _print(format_triage(rep, args.report, top=args.top))
     sys.stdout.flush()  # before a page or a trace written through /dev/stdout
-    for flag, module, what in (("html", "sanitizer.reporting.timeline", "write_html"),
-                               ("trace", "sanitizer.reporting.trace", "write_trace")):
+    for flag in ("html", "trace"):
         target = getattr(args, flag, None)
         if target:
             try:
-                getattr(importlib.import_module(module), what)(rep, target)
+                _write_view(flag, rep, target)
             except (OSError, ValueError) as exc:  # ValueError: a path with a NUL in it
                 print(f"ownsan triage: cannot write {target!r} ({getattr(exc, 'strerror', None) or exc})",
                       file=sys.stderr)
                 return 2
             _print(f"wrote {target}" + (" (one page, no network: open it in a browser)" if flag == "html"
                                         else " (Chrome trace events: open it in Perfetto or chrome://tracing)"))
-    return 0
+    return 1 if collect.failing(rep) and not args.exit_zero else 0
+
+
+def _write_view(flag: str, rep: Dict[str, Any], target: str) -> None:
+    """``--html``: the timeline page; ``--trace``: its Chrome trace events."""
+    if flag == "html":
+        from sanitizer.reporting.timeline import write_html
+
+        write_html(rep, target)
+    else:
+        from sanitizer.reporting.trace import write_trace
+
+        write_trace(rep, target)
 
 
 def _print(text: str) -> None:
@@ -452,7 +433,9 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 return 2
             print("ownsan demo: running the core scenario instead (torch only)\n", file=sys.stderr)
             return _quickstart("safetensors is missing")
-        return int(importlib.import_module("sanitizer.testing.demo").main(list(args.args)) or 0)
+        from sanitizer.testing import demo
+
+        return int(demo.main(list(args.args)) or 0)
     if args.args:
         parser.error("the core scenario takes no arguments (the end-to-end demo is not installed)")
     return _quickstart("the end-to-end demo is not installed")
@@ -469,12 +452,16 @@ def cmd_fuzz(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     parsed = fuzz.parse_args(list(args.args))  # --help and usage errors first, before torch is imported
     if _missing("fuzz", ["safetensors"], "fuzz", args.args):
         return 2
-    return int(importlib.import_module("sanitizer.testing.fuzz").run(parsed, fuzz) or 0)
+    from sanitizer.testing.fuzz import run as run_campaign
+
+    return int(run_campaign(parsed, fuzz) or 0)
 
 
 def cmd_audit(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """The static auditor (torch-free, imported only when asked for): see sanitizer/audit and docs/audit.md."""
-    return int(importlib.import_module("sanitizer.audit.cli").main(list(args.args)) or 0)
+    from sanitizer.audit.cli import main as audit_main
+
+    return int(audit_main(list(args.args)) or 0)
 
 
 def cmd_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -532,6 +519,9 @@ def build_parser() -> argparse.ArgumentParser:
     tri = sub.add_parser("triage", help="show a report: retaining consumers by bytes, with holders and sites")
     tri.add_argument("report", help="a report written by ownsan run or report=path")
     tri.add_argument("--top", type=int, default=20, help="consumers shown (default: %(default)s)")
+    tri.add_argument("--exit-zero", action="store_true",
+                     help="exit 0 even when the report has findings (by default it exits 1 on an error or a "
+                     "confirmed retention, as ownsan run does; 2 when the report cannot be read)")
     tri.add_argument("--html", metavar="PATH", default=None,
                      help="also write one self-contained page with a timeline of each staging buffer (SVG)")
     tri.add_argument("--trace", metavar="PATH", default=None,

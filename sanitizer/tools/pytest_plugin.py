@@ -222,14 +222,14 @@ def pytest_runtest_makereport(item: Any, call: Any):
     outcome = yield
     if st is None or call.when != "call":
         return
-    import importlib
+    from sanitizer.reporting import collect
+    from sanitizer.reporting.report import report
 
     test_report = outcome.get_result()
-    report_mod = importlib.import_module("sanitizer.reporting.report")
-    rep = report_mod.report(final=True, exclude=st.exclude)  # the test's frame is gone: decide now
+    rep = report(final=True, exclude=st.exclude)  # the test's frame is gone: decide now
     st.report = rep
-    failing = bool(rep["error_count"] or (item.config.getoption("--ownership-fail-on-retention")
-                                          and rep["summary"]["retentions"]))
+    # the one rule ownsan run and ownsan triage apply (retentions fail a test only when asked)
+    failing = collect.failing(rep, fail_on_retention=item.config.getoption("--ownership-fail-on-retention"))
     if not failing and not test_report.failed:
         return
     # One file per test and session (its pid): sessions sharing the directory never overwrite each other's.
@@ -264,9 +264,9 @@ class OwnershipReport:
         self._exclude = exclude
 
     def report(self, final: bool = False) -> Dict[str, Any]:
-        import importlib
+        from sanitizer.reporting.report import report
 
-        return importlib.import_module("sanitizer.reporting.report").report(final=final, exclude=self._exclude)
+        return report(final=final, exclude=self._exclude)
 
     @property
     def errors(self) -> list:

@@ -28,24 +28,22 @@ package's first import) would have turned the sanitizer on there and then, torch
 The flusher thread is what makes the reports survive: Ray ends its workers with SIGKILL at
 ``ray.shutdown()``, so no exit handler of theirs ever runs. Each worker needs ownership-sanitizer
 installed (``pip install ownership-sanitizer`` in the cluster's image, or ``"pip"`` in the runtime_env);
-the report directory must be reachable from
-every node. :func:`collect` waits a moment (a worker writes its report within a flush interval of a
-finding), merges the reports (``report.merge``), each finding naming its process and rank, and returns
-the merged report (``ownsan triage`` reads it once written with ``out=``). Call it before
+the report directory must be reachable from every node. :func:`collect` waits a moment (a worker writes its report within a flush interval of a
+finding), merges the reports (``sanitizer.reporting.collect``, the pipeline ``ownsan run`` uses), each
+finding naming its process, rank and Ray worker, and returns the merged report (``ownsan triage`` reads it
+once written with ``out=``); under ``ownsan run`` it also hands it to the run, whose status then fails on
+any worker's finding. Call it before
 ``ray.shutdown()``: findings made in a worker's last flush interval die with it.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional
 
 from sanitizer.core import options as _opts
-from sanitizer.core import output_file
-from sanitizer.core.journal import reports_or_journals
 
 ENV_SWITCH = _opts.ENV_SWITCH
 ENV_OPTIONS = _opts.ENV_OPTIONS
@@ -203,29 +201,38 @@ def worker_setup() -> None:
 
 
 def collect(report_dir: str, settle_s: float = 1.0, out: Optional[str] = None) -> Dict[str, Any]:
-    """The workers' reports in ``report_dir`` merged into one (each finding names its process and rank).
+    """The workers' reports in ``report_dir`` merged into one (each finding names its process: rank, Ray
+    worker and actor, pid).
 
     Waits ``settle_s`` first (a worker rewrites its report within its flush interval of a finding), so
     call it after the job's last ``ray.get`` and before ``ray.shutdown()``. ``out``: also write the merged
-    report there.
+    report there. Under ``ownsan run`` the merged report is also written into the run's own report
+    directory, so the run's merged report, its printed summary and its exit status include every worker's
+    findings. A file that cannot be read is said in one line naming it, and the others are merged.
     """
-    from sanitizer.reporting import report as rep
+    from sanitizer.reporting import collect as pipeline
 
     time.sleep(max(0.0, settle_s))
-    # A worker killed before it wrote its report (ray kills idle workers) left its journal: its findings.
-    files = reports_or_journals(os.path.join(os.fspath(report_dir), REPORT_NAME.replace("{pid}", "*")))
-    if not files:
+    found = pipeline.collect([os.fspath(report_dir)])
+    run_dir = os.environ.get(pipeline.ENV_RUN_DIR)
+    handed = found.report is not None  # the workers wrote into report_dir: the run needs them handed over
+    if found.report is None and not found.unreadable and run_dir:
+        # Under ownsan run the workers (the raylet's children, so the run's too) wrote where the run told
+        # them: its merge has them. Say so, and return what is there now.
+        print(f"ownsan ray_env.collect: no worker report in {os.fspath(report_dir)!r}; the workers wrote "
+              f"theirs where ownsan run reads them ({run_dir}): its merged report and exit status have them",
+              file=sys.stderr)
+        found = pipeline.collect([run_dir])
+    for line in found.notes("ownsan ray_env.collect"):
+        print(line, file=sys.stderr)
+    if found.report is None:
         raise ValueError(f"no worker report in {os.fspath(report_dir)!r}: did the workers get "
                          f"runtime_env({os.fspath(report_dir)!r}), and import torch?")
-    reports: List[Dict[str, Any]] = []
-    for path in files:
-        try:
-            reports.append(rep.load(path))
-        except ValueError:  # a worker killed while it wrote: the previous version was replaced atomically
-            continue
-    merged = rep.merge(reports)
+    merged = found.report
+    if handed:
+        pipeline.hand_to_run(merged, os.fspath(report_dir))
     if out:  # atomically, or through a device, a FIFO or a symlink's target (never replacing them)
-        output_file.write_text(os.fspath(out), json.dumps(merged, indent=2, default=str) + "\n")
+        pipeline.write(merged, os.fspath(out))
     return merged
 
 

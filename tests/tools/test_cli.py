@@ -71,7 +71,7 @@ def test_run_fails_on_a_retaining_consumer_and_names_it(retaining_run):
 
 def test_triage_prints_the_table_sorted_by_bytes(retaining_run, capsys):
     tmp, _ = retaining_run
-    assert cli.main(["triage", str(tmp / "rep.json")]) == 0
+    assert cli.main(["triage", str(tmp / "rep.json")]) == 1  # retentions: it fails, as ownsan run did
     text = capsys.readouterr().out
     header = next(line for line in text.splitlines() if "bytes" in line and "holder" in line)
     assert header.split()[:6] == ["#", "bytes", "count", "stale", "kind", "holder"]
