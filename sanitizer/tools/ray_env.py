@@ -8,7 +8,7 @@ sanitizer in its ``runtime_env`` instead::
     from sanitizer.tools.ray_env import runtime_env, collect
 
     env = runtime_env("/shared/ownsan-reports")        # a directory every worker can write (a shared mount)
-    ray.init(runtime_env=env)                           # or per task/actor: f.options(runtime_env=env)
+    ray.init(runtime_env=env)                           # the job's (Ray runs a setup hook from it only)
     ...                                                 # the engine loads as it always does: no code change
     merged = collect("/shared/ownsan-reports")          # after the last ray.get, before ray.shutdown()
     ray.shutdown()
