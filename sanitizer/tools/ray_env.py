@@ -44,11 +44,12 @@ import time
 from typing import Any, Dict, Mapping, Optional
 
 from sanitizer.core import options as _opts
+from sanitizer.tools import startup as _startup
 
 ENV_SWITCH = _opts.ENV_SWITCH
 ENV_OPTIONS = _opts.ENV_OPTIONS
-ENV_REQUEST = "OWNSAN_RAY_SANITIZE"  # the switch, until worker_setup arms it (see the module's docstring)
-ENV_REQUEST_OPTIONS = "OWNSAN_RAY_OPTIONS"  # the options, likewise
+ENV_REQUEST = _startup.ENV_RAY_REQUEST  # the switch, until worker_setup arms it (see the module's docstring)
+ENV_REQUEST_OPTIONS = _startup.ENV_RAY_OPTIONS  # the options, likewise
 ENV_FLUSH = "OWNSAN_RAY_FLUSH_S"
 ENV_USER_HOOK = "OWNSAN_RAY_USER_SETUP_HOOK"
 SETUP_HOOK = "sanitizer.tools.ray_env.worker_setup"
@@ -170,28 +171,29 @@ def _arm(environ: Any) -> bool:
     """Turn this worker's request (``OWNSAN_RAY_SANITIZE``/``_OPTIONS``) into the switch and the options,
     and arm the start-up hook: the sanitizer turns on when the worker's code imports torch (at once if it
     has). Children of the worker inherit the switch. Returns whether the sanitizer was asked for."""
-    if not environ.get(ENV_REQUEST):
+    if not _startup.take_ray_request(environ):
         return bool(environ.get(ENV_SWITCH))  # (a worker with the switch itself: on already, or never)
-    environ[ENV_SWITCH] = environ.pop(ENV_REQUEST)
-    requested = environ.pop(ENV_REQUEST_OPTIONS, None)
-    if requested is not None:
-        environ[ENV_OPTIONS] = requested
-    from sanitizer.tools import startup  # (standard library only)
-
     # The start-up hook's own module, as its .pth line loads it (one finder per process, whoever arms it).
-    exec(startup.BOOTSTRAP, {"__name__": "ownsan_ray_bootstrap"})
+    exec(_startup.BOOTSTRAP, {"__name__": "ownsan_ray_bootstrap"})
     return True
+
+
+def start_flusher() -> None:
+    """Start this worker's report flusher, once per process (the worker hook, or the start-up hook of a
+    worker Ray ran no hook in)."""
+    global _started
+    with _lock:
+        if _started:
+            return
+        _started = True
+    _Flusher(float(os.environ.get(ENV_FLUSH, "0.5"))).start()
 
 
 def worker_setup() -> None:
     """Ray's ``worker_process_setup_hook``: the sanitizer armed for the worker's import of torch, the report
     flusher started, then the job's own hook. Imports no torch (see the module's docstring)."""
-    global _started
     if _arm(os.environ):
-        with _lock:
-            if not _started:
-                _started = True
-                _Flusher(float(os.environ.get(ENV_FLUSH, "0.5"))).start()
+        start_flusher()
     user_hook = os.environ.get(ENV_USER_HOOK)
     if user_hook:
         import importlib

@@ -32,6 +32,13 @@ if False:  # for the annotations only, which `from __future__ import annotations
     from typing import Any, Optional
 
 ENV_SWITCH = "OWNERSHIP_SANITIZE"
+ENV_OPTIONS = "OWNERSHIP_SANITIZE_OPTIONS"
+# A Ray worker's request (sanitizer.tools.ray_env.runtime_env): the switch and the options under names of their
+# own, so that Ray's import of the worker hook (the package's first import) does not turn the sanitizer on,
+# and torch with it, before Ray has set the worker's OMP_NUM_THREADS. The hook arms from it; a worker Ray
+# gives no hook (a runtime_env given per task or actor only) arms from it here at start-up, as for the switch.
+ENV_RAY_REQUEST = "OWNSAN_RAY_SANITIZE"
+ENV_RAY_OPTIONS = "OWNSAN_RAY_OPTIONS"
 PTH_NAME = "ownership_sanitizer.pth"
 MODULE_NAME = "_ownership_sanitizer_startup"
 # Top-level packages of the loaders that sanitizer.adapters wraps (tests check this against
@@ -56,7 +63,8 @@ BOOTSTRAP = (
     "except Exception as e:\n"
     " print('ownership-sanitizer: the start-up hook failed: %r' % (e,), file=sys.stderr)\n"
 )
-PTH_LINE = f"import os; exec({BOOTSTRAP!r}) if os.environ.get({ENV_SWITCH!r}) else None\n"
+PTH_LINE = (f"import os; exec({BOOTSTRAP!r}) if os.environ.get({ENV_SWITCH!r}) or os.environ.get({ENV_RAY_REQUEST!r}) "
+            f"else None\n")
 
 _lock = _thread.RLock()
 _finder: Optional["_StartupFinder"] = None
@@ -77,6 +85,18 @@ def switch_on(environ: Any = None) -> bool:
     return raw.strip().lower() not in _FALSE
 
 
+def take_ray_request(environ: Any) -> bool:
+    """Turn a Ray worker's request (``OWNSAN_RAY_SANITIZE``/``_OPTIONS``) into the switch and the options
+    (children of the worker inherit them). Whether there was one to take."""
+    if not environ.get(ENV_RAY_REQUEST):
+        return False
+    environ[ENV_SWITCH] = environ.pop(ENV_RAY_REQUEST)
+    options = environ.pop(ENV_RAY_OPTIONS, None)
+    if options is not None:
+        environ[ENV_OPTIONS] = options
+    return True
+
+
 def _enable_now(trigger: str) -> None:
     """Import the sanitizer (it enables itself from the environment) and hook the loaders."""
     global _done
@@ -86,6 +106,9 @@ def _enable_now(trigger: str) -> None:
         _done = True
         _remove_finder()
     state["trigger"] = trigger
+    # A Ray worker whose request no worker hook took (its runtime_env was given per task or actor, where
+    # Ray runs no worker_process_setup_hook): take it now, and start its report flusher once on.
+    ray_worker = take_ray_request(os.environ)
     try:
         # the one activation path: the package activates itself from the environment at its first import
         # (sanitizer.activation.activate_from_environment: enable, then the adapters' import hooks)
@@ -100,6 +123,10 @@ def _enable_now(trigger: str) -> None:
             import sanitizer  # noqa: F401
 
         state["activated"] = True
+        if ray_worker:
+            from sanitizer.tools.ray_env import start_flusher
+
+            start_flusher()
     except Exception as exc:
         state["error"] = repr(exc)
         _refuse(trigger, exc)
@@ -177,7 +204,7 @@ def _remove_finder() -> None:
 def activate(environ: Any = None) -> bool:
     """Arrange for the sanitizer to turn on when the program imports torch (or now, if it has). Idempotent."""
     global _finder
-    if not switch_on(environ):
+    if not switch_on(environ) and not (os.environ if environ is None else environ).get(ENV_RAY_REQUEST):
         return False
     with _lock:
         if _done or _finder is not None:

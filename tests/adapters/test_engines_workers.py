@@ -234,6 +234,50 @@ def test_ray_recipe_keeps_each_workers_threads_and_decides_no_retention_in_a_cor
     assert stale["actor-kept"]["rank"] == 1
 
 
+RAY_PER_TASK_DRIVER = textwrap.dedent('''
+    import json, os, sys
+    import ray
+    from sanitizer.tools.ray_env import runtime_env, collect
+
+    reports = sys.argv[1]
+    env = runtime_env(reports, base={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}})
+
+    @ray.remote(num_cpus=1)
+    def keeps():  # one view kept past its reuse and read: a retention and a stale use
+        import torch, sanitizer
+        buf = sanitizer.StagingBuffer(64, name="staging")
+        kept = [buf.lend(0, (4,), torch.float32, name="per-task-kept")]
+        buf.reuse(0, 64, by="next")
+        float(kept[0].sum())
+        return [sanitizer.enabled(), len(sanitizer.errors()), torch.get_num_threads()]
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}})
+    print("result", json.dumps(ray.get(keeps.options(runtime_env=env).remote())))
+    collect(reports, settle_s=3.0, out=os.path.join(reports, "merged.json"))
+    ray.shutdown()
+''')
+
+
+@pytest.mark.slow
+def test_ray_recipe_given_per_task_only_still_sanitizes_that_task_and_reports_it(tmp_path):
+    # Ray runs a worker_process_setup_hook only from the job's runtime_env: a runtime_env given to one task
+    # alone reached that worker's environment but no hook, and its request (under names of its own, so the
+    # hook's import does not bring torch in early) switched nothing on. The start-up hook takes it now.
+    pytest.importorskip("ray", reason="ray is not installed here (pip install ray to run this test)")
+    (tmp_path / "driver.py").write_text(RAY_PER_TASK_DRIVER)
+    reports = tmp_path / "reports"
+    env = _env(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    proc = subprocess.run([sys.executable, "driver.py", str(reports)], cwd=str(tmp_path), env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "result" in proc.stdout, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.split("result", 1)[1].strip().splitlines()[0])
+    assert result == [True, 1, 1], result  # on, the stale use caught, and the 1-CPU worker's one thread
+    rep = json.loads((reports / "merged.json").read_text())
+    assert [e["lease"]["name"] for e in rep["errors"] if e["kind"] == "stale_use"] == ["per-task-kept"]
+    assert [e["lease"]["name"] for e in rep["events"] if e.get("kind") == "retention"] == ["per-task-kept"]
+
+
 def test_runtime_env_refuses_bad_input_by_name(tmp_path):
     from sanitizer.core.options import OptionError
     from sanitizer.tools.ray_env import SETUP_HOOK, runtime_env

@@ -142,17 +142,35 @@ def test_worker_setup_imports_no_torch_and_arms_the_sanitizer_for_the_workers_im
 
 
 def test_worker_setup_after_torch_turns_the_sanitizer_on_at_once(tmp_path):
-    """A worker whose code imported torch before the hook ran (a runtime_env given per actor, in a worker
-    that ran other tasks) is sanitized from the hook on."""
+    """A worker whose code imported torch before the hook ran, with a request the start-up hook never saw
+    (set in the environment after start-up), is sanitized from the hook on."""
     env = ray_env.runtime_env(str(tmp_path / "reports"))
     code = textwrap.dedent('''
+        import json, os, sys
         import torch
         from sanitizer.tools.ray_env import worker_setup
         import sanitizer
         assert not sanitizer.enabled()
+        os.environ.update(json.loads(os.environ["REQUEST_AFTER_START_UP"]))
         worker_setup()
         print("enabled", sanitizer.enabled())
     ''')
-    proc = run_python(code, env_extra=env["env_vars"])
+    proc = run_python(code, env_extra={"REQUEST_AFTER_START_UP": json.dumps(env["env_vars"])})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "enabled True" in proc.stdout, proc.stdout
+
+
+def test_a_worker_given_the_request_at_start_up_is_sanitized_at_its_torch_import_with_its_flusher(tmp_path):
+    """No hook at all (Ray runs none for a runtime_env given per task or actor): the start-up hook takes the
+    request, the sanitizer turns on at the worker's import of torch, and the flusher runs."""
+    env = ray_env.runtime_env(str(tmp_path / "reports"))
+    code = textwrap.dedent('''
+        import sys, threading
+        assert "torch" not in sys.modules
+        import torch
+        import sanitizer
+        print("enabled", sanitizer.enabled(), [t.name for t in threading.enumerate() if "flusher" in t.name])
+    ''')
+    proc = run_python(code, env_extra=env["env_vars"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "enabled True ['ownsan-report-flusher']" in proc.stdout, proc.stdout
