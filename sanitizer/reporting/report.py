@@ -271,7 +271,8 @@ def summarize(rep: Dict[str, Any], pending: int = 0) -> Dict[str, Any]:
         views = sum(g["count"] for g in emulated)
         parts.append(f"{views} emulated retention{'s' * (views != 1)} by {len(emulated)} consumer"
                      f"{'s' * (len(emulated) != 1)} ({format_bytes(sum(g['bytes'] for g in emulated))}; "
-                     f"correct under the loader's own contract, safetensors_strict=1 makes them errors)")
+                     f"correct under the loader's own contract, safetensors_strict=1 makes them retentions, "
+                     f"a read of one a stale-use error)")
     unchecked = _unchecked_loads(rep.get("events", ()))
     for g in unchecked:
         parts.append(f"{g['count']} load{'s' * (g['count'] != 1)} not checked ({g['entry']}: {g['tensors']} "

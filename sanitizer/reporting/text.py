@@ -128,7 +128,7 @@ def format_triage(rep: Dict[str, Any], path: Optional[str] = None, top: int = 20
     emulated = summary.get("emulated_consumers") or []
     if emulated:
         lines += ["", "emulated retentions (views kept past the emulated ring; each kept its bytes, aliases included, "
-                      "safetensors_strict=1 makes them errors):"]
+                      "safetensors_strict=1 makes them retentions, a read of one a stale-use error):"]
         for g in emulated[:top]:
             names = lease_names(g["leases"], g["count"] or g.get("also_held") or 0)
             where = f"stored at {g['stored_at']}" if g.get("stored_at") else f"holder lives at {g['site'] or '?'}"

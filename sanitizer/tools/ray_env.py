@@ -28,8 +28,8 @@ package's first import) would have turned the sanitizer on there and then, torch
 The flusher thread is what makes the reports survive: Ray ends its workers with SIGKILL at
 ``ray.shutdown()``, so no exit handler of theirs ever runs. Each worker needs ownership-sanitizer
 installed (``pip install ownership-sanitizer`` in the cluster's image, or ``"pip"`` in the runtime_env);
-the report directory must be reachable from every node. :func:`collect` waits a moment (a worker writes its report within a flush interval of a
-finding), merges the reports (``sanitizer.reporting.collect``, the pipeline ``ownsan run`` uses), each
+the report directory must be reachable from every node. :func:`collect` waits a moment (a worker writes
+its report within a flush interval of a finding), merges the reports (``sanitizer.reporting.collect``, the pipeline ``ownsan run`` uses), each
 finding naming its process, rank and Ray worker, and returns the merged report (``ownsan triage`` reads it
 once written with ``out=``); under ``ownsan run`` it also hands it to the run, whose status then fails on
 any worker's finding. Call it before
