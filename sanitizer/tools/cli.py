@@ -554,6 +554,21 @@ _PASS_THROUGH = ("demo", "fuzz", "audit")  # their flags belong to the command i
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The ``ownsan`` command. A reader that closes its end early (``ownsan triage r.json | head``) ends the
+    output quietly, as Python's documentation asks ("Note on SIGPIPE", the signal module): the rest of
+    stdout goes to devnull so that the interpreter's own flush at exit does not fail again, and the status
+    is 1, not a traceback."""
+    try:
+        status = _main(argv)
+        sys.stdout.flush()  # (inside the try: a broken pipe shows at the last flush too)
+        return status
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

@@ -159,6 +159,21 @@ def test_option_report_is_taken_as_the_report_path(tmp_path):
     assert (tmp_path / "via-option.json").exists() and not (tmp_path / "ownsan-report.json").exists()
 
 
+def test_triage_into_a_reader_that_closed_early_ends_quietly(retaining_run):
+    # `ownsan triage r.json | head`: the reader is gone before the text is written. Python's "Note on SIGPIPE":
+    # a BrokenPipeError traceback (and the interpreter's "Exception ignored" at its exit flush) before the fix.
+    tmp, _ = retaining_run
+    code = ("import os, sys\n"
+            "r, w = os.pipe(); os.close(r); os.dup2(w, 1)\n"
+            "from sanitizer.tools.cli import main\n"
+            "sys.exit(main(['triage', sys.argv[1]]))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OWNERSHIP_SANITIZE")}
+    env["PYTHONPATH"] = ROOT
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp / "rep.json")], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr == "", proc.stderr[-2000:]
+
+
 def test_triage_of_a_missing_or_foreign_file_is_a_clear_error(tmp_path, capsys):
     assert cli.main(["triage", str(tmp_path / "none.json")]) == 2
     assert "cannot read report" in capsys.readouterr().err
