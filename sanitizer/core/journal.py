@@ -194,12 +194,15 @@ def load_journal(path: str, check: Optional[Check] = None, max_depth: Optional[i
                 except (ValueError, KeyError, TypeError, IndexError, RecursionError):
                     cut += 1
                     continue
-                if kind not in ("error", "event"):
+                if kind not in ("error", "event", "update"):
                     raise ValueError(f"{path!r} is not a valid journal: line {number}: \"k\" is {_short(kind)}, "
-                                     f"expected 'error' or 'event'")
+                                     f"expected 'error', 'event' or 'update'")
                 if not isinstance(record, dict):
                     raise ValueError(f"{path!r} is not a valid journal: line {number}: the record (\"r\") is "
                                      f"{_short(record)}, expected an object")
+                if kind == "update":
+                    _apply_update(path, number, record, events, check, max_depth)
+                    continue
                 _check(path, number, kind, record, check, max_depth)
                 (errors if kind == "error" else events).append(record)
     except OSError as exc:
@@ -208,6 +211,24 @@ def load_journal(path: str, check: Optional[Check] = None, max_depth: Optional[i
                    error_count=len(errors), errors=errors, events=events)
     rep["ended_before_report"] = {"journal": path, "lines_cut": cut}
     return rep
+
+
+def _apply_update(path: str, number: int, update: Dict[str, Any], events: List[dict], check: Optional[Check],
+                  max_depth: Optional[int]) -> None:
+    """An ``update`` line: facts added to an event already journaled (a retention read stale after it was
+    confirmed), the latest event of its kind and lease. The event is checked again as updated."""
+    kind, lease_id, fields = update.get("kind"), update.get("lease_id"), update.get("fields")
+    if not isinstance(kind, str) or isinstance(lease_id, bool) or not isinstance(lease_id, int) \
+            or not isinstance(fields, dict):
+        raise ValueError(f"{path!r} is not a valid journal: line {number}: an update needs a \"kind\" string, "
+                         f"a \"lease_id\" int and \"fields\", an object; got {_short(update)}")
+    for event in reversed(events):
+        lease = event.get("lease")
+        if event.get("kind") == kind and isinstance(lease, dict) and lease.get("lease_id") == lease_id:
+            updated = dict(event, **fields)
+            _check(path, number, "event", updated, check, max_depth)
+            event.update(fields)
+            return
 
 
 def _check(path: str, number: int, what: str, value: Dict[str, Any], check: Optional[Check],

@@ -93,9 +93,16 @@ class RecordStore:
         return rec
 
     def update_event(self, record: dict, **fields: Any) -> None:
-        """Add facts to a kept event (a retention read stale after it was confirmed), under the lock."""
+        """Add facts to a kept event (a retention read stale after it was confirmed), under the lock. The
+        journal is told too (an ``update`` line naming the event by kind and lease): a process killed
+        before its report keeps them (its consumer read "stale 0" beside the very stale use)."""
         with self._lock:
             record.update(fields)
+        lease = record.get("lease")
+        lease_id = lease.get("lease_id") if isinstance(lease, dict) else None
+        if lease_id is not None:
+            for hook in HOOKS.record:
+                hook("update", {"kind": record.get("kind"), "lease_id": lease_id, "fields": dict(fields)})
 
     def errors(self) -> List[dict]:
         with self._lock:

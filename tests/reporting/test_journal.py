@@ -231,3 +231,48 @@ def test_a_clean_run_removes_a_killed_runs_journal_and_a_later_killed_run_is_rea
         code, out, err = _triage(capsys, path)
         assert code == 1 and "1 error (1 stale_use)" in out, (out, err)
         assert "is older than its journal" in err
+
+
+_KILLED_AFTER_ITS_RETENTION_WAS_READ = '''
+import os, torch, sanitizer
+ring = sanitizer.StagingRing(4096, name="w")
+KEPT = {}
+for i in range(6):
+    KEPT[i] = ring.put(f"layers.{i}.weight", torch.full((256,), float(i)))
+float(KEPT[0].sum())  # read stale after its retention was decided (at a later lend)
+os.kill(os.getpid(), 9)
+'''
+
+
+def test_a_killed_process_journal_keeps_that_its_retention_was_read_stale(tmp_path):
+    """A retention read stale after it was decided: the fact was added to the record in memory only, so a
+    killed process's consumer row said "stale 0" beside the very stale use (found on a Ray actor)."""
+    from sanitizer.reporting import collect
+
+    report = tmp_path / "r.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OWNERSHIP_SANITIZE": "1",
+           "OWNERSHIP_SANITIZE_OPTIONS": f"report={report},halt_on_error=0,triage=1"}
+    killed = subprocess.run([sys.executable, "-c", _KILLED_AFTER_ITS_RETENTION_WAS_READ], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    rep = collect.read(str(report) + journal.SUFFIX)
+    kept = {e["lease"]["name"]: e for e in rep["events"] if e["kind"] == "retention"}
+    assert kept["layers.0.weight"]["used_stale"] is True, kept["layers.0.weight"]
+    assert not any(e["used_stale"] for name, e in kept.items() if name != "layers.0.weight")
+    consumers = rep["summary"]["retaining_consumers"]
+    assert [g["used_stale"] for g in consumers] == [1], consumers
+
+
+def test_an_update_line_naming_no_journaled_event_changes_nothing_and_a_crafted_one_is_one_clear_error(tmp_path):
+    errors, events = _records()
+    path = tmp_path / "r.json.journal"
+    _write_journal(path, errors, events)
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"k": "update", "r": {"kind": "retention", "lease_id": 10 ** 9,
+                                                 "fields": {"used_stale": True}}}) + "\n")
+    assert journal.load_journal(str(path))["events"] == events
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"k": "update", "r": {"kind": "retention", "lease_id": "x"}}) + "\n")
+    with pytest.raises(ValueError, match="an update needs"):
+        journal.load_journal(str(path))
+
