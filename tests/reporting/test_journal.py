@@ -154,7 +154,7 @@ def test_a_crafted_journal_line_is_one_clear_error_never_a_traceback(tmp_path, c
                        ({"k": "event", "r": {"kind": "clone", "count": "3", "policy": "own", "bytes": 1, "pid": 1}},
                         "line 2 (an event): $.count: expected integer, got str '3'"),
                        ({"k": "event", "r": {"kind": "unchecked_load", "count": "3", "pid": 1}}, "$.count"),
-                       ({"k": "note", "r": {}}, "line 2: \"k\" is 'note', expected 'error' or 'event'"),
+                       ({"k": "note", "r": {}}, "line 2: \"k\" is 'note', expected 'error', 'event' or 'update'"),
                        ({"k": "error", "r": [1]}, "line 2: the record (\"r\") is list [1], expected an object")):
         path.write_text(json.dumps(_HEADER) + "\n" + json.dumps(line) + "\n", encoding="utf-8")
         code, out, err = _triage(capsys, path)
