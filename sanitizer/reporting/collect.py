@@ -9,7 +9,9 @@ worker 1a2b3c4d, actor 5e6f7a8b (pid 4244)``) and on the exit status (:func:`fai
 
 ``ownsan run`` exports its report directory as :data:`ENV_RUN_DIR`; a process that collects reports the
 run cannot see (a Ray driver: its workers are the raylet's children, and write where ``runtime_env``
-says) hands them to the run by writing the merged report there (:func:`hand_to_run`).
+says) hands them to the run by writing the merged report there (:func:`hand_to_run`). ``runtime_env``
+also leaves a pointer to its directory there (:func:`point_run_to`), which the hand-over removes: a job
+that never collected still has its workers' reports merged by the run (:func:`pointed`), said in one line.
 """
 from __future__ import annotations
 
@@ -155,4 +157,54 @@ def hand_to_run(rep: Dict[str, Any], source: str, env: Optional[Dict[str, str]] 
     return write(rep, os.path.join(run_dir, f"report-collected-{os.getpid()}.json"))
 
 
-__all__ = ["Collected", "collect", "find", "read", "failing", "write", "hand_to_run", "ENV_RUN_DIR", "PATTERN"]
+#: A pointer left in the run's directory by ``ray_env.runtime_env``: the workers' report directory, whose
+#: reports the run merges itself unless ``collect()`` handed them over (and removed the pointer).
+POINTER_PATTERN = "workers-*.dir"
+
+
+def _pointer(run_dir: str, source: str) -> str:
+    import hashlib
+
+    digest = hashlib.sha1(os.path.realpath(os.fspath(source)).encode("utf-8", "surrogateescape")).hexdigest()
+    return os.path.join(run_dir, POINTER_PATTERN.replace("*", digest[:16]))
+
+
+def point_run_to(source: str, env: Optional[Dict[str, str]] = None) -> Optional[str]:
+    """Under ``ownsan run``, leave in its directory a pointer to ``source`` (a Ray job's workers' report
+    directory): a job that never calls ``collect()`` redirected its workers' findings away from the run,
+    which then passed. The pointer's path, or None (not under ``ownsan run``, or ``source`` is its dir)."""
+    run_dir = (env if env is not None else os.environ).get(ENV_RUN_DIR)
+    if not run_dir or os.path.realpath(os.fspath(source)) == os.path.realpath(run_dir):
+        return None
+    path = _pointer(run_dir, source)
+    return output_file.write_text(path, os.path.abspath(os.fspath(source)) + "\n")
+
+
+def unpoint_run(source: str, env: Optional[Dict[str, str]] = None) -> None:
+    """``source``'s reports were handed to the run (:func:`hand_to_run`): its pointer goes, so the run does
+    not count them twice."""
+    run_dir = (env if env is not None else os.environ).get(ENV_RUN_DIR)
+    if run_dir:
+        try:
+            os.remove(_pointer(run_dir, source))
+        except OSError:
+            pass
+
+
+def pointed(run_dir: str) -> List[str]:
+    """The workers' report directories pointed to in ``run_dir`` whose reports were never handed over and
+    hold at least one report (or journal)."""
+    places = []
+    for path in sorted(glob.glob(os.path.join(run_dir, POINTER_PATTERN))):
+        try:
+            with open(path, encoding="utf-8") as fh:
+                place = fh.read().strip()
+        except OSError:
+            continue
+        if place and os.path.isdir(place) and find(place):
+            places.append(place)
+    return places
+
+
+__all__ = ["Collected", "collect", "find", "read", "failing", "write", "hand_to_run", "point_run_to",
+           "unpoint_run", "pointed", "ENV_RUN_DIR", "PATTERN", "POINTER_PATTERN"]

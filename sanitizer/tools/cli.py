@@ -317,8 +317,14 @@ def _write_report(merged: Dict[str, Any], path: str) -> str:
 
 def _process_reports(directory: str) -> "collect.Collected":
     """Each process's report (its journal when it ended before writing one), and a Ray driver's collected
-    workers' (``ray_env.collect`` under ``ownsan run``), read and merged by the one pipeline."""
-    return collect.collect([directory])
+    workers' (``ray_env.collect`` under ``ownsan run``), read and merged by the one pipeline. A Ray job that
+    never called ``collect()`` left only a pointer to its workers' directory (``runtime_env``): those reports
+    are merged here, said in one line (without it the run printed "0 errors" and passed)."""
+    uncollected = collect.pointed(directory)
+    for place in uncollected:
+        print(f"ownsan run: the Ray workers' reports in {place} were never collected (call collect() before "
+              f"ray.shutdown()): merged here, as their workers last wrote them", file=sys.stderr)
+    return collect.collect([directory, *uncollected])
 
 
 def _finish_run(args: argparse.Namespace, found: "collect.Collected", code: int) -> int:

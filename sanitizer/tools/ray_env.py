@@ -28,20 +28,26 @@ package's first import) would have turned the sanitizer on there and then, torch
 The flusher thread is what makes the reports survive: Ray ends its workers with SIGKILL at
 ``ray.shutdown()``, so no exit handler of theirs ever runs. Each worker needs ownership-sanitizer
 installed (``pip install ownership-sanitizer`` in the cluster's image, or ``"pip"`` in the runtime_env);
-the report directory must be reachable from every node. :func:`collect` waits a moment (a worker writes
-its report within a flush interval of a finding), merges the reports (``sanitizer.reporting.collect``, the pipeline ``ownsan run`` uses), each
+the report directory must be reachable from every node. :func:`collect` asks the live workers to write
+their reports as at exit (a request file the flusher answers at its first tick with nothing lent: an actor's
+last kept view, still *pending* until its idle write, was not counted when collect() came right after the
+last ``ray.get``), waits until each has answered or is gone (a bound then), merges the reports (``sanitizer.reporting.collect``, the pipeline ``ownsan run`` uses), each
 finding naming its process, rank and Ray worker, and returns the merged report (``ownsan triage`` reads it
 once written with ``out=``); under ``ownsan run`` it also hands it to the run, whose status then fails on
-any worker's finding. Call it before
+any worker's finding (``runtime_env`` leaves the run a pointer to the directory, so a job that never
+calls collect() still has its workers' reports merged by the run, said in one line). Call it before
 ``ray.shutdown()``: findings made in a worker's last flush interval die with it.
 """
 from __future__ import annotations
 
+import json
 import os
+import re
+import socket
 import sys
 import threading
 import time
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 from sanitizer.core import options as _opts
 from sanitizer.tools import startup as _startup
@@ -54,6 +60,11 @@ ENV_FLUSH = "OWNSAN_RAY_FLUSH_S"
 ENV_USER_HOOK = "OWNSAN_RAY_USER_SETUP_HOOK"
 SETUP_HOOK = "sanitizer.tools.ray_env.worker_setup"
 REPORT_NAME = "report-{pid}.json"
+#: :func:`collect`'s request to settle, in the report directory: a token, replaced atomically.
+SETTLE_REQUEST = ".ownsan-settle"
+#: A worker's answer, beside its report (``report-<pid>.json.settled``): the last token it settled, its host.
+SETTLE_ACK = ".settled"
+_REPORT_PID = re.compile(r"report-(\d+)\.json(?:\.journal)?$")
 
 
 def runtime_env(report_dir: str, options: Optional[Mapping[str, Any]] = None,
@@ -90,6 +101,12 @@ def runtime_env(report_dir: str, options: Optional[Mapping[str, Any]] = None,
         env_vars[ENV_USER_HOOK] = user_hook
     env["env_vars"] = env_vars
     env["worker_process_setup_hook"] = SETUP_HOOK
+    try:  # under ownsan run: the run merges this directory itself if collect() is never called
+        from sanitizer.reporting import collect as pipeline
+
+        pipeline.point_run_to(directory)
+    except OSError:
+        pass  # (the run's directory gone or read-only: collect() still hands the reports over)
     return env
 
 
@@ -110,6 +127,12 @@ class _Flusher(threading.Thread):
     written as at exit (``final=True``): a worker between tasks that still holds a retired view retains it.
     Idle means that nothing lent either: a correct loop changes no finding, and a final write in the middle
     of it decided the view its loop variable was about to drop as a retention (issue 49).
+
+    :func:`collect` cannot wait for ``IDLE_TICKS`` on its own (run right after the last ``ray.get``, an
+    actor's last retention was still pending, and not counted): it leaves a token in the report directory
+    (:data:`SETTLE_REQUEST`), and the first tick that sees a new token with nothing lent since the previous
+    tick writes the report as at exit and answers with the token beside it (:data:`SETTLE_ACK`). A worker
+    still lending waits for a tick that lends nothing, for the same reason as the idle write.
     """
 
     IDLE_TICKS = 4
@@ -120,6 +143,8 @@ class _Flusher(threading.Thread):
         self._findings: Optional[tuple] = None
         self._lends = -1
         self._idle = 0
+        self._answered: Optional[str] = None  # the last settle token answered
+        self._announced = False  # its host written beside the report (collect() tells a remote pid by it)
 
     def run(self) -> None:
         while True:
@@ -127,7 +152,8 @@ class _Flusher(threading.Thread):
             self.tick()
 
     def tick(self) -> Optional[str]:
-        """One look: ``"write"`` (the findings changed), ``"final"`` (idle with views pending) or None
+        """One look: ``"settled"`` (collect() asked, nothing lent since the last tick: written as at exit,
+        and answered), ``"write"`` (the findings changed), ``"final"`` (idle with views pending) or None
         (nothing written: unchanged, the sanitizer not on yet, no report path, or a failure)."""
         if not _sanitizer_on():
             return None
@@ -143,11 +169,20 @@ class _Flusher(threading.Thread):
             lends = triage.lend_count()
             findings = (tuple(sorted(records.record_counts().items())), state.ledger.live_count)
             moved, self._lends = lends != self._lends, lends
+            token = _settle_token(os.path.dirname(rep.expand_path(path)))
+            if token is not None and token != self._answered and not moved:
+                self._findings, self._idle = None, 0  # (compared afresh at the next tick, as after "final")
+                _answer(rep.write_report(path, final=True), token)
+                self._answered, self._announced = token, True
+                return "settled"
             if findings != self._findings:
                 # Noted before the write: a finding filed while the report is built (a stale use's error
                 # right after its retention) differs from this at the next tick, and is written then.
                 self._findings, self._idle = findings, 0
-                rep.write_report(path)
+                target = rep.write_report(path)
+                if not self._announced:
+                    _answer(target, None)
+                    self._announced = True
                 return "write"
             if moved or not triage.pending_count():
                 self._idle = 0
@@ -161,6 +196,24 @@ class _Flusher(threading.Thread):
             return "final"
         except Exception:  # never harm the worker; the next tick tries again
             return None
+
+
+def _settle_token(directory: str) -> Optional[str]:
+    """The token of :func:`collect`'s request in ``directory``, or None (none asked)."""
+    try:
+        with open(os.path.join(directory, SETTLE_REQUEST), encoding="utf-8") as fh:
+            return fh.read().strip() or None
+    except OSError:
+        return None
+
+
+def _answer(report_path: str, token: Optional[str]) -> None:
+    """Write beside ``report_path`` the token settled (None: none yet) and this host, atomically."""
+    ack = report_path + SETTLE_ACK
+    tmp = f"{ack}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump({"token": token, "host": socket.gethostname(), "pid": os.getpid()}, fh)
+    os.replace(tmp, ack)
 
 
 _started = False
@@ -202,37 +255,126 @@ def worker_setup() -> None:
         getattr(importlib.import_module(module), function)()
 
 
-def collect(report_dir: str, settle_s: float = 1.0, out: Optional[str] = None) -> Dict[str, Any]:
+def _alive(pid: int, host: Optional[str]) -> bool:
+    """Could the worker ``pid`` still answer? False only when it is known gone: on this host (or a host
+    unknown: it never wrote beside its report), no such process, or a zombie (Ray's SIGKILL, not reaped)."""
+    if host and host != socket.gethostname():
+        return True  # another node's pid: nothing to ask here, so wait for its answer
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # (someone else's process: alive)
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _unanswered(directory: str, token: str) -> List[str]:
+    """The workers of ``directory`` (a report, or a journal) that neither answered ``token`` nor are gone."""
+    from sanitizer.reporting import collect as pipeline
+
+    waiting = []
+    for path in pipeline.find(directory):
+        match = _REPORT_PID.search(os.path.basename(path))
+        if match is None or int(match.group(1)) == os.getpid():
+            continue  # (not a worker's: report-collected-*, or this process's own)
+        pid = int(match.group(1))
+        report = path[: -len(".journal")] if path.endswith(".journal") else path
+        try:
+            with open(report + SETTLE_ACK, encoding="utf-8") as fh:
+                ack = json.load(fh)
+        except (OSError, ValueError):
+            ack = {}
+        if not isinstance(ack, dict):
+            ack = {}
+        if ack.get("token") != token and _alive(pid, ack.get("host")):
+            waiting.append(f"pid {pid}" + (f" on {ack['host']}" if ack.get("host") else ""))
+    return waiting
+
+
+def _settle(directory: str, settle_s: float, answer_s: float) -> None:
+    """Ask the live workers of ``directory`` to write their reports as at exit, and wait ``settle_s`` at least,
+    and then until each has answered or is gone, ``answer_s`` more at most (then say in one line who did not
+    answer)."""
+    start = time.monotonic()
+    token = f"{os.getpid()}-{time.time_ns()}"
+    request = os.path.join(directory, SETTLE_REQUEST)
+    tmp = f"{request}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(token)
+        os.replace(tmp, request)
+    except OSError as exc:
+        print(f"ownsan ray_env.collect: cannot ask the workers to settle ({request}: {exc.strerror or exc}); "
+              f"their last retentions may still be pending", file=sys.stderr)
+        time.sleep(max(0.0, settle_s))
+        return
+    try:
+        while True:
+            elapsed = time.monotonic() - start
+            if elapsed < settle_s:  # (settle_s: a minimum wait, as before the workers could answer)
+                time.sleep(min(0.05, settle_s - elapsed))
+                continue
+            waiting = _unanswered(directory, token)
+            if not waiting:
+                return
+            if elapsed >= settle_s + answer_s:
+                print(f"ownsan ray_env.collect: {len(waiting)} worker{'s' * (len(waiting) != 1)} did not "
+                      f"answer within {settle_s + answer_s:g} s ({', '.join(waiting)}): merged as last written, "
+                      f"their last retentions may still be pending", file=sys.stderr)
+                return
+            time.sleep(0.05)
+    finally:
+        try:  # never left for a worker started later: it would write as at exit at its first quiet tick
+            os.remove(request)
+        except OSError:
+            pass
+
+
+def collect(report_dir: str, settle_s: float = 1.0, out: Optional[str] = None,
+            answer_s: float = 5.0) -> Dict[str, Any]:
     """The workers' reports in ``report_dir`` merged into one (each finding names its process: rank, Ray
     worker and actor, pid).
 
-    Waits ``settle_s`` first (a worker rewrites its report within its flush interval of a finding), so
-    call it after the job's last ``ray.get`` and before ``ray.shutdown()``. ``out``: also write the merged
-    report there. Under ``ownsan run`` the merged report is also written into the run's own report
-    directory, so the run's merged report, its printed summary and its exit status include every worker's
-    findings. A file that cannot be read is said in one line naming it, and the others are merged.
+    Call it after the job's last ``ray.get`` and before ``ray.shutdown()``. It asks every live worker to
+    write its report as at exit (a view still kept after its bytes were reused is decided a retention then:
+    waiting for the workers' own idle write missed an actor's last one), and waits ``settle_s`` at least,
+    then until every worker has answered or is gone, ``answer_s`` more at most (then one line names those
+    that did not answer, and what they last wrote is merged). ``out``: also write the merged report there.
+    Under ``ownsan run`` the merged report is also written into the run's own report directory, so the run's
+    merged report, its printed summary and its exit status include every worker's findings. A file that
+    cannot be read is said in one line naming it, and the others are merged. Raises ValueError when
+    ``report_dir`` is no directory, or holds no worker's report.
     """
     from sanitizer.reporting import collect as pipeline
 
-    time.sleep(max(0.0, settle_s))
-    found = pipeline.collect([os.fspath(report_dir)])
+    directory = os.fspath(report_dir)
+    if not os.path.isdir(directory):
+        raise ValueError(f"no such directory {directory!r} (the report_dir given to runtime_env()): "
+                         f"no worker report to collect")
+    _settle(directory, settle_s, answer_s)
+    found = pipeline.collect([directory])
     run_dir = os.environ.get(pipeline.ENV_RUN_DIR)
     handed = found.report is not None  # the workers wrote into report_dir: the run needs them handed over
     if found.report is None and not found.unreadable and run_dir:
         # Under ownsan run the workers (the raylet's children, so the run's too) wrote where the run told
         # them: its merge has them. Say so, and return what is there now.
-        print(f"ownsan ray_env.collect: no worker report in {os.fspath(report_dir)!r}; the workers wrote "
+        print(f"ownsan ray_env.collect: no worker report in {directory!r}; the workers wrote "
               f"theirs where ownsan run reads them ({run_dir}): its merged report and exit status have them",
               file=sys.stderr)
         found = pipeline.collect([run_dir])
     for line in found.notes("ownsan ray_env.collect"):
         print(line, file=sys.stderr)
     if found.report is None:
-        raise ValueError(f"no worker report in {os.fspath(report_dir)!r}: did the workers get "
-                         f"runtime_env({os.fspath(report_dir)!r}), and import torch?")
+        raise ValueError(f"no worker report in {directory!r}: did the workers get "
+                         f"runtime_env({directory!r}), and import torch?")
     merged = found.report
-    if handed:
-        pipeline.hand_to_run(merged, os.fspath(report_dir))
+    if handed and pipeline.hand_to_run(merged, directory):
+        pipeline.unpoint_run(directory)  # handed over: ownsan run must not merge the directory again
     if out:  # atomically, or through a device, a FIFO or a symlink's target (never replacing them)
         pipeline.write(merged, os.fspath(out))
     return merged

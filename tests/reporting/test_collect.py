@@ -188,3 +188,27 @@ def test_ownsan_run_exports_its_report_directory(tmp_path):
     code = cli.main(["run", "-q", "--report", str(tmp_path / "r.json"), "--", "python3", "-c",
                      f"import os; open({str(out)!r}, 'w').write(os.environ[{collect.ENV_RUN_DIR!r}])"])
     assert code == 0 and os.path.basename(out.read_text()).startswith("ownsan-")
+
+
+def test_a_ray_job_that_never_collects_still_has_its_workers_reports_merged_by_ownsan_run(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """runtime_env redirects the workers' reports away from the run's directory: without a collect() call the
+    run printed "0 errors; no retentions" and passed. runtime_env leaves a pointer there; the run merges a
+    pointed directory that collect() never handed over (said in one line), and only that one."""
+    from sanitizer.tools import ray_env
+
+    workers, run_dir = tmp_path / "workers", tmp_path / "run"
+    run_dir.mkdir()
+    monkeypatch.setenv(collect.ENV_RUN_DIR, str(run_dir))
+    ray_env.runtime_env(str(workers))
+    rep = _retaining()
+    (workers / "report-71.json").write_text(json.dumps(_as(rep, 71, worker={"kind": "ray", "id": "71"})))
+    (run_dir / "report-70.json").write_text(json.dumps(_as(_clean(), 70)))  # the driver's own
+    found = cli._process_reports(str(run_dir))
+    assert found.report is not None and found.report["error_count"] == 1 and found.failing()
+    lines = [line for line in capsys.readouterr().err.splitlines() if "never collected" in line]
+    assert len(lines) == 1 and str(workers) in lines[0] and "collect() before ray.shutdown()" in lines[0], lines
+    ray_env.collect(str(workers), settle_s=0)  # handed over: merged once, no line
+    found = cli._process_reports(str(run_dir))
+    assert found.report["error_count"] == 1 and sorted(p["pid"] for p in found.report["processes"]) == [70, 71]
+    assert "never collected" not in capsys.readouterr().err

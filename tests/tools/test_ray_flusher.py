@@ -174,3 +174,119 @@ def test_a_worker_given_the_request_at_start_up_is_sanitized_at_its_torch_import
     proc = run_python(code, env_extra=env["env_vars"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "enabled True ['ownsan-report-flusher']" in proc.stdout, proc.stdout
+
+
+class _Ticking:
+    """A flusher ticked every ``interval`` on a thread of its own until the ``with`` block ends (a real one is a
+    daemon thread that never stops: it would tick on into the next tests)."""
+
+    def __init__(self, flusher: _Flusher, interval: float):
+        self.flusher, self.interval, self.ticks = flusher, interval, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ownsan-report-flusher")
+
+    def _run(self):
+        while not self._stop.wait(self.interval):
+            self.ticks.append(self.flusher.tick())
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+@pytest.fixture
+def live_pid():
+    """The pid of a live process other than this one: a worker's report is named by its own pid, and collect()
+    waits only for live workers (this process's own report is never waited for)."""
+    import subprocess
+
+    proc = subprocess.Popen(["sleep", "60"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def test_collect_right_after_the_last_task_gets_an_idle_actors_last_retention(tmp_path, live_pid, capsys,
+                                                                              monkeypatch, fresh_triage):
+    """collect() read the reports after settle_s (1 s) while the actor's kept view was still *pending*: its
+    flusher writes as at exit only after 4 idle intervals (2 s), so the retention was never counted ("no
+    retentions, 1 still pending" and ownsan run exit 0). collect() now asks the live workers to settle."""
+    monkeypatch.delenv("OWNSAN_RUN_REPORT_DIR", raising=False)
+    sanitizer.enable(triage=1, halt_on_error=0, report=str(tmp_path / f"report-{live_pid}.json"))
+    buf = sanitizer.StagingBuffer(NBYTES, name="staging")
+    kept = {"w0": buf.lend(0, (16, 16), torch.float32, name="w0")}  # an actor's attribute, never read again
+    buf.reuse(0, NBYTES, by="w1")  # the task's last reuse; the driver's ray.get returns
+    flusher = _Flusher(0.3)
+    assert _tick_elsewhere(flusher) == "write"  # what the worker wrote before collect() came
+    with _Ticking(flusher, 0.3) as ticking:
+        merged = ray_env.collect(str(tmp_path), settle_s=0.1)
+    assert [e["lease"]["name"] for e in merged["events"] if e["kind"] == "retention"] == ["w0"]
+    assert "settled" in ticking.ticks and "final" not in ticking.ticks, ticking.ticks
+    assert "did not answer" not in capsys.readouterr().err
+    assert not (tmp_path / ray_env.SETTLE_REQUEST).exists()  # (no later worker settles on a stale request)
+    del kept
+    buf.close()
+
+
+def test_a_settle_request_waits_for_a_tick_with_nothing_lent_since_the_last(tmp_path, fresh_triage):
+    """A worker still running a loop when collect() asks must not write as at exit mid-loop (the view its
+    loop variable was about to drop would be decided a retention): it answers at its first quiet tick."""
+    path = tmp_path / "report-7.json"
+    sanitizer.enable(triage=1, halt_on_error=0, report=str(path))
+    buf = sanitizer.StagingBuffer(NBYTES, name="staging")
+    flusher = _Flusher(0.5)
+    (tmp_path / ray_env.SETTLE_REQUEST).write_text("token-1")
+    v = buf.lend(0, (16, 16), torch.float32, name="w0")
+    written = []
+    for i in range(1, 8):
+        buf.reuse(0, NBYTES, by=f"w{i}")
+        nxt = buf.lend(0, (16, 16), torch.float32, name=f"w{i}")
+        written.append(_tick_elsewhere(flusher))
+        v = nxt
+    del v, nxt
+    assert "settled" not in written, written
+    assert _tick_elsewhere(flusher) == "settled"  # nothing lent since the previous tick
+    ack = json.loads((tmp_path / ("report-7.json" + ray_env.SETTLE_ACK)).read_text())
+    assert ack["token"] == "token-1" and ack["host"]
+    assert _tick_elsewhere(flusher) != "settled"  # one answer per token
+    assert triage.retentions() == []
+    buf.close()
+
+
+def test_collect_waits_for_live_workers_within_a_bound_and_not_for_gone_ones(tmp_path, live_pid, capsys,
+                                                                             monkeypatch, fresh_triage):
+    """A live worker that never answers (no flusher) is waited for answer_s at most and named in one line; a
+    report left by a worker that is gone is merged without a wait."""
+    import subprocess
+    import time
+
+    monkeypatch.delenv("OWNSAN_RUN_REPORT_DIR", raising=False)
+    sanitizer.enable(triage=1, halt_on_error=0)
+    report = rep.report(final=True)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (tmp_path / f"report-{gone.pid}.json").write_text(json.dumps(dict(report, pid=gone.pid)))
+    start = time.monotonic()
+    ray_env.collect(str(tmp_path), settle_s=0, answer_s=5.0)
+    assert time.monotonic() - start < 2.0  # not waited for
+    assert "did not answer" not in capsys.readouterr().err
+    (tmp_path / f"report-{live_pid}.json").write_text(json.dumps(dict(report, pid=live_pid)))
+    start = time.monotonic()
+    merged = ray_env.collect(str(tmp_path), settle_s=0, answer_s=0.5)
+    assert 0.5 <= time.monotonic() - start < 3.0
+    assert sorted(p["pid"] for p in merged["processes"]) == sorted([gone.pid, live_pid])
+    lines = [line for line in capsys.readouterr().err.splitlines() if "did not answer" in line]
+    assert len(lines) == 1 and f"pid {live_pid}" in lines[0] and f"pid {gone.pid}" not in lines[0], lines
+
+
+def test_collect_on_a_directory_that_does_not_exist_says_so_and_blames_no_killed_process(tmp_path, capsys):
+    missing = tmp_path / "ownsan-reprots"
+    with pytest.raises(ValueError) as info:
+        ray_env.collect(str(missing), settle_s=0)
+    assert "no such directory" in str(info.value) and str(missing) in str(info.value)
+    err = capsys.readouterr().err
+    assert "cannot be read" not in err and "killed" not in err, err

@@ -121,3 +121,20 @@ def test_ray_workers_findings_fail_ownsan_run_with_the_documented_recipe(tmp_pat
     assert "Ray worker" in _header(proc.stderr) and ", actor " in proc.stderr and ", tasks (pid" in proc.stderr
     kept = next(line for line in proc.stderr.splitlines() if "kept in " in line)
     assert kept.count("Ray worker") == 2, kept
+
+
+@pytest.mark.slow
+def test_a_ray_job_that_never_calls_collect_still_fails_ownsan_run(tmp_path):
+    # The recipe redirects the workers' reports to its own directory: without collect() the run printed
+    # "0 errors; no retentions" and exited 0. runtime_env leaves the run a pointer to it now.
+    pytest.importorskip("ray", reason="ray is not installed here (pip install ray to run this test)")
+    script = RAY.replace("merged = collect(reports, settle_s=3.0)", "import time; time.sleep(3.0)  # no collect()")
+    script = script.replace('print("collected", merged["error_count"])', "")
+    assert "collect(reports" not in script
+    proc = _ownsan_run(tmp_path, script, sys.executable, "prog.py", str(tmp_path / "reports"),
+                       RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    assert "totals" in proc.stdout, proc.stderr[-4000:]
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    assert "8 errors (8 stale_use)" in proc.stderr, proc.stderr[-4000:]
+    never = [line for line in proc.stderr.splitlines() if "were never collected" in line]
+    assert len(never) == 1 and str(tmp_path / "reports") in never[0], proc.stderr[-4000:]
