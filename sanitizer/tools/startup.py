@@ -124,7 +124,7 @@ def _enable_now(trigger: str) -> None:
 
         state["activated"] = True
         if ray_worker:
-            from sanitizer.tools.ray_env import start_flusher
+            from sanitizer.tools.ray_flusher import start_flusher
 
             start_flusher()
     except Exception as exc:
