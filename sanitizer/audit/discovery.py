@@ -18,6 +18,7 @@ router weights, and it is never looped over.
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -118,6 +119,23 @@ def _mapping_names(info: FunctionInfo) -> Dict[str, str]:
     return used
 
 
+# Words that name tensors a program owns and keeps by name, not a checkpoint's: KV caches, buffers,
+# gradients, optimizer state, activations (`kv_caches`, `register_kv_caches`, a trainer's `buffers`).
+_OTHER_STATE = re.compile(r"(^|_)(kv|caches?|buffers?|bufs|grads?|gradients?|optim\w*|activations?)(_|$)")
+
+
+def _holds_other_state(param: str, function: str) -> bool:
+    """Is a ``dict[str, Tensor]`` parameter named, or handed to a function named, for state the program
+    owns (aphrodite's kv-transfer connectors' ``register_kv_caches(kv_caches)``, a LoRA trainer's
+    ``set_buffers(buffers)``)? Such a dict is read by name as a dict of weights is, but its tensors are
+    no loader's: they are not borrowed. The function's name counts only when it does not also say it
+    loads something (``load_kv_cache_scales(weights)`` reads a checkpoint)."""
+    if _OTHER_STATE.search(param.lower()):
+        return True
+    low = function.lower()
+    return bool(_OTHER_STATE.search(low)) and "load" not in low and "weight" not in low
+
+
 def _looks_like_loader(name: str) -> bool:
     return bool(V.LOADER_FUNCTION.search(name)) or "weight_loader" in name
 
@@ -152,7 +170,7 @@ def seeds_of(info: FunctionInfo, settings: Optional[Settings] = None) -> List[Se
             # or passed on whole (a cache view's `self._caches = caches`) is no weight source
             if mapping is None:
                 mapping = _mapping_names(info)
-            if name in mapping:
+            if name in mapping and not _holds_other_state(name, info.name):
                 seeds.append(Seed(name, MAPPING, f"a dict of weights by name, annotated {ann}"))
             continue
         if ann and V.LIST_OF_PAIRS.match(ann):

@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from sanitizer.audit import vocabulary as V
 from sanitizer.audit.calls import CallRules
 from sanitizer.audit.findings import Finding, Link
-from sanitizer.audit.index import FunctionInfo, annotation_text
+from sanitizer.audit.index import FunctionInfo, annotation_text, dotted
 from sanitizer.audit.snippets import Snippets
 from sanitizer.audit.stores import StoreRules
 from sanitizer.audit.targets import binding_kind, is_fresh_container, root_of
@@ -81,6 +81,9 @@ class Flow(StoreRules, CallRules):
         self._loops_t: Tuple[int, ...] = (self.func_step,)  # tuple(self.loops), kept for every binding's Slot
         self._declared_global, self._declared_nonlocal = info.declared
         self.loop_nodes: Dict[int, ast.AST] = {}
+        self._stream_steps: set = set()  # loops over a weights iterator: it is resumed once more at their end
+        self._aliases: Dict[str, Tuple[ast.expr, ...]] = {}  # loop targets that name one of a literal's containers
+        self._attrs = False  # some attribute was given a borrowed tensor (kept in the env as `self.weight`)
         self._comp_steps: set = set()  # the steps that are comprehensions' (not statement loops)
         self.state = State()
         self.out = Outcome()
@@ -209,16 +212,40 @@ class Flow(StoreRules, CallRules):
         step_id = id(node)
         self._push_loop(step_id)
         self.loop_nodes[step_id] = node
+        if isinstance(node, ast.While) or (it is not None and it.kind == ITER):  # (a while: `next(it)`)
+            self._stream_steps.add(step_id)
         before = self.state.copy()
         target = getattr(node, "target", None)
         for _ in range(2):
             if target is not None:
                 item = self.item_of(it, step_id, node)
                 self.assign(target, item, None, node, loop_target=True)
+                self._alias_loop_target(target, getattr(node, "iter", None))
             self.block(node.body)  # type: ignore[attr-defined]
         self._pop_loop()
         self.state.join(before)
         self.block(getattr(node, "orelse", []))
+
+    def _alias_loop_target(self, target: ast.AST, it: Optional[ast.AST]) -> None:
+        """``for proj, dst in (("gate", gate_rows), ("up", up_rows)):`` -- ``dst`` is one of the literal's
+        containers each iteration: a store through it (``dst[i] = w``) is a store into each of them,
+        judged by their own lifetimes and kinds (a list bound before the loop, a parameter tensor)."""
+        if not isinstance(it, (ast.Tuple, ast.List)) or not it.elts:
+            return
+        if isinstance(target, ast.Name):
+            names: List[ast.AST] = [target]
+            rows = [[e] for e in it.elts]
+        elif isinstance(target, ast.Tuple) and all(isinstance(e, (ast.Tuple, ast.List)) and
+                                                   len(e.elts) == len(target.elts) for e in it.elts):
+            names, rows = list(target.elts), [e.elts for e in it.elts]  # type: ignore[attr-defined]
+        else:
+            return
+        for j, name in enumerate(names):
+            column = tuple(row[j] for row in rows)
+            if isinstance(name, ast.Name) and all(
+                    (isinstance(c, ast.Name) and c.id in self.state.slots) or
+                    (isinstance(c, ast.Attribute) and dotted(c) and not dotted(c).startswith("?")) for c in column):
+                self._aliases[name.id] = column
 
     def item_of(self, it: Optional[Val], step_id: int, node: ast.AST) -> Optional[Val]:
         """One item of what a loop iterates, stamped with the loop's step when it is a fresh iteration."""
@@ -239,20 +266,42 @@ class Flow(StoreRules, CallRules):
             self.bind_name(target.id, val, value, stmt, loop_target)
         elif isinstance(target, (ast.Tuple, ast.List)):
             parts = self.unpack(val, len(target.elts))
-            for elt, part in zip(target.elts, parts):
+            # `gate_rows, up_rows = [], []`: each name is bound to its own element (a fresh container)
+            values = value.elts if isinstance(value, (ast.Tuple, ast.List)) and len(value.elts) == len(target.elts) \
+                and not any(isinstance(e, ast.Starred) for e in value.elts) else [None] * len(target.elts)
+            for elt, part, sub in zip(target.elts, parts, values):
                 if isinstance(elt, ast.Starred):
                     self.assign(elt.value, val.then(HOLDER) if val is not None and part is not None else None,
                                 None, stmt, loop_target)
                 else:
-                    self.assign(elt, part, None, stmt, loop_target)
+                    self.assign(elt, part, sub, stmt, loop_target)
         elif isinstance(target, ast.Attribute):
             base = self.ev(target.value)
             if val is not None and (base is None or base.kind != TENSOR):
                 self.attribute_store(target, val, stmt)
+            self._remember_attribute(target, val, stmt)
         elif isinstance(target, ast.Subscript):
             self.subscript_store(target, val, stmt)
         elif isinstance(target, ast.Starred):
             self.assign(target.value, val, value, stmt, loop_target)
+
+    def _remember_attribute(self, target: ast.Attribute, val: Optional[Val], stmt: ast.AST) -> None:
+        """``self.weight = w`` makes ``self.weight`` read as ``w`` for the rest of the walk, so that an
+        in-place write through the attribute (``self.weight += bias``, ``self.weight.data.mul_(s)``) is
+        found. The store itself is reported where it is made: the value read back is marked reported,
+        so it is judged again only for in-place writes. Kept in the env under the dotted name (no local
+        has a dot), so that branches and loops join it as they join names."""
+        key = dotted(target)
+        if not key or key.startswith("?"):
+            return
+        if val is not None and val.kind == TENSOR and not val.capture:
+            self.state.env[key] = val.then(link=Link(getattr(stmt, "lineno", 0), self.fn, f"stored in `{key}`"),
+                                           reported=True, label=f"`{key}`")
+            self._attrs = True
+        elif self._attrs:
+            self.state.env.pop(key, None)
+        if self._attrs:
+            self.state.slots[key] = Slot(False, self._loops_t, "tensor" if val is not None else "unknown")
 
     def unpack(self, val: Optional[Val], n: int) -> List[Optional[Val]]:
         if val is None:
@@ -272,6 +321,11 @@ class Flow(StoreRules, CallRules):
 
     def bind_name(self, name: str, val: Optional[Val], value: Optional[ast.AST], stmt: ast.AST,
                   loop_target: bool) -> None:
+        if self._aliases:
+            self._aliases.pop(name, None)
+        if self._attrs:
+            for key in [k for k in self.state.env if k.startswith(name + ".")]:
+                del self.state.env[key]
         if val is not None and (name in self._declared_global or name in self._declared_nonlocal):
             where = "global" if name in self._declared_global else "nonlocal"
             self.report("OWN106", stmt, val, f"{where} name", f"{self._what(val)} is stored in the {where} "
@@ -462,7 +516,7 @@ class Flow(StoreRules, CallRules):
     def _ev_attribute(self, node: ast.Attribute) -> Optional[Val]:
         base = self.ev(node.value)
         if base is None:
-            return None
+            return self.state.env.get(dotted(node)) if self._attrs else None  # `self.weight`, given `w` above
         if base.kind == TENSOR and node.attr in V.ALIAS_ATTRIBUTES:
             return base.then(TENSOR, Link(node.lineno, self.fn, f"`.{node.attr}`"))
         if base.kind == HOLDER and node.attr in ("args", "kwargs", "arguments"):

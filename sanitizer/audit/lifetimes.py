@@ -103,6 +103,10 @@ def _block_binds(block: List[ast.stmt], name: str) -> bool:
     return any(_binds(s, name) for s in block)
 
 
+# What may move a loader on between two points: a call, a loop (``__next__``), ``await``, ``yield``.
+_FETCHES = (ast.Call, ast.For, ast.AsyncFor, ast.While, ast.comprehension, ast.Await, ast.Yield, ast.YieldFrom)
+
+
 class LoopLifetimes:
     """Answers "is this name read past its step?" for the loops of one function (parents built once)."""
 
@@ -135,6 +139,29 @@ class LoopLifetimes:
             if _position(use) > end:
                 return use if isinstance(use.ctx, ast.Load) and not self._inside(use, loop) else None
         return None
+
+    def returned_fresh(self, name: str, loop: ast.AST, use: ast.Name) -> bool:
+        """Is ``use`` (a read after ``loop``) the value of a ``return`` reached with nothing fetched since
+        the last iteration, which rebinds ``name`` on every path? Then it holds the last iteration's value
+        while it is still the loader's current one (``for key in keys: res = {...}`` then ``return res``):
+        no call, loop, ``await`` or ``yield`` between the loop's end and the read, and no ``with`` around
+        the loop that closes before it (its exit is a call). For a loop over a getter's keys only: a loop
+        over the weights iterator resumes it once more to find its end (the caller checks that)."""
+        parent = self.parent.get(id(use), (None, None))[0]
+        while parent is not None and not isinstance(parent, ast.stmt):
+            parent = self.parent.get(id(parent), (None, None))[0]
+        if not isinstance(parent, ast.Return) or not _block_binds(getattr(loop, "body", []), name):
+            return False
+        start, stop = _end(loop), _position(use)
+        for node in ast.walk(self.function):
+            if isinstance(node, _FETCHES) and start < _position(node) < stop:
+                return False
+        cur = self.parent.get(id(loop), (None, None))[0]
+        while cur is not None and cur is not self.function:
+            if isinstance(cur, (ast.With, ast.AsyncWith)) and not self._inside(use, cur):
+                return False
+            cur = self.parent.get(id(cur), (None, None))[0]
+        return True
 
     def read_by_next_iteration(self, name: str, loop: ast.AST) -> Optional[ast.Name]:
         """A read of ``name`` in ``loop``'s body that no binding earlier in the same iteration dominates."""

@@ -159,6 +159,12 @@ class StoreRules:
         self._store_found(code, stmt, val, pattern, message, place, index)
 
     def subscript_store(self, target: ast.Subscript, val: Optional[Val], stmt: ast.AST) -> None:
+        aliased = self._aliases.get(target.value.id) if self._aliases and type(target.value) is ast.Name else None
+        if aliased:  # `dst[i] = w`, `dst` a loop target over (name, container) pairs: into each container
+            for expr in aliased:
+                self.subscript_store(ast.copy_location(ast.Subscript(value=expr, slice=target.slice, ctx=ast.Store()),
+                                                       target), val, stmt)
+            return
         base = self.ev(target.value)
         self.ev(target.slice)
         if base is not None and base.kind == TENSOR:
@@ -215,6 +221,13 @@ class StoreRules:
             return
         func = node.func
         assert isinstance(func, ast.Attribute)
+        aliased = self._aliases.get(func.value.id) if self._aliases and type(func.value) is ast.Name else None
+        if aliased:  # `dst.append(w)`, `dst` a loop target over containers: into each of them
+            for expr in aliased:
+                call = ast.Call(func=ast.Attribute(value=expr, attr=meth, ctx=ast.Load()), args=node.args,
+                                keywords=node.keywords)
+                self.container_method(ast.copy_location(call, node), meth, args, kwargs)
+            return
         root = root_of(func.value)
         slot = self.state.slots.get(root.name) if root.name else None
         kind = slot.kind if slot is not None and not root.through_attribute else None
@@ -240,8 +253,9 @@ class StoreRules:
             later = lifetimes.read_by_next_iteration(name, loop)
             after = None if later is not None else lifetimes.read_after(name, loop)
             use = later or after
-            if use is None:
-                continue
+            if use is None or (after is not None and step not in self._stream_steps
+                               and lifetimes.returned_fresh(name, loop, after)):
+                continue  # the last iteration's value, returned before anything fetches again
             when = "by a later iteration" if later is not None else "after the loop"
             self.report("OWN105", stmt, val, f"variable read {when}",
                         f"`{name}` keeps {self._what(val)} past its step: it is read {when} (line {use.lineno}), "

@@ -97,11 +97,12 @@ class State:
         return State(dict(self.env), dict(self.slots))
 
     def join(self, other: "State") -> None:
+        # an attribute's value (``self.weight``, see Flow._remember_attribute) set on one path only is a maybe
         for name, val in other.env.items():
             if name not in self.env:
-                self.env[name] = replace(val, maybe=True) if name in self.slots else val
+                self.env[name] = replace(val, maybe=True) if name in self.slots or "." in name else val
         for name, val in list(self.env.items()):
-            if name not in other.env and name in other.slots and not val.maybe:
+            if name not in other.env and (name in other.slots or "." in name) and not val.maybe:
                 self.env[name] = replace(val, maybe=True)
         for name, slot in other.slots.items():
             mine = self.slots.get(name)

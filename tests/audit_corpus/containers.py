@@ -172,3 +172,30 @@ def safe_fresh_entry(weights: Iterable[tuple[str, torch.Tensor]]):
     for name, w in weights:
         entry = {"weight": w, "name": name}  # a per-step dict, consumed in the step
         yield entry["name"], torch.stack([entry["weight"]])
+
+
+class KeepThroughLoopTarget(nn.Module):
+    """An expert loader that picks its destination list with a loop over (projection, list) pairs: the
+    list is reached through the loop target `dst`, not by its own name (issue 50, pattern 2)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        gate_rows = [None] * 8
+        up_rows = [None] * 8
+        for name, loaded in weights:
+            expert = int(name.split(".")[3])
+            for proj, dst in (("gate_proj", gate_rows), ("up_proj", up_rows)):
+                if proj in name:
+                    dst[expert] = loaded  # expect: OWN101
+        self.w13 = torch.cat([torch.stack(gate_rows), torch.stack(up_rows)])
+
+
+class SafeThroughLoopTargetPerStep(nn.Module):
+    """The same choice of destination, into lists made in the step and copied before it ends."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        for name, loaded in weights:
+            gate_rows, up_rows = [], []
+            for proj, dst in (("gate_proj", gate_rows), ("up_proj", up_rows)):
+                if proj in name:
+                    dst.append(loaded)
+            self.w13[name] = torch.cat(gate_rows + up_rows)

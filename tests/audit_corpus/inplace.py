@@ -47,3 +47,21 @@ class SafeInplace(nn.Module):
 def safe_inplace_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
     param.data.copy_(loaded_weight)
     param.data.div_(param.data.abs().max())
+
+
+class KeepInPlaceThroughAttribute(nn.Module):
+    """A bias folded in after the weight is stored on the module: the write goes through the attribute
+    the borrowed view was stored in (issue 50, pattern 3)."""
+
+    def weight_loader(self, param, loaded_weight):
+        self.weight = loaded_weight  # expect: OWN102
+        self.weight += self.bias_fold  # expect: OWN120
+        self.weight.data.mul_(self.scale)  # expect: OWN120
+
+
+class SafeInPlaceAfterReplacingAttribute(nn.Module):
+    """The attribute is given an owned copy before the write."""
+
+    def weight_loader(self, param, loaded_weight):
+        self.weight = loaded_weight.clone()
+        self.weight += self.bias_fold

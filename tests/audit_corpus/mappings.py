@@ -126,3 +126,23 @@ class SafeNamedCacheView:
     def __init__(self, caches: Dict[str, torch.Tensor], layer_maps=None):
         self._caches = caches
         self._layer_maps = layer_maps or {}
+
+
+class SafeKvTransferConnector:
+    """A KV-transfer connector is handed the KV caches by layer name and reads them by name: a
+    `dict[str, Tensor]` of caches, not of weights (issue 50, false-alarm class b)."""
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        self.kv_caches = kv_caches
+        first = kv_caches[next(iter(kv_caches))]
+        self.block_bytes = first[0].numel() * first.element_size()
+        for layer_name, cache in kv_caches.items():
+            self.by_layer[layer_name] = cache
+
+
+class SafeTrainerBuffers:
+    """A LoRA trainer's buffers by name, kept for the training run: they are its own tensors."""
+
+    def set_buffers(self, buffers: Dict[str, torch.Tensor]) -> None:
+        for name, buf in buffers.items():
+            self.buffers[name] = buf

@@ -4,6 +4,7 @@ from typing import Iterable
 
 import torch
 from torch import nn
+from safetensors import safe_open
 
 
 class KeepVariables(nn.Module):
@@ -79,3 +80,31 @@ def keep_walrus_bound_on_some_steps(weights: Iterable[tuple[str, torch.Tensor]],
         if name.endswith("b") and (t := w) is not None:  # expect: OWN105
             pass
         params[name].copy_(t)
+
+
+def safe_last_fetch_returned(path, keys):
+    """A getter fetched once per key, the last one's entry returned straight after the loop: nothing
+    fetches between the loop's end and the `return`, so the last tensor is still the loader's current one
+    (issue 50, false-alarm class a)."""
+    f = safe_open(path, framework="pt")
+    for key in keys:
+        tensor = f.get_tensor(key)
+        res = {"name": key, "tensor": tensor}
+    return res
+
+
+def keep_last_fetch_then_fetch_again(path, keys):
+    """The same, but a fetch happens between the loop and the `return`: the kept entry is stale."""
+    f = safe_open(path, framework="pt")
+    for key in keys:
+        tensor = f.get_tensor(key)
+        res = {"name": key, "tensor": tensor}  # expect: OWN105
+    extra = f.get_tensor("lm_head.weight")
+    return res, extra
+
+
+def keep_last_of_stream_returned(weights: Iterable[tuple[str, torch.Tensor]]):
+    """A weights iterator is resumed once more to find its end: its last item is stale after the loop."""
+    for name, w in weights:
+        last = w  # expect: OWN105
+    return last
