@@ -115,9 +115,13 @@ class CallRules:
                 return True, Val(TENSOR, step, base.chain + (link,), self.fn, label=f"`{self.snip(node, 40)}`")
             if meth in V.SOURCE_ITER_METHODS:
                 return True, base.then(ITER, link, elem=ELEM_PAIR)
-            if meth in V.SOURCE_SOURCE_METHODS:
+            if meth in V.SOURCE_SOURCE_METHODS or meth in V.HANDLE_LOOKUPS:
                 return True, base.then(SOURCE, link)
-            return True, None
+            if meth in V.SOURCE_DICT_METHODS:  # fastsafetensors' `fb.as_dict(names)`: the tensors by name
+                step = next((x for x in reversed(self.loops) if x not in self._comp_steps), self.func_step)
+                return True, Val(HOLDER, step, base.chain + (link,), self.fn, label=f"`{self.snip(node, 40)}`",
+                                 mapping=True)
+            return False, None  # a getter object's own method: a producer by name, or nothing (function_call)
         return True, None  # a PAIR has no methods that matter
 
     def function_call(self, node: ast.Call, name: str, args: Sequence[Optional[Val]],
@@ -175,15 +179,26 @@ class CallRules:
             return None
         if V.SOURCE_FACTORIES.search(name):
             return Val(SOURCE, 0, (Link(node.lineno, self.fn, f"opened by `{self.snip(node, 40)}`"),), self.fn)
-        configured = self.producer_kind(name) if self.producer_kind is not None else None
-        if configured == "tensor":
-            # a getter (`weights.get_tensor(n)`): one borrowed tensor, valid for the step that fetched it, as
-            # a source's `f.get_tensor(k)` is (the innermost statement loop's iteration, else the call)
+        builtin = V.loader_call_kind(name, node)
+        configured = builtin or (self.producer_kind(name) if self.producer_kind is not None else None)
+        if configured in ("tensor", "dict", "holder"):
+            # a getter (`weights.get_tensor(n)`, `load_file(path)`, a helper inferred to return one): borrowed,
+            # valid for the step that fetched it, as a source's `f.get_tensor(k)` is (the innermost statement
+            # loop's iteration, else the call); a conversion the getter applies is kept for OWN107
             step = next((x for x in reversed(self.loops) if x not in self._comp_steps), self.func_step)
-            return Val(TENSOR, step, (Link(node.lineno, self.fn, f"returned by `{self.snip(node, 40)}`"),), self.fn,
-                       label=f"`{self.snip(node, 40)}`")
+            origin = getattr(configured, "origin", "")
+            text = f"returned by `{self.snip(node, 40)}`" + (f" (a producer: {origin})" if origin else "")
+            return Val(TENSOR if configured == "tensor" else HOLDER, step, (Link(node.lineno, self.fn, text),),
+                       self.fn, label=f"`{self.snip(node, 40)}`", convert=getattr(configured, "convert", ""),
+                       mapping=configured == "dict")
+        if configured == "source":  # a helper inferred to return a loader's handle (`self._get_handle(f)`)
+            origin = getattr(configured, "origin", "")
+            return Val(SOURCE, 0, (Link(node.lineno, self.fn, f"opened by `{self.snip(node, 40)}`"
+                                        + (f" (a producer: {origin})" if origin else "")),), self.fn)
         if V.ITERATOR_FACTORY.search(name) or configured is not None:
-            return Val(ITER, 0, (Link(node.lineno, self.fn, f"yielded by `{self.snip(node, 40)}`"),), self.fn,
+            origin = getattr(configured, "origin", "")
+            return Val(ITER, 0, (Link(node.lineno, self.fn, f"yielded by `{self.snip(node, 40)}`"
+                                      + (f" (a producer: {origin})" if origin else "")),), self.fn,
                        elem=ELEM_PAIR, label=f"`{self.snip(node, 40)}`")
         if name in V.PURE_BUILTINS or V.NON_TENSOR_CALLS.search(name):
             return None

@@ -121,7 +121,15 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "ownsan audit") -> in
     except (SettingsError, CodeSelectionError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
-    if args.show_settings:
+    if args.show_settings:  # with the producers the audit would infer over these paths (and where from)
+        from sanitizer.audit.inference import infer_paths
+        from sanitizer.audit.sources import AuditInputError, python_files
+
+        try:
+            settings = infer_paths(python_files(paths, settings.exclusion()), settings)
+        except AuditInputError as exc:
+            print(f"{prog}: {exc}", file=sys.stderr)
+            return 2
         sys.stdout.write(settings.describe())
         return 0
     from sanitizer.audit import crosscheck as cc

@@ -14,6 +14,8 @@ from sanitizer.audit.discovery import Seed, seed_value, seeds_of, uses_producer
 from sanitizer.audit.findings import Finding
 from sanitizer.audit.flow import Flow
 from sanitizer.audit.index import FunctionInfo, build_index
+from sanitizer.audit.inference import handles_of, infer, infer_paths, may_define_producer
+from sanitizer.audit.producers import InferredProducers
 from sanitizer.audit.project import Project
 from sanitizer.audit.selection import RuleSelection, parse_selectors, resolve
 from sanitizer.audit.settings import Settings
@@ -91,8 +93,13 @@ def analyse(source: Source, project: Optional[Project] = None, settings: Optiona
     index = build_index(source.path, source.tree)
     snippets = Snippets(source.text)
     analysis = ModuleAnalysis(source.path, index, snippets, project, settings)
+    inferred = settings.inferred if settings is not None else None
     producers = bool(PRODUCER_HINT.search(source.text)) or bool(
         settings is not None and any(p.rpartition(".")[2].strip("*") in source.text for p in settings.producers))
+    handles = None
+    if may_define_producer(source.text, inferred or InferredProducers()):
+        producers = True
+        handles = analysis.handles = handles_of(index, settings)
     roots = []
     seeds_by_fn: Dict[int, List[Seed]] = {}
     for info in index.functions:
@@ -100,7 +107,7 @@ def analyse(source: Source, project: Optional[Project] = None, settings: Optiona
         if info.parent is not None:
             seeds = seeds + _inherited(info, seeds_by_fn)
         seeds_by_fn[id(info)] = seeds
-        if seeds or (producers and uses_producer(info, settings)):
+        if seeds or (producers and (uses_producer(info, settings) or (handles is not None and handles.reads(info)))):
             roots.append((0 if any(s.kind == ITER for s in seeds) else 1, info, seeds))
     roots.sort(key=lambda r: r[0])  # iterator consumers first: their chains are the informative ones
     found: Dict[Tuple[str, int, int, str], Finding] = {}
@@ -111,6 +118,8 @@ def analyse(source: Source, project: Optional[Project] = None, settings: Optiona
         flow = Flow(source.path, info, {s.param: seed_value(info, s) for s in seeds}, index.globals, snippets,
                     analysis.resolve, module_aliases=index.module_aliases, producer_kind=analysis.producer_kind,
                     hands_on=settings is not None and settings.names_producer(info.name))
+        if handles is not None:
+            flow.attribute_source = handles.value  # `self.f.get_tensor(n)` with `self.f = safe_open(...)`
         try:
             outcome = flow.run()
         except RecursionError:
@@ -160,6 +169,8 @@ def audit_sources(sources: Iterable[Source], select: Optional[Sequence[str]] = N
                   extend_select: Sequence[str] = ()) -> AuditResult:
     codes = reported_codes(select, ignore, settings, extend_select)
     result = AuditResult()
+    sources = list(sources)
+    settings = infer(sources, settings)  # producers inferred over these modules (:mod:`.producers`)
     for source in sources:
         try:
             _audit_one(source, codes, result, settings=settings)
@@ -180,6 +191,7 @@ def audit_paths(paths: Sequence[str], select: Optional[Sequence[str]] = None,
     codes = reported_codes(select, ignore, settings, extend_select)
     files = python_files(paths, settings.exclusion() if settings is not None else None)
     with _collector_paused():
+        settings = infer_paths(files, settings)  # producers inferred over the files (:mod:`.producers`)
         return _audit_files(files, codes, settings)
 
 

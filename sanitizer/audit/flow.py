@@ -59,6 +59,11 @@ class Flow(StoreRules, CallRules):
     (helpers, producers, views, OWN103) :class:`~sanitizer.audit.calls.CallRules`. ``resolve_call`` handles calls into same-module functions (summaries);
     ``summary_param`` is the index of the seeded parameter in summary mode (None: root mode)."""
 
+    # Producer inference (:mod:`.producers`): record what the function returns or yields from a producer
+    infer: bool = False
+    # ``self.<attr>`` that holds a loader handle (``self.f = safe_open(...)`` in ``__init__``): its Val, or None
+    attribute_source: Optional[Callable[["Flow", ast.Attribute], Optional[Val]]] = None
+
     def __init__(self, path: str, info: FunctionInfo, seeds: Dict[str, Val], module_globals: Sequence[str],
                  snippets: Snippets, resolve_call: Optional[Resolver] = None, summary_param: Optional[int] = None,
                  module_aliases: Sequence[str] = ("torch", "np", "numpy"),
@@ -164,6 +169,8 @@ class Flow(StoreRules, CallRules):
     def _st_return(self, node: ast.Return) -> None:
         if node.value is not None:
             val = self.ev(node.value)
+            if self.infer and val is not None and val.seed is None and self.out.produced is None:
+                self.out.produced = val  # (before the report below: what it hands on is what it produces)
             if val is not None and self.summary_param is not None and val.seed is not None:
                 self.out.returns = self.out.returns or val
             elif val is not None and self.summary_param is None and val.obj and val.step == self.func_step \
@@ -516,7 +523,13 @@ class Flow(StoreRules, CallRules):
     def _ev_attribute(self, node: ast.Attribute) -> Optional[Val]:
         base = self.ev(node.value)
         if base is None:
-            return self.state.env.get(dotted(node)) if self._attrs else None  # `self.weight`, given `w` above
+            got = self.state.env.get(dotted(node)) if self._attrs else None  # `self.weight`, given `w` above
+            if got is None and self.attribute_source is not None and type(node.value) is ast.Name \
+                    and node.value.id == self.self_name():  # type: ignore[attr-defined]
+                return self.attribute_source(self, node)  # a loader handle kept on self (a getter object)
+            return got
+        if base.kind == SOURCE:
+            return None  # a handle's attributes (metadata, names)
         if base.kind == TENSOR and node.attr in V.ALIAS_ATTRIBUTES:
             return base.then(TENSOR, Link(node.lineno, self.fn, f"`.{node.attr}`"))
         if base.kind == HOLDER and node.attr in ("args", "kwargs", "arguments"):
@@ -569,6 +582,8 @@ class Flow(StoreRules, CallRules):
 
     def _ev_yield(self, node: ast.AST) -> Optional[Val]:
         val = self.ev(node.value)  # type: ignore[attr-defined]
+        if self.infer and val is not None and val.seed is None and self.out.produced_yield is None:
+            self.out.produced_yield = val
         if val is not None and self.summary_param is not None and val.seed is not None:
             self.out.yields = self.out.yields or val
         return None
@@ -596,6 +611,8 @@ class Flow(StoreRules, CallRules):
             return element_of(base)
         if base.kind == ITER and base.reported:
             return element_of(base)
+        if base.kind == SOURCE:
+            return base  # a dict or list of handles (``self._handles[filename]``): one handle
         return None
 
     def literal(self, node: ast.AST, elts: Sequence[Optional[ast.AST]]) -> Optional[Val]:

@@ -35,11 +35,14 @@ import fnmatch
 import os
 import re
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from sanitizer.audit.codes import CodeSelectionError
 from sanitizer.audit.exclusion import Exclusion
 from sanitizer.audit.selection import RuleSelection, codes_of, parse_selectors
+
+if TYPE_CHECKING:
+    from sanitizer.audit.producers import InferredProducers
 
 CONSUMER_KINDS = ("tensor", "iterator", "dict", "pairs")
 # What a configured producer's call returns: an iterator of (name, tensor) pairs (one step per item), or
@@ -76,6 +79,8 @@ class Settings:
     exclude: Optional[Tuple[str, ...]] = None  # None: the default list
     extend_exclude: Tuple[str, ...] = ()
     _producer_res: Optional[List["re.Pattern[str]"]] = None
+    # producers inferred over the audited files (:mod:`.producers`): consulted after the configured ones
+    inferred: Optional["InferredProducers"] = None
 
     @property
     def root(self) -> Optional[str]:
@@ -104,13 +109,16 @@ class Settings:
     def producer_kind(self, call_name: str) -> Optional[str]:
         """What ``call_name`` (dotted, as written) returns when it is a configured producer (equal, a dotted
         suffix, or a glob): ``"iterator"`` or ``"tensor"``; None when it is not one."""
-        if not self.producers or not call_name:
+        if not call_name:
             return None
-        if self._producer_res is None:
-            self._producer_res = [re.compile(fnmatch.translate(p)) for p in self.producers]
-        for i, (p, rx) in enumerate(zip(self.producers, self._producer_res)):
-            if call_name == p or call_name.endswith("." + p) or rx.match(call_name):
-                return self.producer_kinds[i] if i < len(self.producer_kinds) else "iterator"
+        if self.producers:
+            if self._producer_res is None:
+                self._producer_res = [re.compile(fnmatch.translate(p)) for p in self.producers]
+            for i, (p, rx) in enumerate(zip(self.producers, self._producer_res)):
+                if call_name == p or call_name.endswith("." + p) or rx.match(call_name):
+                    return self.producer_kinds[i] if i < len(self.producer_kinds) else "iterator"
+        if self.inferred is not None:
+            return self.inferred.kind_of(call_name)  # (a str with the inferred conversion and origin)
         return None
 
     def is_producer(self, call_name: str) -> bool:
@@ -120,8 +128,10 @@ class Settings:
         """Is a function of this name one of the configured producers' definitions (the last part of a
         pattern, ``weights.get_weights_row`` -> every ``get_weights_row``: TGI's ``Weights`` delegates to
         its weights loaders' methods of the same name)? What it returns is borrowed by contract."""
-        if not self.producers or not function_name:
+        if not function_name:
             return False
+        if self.inferred is not None and function_name in self.inferred.by_name:
+            return True  # inferred: hands on what it fetched, as a configured one does
         return any(fnmatch.fnmatchcase(function_name, p.rpartition(".")[2]) for p in self.producers)
 
     def consumer_params(self, qualname: str) -> List[Consumer]:
@@ -152,6 +162,10 @@ class Settings:
         lines = [f"settings: {self.path or '(none found: defaults)'}"]
         lines.append("producers: " + (", ".join(f"{p}={self.producer_kind(p) or 'iterator'}" for p in self.producers)
                                       or "(none beyond the built-in ones)"))
+        if self.inferred is not None:
+            found = self.inferred.describe()
+            lines.append("inferred producers: " + ("(none)" if not found else f"{len(found)}"))
+            lines.extend(f"  {line}" for line in found)
         lines.append("consumers: " + (", ".join(f"{c.qualname}:{c.param}={c.kind}" for c in self.consumers)
                                       or "(none beyond the discovered ones)"))
         sel = self.selection

@@ -26,6 +26,7 @@ from sanitizer.audit.findings import Finding, Link
 from sanitizer.audit.flow import Flow
 from sanitizer.audit.values import UNRESOLVED, IntoParam, Outcome
 from sanitizer.audit.index import ClassInfo, FunctionInfo, ModuleIndex, build_index
+from sanitizer.audit.producers import SelfSources
 from sanitizer.audit.project import Project
 from sanitizer.audit.settings import Settings
 from sanitizer.audit.snippets import Snippets
@@ -51,7 +52,9 @@ class ModuleAnalysis:
                  settings: Optional[Settings] = None):
         self.path = path
         self.settings = settings
-        self.producer_kind = settings.producer_kind if settings is not None and settings.producers else None
+        self.producer_kind = settings.producer_kind if settings is not None and (
+            settings.producers or settings.inferred is not None) else None
+        self.handles: Optional["SelfSources"] = None  # getter objects on self (set by the engine, :mod:`.producers`)
         self.snippets = snippets
         self.project = project
         self.index = index
@@ -288,9 +291,12 @@ class ModuleAnalysis:
         self._busy.add(key)
         self.depth += 1
         try:
-            out = Flow(self.path, callee, {name: start}, self.index.globals, self.snippets, self.resolve,
-                       summary_param=index, module_aliases=self.index.module_aliases,
-                       producer_kind=self.producer_kind, depth=depth).run()
+            flow = Flow(self.path, callee, {name: start}, self.index.globals, self.snippets, self.resolve,
+                        summary_param=index, module_aliases=self.index.module_aliases,
+                        producer_kind=self.producer_kind, depth=depth)
+            if self.handles is not None:
+                flow.attribute_source = self.handles.value
+            out = flow.run()
         finally:
             self.depth -= 1
             self._busy.discard(key)

@@ -131,6 +131,10 @@ class Outcome:
     into_param: List[IntoParam] = field(default_factory=list)
     returns: Optional[Val] = None
     yields: Optional[Val] = None  # a generator helper yields (views of) its argument
+    # producer inference (:mod:`.producers`): what the function returns / yields that came from a producer
+    # it called itself (not from a parameter): it is then a producer too
+    produced: Optional[Val] = None
+    produced_yield: Optional[Val] = None
 
 
 class Unresolved:

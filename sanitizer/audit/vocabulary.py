@@ -89,8 +89,11 @@ NON_TENSOR_CALLS = re.compile(r"^(os|os\.path|posixpath|ntpath|pathlib|shutil|gl
 # A call to one of these opens a source; ``source.get_tensor(k)`` and friends then yield tensors.
 SOURCE_FACTORIES = re.compile(
     r"(^|\.)(safe_open|SafeTensorsFileLoader|ParallelLoader|SafetensorsStreamer|FastSafeTensorsLoader|"
-    r"InstantTensor\w*|stream_files|copy_files_to_device)$")
-SOURCE_TENSOR_METHODS = frozenset({"get_tensor", "get_slice", "get_sharded", "get_tensor_wrapper"})
+    r"InstantTensor\w*|stream_files|copy_files_to_device|fastsafe_open)$")
+SOURCE_TENSOR_METHODS = frozenset({"get_tensor", "get_slice", "get_sharded", "get_tensor_wrapper",
+                                   "get_tensor_wrapped", "get_sharded_wrapped"})
+SOURCE_DICT_METHODS = frozenset({"as_dict"})  # fastsafetensors' ``fb.as_dict(names)``: {name: tensor}
+HANDLE_LOOKUPS = frozenset({"get", "pop", "setdefault", "__getitem__"})  # of a dict of handles: one handle
 SOURCE_ITER_METHODS = frozenset({"tensors", "get_tensors", "iterate_weights", "items", "stream_tensors"})
 SOURCE_SOURCE_METHODS = frozenset({"copy_files_to_device", "__enter__"})  # a handle that hands out tensors too
 # Cheap pre-check of a module's text: does it mention any producer at all?
@@ -139,3 +142,26 @@ TENSOR_ATTR_NAME = re.compile(r"^(weight|bias|data|\w*_weight|\w*_bias|\w*_scale
                               r"zeros|qzeros|g_idx|\w*_proj|table)$")
 TENSOR_FACTORY = re.compile(r"^(torch\.)?(empty|zeros|ones|full|rand|randn|arange|empty_like|zeros_like|"
                             r"ones_like|full_like|tensor|cat|concat|concatenate|stack|empty_strided)$")
+
+
+# -- loader APIs that return tensors by contract (built-in producers) ------------------------------------
+# ``safetensors.torch.load_file(path)`` / ``safetensors.torch.load(data)``: a dict of one file's tensors;
+# ``torch.load(path, mmap=True)``: a state dict whose tensors map the file (without ``mmap=True`` they are
+# read into memory of their own: not borrowed).
+_DICT_LOADERS = re.compile(r"(^|\.)(load_file|safe_load_file)$|^(safetensors\.torch|st|safetensors)\.load$")
+# A module that mentions one of these may define a producer of its own (inferred, :mod:`.producers`).
+LOADER_API_HINT = re.compile(r"safe_open|load_file|torch\.load|fastsafe_open|SafeTensorsFileLoader|"
+                             r"SafetensorsStreamer|InstantTensor|instanttensor|copy_files_to_device|"
+                             r"ParallelLoader|FastSafeTensorsLoader|stream_files|get_tensors|iterate_weights")
+
+
+def loader_call_kind(name: str, node: "object") -> str:
+    """What a call to a known loader API returns when it is not a handle (those are ``SOURCE_FACTORIES``):
+    ``"dict"`` for the dict loaders above, ``""`` for anything else."""
+    if _DICT_LOADERS.search(name):
+        return "dict"
+    if name == "torch.load":
+        for kw in getattr(node, "keywords", ()):
+            if kw.arg == "mmap" and getattr(kw.value, "value", None) is True:
+                return "dict"
+    return ""

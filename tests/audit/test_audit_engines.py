@@ -150,3 +150,17 @@ def test_manifests_parse_and_cover_their_verdicts():
         assert {"RETAINS", "SAFE"} <= verdicts, f"{path.name}: needs retaining and safe functions"
         for (file, q), (v, lines, _) in m.entries.items():
             assert v == "SAFE" or lines, f"{path.name}: {q} is {v} without lines"
+
+
+def test_tgi_without_settings_infers_its_getters(tmp_path: Path):
+    """TGI's `Weights` getters are inferred producers (:mod:`sanitizer.audit.producers`): with no settings
+    the audit flags exactly the functions the manifest classifies as retaining (0 of 7 before)."""
+    m = _parse(next(p for p in MANIFESTS if p.stem == "tgi"))
+    root = _tree(m, tmp_path)
+    if root is None:
+        pytest.skip(f"no mirror or checkout of {m.repo} at {m.commit[:12]} here")
+    result = audit_paths([str(root / f) for f in m.files])
+    flagged = {(os.path.relpath(f.path, root), f.function) for f in result.findings}
+    expected = {k for k, (v, _, _) in m.entries.items() if v in ("RETAINS", "INPLACE")}
+    print(f"\ntgi without settings: flagged {len(flagged)}, {len(flagged & expected)} of {len(expected)} expected")
+    assert flagged == expected

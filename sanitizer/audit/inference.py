@@ -1,0 +1,119 @@
+"""The pass that infers producers (:mod:`.producers`) over the files of one audit, before the audit itself:
+round after round, the functions that call a producer are walked with nothing seeded, and what they return
+from one makes them producers, until nothing changes. Kept apart from the audit's own walk so that the
+audit reads each file once more only where a loader's API (or an inferred producer) is named in it."""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Dict, Optional, Sequence
+
+from sanitizer.audit import vocabulary as V
+from sanitizer.audit.flow import Flow
+from sanitizer.audit.index import build_index
+from sanitizer.audit.producers import MAX_ROUNDS, InferredProducers, SelfSources, candidate, record
+from sanitizer.audit.project import Project
+from sanitizer.audit.settings import Settings
+from sanitizer.audit.snippets import Snippets
+from sanitizer.audit.sources import AuditInputError, Source, read
+
+
+def may_define_producer(text: str, table: InferredProducers) -> bool:
+    """Might the module define a producer: does it name a loader API, or a producer inferred so far?"""
+    return bool(V.LOADER_API_HINT.search(text)) or table.mentioned_in(text)
+
+
+def handles_of(index, settings: Optional[Settings]) -> Optional[SelfSources]:  # type: ignore[no-untyped-def]
+    """The module's getter objects on ``self`` (None when it keeps none)."""
+    inferred = settings.inferred if settings is not None else None
+
+    def is_source(name: str) -> bool:
+        return bool(V.SOURCE_FACTORIES.search(name)) or (inferred is not None and inferred.kind_of(name) == "source")
+
+    found = SelfSources(index, is_source)
+    return found if found else None
+
+
+def calls_producer(name: str, settings: Settings) -> bool:
+    return bool(V.SOURCE_FACTORIES.search(name) or V.ITERATOR_FACTORY.search(name) or name == "torch.load"
+                or V.loader_call_kind(name, None) or settings.is_producer(name))
+
+
+def infer(sources: Sequence[Source], settings: Optional[Settings] = None,
+          project: Optional[Project] = None) -> Settings:
+    """``settings`` (or the defaults) with the producers inferred over ``sources``."""
+    from sanitizer.audit.summaries import ModuleAnalysis  # (summaries imports the flow: no cycle at import)
+
+    table = InferredProducers()
+    now = replace(settings if settings is not None else Settings(), inferred=table, _producer_res=None)
+    for _ in range(MAX_ROUNDS):
+        changed = False
+        for source in sources:
+            if not may_define_producer(source.text, table):
+                continue
+            index = build_index(source.path, source.tree)
+            snippets = Snippets(source.text)
+            analysis = ModuleAnalysis(source.path, index, snippets, project, now)
+            handles = handles_of(index, now)
+            analysis.handles = handles
+            for info in index.functions:
+                if not candidate(info, lambda c: calls_producer(c, now), handles or _NO_HANDLES):
+                    continue
+                flow = Flow(source.path, info, {}, index.globals, snippets, analysis.resolve,
+                            module_aliases=index.module_aliases, producer_kind=now.producer_kind)
+                flow.infer = True
+                flow.attribute_source = handles.value if handles is not None else None
+                try:
+                    out = flow.run()
+                except RecursionError:
+                    continue  # the audit itself names it as skipped
+                generator = info.is_generator
+                val = out.produced_yield if generator else out.produced
+                if val is not None and record(table.by_name, info, source.path, val, generator):
+                    changed = True
+                    table._mention = None
+        if project is not None:
+            project.close()  # summaries memoised under the last round's table
+        if not changed:
+            break
+    return now
+
+
+def infer_paths(files: Sequence[str], settings: Optional[Settings] = None) -> Settings:
+    """:func:`infer` over files: only those whose text names a loader API (or, in a later round, an
+    inferred producer) are parsed; the others are read as text only."""
+    texts: Dict[str, str] = {}
+    for path in files:
+        try:
+            with open(path, "rb") as fh:
+                raw = fh.read()
+        except OSError:
+            continue
+        texts[path] = raw.decode("utf-8", "replace")
+    project = Project(files)
+    parsed: Dict[str, Source] = {}
+    table_probe = InferredProducers()
+    result = replace(settings if settings is not None else Settings(), inferred=table_probe, _producer_res=None)
+    # rounds grow the candidate set: parse what a round's table names, then infer over all parsed again
+    for _ in range(MAX_ROUNDS):
+        wanted = [p for p, t in texts.items() if p not in parsed and may_define_producer(t, table_probe)]
+        for path in wanted:
+            try:
+                parsed[path] = read(path)
+            except AuditInputError:
+                texts.pop(path, None)  # the audit names it
+        if not wanted:
+            break
+        result = infer(list(parsed.values()), settings, project)
+        table_probe = result.inferred  # type: ignore[assignment]
+    project.close()
+    return result
+
+
+class _Empty:
+    def reads(self, info) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+
+_NO_HANDLES = _Empty()
+
+__all__ = ["infer", "infer_paths", "handles_of", "may_define_producer", "calls_producer"]

@@ -1,0 +1,254 @@
+"""Producers inferred, not declared: a function (or method) whose result flows from a loader's API is a
+producer itself, of the kind of what it hands back.
+
+Engines rarely call the loader's API where they keep the tensor: TGI's layers call ``weights.get_tensor(n)``
+on a ``Weights`` object that keeps one ``safe_open`` handle per file (``self._handles[f] = safe_open(f)``,
+handed out by ``_get_handle``), a loader class returns ``self.st.get_tensor(key).half()``, a helper returns
+``load_file(path)``. Declaring each such getter in ``[tool.ownsan] producers`` is what the audit asked
+before; this module finds them itself, by running the flow over every function of the modules that reach a
+loader API, with no parameter seeded: what it returns (or yields) that came from a producer makes it one.
+
+* **Kinds.** A tensor (``"tensor"``, with the conversion it applies, ``.half()``, kept for OWN107), a dict
+  of tensors by name (``"dict"``), a tuple, list or object holding some (``"holder"``), a ``(name, tensor)``
+  iterator (``"iterator"``: a generator that yields them, or a function returning such a stream), or a
+  loader's handle (``"source"``: ``_get_handle`` returning ``self._handles[f]``).
+* **Getter objects on self.** ``self.<attr>`` bound in any method of the class to a handle (``self.f =
+  safe_open(...)``, ``self._handles[f] = h`` with ``h`` a handle, or an inferred ``"source"`` helper's
+  result) is a handle in every method of that class (:class:`SelfSources`).
+* **Fixed point.** Round after round, the functions that call a producer (built in, configured, or
+  inferred the round before) are walked again, until no kind changes (at most :data:`MAX_ROUNDS`): a getter
+  calling a getter calling ``safe_open`` is found in three rounds.
+* **Calls.** An inferred producer is matched at a call by its name, as a configured one is by its last
+  dotted part: ``weights.get_tensor(n)`` on a parameter whose class the audit cannot know is TGI's getter
+  because an audited class defines a ``get_tensor`` that is a producer. Names that every container or
+  tensor has (``get``, ``items``, ``to``...) are never matched by name (:data:`GENERIC_NAMES`).
+
+Only modules whose text mentions a loader API (:data:`~sanitizer.audit.vocabulary.LOADER_API_HINT`), or a
+producer inferred so far, are parsed for it: a 300,000-line tree of model files pays for the few that load.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+from sanitizer.audit import vocabulary as V
+from sanitizer.audit.findings import Link
+from sanitizer.audit.index import ClassInfo, FunctionInfo, ModuleIndex, dotted
+from sanitizer.audit.values import HOLDER, ITER, PAIR, SOURCE, TENSOR, Val
+
+MAX_ROUNDS = 8
+# Names that containers, tensors and modules all have: never taken for a producer at a call by name alone.
+GENERIC_NAMES = frozenset({
+    "get", "pop", "items", "values", "keys", "copy", "setdefault", "update", "__getitem__", "__call__",
+    "__init__", "__enter__", "__iter__", "__next__", "forward", "load", "open", "read", "run", "main", "apply",
+    "clone", "next", "send", "result", "wait", "state_dict", "parameters", "named_parameters", "buffers",
+}) | V.ALIAS_METHODS | V.CONVERSION_METHODS | V.STORE_METHODS | V.SPLIT_METHODS
+
+
+class Produced(str):
+    """A producer's kind (``"tensor"``, ``"dict"``, ``"holder"``, ``"iterator"``, ``"source"``), as the flow
+    compares it, with what an inferred one adds: the conversion it applies (``.half()``, for OWN107) and
+    where it was inferred from (its definition and the loader API it reaches)."""
+
+    convert: str
+    origin: str
+
+    def __new__(cls, kind: str, convert: str = "", origin: str = "") -> "Produced":
+        made = super().__new__(cls, kind)
+        made.convert = convert
+        made.origin = origin
+        return made
+
+
+@dataclass(frozen=True)
+class Inferred:
+    """One inferred producer: what ``--show-settings`` lists."""
+
+    name: str  # the call's last part it is matched by
+    qualname: str
+    path: str
+    line: int
+    kind: str
+    convert: str
+    api: str  # the loader API it reaches (and where), through its helpers
+
+    def describe(self) -> str:
+        conv = f", applies `{self.convert}`" if self.convert else ""
+        return f"{self.name}={self.kind} ({self.path}:{self.line} `{self.qualname}`{conv}; reaches {self.api})"
+
+
+@dataclass
+class InferredProducers:
+    """The producers inferred over a project, by name (several definitions of one name: the first found,
+    a tensor getter before a holder)."""
+
+    by_name: Dict[str, Inferred] = field(default_factory=dict)
+    _mention: Optional["re.Pattern[str]"] = None
+
+    def kind_of(self, call_name: str) -> Optional[Produced]:
+        last = call_name.rpartition(".")[2]
+        found = self.by_name.get(last)
+        if found is None:
+            return None
+        return Produced(found.kind, found.convert, f"`{found.qualname}` ({found.path}:{found.line}), "
+                                                     f"reaching {found.api}")
+
+    def mentioned_in(self, text: str) -> bool:
+        """Does the module's text name any inferred producer (a cheap pre-check before its functions are
+        looked at as callers of one)?"""
+        if not self.by_name:
+            return False
+        if self._mention is None:
+            self._mention = re.compile(r"\b(" + "|".join(map(re.escape, sorted(self.by_name))) + r")\s*\(")
+        return bool(self._mention.search(text))
+
+    def describe(self) -> List[str]:
+        return [p.describe() for _, p in sorted(self.by_name.items())]
+
+
+class SelfSources:
+    """Which attributes of each class of one module hold a loader's handle (``self.f = safe_open(...)`` in
+    ``__init__``; ``self._handles[name] = f`` with ``f = safe_open(...)``; the result of a helper inferred
+    to return a handle), so that ``self.f.get_tensor(n)`` in any method is a producer's tensor."""
+
+    def __init__(self, index: ModuleIndex, is_source: Callable[[str], bool]):
+        self._by_class: Dict[str, Dict[str, Tuple[int, str]]] = {}
+        for cls in index.all_classes:
+            found = _handle_attributes(cls, is_source)
+            if found:
+                self._by_class[cls.qualname] = found
+
+    def __bool__(self) -> bool:
+        return bool(self._by_class)
+
+    def of(self, info: FunctionInfo) -> Dict[str, Tuple[int, str]]:
+        cls = _class_of(info)
+        return self._by_class.get(cls.qualname, {}) if cls is not None else {}
+
+    def value(self, flow: "object", node: ast.Attribute) -> Optional[Val]:
+        """The flow's hook for ``self.<attr>``: a handle when the class binds that attribute to one."""
+        got = self.of(flow.info).get(node.attr)  # type: ignore[attr-defined]
+        if got is None:
+            return None
+        line, api = got
+        fn = flow.fn  # type: ignore[attr-defined]
+        return Val(SOURCE, 0, (Link(node.lineno, fn, f"`self.{node.attr}` (a handle `{api}(...)` opened at "
+                                                     f"line {line})"),), fn)
+
+    def reads(self, info: FunctionInfo) -> bool:
+        """Does ``info`` call a method of one of its class's handles (``self.f.get_tensor(n)``)?"""
+        attrs = self.of(info)
+        if not attrs:
+            return False
+        return any(c.split(".")[1] in attrs for c in info.calls if c.count(".") >= 2)
+
+
+def _class_of(info: FunctionInfo) -> Optional[ClassInfo]:
+    cur: Optional[FunctionInfo] = info
+    while cur is not None:
+        if cur.cls is not None:
+            return cur.cls
+        cur = cur.parent
+    return None
+
+
+def _handle_attributes(cls: ClassInfo, is_source: Callable[[str], bool]) -> Dict[str, Tuple[int, str]]:
+    """``attr -> (line, api)`` for every ``self.attr`` (or ``self.attr[...]``) a method binds to a handle."""
+    out: Dict[str, Tuple[int, str]] = {}
+    for method in cls.methods.values():
+        node = method.node
+        me = method.params[0].arg if method.params else "self"
+        handles: Dict[str, str] = {}  # local name -> the call that opened it
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.withitem) and isinstance(sub.context_expr, ast.Call) \
+                    and isinstance(sub.optional_vars, ast.Name):
+                name = dotted(sub.context_expr.func)
+                if is_source(name):
+                    handles[sub.optional_vars.id] = name
+            elif isinstance(sub, ast.Assign):
+                value = sub.value
+                api = dotted(value.func) if isinstance(value, ast.Call) else ""
+                if isinstance(value, ast.Name):
+                    api = handles.get(value.id, "")
+                elif api and not is_source(api):
+                    api = ""
+                if not api:
+                    continue
+                for target in sub.targets:
+                    if isinstance(target, ast.Name):
+                        handles[target.id] = api
+                    base = target.value if isinstance(target, ast.Subscript) else target
+                    if isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name) and base.value.id == me:
+                        out.setdefault(base.attr, (sub.lineno, api))
+    return out
+
+
+def kind_of_value(val: Val, generator: bool) -> Optional[str]:
+    """The producer kind a returned (or yielded) value makes of its function."""
+    if generator:
+        return "iterator" if val.kind in (PAIR, TENSOR) else None
+    if val.kind == TENSOR:
+        return "tensor"
+    if val.kind == ITER:
+        return "iterator"
+    if val.kind == SOURCE:
+        return "source"
+    if val.kind == HOLDER and val.capture is None and not val.obj:  # (an object built around a fetched
+        # tensor and returned is how a loader keeps it: reported at that return, never handed on)
+        return "dict" if val.mapping or val.elem == "pair" else "holder"
+    if val.kind == PAIR:
+        return "holder"
+    return None
+
+
+_KEPT_HANDLE = re.compile(r"a handle `(.+?)` opened at line (\d+)")
+
+
+def api_of(val: Val, path: str) -> str:
+    """The loader API a producer's value came from, as its chain's first link says it (an inferred
+    producer's link names the API it reached itself)."""
+    first = val.chain[0] if val.chain else None
+    if first is None:
+        return "a loader API"
+    text = first.text
+    where = first.path or path
+    kept = _KEPT_HANDLE.search(text)
+    if kept:
+        return f"`{kept.group(1)}` ({where}:{kept.group(2)})"
+    marker = "(a producer: "
+    if marker in text:
+        inner = text[text.index(marker) + len(marker):-1]
+        reach = inner.rpartition("reaching ")[2]
+        return reach or inner
+    return f"{text.replace('opened by ', '').replace('returned by ', '').replace('yielded by ', '')} " \
+           f"({where}:{first.line})"
+
+
+def candidate(info: FunctionInfo, is_producer_call: Callable[[str], bool], self_sources: SelfSources) -> bool:
+    """Is ``info`` worth walking for inference: does it call a producer, or a handle kept on ``self``?"""
+    return any(is_producer_call(c) for c in info.calls) or self_sources.reads(info)
+
+
+def record(found: Dict[str, Inferred], info: FunctionInfo, path: str, val: Val, generator: bool) -> bool:
+    """Add ``info`` as a producer of ``val``'s kind (True when that is new or changed)."""
+    kind = kind_of_value(val, generator)
+    name = info.name
+    if kind is None or name in GENERIC_NAMES or name.startswith("__"):
+        return False
+    mine = Inferred(name, info.qualname, path, info.node.lineno, kind,  # type: ignore[attr-defined]
+                    val.convert if kind == "tensor" else "", api_of(val, path))
+    old = found.get(name)
+    if old is not None and (old.path, old.line) != (mine.path, mine.line):
+        rank = ("tensor", "dict", "iterator", "holder", "source")
+        if rank.index(old.kind) <= rank.index(kind):
+            return False  # two definitions of one name: the one that hands out tensors is kept
+    if old == mine:
+        return False
+    found[name] = mine
+    return True
+
+
+__all__ = ["Produced", "Inferred", "InferredProducers", "SelfSources", "GENERIC_NAMES", "MAX_ROUNDS",
+           "kind_of_value", "api_of", "candidate", "record"]

@@ -1,0 +1,220 @@
+"""Producers inferred, not declared (:mod:`sanitizer.audit.producers`): a getter whose result flows from a
+loader's API (``safe_open(...).get_tensor``, ``load_file``, ``torch.load(mmap=True)``) through helpers,
+conversions, dict returns and handles kept on ``self`` is a producer, found with no ``[tool.ownsan]``
+settings at all. Shapes written after real engines' (TGI's ``Weights``, a loader class, a per-file dict
+loader), not copied from them."""
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+from sanitizer.audit import audit_paths
+from sanitizer.audit.cli import main
+
+# TGI-like: a `Weights` object keeps one safe_open handle per file and hands out one tensor at a time,
+# converted to the model's dtype (a no-op when it already is); layers in another module keep it.
+TGI_WEIGHTS = '''
+from safetensors import safe_open
+
+
+class Weights:
+    def __init__(self, filenames, device, dtype):
+        self.routing = {}
+        for filename in filenames:
+            with safe_open(filename, framework="pytorch") as f:
+                for k in f.keys():
+                    self.routing[k] = filename
+        self._handles = {}
+        self.device = device
+        self.dtype = dtype
+
+    def _get_handle(self, filename):
+        if filename not in self._handles:
+            f = safe_open(filename, framework="pytorch")
+            self._handles[filename] = f
+        return self._handles[filename]
+
+    def get_filename(self, tensor_name):
+        return str(self.routing[tensor_name]), tensor_name
+
+    def get_tensor(self, tensor_name, to_dtype=True):
+        filename, tensor_name = self.get_filename(tensor_name)
+        f = self._get_handle(filename)
+        tensor = f.get_tensor(tensor_name)
+        if to_dtype:
+            tensor = tensor.to(dtype=self.dtype)
+        return tensor
+'''
+TGI_LAYERS = '''
+import torch
+
+
+class FastLinear(torch.nn.Module):
+    def __init__(self, weight, bias):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+
+    @classmethod
+    def load(cls, prefix, weights):
+        weight = weights.get_tensor(f"{prefix}.weight")
+        return cls(weight, None)
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, prefix, weights, eps=1e-6):
+        super().__init__()
+        self.weight = weights.get_tensor(f"{prefix}.weight")
+        self.eps = eps
+
+
+def load_scale(prefix, weights):
+    scale = weights.get_tensor(f"{prefix}.scale")
+    return float(scale.item())
+'''
+
+# A loader class: one safe_open handle kept on self in __init__, `load_tensor(key)` returning a half view.
+LOADER_CLASS = '''
+from safetensors import safe_open
+
+
+class CheckpointFile:
+    def __init__(self, path):
+        self.st = safe_open(path, framework="pt", device="cuda")
+
+    def load_tensor(self, key):
+        return self.st.get_tensor(key).half()
+
+
+class Model:
+    def __init__(self, path, names):
+        self.loader = CheckpointFile(path)
+        self.params = {}
+        for name in names:
+            self.params[name] = self.loader.load_tensor(name)
+'''
+
+# A getter that returns a dict of tensors (one file at a time), and a consumer that parks some of them.
+DICT_GETTER = '''
+from safetensors.torch import load_file
+
+
+def read_shard(path):
+    state = load_file(path)
+    return state
+
+
+class Layer:
+    def load_from(self, path):
+        tensors = read_shard(path)
+        self.weight = tensors["weight"]
+        for name, t in tensors.items():
+            print(name, t.shape)
+'''
+
+# Not producers: what they return is a copy or a fresh tensor.
+NEGATIVE = '''
+import torch
+from safetensors import safe_open
+
+
+class Owned:
+    def __init__(self, path):
+        self.f = safe_open(path, framework="pt")
+
+    def copied(self, key):
+        return self.f.get_tensor(key).clone()
+
+    def fresh(self, key):
+        shape = self.f.get_slice(key).get_shape()
+        return torch.empty(shape)
+
+
+class Keeper:
+    def __init__(self, owned, names):
+        self.kept = {}
+        for name in names:
+            self.kept[name] = owned.copied(name)
+            self.kept[name + ".buf"] = owned.fresh(name)
+'''
+
+
+def _write(tmp_path: Path, files: Dict[str, str]) -> List[str]:
+    out = []
+    for name, text in files.items():
+        p = tmp_path / name
+        p.write_text(textwrap.dedent(text))
+        out.append(str(p))
+    return out
+
+
+def _found(tmp_path: Path, files: Dict[str, str]) -> List[Tuple[str, str, str]]:
+    paths = _write(tmp_path, files)
+    result = audit_paths(paths)  # no settings
+    return sorted((Path(f.path).name, f.function, f.code) for f in result.findings)
+
+
+def test_tgi_like_weights_getter_found_without_settings(tmp_path: Path):
+    found = _found(tmp_path, {"weights.py": TGI_WEIGHTS, "layers.py": TGI_LAYERS})
+    functions = {(name, fn) for name, fn, _ in found}
+    assert ("layers.py", "FastLinear.__init__") in functions  # a module built around the fetched tensor
+    assert ("layers.py", "RMSNorm.__init__") in functions
+    assert not any(fn == "load_scale" for _, fn, _ in found)  # `.item()`: nothing kept
+    # the getter's `.to(dtype=self.dtype)` is a no-op when the tensor is already of that dtype: OWN107
+    assert {code for name, fn, code in found if fn == "RMSNorm.__init__"} == {"OWN107"}
+    assert not any(name == "weights.py" for name, _, _ in found)  # the getter hands on, keeps nothing
+
+
+def test_loader_class_with_handle_on_self_found_without_settings(tmp_path: Path):
+    found = _found(tmp_path, {"ckpt.py": LOADER_CLASS})
+    assert ("ckpt.py", "Model.__init__", "OWN107") in found  # `.half()` inside load_tensor: conditional
+
+
+def test_dict_getter_found_without_settings(tmp_path: Path):
+    found = _found(tmp_path, {"shard.py": DICT_GETTER})
+    assert found == [("shard.py", "Layer.load_from", "OWN102")]
+
+
+def test_copies_and_fresh_tensors_are_not_producers(tmp_path: Path, capsys):
+    found = _found(tmp_path, {"neg.py": NEGATIVE})
+    assert found == []
+    paths = _write(tmp_path, {"neg.py": NEGATIVE})
+    assert main(["--show-settings", *paths]) == 0
+    shown = capsys.readouterr().out
+    assert "copied=" not in shown and "fresh=" not in shown
+
+
+def test_show_settings_lists_inferred_producers_and_where_from(tmp_path: Path, capsys):
+    paths = _write(tmp_path, {"weights.py": TGI_WEIGHTS, "ckpt.py": LOADER_CLASS, "shard.py": DICT_GETTER})
+    assert main(["--show-settings", *paths]) == 0
+    shown = capsys.readouterr().out
+    lines = {line.strip().split("=")[0]: line for line in shown.splitlines() if line.startswith("  ")}
+    assert "tensor" in lines["get_tensor"] and "weights.py:" in lines["get_tensor"]
+    assert "`.to(dtype=self.dtype)`" in lines["get_tensor"] and "`safe_open(...)`" in lines["get_tensor"]
+    assert "_get_handle=source" in lines["_get_handle"]
+    assert "load_tensor=tensor" in lines["load_tensor"] and "`.half()`" in lines["load_tensor"]
+    assert "read_shard=dict" in lines["read_shard"] and "load_file" in lines["read_shard"]
+
+
+def test_mmap_torch_load_is_a_dict_producer_and_plain_torch_load_is_not(tmp_path: Path):
+    code = '''
+    import torch
+
+
+    def mapped(path):
+        return torch.load(path, mmap=True)
+
+
+    def plain(path):
+        return torch.load(path)
+
+
+    class M:
+        def a(self, path):
+            self.w = mapped(path)["w"]
+
+        def b(self, path):
+            self.w = plain(path)["w"]
+    '''
+    found = _found(tmp_path, {"tl.py": code})
+    assert found == [("tl.py", "M.a", "OWN102")]
