@@ -8,7 +8,7 @@ sanitizer in its ``runtime_env`` instead::
     from sanitizer.tools.ray_env import runtime_env, collect
 
     env = runtime_env("/shared/ownsan-reports")        # a directory every worker can write (a shared mount)
-    ray.init(runtime_env=env)                           # the job's (Ray runs a setup hook from it only)
+    ray.init(runtime_env=env)                           # or per task/actor: f.options(runtime_env=env)
     ...                                                 # the engine loads as it always does: no code change
     merged = collect("/shared/ownsan-reports")          # after the last ray.get, before ray.shutdown()
     ray.shutdown()
@@ -23,7 +23,10 @@ torch imported by the set-up hook would run every 1-CPU worker with all the node
 (issue 49). The request travels as ``OWNSAN_RAY_SANITIZE``/``OWNSAN_RAY_OPTIONS`` (the switch and
 the options under their own names are set empty, an inherited ``ownsan run`` switch included) and becomes
 ``OWNERSHIP_SANITIZE``/``_OPTIONS`` in the hook: under those names Ray's import of this module (the
-package's first import) would have turned the sanitizer on there and then, torch with it.
+package's first import) would have turned the sanitizer on there and then, torch with it. Ray runs a
+setup hook only from the job's ``runtime_env``; a worker given ``env`` per task or actor alone is armed
+by the zero-code start-up hook (the ``.pth`` line reads the request too), which also starts its flusher
+(:mod:`sanitizer.tools.ray_flusher`) once torch is in.
 
 The flusher thread is what makes the reports survive: Ray ends its workers with SIGKILL at
 ``ray.shutdown()``, so no exit handler of theirs ever runs. Each worker needs ownership-sanitizer
@@ -31,8 +34,8 @@ installed (``pip install ownership-sanitizer`` in the cluster's image, or ``"pip
 the report directory must be reachable from every node. :func:`collect` asks the live workers to write
 their reports as at exit (a request file the flusher answers at its first tick with nothing lent: an actor's
 last kept view, still *pending* until its idle write, was not counted when collect() came right after the
-last ``ray.get``), waits until each has answered or is gone (a bound then), merges the reports (``sanitizer.reporting.collect``, the pipeline ``ownsan run`` uses), each
-finding naming its process, rank and Ray worker, and returns the merged report (``ownsan triage`` reads it
+last ``ray.get``), waits until each has answered or is gone (a bound then), merges the reports
+(``sanitizer.reporting.collect``, the pipeline ``ownsan run`` uses), each finding naming its process, rank and Ray worker, and returns the merged report (``ownsan triage`` reads it
 once written with ``out=``); under ``ownsan run`` it also hands it to the run, whose status then fails on
 any worker's finding (``runtime_env`` leaves the run a pointer to the directory, so a job that never
 calls collect() still has its workers' reports merged by the run, said in one line). Call it before
