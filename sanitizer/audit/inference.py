@@ -4,6 +4,7 @@ from one makes them producers, until nothing changes. Kept apart from the audit'
 audit reads each file once more only where a loader's API (or an inferred producer) is named in it."""
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from typing import Dict, Optional, Sequence
 
@@ -17,9 +18,24 @@ from sanitizer.audit.snippets import Snippets
 from sanitizer.audit.sources import AuditInputError, Source, read
 
 
-def may_define_producer(text: str, table: InferredProducers) -> bool:
-    """Might the module define a producer: does it name a loader API, or a producer inferred so far?"""
-    return bool(V.LOADER_API_HINT.search(text)) or table.mentioned_in(text)
+def may_define_producer(text: str, table: InferredProducers, declared: Optional["re.Pattern[str]"] = None) -> bool:
+    """Might the module define a producer: does it name a loader API, a producer inferred so far, or (with
+    ``declared``, :func:`declared_hint`) a configured getter?"""
+    return bool(V.LOADER_API_HINT.search(text)) or table.mentioned_in(text) or bool(
+        declared is not None and declared.search(text))
+
+
+def declared_hint(settings: Optional[Settings]) -> Optional["re.Pattern[str]"]:
+    """A call to one of the ``=tensor`` getters of ``[tool.ownsan] producers`` (by its last dotted part, a
+    glob's ``*`` any name): a module that makes one is walked for inference as one naming a loader API is,
+    so that a helper returning the getter's tensor (converted, or in a dict it fills) is inferred, and a
+    declared helper's own definition refines its declared kind (:meth:`Settings.producer_kind`)."""
+    if settings is None or not settings.producers:
+        return None
+    names = sorted({re.escape(p.rpartition(".")[2]).replace(r"\*", r"\w*").replace(r"\?", r"\w")
+                    for p, k in zip(settings.producers, settings.producer_kinds) if k == "tensor"})
+    names = [n for n in names if n.strip(r"\w*")]
+    return re.compile(r"\b(?:" + "|".join(names) + r")\s*\(") if names else None
 
 
 def handles_of(index, settings: Optional[Settings]) -> Optional[SelfSources]:  # type: ignore[no-untyped-def]
@@ -45,10 +61,11 @@ def infer(sources: Sequence[Source], settings: Optional[Settings] = None,
 
     table = InferredProducers()
     now = replace(settings if settings is not None else Settings(), inferred=table, _producer_res=None)
+    declared = declared_hint(settings)
     for _ in range(MAX_ROUNDS):
         changed = False
         for source in sources:
-            if not may_define_producer(source.text, table):
+            if not may_define_producer(source.text, table, declared):
                 continue
             index = build_index(source.path, source.tree)
             snippets = Snippets(source.text)
@@ -93,9 +110,10 @@ def infer_paths(files: Sequence[str], settings: Optional[Settings] = None) -> Se
     parsed: Dict[str, Source] = {}
     table_probe = InferredProducers()
     result = replace(settings if settings is not None else Settings(), inferred=table_probe, _producer_res=None)
+    declared = declared_hint(settings)
     # rounds grow the candidate set: parse what a round's table names, then infer over all parsed again
     for _ in range(MAX_ROUNDS):
-        wanted = [p for p, t in texts.items() if p not in parsed and may_define_producer(t, table_probe)]
+        wanted = [p for p, t in texts.items() if p not in parsed and may_define_producer(t, table_probe, declared)]
         for path in wanted:
             try:
                 parsed[path] = read(path)
@@ -116,4 +134,4 @@ class _Empty:
 
 _NO_HANDLES = _Empty()
 
-__all__ = ["infer", "infer_paths", "handles_of", "may_define_producer", "calls_producer"]
+__all__ = ["infer", "infer_paths", "handles_of", "may_define_producer", "declared_hint", "calls_producer"]

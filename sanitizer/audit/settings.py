@@ -108,7 +108,9 @@ class Settings:
 
     def producer_kind(self, call_name: str) -> Optional[str]:
         """What ``call_name`` (dotted, as written) returns when it is a configured producer (equal, a dotted
-        suffix, or a glob): ``"iterator"`` or ``"tensor"``; None when it is not one."""
+        suffix, or a glob): ``"iterator"`` or ``"tensor"``; None when it is not one. A ``"tensor"`` getter
+        whose definition the audit inferred as a producer is refined by that: the conversion it applies,
+        or ``"dict"``/``"holder"`` when it returns tensors in a container."""
         if not call_name:
             return None
         if self.producers:
@@ -116,7 +118,16 @@ class Settings:
                 self._producer_res = [re.compile(fnmatch.translate(p)) for p in self.producers]
             for i, (p, rx) in enumerate(zip(self.producers, self._producer_res)):
                 if call_name == p or call_name.endswith("." + p) or rx.match(call_name):
-                    return self.producer_kinds[i] if i < len(self.producer_kinds) else "iterator"
+                    declared = self.producer_kinds[i] if i < len(self.producer_kinds) else "iterator"
+                    if declared == "tensor" and self.inferred is not None:
+                        # a getter declared `=tensor` whose definition is audited: what inference read in
+                        # its body says more (the conversion it applies, `.half()`, for OWN107; a dict or
+                        # tuple of tensors rather than one); a kind it cannot refine (a stream, a handle)
+                        # leaves the declared one
+                        refined = self.inferred.kind_of(call_name)
+                        if refined in ("tensor", "dict", "holder"):
+                            return refined
+                    return declared
         if self.inferred is not None:
             return self.inferred.kind_of(call_name)  # (a str with the inferred conversion and origin)
         return None

@@ -167,6 +167,12 @@ class StoreRules:
             return
         base = self.ev(target.value)
         self.ev(target.slice)
+        if base is not None and base.kind == TENSOR and _names_a_key(target.slice):
+            # `tensors["scale"] = ...`: a string indexes no tensor, so what a getter declared `=tensor` returned
+            # here is a dict of them (a helper that fills one): a store into it, not an in-place write
+            base = base.then(HOLDER, mapping=True)
+            if type(target.value) is ast.Name and target.value.id in self.state.env:
+                self.state.env[target.value.id] = base
         if base is not None and base.kind == TENSOR:
             self.inplace(stmt, base, "subscript assignment", f"`{self.snip(target)} = ...` writes into it")
             return
@@ -260,6 +266,11 @@ class StoreRules:
             self.report("OWN105", stmt, val, f"variable read {when}",
                         f"`{name}` keeps {self._what(val)} past its step: it is read {when} (line {use.lineno}), "
                         f"when the loader has moved on", f"`{name}` read {when} at line {use.lineno}")
+
+
+def _names_a_key(index: ast.AST) -> bool:
+    """Is a subscript's index a string (``"scale"``, ``f"{prefix}.weight"``): a dict's key, never a tensor's?"""
+    return isinstance(index, ast.JoinedStr) or (isinstance(index, ast.Constant) and isinstance(index.value, str))
 
 
 __all__ = ["StoreRules"]

@@ -170,6 +170,59 @@ def test_a_getter_producer_returns_one_tensor_valid_for_the_call(tmp_path):
     assert audit_paths([str(tmp_path / "m.py")], settings=resolve([str(tmp_path / "m.py")])).findings == []
 
 
+# issue 50, pattern 1: a declared helper producer whose definition is audited ---------------------------------
+
+HELPER_CODE = '''
+import torch
+from torch import nn
+
+
+class Linear(nn.Module):
+    def load_weight(self, weights):
+        return weights.get_tensor(self.prefix + ".weight").half()
+
+    def load_multi(self, weights, names):
+        out = {}
+        for n in names:
+            out[n] = weights.get_tensor(n)
+        return out
+
+    def load(self, weights):
+        w = self.load_weight(weights)
+        self.weight = w
+
+    def load_experts(self, weights, n):
+        experts = []
+        for i in range(n):
+            tensors = self.load_multi(weights, [f"e{i}.w1", f"e{i}.w2"])
+            tensors["scale"] = torch.ones(1)
+            experts.append(tensors)
+        self.experts = torch.stack([e["w1"] for e in experts])
+'''
+HELPER_CONFIG = ('[tool.ownsan]\nproducers = ["weights.get_tensor=tensor", "self.load_weight=tensor", '
+                 '"self.load_multi=tensor"]\n')
+
+
+def test_a_declared_helper_producer_keeps_its_conversion_and_its_dict(tmp_path):
+    """Issue 50, pattern 1 (the part left open): a module's loader helper returns a getter's tensor through
+    `.half()`, another returns a dict it fills; both declared `=tensor`. The store of the first is OWN107
+    (the helper's `.half()` is a no-op on a half-precision checkpoint: its definition, audited, refines the
+    declared kind), and a store under a string key into the returned dict is no in-place write (OWN120).
+    Before: OWN102 at line 18 (the module names no loader API, so inference never read the helper, and the
+    declared kind was taken as it was) and OWN120 at line 24."""
+    (tmp_path / "m.py").write_text(HELPER_CODE)
+    (tmp_path / "pyproject.toml").write_text(HELPER_CONFIG)
+    found = audit_paths([str(tmp_path / "m.py")], settings=resolve([str(tmp_path / "m.py")])).findings
+    by_line = {(f.line, f.code) for f in found}
+    assert (18, "OWN107") in by_line and (18, "OWN102") not in by_line  # `self.weight = w`
+    assert not any(f.code == "OWN120" for f in found)  # `tensors["scale"] = ...` stores into the dict
+    assert (25, "OWN101") in by_line  # `experts.append(tensors)`: every expert's dict kept past its step
+    # declared with no kind (an iterator), the helper is left as declared: inference refines only `=tensor`
+    (tmp_path / "pyproject.toml").write_text(HELPER_CONFIG.replace('"self.load_weight=tensor"', '"self.load_weight"'))
+    kept = audit_paths([str(tmp_path / "m.py")], settings=resolve([str(tmp_path / "m.py")])).findings
+    assert not any(f.line == 18 for f in kept)
+
+
 def test_show_settings_names_each_producers_kind(tmp_path, capsys):
     (tmp_path / "m.py").write_text("x = 1\n")
     (tmp_path / "pyproject.toml").write_text('[tool.ownsan]\nproducers = ["a.stream", "w.get_tensor=tensor"]\n')
