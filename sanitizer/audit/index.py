@@ -81,6 +81,17 @@ class FunctionInfo:
         return self.parent_ref() if self.parent_ref is not None else None
 
     @property
+    def enclosing_class(self) -> Optional["ClassInfo"]:
+        """The class this function is a method of, or the nearest one around the functions it is nested in
+        (a closure in a method sees ``self`` of that class)."""
+        cur: Optional[FunctionInfo] = self
+        while cur is not None:
+            if cur.cls is not None:
+                return cur.cls
+            cur = cur.parent
+        return None
+
+    @property
     def name(self) -> str:
         return self.node.name  # type: ignore[attr-defined]
 

@@ -124,7 +124,7 @@ class SelfSources:
         return bool(self._by_class)
 
     def of(self, info: FunctionInfo) -> Dict[str, Tuple[int, str]]:
-        cls = _class_of(info)
+        cls = info.enclosing_class
         return self._by_class.get(cls.qualname, {}) if cls is not None else {}
 
     def value(self, flow: "object", node: ast.Attribute) -> Optional[Val]:
@@ -143,15 +143,6 @@ class SelfSources:
         if not attrs:
             return False
         return any(c.split(".")[1] in attrs for c in info.calls if c.count(".") >= 2)
-
-
-def _class_of(info: FunctionInfo) -> Optional[ClassInfo]:
-    cur: Optional[FunctionInfo] = info
-    while cur is not None:
-        if cur.cls is not None:
-            return cur.cls
-        cur = cur.parent
-    return None
 
 
 def _handle_attributes(cls: ClassInfo, is_source: Callable[[str], bool]) -> Dict[str, Tuple[int, str]]:

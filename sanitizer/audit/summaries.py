@@ -68,14 +68,6 @@ class ModuleAnalysis:
         self._memo.clear()
 
     # -- resolution ----------------------------------------------------------------------------------------
-    def _class_of(self, info: FunctionInfo) -> Optional[ClassInfo]:
-        cur: Optional[FunctionInfo] = info
-        while cur is not None:
-            if cur.cls is not None:
-                return cur.cls
-            cur = cur.parent
-        return None
-
     def callee(self, flow: Flow, node: ast.Call) -> Optional[Callee]:
         func = node.func
         index = self.index
@@ -99,7 +91,7 @@ class ModuleAnalysis:
         if not isinstance(func, ast.Attribute):
             return None
         base = func.value
-        cls = self._class_of(flow.info)
+        cls = flow.info.enclosing_class
         if isinstance(base, ast.Name):
             if cls is not None and base.id in (flow.self_name(), "cls", "self"):
                 found = self.find_method(cls, func.attr, set())
@@ -128,7 +120,7 @@ class ModuleAnalysis:
         if cls is not None:
             return self, cls
         if name == "cls":
-            own = self._class_of(flow.info)
+            own = flow.info.enclosing_class
             first = flow.info.params[0].arg if flow.info.params else None
             return (self, own) if own is not None and first == "cls" else None
         found = self._import_target(name)
@@ -172,7 +164,7 @@ class ModuleAnalysis:
         if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
                 and func.value.id in (flow.self_name(), "self", "cls")):
             return []
-        cls = self._class_of(flow.info)
+        cls = flow.info.enclosing_class
         if cls is None:
             return []
         caller: Optional[FunctionInfo] = flow.info
