@@ -45,6 +45,10 @@ class Manifest:
     entries: Dict[Tuple[str, str], Tuple[str, Tuple[int, ...], bool]] = field(default_factory=dict)
     known_miss: Set[str] = field(default_factory=set)
     known_false: Set[str] = field(default_factory=set)
+    # the same, measured with no settings at all (``no-settings-misses:`` / ``no-settings-false-alarms:``
+    # lines; None when the manifest records no such measurement)
+    bare_miss: Optional[Set[str]] = None
+    bare_false: Optional[Set[str]] = None
 
 
 def _parse(path: Path) -> Manifest:
@@ -54,6 +58,13 @@ def _parse(path: Path) -> Manifest:
         if not line or line.startswith("#"):
             continue
         key, _, rest = line.partition(":")
+        if key in ("no-settings-misses", "no-settings-false-alarms"):
+            names = set(rest.split()) - {"none"}
+            if key == "no-settings-misses":
+                m.bare_miss = names
+            else:
+                m.bare_false = names
+            continue
         if key in ("repo", "commit", "files", "settings") and " " not in key:
             if key == "files":
                 m.files = rest.split()
@@ -139,6 +150,32 @@ def test_engine_ground_truth(manifest: Path, tmp_path: Path):
     assert all(q in by_name for q in m.known_miss | m.known_false), "a KNOWN entry names no classified function"
     assert missed == m.known_miss, f"missed {sorted(missed)}; the manifest lists {sorted(m.known_miss)}"
     assert false == m.known_false, f"false alarms {sorted(false)}; the manifest lists {sorted(m.known_false)}"
+
+
+BARE = [p for p in MANIFESTS if _parse(p).bare_miss is not None]
+
+
+@pytest.mark.parametrize("manifest", BARE, ids=[p.stem for p in BARE])
+def test_engine_ground_truth_without_settings(manifest: Path, tmp_path: Path):
+    """The figures with no settings at all, for manifests that record them (issue 50, item 4: what a user
+    gets before writing any `[tool.ownsan]`)."""
+    m = _parse(manifest)
+    root = _tree(m, tmp_path)
+    if root is None:
+        pytest.skip(f"no mirror or checkout of {m.repo} at {m.commit[:12]} here")
+    result = audit_paths([str(root / f) for f in m.files], settings=S.Settings())
+    flagged = {(os.path.relpath(f.path, root), f.function) for f in result.findings}
+    expected = {k for k, (v, _, _) in m.entries.items() if v in ("RETAINS", "INPLACE")}
+    retains = {k for k, (v, _, _) in m.entries.items() if v == "RETAINS"}
+    unclassified = sorted(flagged - set(m.entries))
+    missed = {q for _, q in expected - flagged}
+    false = {q for _, q in flagged - expected - set(unclassified)}
+    found = len(retains & flagged)
+    print(f"\n{m.name} without settings: flagged {len(flagged)}; recall {found}/{len(retains)}, "
+          f"precision {len(flagged & expected)}/{len(flagged)}")
+    assert not unclassified, f"flagged functions the manifest does not classify: {unclassified}"
+    assert missed == m.bare_miss, f"missed {sorted(missed)}; the manifest lists {sorted(m.bare_miss)}"
+    assert false == (m.bare_false or set()), f"false alarms {sorted(false)}; the manifest lists {sorted(m.bare_false or set())}"
 
 
 def test_manifests_parse_and_cover_their_verdicts():
