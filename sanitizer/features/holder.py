@@ -50,13 +50,10 @@ class Holder:
 
     @property
     def rank(self) -> int:
-        """0: a root a person recognises; 1: a frame (a suspended generator's too), an unknown or a path through
-        our objects; 2: transient. A generator's local is a frame's: it holds a view between two ``next()``
-        calls, beside the consumer that stored it, and must not end the search before that consumer is
-        found (which of the two a replay met first decided the holder named)."""
+        """0: a root a person recognises; 1: a frame, an unknown or a path through our objects; 2: transient."""
         if self.transient:
             return 2
-        return 1 if self.kind in ("frame", "generator", "unknown") or self.detour else 0
+        return 1 if self.kind in ("frame", "unknown") or self.detour else 0
 
     @property
     def pattern_steps(self) -> bool:
