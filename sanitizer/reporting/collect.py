@@ -151,10 +151,17 @@ def hand_to_run(rep: Dict[str, Any], source: str, env: Optional[Dict[str, str]] 
     """Under ``ownsan run`` (:data:`ENV_RUN_DIR` set), write ``rep``, the merged reports of ``source`` (a
     directory the run does not read), into the run's directory, where its merge reads it; the path written,
     or None when not under ``ownsan run`` or when ``source`` is that directory (the run reads it already)."""
+    run_dir = _run_dir_besides(source, env)
+    return write(rep, os.path.join(run_dir, f"report-collected-{os.getpid()}.json")) if run_dir else None
+
+
+def _run_dir_besides(source: str, env: Optional[Dict[str, str]]) -> Optional[str]:
+    """``ownsan run``'s report directory (:data:`ENV_RUN_DIR`), unless not under it or ``source`` is that
+    directory (the run reads it already)."""
     run_dir = (env if env is not None else os.environ).get(ENV_RUN_DIR)
     if not run_dir or os.path.realpath(os.fspath(source)) == os.path.realpath(run_dir):
         return None
-    return write(rep, os.path.join(run_dir, f"report-collected-{os.getpid()}.json"))
+    return run_dir
 
 
 #: A pointer left in the run's directory by ``ray_env.runtime_env``: the workers' report directory, whose
@@ -173,8 +180,8 @@ def point_run_to(source: str, env: Optional[Dict[str, str]] = None) -> Optional[
     """Under ``ownsan run``, leave in its directory a pointer to ``source`` (a Ray job's workers' report
     directory): a job that never calls ``collect()`` redirected its workers' findings away from the run,
     which then passed. The pointer's path, or None (not under ``ownsan run``, or ``source`` is its dir)."""
-    run_dir = (env if env is not None else os.environ).get(ENV_RUN_DIR)
-    if not run_dir or os.path.realpath(os.fspath(source)) == os.path.realpath(run_dir):
+    run_dir = _run_dir_besides(source, env)
+    if not run_dir:
         return None
     path = _pointer(run_dir, source)
     return output_file.write_text(path, os.path.abspath(os.fspath(source)) + "\n")

@@ -30,12 +30,9 @@ def ckpt(tmp_path):
 
 
 @pytest.fixture(autouse=True)
-def _no_holder_paths_from_other_modules():
+def _no_holder_paths_from_other_modules(fresh_triage):
     """Holder paths a walk learned in another module's tests (the engine table's in-process loads) are
     replayed first; each test here starts without them (the naming they change is the test below's)."""
-    from sanitizer.features import holders
-
-    holders.forget_patterns()
     yield
 
 

@@ -22,11 +22,9 @@ _KEPT: list = []
 
 
 @pytest.fixture(autouse=True)
-def _fresh():
-    triage.reset(records_too=True)
+def _fresh(fresh_triage):
     _KEPT.clear()
     yield
-    triage.reset(records_too=True)
     _KEPT.clear()
 
 
