@@ -172,3 +172,26 @@ def test_audit_is_its_own_torch_free_layer():
                 if target.split(".")[1:2] == ["audit"]:
                     bad.append(f"{mod} (line {line}) imports {target}: only the tools layer may use the auditor")
     assert not bad, "audit layer:\n  " + "\n  ".join(sorted(set(bad)))
+
+
+def test_cuda_hooks_sits_below_the_torch_layer():
+    """``cuda_hooks`` (the numba kernels and their torch bridge) is a layer of its own (issue 51 item 8): it
+    imports nothing of the sanitizer (it runs on its own, in a CUDA simulator's child too), and the
+    sanitizer reaches it only from the torch layer up: core and the audit stay free of numba."""
+    import ast
+
+    hooks = Path(__file__).resolve().parent.parent / "cuda_hooks"
+    bad = []
+    for path in sorted(hooks.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            bad += [f"{path.name} imports {n}" for n in names if n.split(".")[0] == PKG]
+    for mod, path in _modules().items():
+        layer = _layer(mod)
+        if layer is None or layer >= LAYERS["torch_layer"]:
+            continue
+        for target, line in _imports(mod, path):
+            if target.split(".")[0] == "cuda_hooks":
+                bad.append(f"{mod} (line {line}, layer {layer}) imports {target}")
+    assert not bad, bad

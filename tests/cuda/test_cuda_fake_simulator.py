@@ -16,6 +16,8 @@ import os
 import pytest
 from _support import run_python
 
+pytestmark = pytest.mark.slow  # numba's CUDA simulator in a child (~6 s): the full run's, not the quick one's (docs/ci.md)
+
 CHILD = r"""
 import json, warnings
 warnings.filterwarnings("ignore", message="overflow encountered in scalar", category=RuntimeWarning)

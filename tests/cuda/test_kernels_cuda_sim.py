@@ -20,6 +20,8 @@ import os
 import pytest
 from _support import ref_hash, run_python
 
+pytestmark = pytest.mark.slow  # the CUDA simulator runs each CUDA thread as a Python thread (a child of ~25 s): the full run's, not the quick one's (docs/ci.md)
+
 CHILD = r"""
 import json, warnings
 warnings.filterwarnings("ignore", message="overflow encountered in scalar", category=RuntimeWarning)

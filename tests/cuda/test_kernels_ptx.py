@@ -28,6 +28,8 @@ import pytest
 from _support import run_python
 from cuda_toolkit import find_toolkit
 
+pytestmark = pytest.mark.slow  # compiling the kernels to PTX with the toolkit (~5 s a target): the full run's
+
 CCS = [(8, 0), (9, 0)]
 
 
