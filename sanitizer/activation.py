@@ -36,7 +36,7 @@ def compose() -> None:
         if _composed:
             return
         from sanitizer.features import aliases, checksums, guard, rescue, streams, trap_mode, triage
-        from sanitizer.reporting import report
+        from sanitizer.reporting import recover, report
         from sanitizer.torch_layer import script_calls
 
         checksums.install()  # verify at retire (checksum=1), poison what is left stale (poison=1)
@@ -46,6 +46,7 @@ def compose() -> None:
         guard.install()  # enable(guard=1), the default, installs its hooks
         trap_mode.install()  # enable(trap=poison|fault) arms trap buffers
         streams.install()  # record_stream on a CUDA lease reaches the memory it aliases
+        recover.install()  # halt_on_error=0 prints each error once per site, a summary and exitcode= at exit
         report.install()  # enable(report=path) writes the report at exit
         script_calls.install()  # TorchScript keeps a sanitizer error's text
         _composed = True
@@ -63,6 +64,20 @@ def enable(**options: Any) -> None:
     resolved = _opts.resolve(options, base=state.options)  # validated once, before anything is installed
     compose()
     runtime.arm(resolved)
+    _print_help_once(resolved)
+
+
+_helped = False
+
+
+def _print_help_once(resolved: "_opts.Options") -> None:
+    """``help=1``: the option table on stderr, once per process, as ASan's ``help=1`` prints its flags."""
+    global _helped
+    if resolved["help"] and not _helped:
+        _helped = True
+        import sys
+
+        sys.stderr.write(_opts.format_table() + "\n")
 
 
 def disable() -> None:
@@ -87,9 +102,11 @@ def sanitize(**options: Any) -> Iterator[None]:
 
     before_enabled, before_options = state.enabled, state.options
     enable(**options)
+    state.scopes += 1
     try:
         yield
     finally:
+        state.scopes -= 1
         runtime.set_options(before_options)
         if before_enabled:  # even when the block called disable()
             enable()

@@ -40,7 +40,18 @@ def fix_site(holder: Optional[Mapping[str, Any]]) -> Optional[str]:
     """``file:line`` where an error's fix goes: where its holder stored the view (else where the holder
     lives); None when no holder is known. The one source of the line an error's ``fix:`` names."""
     holder = holder or {}
+    ambiguous = _candidates(holder)
+    if ambiguous:
+        return "one of " + ", ".join(ambiguous)
     return site_text(holder.get("stored_at") or holder.get("site"))
+
+
+def _candidates(holder: Mapping[str, Any]) -> List[str]:
+    """The storing statements a holder may have been filled at, when the run could not tell which (two
+    stores into one dict: the triage table says "one of"); [] when it knows the one."""
+    found = [site_text(c) for c in holder.get("stored_candidates") or ()]
+    found = [c for c in dict.fromkeys(found) if c]
+    return found if len(found) > 1 else []
 
 
 def _event_lines(event: ReuseEvent) -> List[str]:
@@ -50,8 +61,10 @@ def _event_lines(event: ReuseEvent) -> List[str]:
 
 
 def _held_by(holder: Dict[str, Any], verb: str) -> str:
+    ambiguous = _candidates(holder)
     stored = frame_text(holder.get("stored_at"))
-    where = f"stored at {stored}" if stored else frame_text(holder.get("site"))
+    where = (f"stored at one of {', '.join(ambiguous)}: the run could not tell which" if ambiguous
+             else f"stored at {stored}" if stored else frame_text(holder.get("site")))
     return f"  {verb} {holder.get('kind', 'unknown')} {holder.get('path', '?')}" + (f" ({where})" if where else "")
 
 
@@ -164,8 +177,9 @@ class StaleBorrowError(OwnershipError):
     """
 
     def __init__(self, lease: Lease, event: ReuseEvent, op: str, used_at: Site, used_as: Optional[dict] = None,
-                 holder: Optional[Dict[str, Any]] = None):
+                 holder: Optional[Dict[str, Any]] = None, lent_note: str = ""):
         self.lease = lease
+        self.lent_note = lent_note  # why the lent-at stack is short, when it was cut (the caller knows)
         self.event = event
         self.op = op
         self.used_at = used_at
@@ -196,6 +210,7 @@ class StaleBorrowError(OwnershipError):
             f"  lent at (generation {lease.generation}, bytes [{lease.start:#x}, {lease.end:#x}) "
             f"of '{lease.region_name}'):",
             format_site(lease.site),
+            *([f"    {self.lent_note}"] if getattr(self, "lent_note", "") else []),
             *_event_lines(event),
             f"  used at (thread {self.thread}):",
             self._used_lines,

@@ -50,6 +50,7 @@ class Option:
     help: str
     check: Optional[Callable[[Any], Optional[str]]] = None  # returns a complaint or None
     bounds: Optional[Tuple[Any, Any]] = None  # (low, high), both allowed: every int or float option has them
+    byte: bool = False  # a byte value (poison_byte): shown in hex, and its bound said as a byte's
 
     def __post_init__(self) -> None:
         if self.type in (int, float) and self.bounds is None:  # a value past what C takes fails late, half-armed
@@ -90,7 +91,8 @@ class Option:
         if not value >= low:  # (NaN fails both)
             return f"must be >= {low}"
         if not value <= high:
-            why = {SSIZE_MAX: " (the largest C ssize_t)", 255: " (a byte, 0x00..0xff)"}.get(high, "")
+            why = {SSIZE_MAX: " (the largest C ssize_t)"}.get(high, " (a byte, 0x00..0xff)" if self.byte else
+                                                              " (an exit status)" if high == 255 else "")
             return f"must be <= {high}{why}"
         return None
 
@@ -104,6 +106,12 @@ def _trap_mode(v: str) -> Optional[str]:
         if not pages.AVAILABLE:
             return f"trap mode is unavailable here: it {pages.UNAVAILABLE_REASON}"
     return None
+
+
+def _suppressions_file(v: str) -> Optional[str]:
+    from sanitizer.core import suppressions  # (torch-free, standard library only)
+
+    return suppressions.check(v)
 
 
 OPTIONS: Dict[str, Option] = {
@@ -132,7 +140,7 @@ OPTIONS: Dict[str, Option] = {
                "sanitizer allocated (StagingBuffer(nbytes), rings) is written; adopted loader memory (adopt(), "
                "borrowed_iterator) never is."),
         Option("poison_byte", int, 0xFF,
-               "The poison fill byte; 0xFF reads as NaN in fp16, bf16 and fp32.", bounds=BYTE),
+               "The poison fill byte; 0xFF reads as NaN in fp16, bf16 and fp32.", bounds=BYTE, byte=True),
         Option("guard", bool, True,
                "When a reuse or close retires a lease that something still holds (and rescue did not take it), "
                "re-point its storage to a tombstone filled with poison_byte, so a read the dispatch mode cannot see "
@@ -182,9 +190,24 @@ OPTIONS: Dict[str, Option] = {
         Option("timeline_events", int, 10000,
                "Lends kept (the most recent) for the report's timeline of each staging buffer (ownsan triage --html, "
                "--trace), and as many of the most recent reuses. 0: no timeline.", bounds=COUNT),
+        Option("help", bool, False,
+               "Print this option table to stderr when the sanitizer starts (as ASan's help=1), then go on."),
+        Option("print_errors", bool, True,
+               "With halt_on_error=0 (or triage=1), print each error to stderr as it is found, once per distinct "
+               "use site (as ASan's recover mode prints each report), and one summary line at exit. 0: silent "
+               "(the report and sanitizer.report() still list every error)."),
+        Option("exitcode", int, 0,
+               "With halt_on_error=0 (or triage=1), end the process with this status when an error was recorded "
+               "(as ASan's exitcode=); the report is written first. 0: the program's own status.",
+               bounds=(0, 255)),
         Option("fail_on_retention", bool, True,
                "ownsan run exits 1 when a retention was confirmed, even without an error (as LeakSanitizer fails "
                "a run that leaked). 0: only errors fail the run."),
+        Option("suppressions", str, "",
+               "A suppressions file (as LSan's suppressions=): one KIND:PATTERN rule a line, KIND retention, "
+               "stale_use, checksum_mismatch, error or *, PATTERN a glob matched against the lease's name, the "
+               "holder, and each frame (file, file:line, function). A matching finding is counted and listed as "
+               "suppressed, not printed, and never fails the run. Empty: none.", check=_suppressions_file),
     ]
 }
 
@@ -211,6 +234,33 @@ class Options(dict):
     """
 
     __slots__ = ()
+
+    # What a type checker reads of ``opts.name`` (the values come from the dict through __getattr__): one
+    # line per option of the table, in its order and type; tests/core/test_options.py pins them to it. The
+    # runtime's hot paths read ``opts["name"]`` (a C dict lookup, no Python call).
+    halt_on_error: bool
+    stack_depth: int
+    report: str
+    checksum: bool
+    poison: bool
+    poison_byte: int
+    guard: bool
+    trap: str
+    quarantine: int
+    rescue: bool
+    safetensors_ring: int
+    safetensors_strict: bool
+    triage: bool
+    triage_budget_ms: int
+    triage_depth: int
+    max_records: int
+    max_errors_per_lease: int
+    timeline_events: int
+    help: bool
+    print_errors: bool
+    exitcode: int
+    fail_on_retention: bool
+    suppressions: str
 
     def _frozen(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError("options are frozen: build new ones with replace(name=value)")
@@ -425,7 +475,7 @@ def _shown(opt: Option) -> str:
         return str(int(opt.default))
     if opt.default == "":
         return "(none)"
-    return f"{opt.default:#04x}" if opt.bounds == BYTE else str(opt.default)
+    return f"{opt.default:#04x}" if opt.byte else str(opt.default)
 
 
 def markdown_table() -> str:

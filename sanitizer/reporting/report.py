@@ -19,6 +19,8 @@ import os
 import sys
 from typing import Any, Dict, Iterable, List, Optional, Set
 
+from sanitizer.core import suppressions
+from sanitizer.core.errors import fix_site
 from sanitizer.core import forking, journal, output_file
 from sanitizer.core import report_file
 from sanitizer.core.options import Options
@@ -102,13 +104,14 @@ def report(final: bool = False, exclude: Optional[Set[int]] = None) -> Dict[str,
     events = [e if "pid" in e else dict(e, pid=pid) for e in events]
     retained = [lease.to_dict() | {"stale_by": lease.stale_by.to_dict()} for lease in state.ledger.stale_alive()
                 if lease.stale_by is not None]
+    errors, events, suppressed_errors = _suppress(errors, events)
     rep = skeleton(
         pid=pid,
         **_process_info(),
         argv=[str(a) for a in sys.argv],
         enabled=state.enabled,
         options=runtime.options(),
-        error_count=len(errors) if exclude else max(counts["errors_seen"], len(errors)),
+        error_count=(len(errors) if exclude else max(counts["errors_seen"], len(errors))) - suppressed_errors,
         records_dropped=counts["dropped"],
         errors_not_kept={"max_records": counts["errors_dropped"],
                          "max_errors_per_lease": counts["errors_over_per_lease"]},
@@ -124,6 +127,29 @@ def report(final: bool = False, exclude: Optional[Set[int]] = None) -> Dict[str,
     rep["timeline"] = triage.timeline()
     rep["summary"] = summarize(rep, pending=triage.pending_count())
     return rep
+
+
+def _suppress(errors: List[Dict[str, Any]], events: List[Dict[str, Any]]):
+    """Mark the findings the ``suppressions`` file names (``"suppressed": "KIND:PATTERN (FILE:LINE)"``, on a
+    copy of the record): they stay in the report, listed, and leave the counts that fail a run. Returns the
+    marked lists and how many errors were suppressed."""
+    path = state.options.suppressions
+    if not path:
+        return errors, events, 0
+    try:
+        rules = suppressions.load(path)
+    except suppressions.SuppressionError:
+        return errors, events, 0  # (checked when the option was set; a file removed since: nothing suppressed)
+
+    def mark(record: Dict[str, Any]) -> Dict[str, Any]:
+        if record.get("kind") not in ("retention", "stale_use", "checksum_mismatch"):
+            return record
+        rule = suppressions.match(rules, record)
+        return dict(record, suppressed=f"{rule.text()} ({rule.where})") if rule is not None else record
+
+    errors = [mark(e) for e in errors]
+    events = [mark(e) for e in events]
+    return errors, events, sum(1 for e in errors if e.get("suppressed"))
 
 
 def _kept_text(total: int, by_kind: Dict[str, int], not_kept: Optional[Dict[str, int]]) -> str:
@@ -197,7 +223,7 @@ def _add_to_group(groups: Dict[tuple, Dict[str, Any]], e: Dict[str, Any], holder
             "site": site, "stored_at": stored, "count": 0, "bytes": 0, "leases": [], "used_stale": 0, "first": e,
             "read_stale_at": [], "lent_at": frame_text(e.get("lent_at")),
             "reused_at": frame_text(e.get("reused_at")),
-            "fix": fix_hint(holder.get("kind"), consumer, stored or site), "_also": 0, "_also_leases": []}
+            "fix": fix_hint(holder.get("kind"), consumer, fix_site(holder)), "_also": 0, "_also_leases": []}
         if holder.get("stored_candidates"):
             g["stored_candidates"] = [site_text(c) for c in holder["stored_candidates"]]
     if stale:
@@ -222,13 +248,20 @@ def _add_to_group(groups: Dict[tuple, Dict[str, Any]], e: Dict[str, Any], holder
 def summarize(rep: Dict[str, Any], pending: int = 0) -> Dict[str, Any]:
     """Counts by kind, retentions grouped by retaining consumer (biggest first), and a one-line summary."""
     errors_by_kind: Dict[str, int] = {}
+    suppressed = {"errors": 0, "retentions": 0}
     for e in rep.get("errors", ()):
+        if e.get("suppressed"):
+            suppressed["errors"] += 1
+            continue
         errors_by_kind[e.get("kind", "?")] = errors_by_kind.get(e.get("kind", "?"), 0) + 1
     events_by_kind: Dict[str, int] = {}
     groups: Dict[tuple, Dict[str, Any]] = {}
     retained_bytes = 0  # each retained lease once, whatever number of consumers held it
     for e in rep.get("events", ()):
         kind = e.get("kind", "?")
+        if e.get("suppressed"):
+            suppressed["retentions" if kind == "retention" else "errors"] += 1
+            continue
         events_by_kind[kind] = events_by_kind.get(kind, 0) + (e.get("count", 1) if kind in _AGGREGATES else 1)
         if kind != "retention":
             continue
@@ -261,8 +294,10 @@ def summarize(rep: Dict[str, Any], pending: int = 0) -> Dict[str, Any]:
                      f"{'s' * (counted != 1)} ({format_bytes(retained_bytes)}{' kept' if ret_dropped else ''})"
                      + (f", {also_only} more holding the same views" if also_only else ""))
         top = consumers[0]
-        parts.append(f"top: {top['consumer']}" + (f" at {top['stored_at'] or top['site']}"
-                                                  if top["stored_at"] or top["site"] else "")
+        ambiguous = len(set(top.get("stored_candidates") or ())) > 1
+        where = ("one of " + ", ".join(dict.fromkeys(top["stored_candidates"])) if ambiguous
+                 else top["stored_at"] or top["site"])
+        parts.append(f"top: {top['consumer']}" + (f" at {where}" if where else "")
                      + f" ({top['count']}, {format_bytes(top['bytes'])})")
     else:
         parts.append("no retentions")
@@ -273,6 +308,10 @@ def summarize(rep: Dict[str, Any], pending: int = 0) -> Dict[str, Any]:
                      f"{'s' * (len(emulated) != 1)} ({format_bytes(sum(g['bytes'] for g in emulated))}; "
                      f"correct under the loader's own contract, safetensors_strict=1 makes them retentions, "
                      f"a read of one a stale-use error)")
+    if suppressed["errors"] or suppressed["retentions"]:
+        parts.append(" and ".join(f"{n} {what}{'s' * (n != 1)}" for what, n in
+                                  (("error", suppressed["errors"]), ("retention", suppressed["retentions"])) if n)
+                     + " suppressed (suppressions file: listed in the report, not counted)")
     unchecked = _unchecked_loads(rep.get("events", ()))
     for g in unchecked:
         parts.append(f"{g['count']} load{'s' * (g['count'] != 1)} not checked ({g['entry']}: {g['tensors']} "
@@ -289,6 +328,7 @@ def summarize(rep: Dict[str, Any], pending: int = 0) -> Dict[str, Any]:
         "emulated_retentions": sum(g["count"] for g in emulated),
         "emulated_consumers": emulated,
         "unchecked_loads": unchecked,
+        "suppressed": suppressed,
     }
 
 

@@ -251,7 +251,8 @@ class _Checker:
                 del built
             # rescue=0 whatever the caller's options: the sanitized result shows what retained views read (the
             # guard's poison), not the copies rescue would hand them
-            options = {"halt_on_error": 0, "rescue": 0, **case.sanitizer_options(), **(DIAGNOSE if diagnose else QUICK)}
+            options = {"halt_on_error": 0, "rescue": 0, "print_errors": 0,  # (its findings are its result's)
+                       **case.sanitizer_options(), **(DIAGNOSE if diagnose else QUICK)}
             with sanitizer.sanitize(**options):
                 built = self._sanitized_run(case, items, ring, tag, scope, out, diagnose)
             if out.sanitized_error is None:

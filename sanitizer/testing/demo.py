@@ -411,9 +411,9 @@ def verdict(results: Sequence[Result]) -> List[str]:
     return problems
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(prog: str = "layerwise_reload") -> argparse.ArgumentParser:
     d = TinyConfig()
-    p = argparse.ArgumentParser(prog="layerwise_reload", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                                 epilog=INTRO.replace("\n", " "))
     p.add_argument("--dense-layers", type=int, default=d.dense_layers, help="dense decoder layers (%(default)s)")
     p.add_argument("--moe-layers", type=int, default=d.moe_layers, help="MoE decoder layers (%(default)s)")
@@ -439,8 +439,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = _parser().parse_args(argv)
+def main(argv: Optional[Sequence[str]] = None, prog: str = "layerwise_reload") -> int:
+    """``prog``: how its usage line names it (``ownsan demo`` from the CLI, the example's name from it)."""
+    args = _parser(prog).parse_args(argv)
     if args.child:
         return child_main(argv)
     threads = torch.get_num_threads()

@@ -275,7 +275,7 @@ def run_case(case: Case) -> Outcome:
 
 def _run_case(case: Case, scope: isolation.RecordScope) -> Outcome:
     # No heap walks (diagnostics only) and short stacks: the properties do not depend on them.
-    quiet = {k: v for k, v in (("triage_budget_ms", 0), ("stack_depth", 2)) if k in OPTIONS}
+    quiet = {k: v for k, v in (("triage_budget_ms", 0), ("stack_depth", 2), ("print_errors", 0)) if k in OPTIONS}
     debug = {"checksum": 1, "poison": 1} if case.debug == "checksum+poison" else {}
     with tempfile.TemporaryDirectory(prefix="ownsan-fuzz-") as tmp:
         plan, oracle = write_checkpoint(case, tmp)

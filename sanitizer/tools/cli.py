@@ -29,6 +29,7 @@ command parses its arguments before it imports what its work needs.
 from __future__ import annotations
 
 import argparse
+import json
 import glob
 import importlib.util
 import os
@@ -329,9 +330,14 @@ def _process_reports(directory: str) -> "collect.Collected":
 
 def _finish_run(args: argparse.Namespace, found: "collect.Collected", code: int) -> int:
     if found.report is None and not found.unreadable:
+        # A CI gate that ran nothing sanitized must not pass as if it had (a wrong interpreter, a command that
+        # never reaches torch): a failing status, unless the run was told that is expected.
+        allowed = getattr(args, "allow_unsanitized", False)
         print("ownsan run: no process wrote a report (the program never imported torch, or exited through "
-              "os._exit): nothing was sanitized", file=sys.stderr)
-        return code
+              "os._exit): nothing was sanitized" + ("" if allowed or code else
+                                                    "; exit status 1 (--allow-unsanitized: the program's own)"),
+              file=sys.stderr)
+        return code if allowed or code else 1
     for line in found.notes("ownsan run"):
         # A report is written whole (replaced atomically), so an unreadable file is a journal whose first
         # line was cut short: its process was killed while it recorded its first finding. That finding is
@@ -366,7 +372,10 @@ def cmd_triage(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     note = report_file.journal_note(args.report, rep)
     if note:
         print(f"ownsan triage: {note}", file=sys.stderr)
-    _print(format_triage(rep, args.report, top=args.top))
+    if args.json:  # the summary the table is printed from (counts, consumers, suppressed), as data
+        print(json.dumps(rep.get("summary", {}), indent=2, default=str))
+    else:
+        _print(format_triage(rep, args.report, top=args.top))
     sys.stdout.flush()  # before a page or a trace written through /dev/stdout
     for flag in ("html", "trace"):
         target = getattr(args, flag, None)
@@ -441,7 +450,7 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             return _quickstart("safetensors is missing")
         from sanitizer.testing import demo
 
-        return int(demo.main(list(args.args)) or 0)
+        return int(demo.main(list(args.args), prog="ownsan demo") or 0)
     if args.args:
         parser.error("the core scenario takes no arguments (the end-to-end demo is not installed)")
     return _quickstart("the end-to-end demo is not installed")
@@ -479,6 +488,11 @@ def cmd_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             return 2
         print(f"{args.sync_readme}: {'updated' if changed else 'already in sync'}")
         return 0
+    if args.json:  # the one table, as data: a script reads it instead of scraping the text
+        print(json.dumps([{"name": o.name, "type": o.type.__name__, "default": o.default, "help": o.help,
+                           "bounds": list(o.bounds) if o.bounds is not None else None}
+                          for o in _opts.OPTIONS.values()], indent=2))
+        return 0
     import textwrap
 
     width = max(shutil.get_terminal_size((100, 24)).columns, 40) - 1
@@ -503,7 +517,7 @@ def cmd_uninstall_hook(args: argparse.Namespace, parser: argparse.ArgumentParser
 def cmd_doctor(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from sanitizer.tools import doctor
 
-    return doctor.main()
+    return doctor.main(as_json=args.json)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -521,9 +535,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="where to write the merged JSON report (default: %(default)s)")
     run.add_argument("--top", type=int, default=20, help="consumers shown (default: %(default)s)")
     run.add_argument("-q", "--quiet", action="store_true", help="print only the one-line summary")
+    run.add_argument("--allow-unsanitized", action="store_true",
+                     help="a command that never imports torch (so nothing is sanitized) keeps its own exit status "
+                     "(by default the run then exits 1: a CI gate that sanitized nothing does not pass)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- then the program and its arguments")
-    tri = sub.add_parser("triage", help="show a report: retaining consumers by bytes, with holders and sites")
+    tri = sub.add_parser("triage", help="show a report: retaining consumers by bytes, with holders and sites",
+                         description="Show a report written by ownsan run or report=PATH: the summary, the retaining "
+                         "consumers by bytes with their holders and storing lines, the errors.")
     tri.add_argument("report", help="a report written by ownsan run or report=path")
+    tri.add_argument("--json", action="store_true", help="print the report's summary as JSON instead of the table")
     tri.add_argument("--top", type=int, default=20, help="consumers shown (default: %(default)s)")
     tri.add_argument("--exit-zero", action="store_true",
                      help="exit 0 even when the report has findings (by default it exits 1 on an error or a "
@@ -533,21 +553,32 @@ def build_parser() -> argparse.ArgumentParser:
     tri.add_argument("--trace", metavar="PATH", default=None,
                      help="also write the timeline as Chrome trace events (open in Perfetto, as torch.profiler "
                      "traces)")
-    demo = sub.add_parser("demo", help="the end-to-end demonstration (the layerwise-reload bug, caught and fixed)")
+    demo = sub.add_parser("demo", help="the end-to-end demonstration (the layerwise-reload bug, caught and fixed)",
+                          description="The end-to-end demonstration: a layerwise reload whose consumer keeps "
+                          "borrowed views, caught, named and fixed (ownsan demo -- --help for its options).")
     demo.add_argument("args", nargs=argparse.REMAINDER, help="passed to the demo (ownsan demo -- --help)")
-    opt = sub.add_parser("options", help="the option table: names, types, defaults, help")
+    opt = sub.add_parser("options", help="the option table: names, types, defaults, help",
+                         description="Every sanitizer option: name, type, default and what it does (the table "
+                         "OWNERSHIP_SANITIZE_OPTIONS, sanitizer.enable() and ownsan run -o read).")
+    opt.add_argument("--json", action="store_true", help="print the table as JSON")
     opt.add_argument("--sync-readme", metavar="README", default=None,
-                     help="rewrite the generated option table in this README instead of printing")
-    fuzz = sub.add_parser("fuzz", help="the bounded fuzz campaign; with --consumer MODULE:FUNCTION, your own consumer")
+                     help=argparse.SUPPRESS)  # maintainers: rewrite the generated table in a page (docs/options.md)
+    fuzz = sub.add_parser("fuzz", help="the bounded fuzz campaign; with --consumer MODULE:FUNCTION, your own consumer",
+                          description="The bounded fuzz campaign over randomized borrowed streams, checked bit for "
+                          "bit; with --consumer MODULE:FUNCTION, your own consumer (ownsan fuzz --help).")
     fuzz.add_argument("args", nargs=argparse.REMAINDER, help="passed to the fuzzer")
     audit = sub.add_parser("audit", help="find retaining consumers of borrowed weights statically, without "
-                           "running the code (ownsan audit --help)")
+                           "running the code (ownsan audit --help)",
+                           description="Find retaining consumers of borrowed weights statically, without running "
+                           "the code (ownsan audit --help for its own options).")
     audit.add_argument("args", nargs=argparse.REMAINDER, help="paths and options (ownsan audit --help)")
-    sub.add_parser("doctor", help="say whether OWNERSHIP_SANITIZE=1 would sanitize a program run by this "
-                   "interpreter (the zero-code hook, the switch, the options, torch, numba, the loaders)")
+    doctor_text = ("say whether OWNERSHIP_SANITIZE=1 would sanitize a program run by this interpreter (the zero-code "
+                   "hook, the switch, the options, torch, numba, the loaders)")
+    doc = sub.add_parser("doctor", help=doctor_text, description=doctor_text[0].upper() + doctor_text[1:] + ".")
+    doc.add_argument("--json", action="store_true", help="print the checks as JSON")
     for name, text in (("install-hook", "write the zero-code activation .pth into site-packages"),
                        ("uninstall-hook", "remove the zero-code activation .pth")):
-        hp = sub.add_parser(name, help=text)
+        hp = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
         hp.add_argument("--dir", default=None, help="the site directory (default: this environment's)")
     return p
 

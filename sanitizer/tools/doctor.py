@@ -124,8 +124,14 @@ def check(environ: Optional[Dict[str, str]] = None) -> Tuple[List[Tuple[str, str
     return rows, works
 
 
-def main(argv: Sequence[str] = ()) -> int:
+def main(argv: Sequence[str] = (), as_json: bool = False) -> int:
     rows, works = check()
+    if as_json:  # for a CI step or a script: the same verdicts, parsed instead of scraped
+        import json
+
+        print(json.dumps({"works": works, "checks": [{"verdict": v, "what": w, "detail": d} for v, w, d in rows]},
+                         indent=2))
+        return 0 if works else 1
     width = max(len(what) for _, what, _ in rows)
     for verdict, what, detail in rows:
         print(f"{verdict:<4}  {what:<{width}}  {detail}")

@@ -19,6 +19,8 @@ Kinds, in the order a lease meets them:
   (``numpy()``, ``__array__``, DLPack); ``result`` is what the export returned (an ndarray, a capsule);
 * **record** ``(kind, record)``: an error or an event was kept (``kind`` is ``"error"`` or ``"event"``);
   a journal writes it as it happens. Never raises;
+* **recovered** ``(error)``: an error was recorded and let go (``halt_on_error=0``, ``triage=1``): the
+  program goes on; the error object itself, rendered as a raised one would be. Never raises;
 * **release** ``(lease)``: the lease's storage died (every view of it gone), rescued leases too. It
   runs wherever the last reference went, possibly inside the GC: keep it cheap and lock-free.
 """
@@ -65,6 +67,7 @@ ExportHook = Callable[[Lease, str, Any], None]
 ReleaseHook = Callable[[Lease], None]
 RecordHook = Callable[[str, Dict[str, Any]], None]
 OpErrorHook = Callable[[BaseException], None]
+RecoveredHook = Callable[[BaseException], None]
 
 
 class HookSlots:
@@ -81,6 +84,7 @@ class HookSlots:
         self.release: List[ReleaseHook] = []
         self.record: List[RecordHook] = []
         self.op_error: List[OpErrorHook] = []  # an op raised under the dispatch mode (its own error, not ours)
+        self.recovered: List[RecoveredHook] = []  # an error recorded and let go (halt_on_error=0)
 
     def _add(self, slot: str, hook: Any) -> None:
         with self._lock:
@@ -120,10 +124,15 @@ class HookSlots:
         text of an exception raised from Python inside a scripted call: script_calls keeps it)."""
         self._add("op_error", hook)
 
+    def add_recovered(self, hook: "RecoveredHook") -> None:
+        """``hook(error)`` for each error recorded and let go (not raised): recover mode speaks through it."""
+        self._add("recovered", hook)
+
     def discard(self, hook: Any) -> None:
         """Take ``hook`` out of every slot (a benchmark measuring the runtime without one feature)."""
         with self._lock:
-            for slot in ("enable", "lend", "reuse", "stale_use", "export", "release", "record", "op_error"):
+            for slot in ("enable", "lend", "reuse", "stale_use", "export", "release", "record", "op_error",
+                         "recovered"):
                 setattr(self, slot, [h for h in getattr(self, slot) if h is not hook])
             self.retire = [pair for pair in self.retire if pair[1] is not hook]
 
@@ -144,7 +153,8 @@ add_export_hook = HOOKS.add_export
 add_release_hook = HOOKS.add_release
 add_record_hook = HOOKS.add_record
 add_op_error_hook = HOOKS.add_op_error
+add_recovered_hook = HOOKS.add_recovered
 
 __all__ = ["RetireOrder", "StaleUse", "HookSlots", "HOOKS", "add_enable_hook", "add_lend_hook", "add_reuse_hook",
            "add_retire_hook", "add_stale_use_hook", "add_export_hook", "add_release_hook", "add_record_hook",
-           "add_op_error_hook"]
+           "add_op_error_hook", "add_recovered_hook"]

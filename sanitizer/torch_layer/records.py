@@ -180,6 +180,11 @@ def raise_or_record(err: OwnershipError, lease: Optional[Lease], halt: Optional[
         finally:
             del err  # no frame -> traceback -> error cycle: a caught error is freed at once
     STORE.add_error(err.record, lease_id, opts["max_records"], opts["max_errors_per_lease"])
+    for hook in HOOKS.recovered:  # recover mode speaks (reporting.recover): never lets an error out
+        try:
+            hook(err)
+        except Exception:
+            pass
 
 
 def error_mark() -> int:

@@ -35,7 +35,22 @@ def report_stale_use(lease: Lease, func: Any, tensor: Optional[torch.Tensor],
     use = StaleUse(op=str(func), used_at=capture_excluding(state.options.stack_depth, (torch_dir(),)),
                    used_as=used_as, thread=threading.current_thread().name)
     holder = _holder(lease, use)
-    raise_or_record(StaleBorrowError(lease, event, use.op, use.used_at, use.used_as, holder=holder), lease)
+    raise_or_record(StaleBorrowError(lease, event, use.op, use.used_at, use.used_as, holder=holder,
+                                     lent_note=_lent_cut_note(lease)), lease)
+
+
+def _lent_cut_note(lease: Lease) -> str:
+    """``(1 frame: ...)`` when the lend's stack was cut to its call site because the sanitizer was off then
+    (a lend before ``sanitize()``, the README's own pattern): one frame inside a function, whose caller a
+    capture while on would have kept (stack_depth > 1). A lend at module level has no caller to keep."""
+    depth = state.options.stack_depth
+    if depth <= 1 or len(lease.site) != 1:
+        return ""
+    code = lease.site[0][0]
+    if code.co_name == "<module>":
+        return ""
+    return (f"(1 frame: the lend happened while the sanitizer was off, which keeps only the call site; "
+            f"lends while on keep stack_depth={depth})")
 
 
 def _holder(lease: Lease, use: StaleUse) -> Optional[Dict[str, Any]]:

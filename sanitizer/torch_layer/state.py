@@ -30,6 +30,9 @@ class RuntimeState:
         # Written only by runtime (a reuse, a death, a rescue); read lock-free by the per-op path.
         self.stale: Dict[int, Lease] = {}  # storage address -> alive *stale* lease
         self.lock = threading.RLock()  # guards the writes above that are not single dict operations
+        # `with sanitizer.sanitize(...)` blocks open now (written only by activation.sanitize): a block's
+        # findings are its caller's to read (sanitizer.errors()), not the process's to print at the user
+        self.scopes = 0
 
 
 state = RuntimeState()

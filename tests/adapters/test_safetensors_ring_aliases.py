@@ -184,6 +184,7 @@ def test_a_ring_renews_a_segment_only_while_open():
         ring.renew(0)
 
 
+@pytest.mark.slow  # a scale run (3000 kept views under trap mode, ~100 s on 2 cores): the full run's
 def test_kept_views_under_trap_cost_no_mapping_each(tmp_path):
     """Issue 48, found by a blind user: with ``trap=poison`` each kept view got a window, then a private copy
     of its pages mapped over it: 40,000 kept tensors took 90 s (7 s without trap) and 62,634 process maps,

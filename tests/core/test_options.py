@@ -145,3 +145,13 @@ def test_an_options_string_built_from_values_reads_back_the_same():
 def test_an_unterminated_quote_is_named():
     with pytest.raises(OptionError, match="unterminated ' quote"):
         opts.parse_options_string("report='/runs/x")
+
+
+def test_the_typed_attributes_are_the_table():
+    """Issue 51 item 8: ``opts.exitcode`` is what a type checker reads of an option; the annotations on
+    Options are one per option of the table, in its order, of its type (a new option must add its line)."""
+    declared = {name: (t if isinstance(t, str) else t.__name__) for name, t in opts.Options.__annotations__.items()}
+    assert list(declared) == list(opts.OPTIONS)
+    assert declared == {name: o.type.__name__ for name, o in opts.OPTIONS.items()}
+    resolved = opts.resolve({})
+    assert all(getattr(resolved, name) == resolved[name] for name in opts.OPTIONS)

@@ -183,7 +183,7 @@ def test_triage_fails_on_findings_unless_exit_zero(tmp_path, capsys):
 
 def test_ownsan_run_exports_its_report_directory(tmp_path):
     out = tmp_path / "env.txt"
-    code = cli.main(["run", "-q", "--report", str(tmp_path / "r.json"), "--", "python3", "-c",
+    code = cli.main(["run", "-q", "--allow-unsanitized", "--report", str(tmp_path / "r.json"), "--", "python3", "-c",
                      f"import os; open({str(out)!r}, 'w').write(os.environ[{collect.ENV_RUN_DIR!r}])"])
     assert code == 0 and os.path.basename(out.read_text()).startswith("ownsan-")
 

@@ -97,6 +97,20 @@ def test_run_passes_the_program_exit_status_through(tmp_path):
     assert out.returncode == 7, out.stderr
 
 
+def test_run_of_a_command_that_never_imports_torch_fails_unless_allowed(tmp_path):
+    """Issue 51 item 6: a CI gate whose command never reached torch sanitized nothing; it passed (0)."""
+    out = _ownsan("run", "--report", "rep.json", "--", sys.executable, "-c", "print('hi')", cwd=str(tmp_path))
+    assert out.returncode == 1 and "hi" in out.stdout, out.stderr
+    assert "nothing was sanitized; exit status 1 (--allow-unsanitized" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1  # one line
+    allowed = _ownsan("run", "--allow-unsanitized", "--report", "rep.json", "--", sys.executable, "-c",
+                      "import sys; sys.exit(0)", cwd=str(tmp_path))
+    assert allowed.returncode == 0 and "nothing was sanitized" in allowed.stderr
+    failing = _ownsan("run", "--report", "rep.json", "--", sys.executable, "-c", "import sys; sys.exit(4)",
+                      cwd=str(tmp_path))
+    assert failing.returncode == 4  # the program's own failure is kept
+
+
 @pytest.mark.parametrize("argv, message", [
     (["run", "-o", "bogus=1", "--", "python", "x.py"], "unknown option 'bogus'"),
     (["run", "-o", "stack_depth=-1", "--", "python", "x.py"], "option 'stack_depth'"),
@@ -464,8 +478,9 @@ def test_the_progress_line_never_covers_the_programs_output(tmp_path):
     master, slave = os.openpty()
     env = {k: v for k, v in os.environ.items() if not k.startswith("OWNERSHIP_SANITIZE")}
     env["PYTHONPATH"] = ROOT
-    proc = subprocess.Popen([sys.executable, "-m", "sanitizer", "run", "-q", "--report", "r.json", "--",
-                             sys.executable, "-c", child], stdin=subprocess.DEVNULL, stdout=slave, stderr=slave,
+    proc = subprocess.Popen([sys.executable, "-m", "sanitizer", "run", "-q", "--allow-unsanitized", "--report",
+                             "r.json", "--", sys.executable, "-c", child], stdin=subprocess.DEVNULL, stdout=slave,
+                            stderr=slave,
                             cwd=str(tmp_path), env=env)
     os.close(slave)
     raw = b""
