@@ -7,7 +7,9 @@ process id written as ``N``:
 * ``several_holders`` (docs/triage.md): ``ownsan run -o safetensors_ring=16384 -o safetensors_strict=1 --
   python examples/several_holders.py``, its summary and table;
 * ``deferred_loader`` (docs/fuzzing.md): the ``RetainedBorrowError`` of ``check_consumer(load_deferred, ...)``
-  from ``examples/test_deferred_loader_ownership.py``.
+  from ``examples/test_deferred_loader_ownership.py``;
+* ``readme_error`` (README.md) and ``concepts_error`` (docs/concepts.md): the ``StaleBorrowError`` that the
+  page's own Python block, run as ``example.py``, raises (the block right above the sample is what runs).
 
     python docs/samples.py            # rewrite the blocks
     python docs/samples.py --check    # exit 1, naming the sample, when a block differs from a fresh run
@@ -62,9 +64,39 @@ def deferred_loader() -> str:
     raise RuntimeError("deferred_loader: check_consumer(load_deferred) passed; it must fail")
 
 
+def _page_example(page_name: str, name: str) -> str:
+    """What the page's Python block just above ``<!-- sample: name -->`` raises, run as ``example.py`` (its
+    error's last lines: the class and the report, as the page shows them)."""
+    with open(os.path.join(ROOT, "docs", page_name), encoding="utf-8") as fh:
+        page = fh.read()
+    at = page.index(f"<!-- sample: {name} -->")
+    code = re.findall(r"```python\n(.*?)```", page[:at], re.S)[-1]
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "example.py"), "w", encoding="utf-8") as fh:
+            fh.write(code)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OWNERSHIP_SANITIZE")}
+        out = subprocess.run([sys.executable, "example.py"], capture_output=True, text=True, timeout=300, cwd=tmp,
+                             env=dict(env, PYTHONPATH=ROOT))
+    err = out.stderr.replace(os.path.join(tmp, ""), "")  # `example.py:3`, as a user running it in place sees
+    start = err.find("sanitizer.core.errors.StaleBorrowError:")
+    if out.returncode == 0 or start < 0:
+        raise RuntimeError(f"{name}: the page's example raised no StaleBorrowError:\n{out.stdout}\n{err}")
+    return _normalise(err[start:])
+
+
+def readme_error() -> str:
+    return _page_example(os.path.join(os.pardir, "README.md"), "readme_error")
+
+
+def concepts_error() -> str:
+    return _page_example("concepts.md", "concepts_error")
+
+
 SAMPLES: Dict[str, Tuple[str, Callable[[], str]]] = {
     "several_holders": ("triage.md", several_holders),
     "deferred_loader": ("fuzzing.md", deferred_loader),
+    "readme_error": (os.path.join(os.pardir, "README.md"), readme_error),
+    "concepts_error": ("concepts.md", concepts_error),
 }
 _BLOCK = r"(<!-- sample: {name} -->\n```\n)(.*?)(\n```\n<!-- /sample -->)"
 

@@ -16,8 +16,9 @@ def _samples():
     return module
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["several_holders", "deferred_loader"])
+@pytest.mark.parametrize("name", [pytest.param("several_holders", marks=pytest.mark.slow),
+                                  pytest.param("deferred_loader", marks=pytest.mark.slow),
+                                  "readme_error", "concepts_error"])  # (the last two: one small run each, quick)
 def test_the_docs_sample_is_what_a_real_run_prints(name):
     if name == "several_holders":
         pytest.importorskip("safetensors", reason="the sample loads through safetensors (pip install safetensors)")
