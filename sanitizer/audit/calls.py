@@ -15,11 +15,38 @@ from typing import Dict, Optional, Sequence, Tuple
 from sanitizer.audit import vocabulary as V
 from sanitizer.audit.findings import Link
 from sanitizer.audit.index import dotted
-from sanitizer.audit.targets import root_of
+from sanitizer.audit.targets import _CAMEL, root_of
 from sanitizer.audit.values import (ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR, ELEM_PAIR, ELEM_TENSOR, HOLDER, ITER, PAIR,
                                     SOURCE, TENSOR, UNRESOLVED, Val, element_of)
 
 _MAPPING_COPIES = frozenset({"dict", "OrderedDict", "defaultdict"})  # of a dict: its tensors, by name
+# Calls that call the function they are handed with each item of their second argument (``map``, a pool's
+# or an executor's ``map``, fastcore's ``parallel``, tqdm's ``thread_map``), or with it (``submit``)
+_MAPPERS = frozenset({"map", "imap", "imap_unordered", "parallel", "thread_map", "process_map", "parallel_map"})
+_SUBMITTERS = frozenset({"submit", "apply_async"})
+_NOT_HOLDERS = frozenset({"Parameter", "Tensor", "Size", "Path", "PurePath", "Event", "Thread", "Lock"})
+
+
+def _keyword_is(node: ast.Call, name: str, value: bool) -> bool:
+    """``name=True`` (or ``False``) among the call's keywords, as a literal (a variable may be either)."""
+    return any(k.arg == name and isinstance(k.value, ast.Constant) and k.value.value is value for k in node.keywords)
+
+
+def meth_is_load_from_state_dict(node: ast.Call) -> bool:
+    return isinstance(node.func, ast.Attribute) and node.func.attr == "_load_from_state_dict"
+
+
+def _mentions(fn: ast.AST, word: str) -> bool:
+    """Does the function's text name ``word`` anywhere (a name, attribute, keyword or string key)?"""
+    for sub in ast.walk(fn):
+        text = sub.id if isinstance(sub, ast.Name) else sub.attr if isinstance(sub, ast.Attribute) else \
+            sub.value if isinstance(sub, ast.Constant) and isinstance(sub.value, str) else \
+            sub.arg if isinstance(sub, (ast.keyword, ast.arg)) and sub.arg else ""
+        if word in text:
+            return True
+    return False
+
+
 
 
 class CallRules:
@@ -50,10 +77,22 @@ class CallRules:
             target = ast.Attribute(value=func.value, attr=self.snip(node.args[0], 30).strip("'\""), ctx=ast.Store())
             self.attribute_store(ast.copy_location(target, node), args[1], node)
             return None
+        if meth == "load_state_dict" and args and args[0] is not None and args[0].holds_tensor \
+                and _keyword_is(node, "assign", True):
+            # torch.nn.Module.load_state_dict: "assign (bool, optional) - When set to False, the properties
+            # of the tensors in the current module are preserved whereas setting it to True preserves
+            # properties of the Tensors in the state dict": the module's parameters become those tensors
+            assert isinstance(func, ast.Attribute)
+            target = ast.Attribute(value=func.value, attr="<parameters: load_state_dict(assign=True)>",
+                                   ctx=ast.Store(), lineno=node.lineno)  # no columns: named by ast.unparse
+            self.attribute_store(target, args[0], node)
+            return None
         if meth in V.STORE_METHODS and not self._is_module(func):
             self.container_method(node, meth, args, kwargs)
             if meth != "setdefault":
                 return None
+            if len(args) >= 2 and args[1] is not None and args[1].kind == SOURCE:
+                return args[1]  # `opened.setdefault(shard, safe_open(path))`: a handle (the one kept there)
         if meth in V.BIND_METHODS:
             got = self._first_holding(args, kwargs)
             if got is not None:
@@ -106,6 +145,11 @@ class CallRules:
         if base.kind == ITER:
             if meth in ("items", "__iter__"):
                 return True, base
+            return True, None
+        if base.kind == SOURCE and base.mapping:  # a mapping of weights: `.get(name)` is a lookup
+            if meth in ("get", "__getitem__", "pop"):
+                step = next((x for x in reversed(self.loops) if x not in self._comp_steps), self.func_step)
+                return True, Val(TENSOR, step, base.chain + (link,), self.fn, label=f"`{self.snip(node, 40)}`")
             return True, None
         if base.kind == SOURCE:
             if meth in V.SOURCE_TENSOR_METHODS:
@@ -167,6 +211,49 @@ class CallRules:
             return first.then(TENSOR, link, parameter=first.parameter or "Parameter" in name)
         if name in V.SPLIT_FUNCTIONS and first is not None and first.kind == TENSOR:
             return first.then(HOLDER, link, elem=ELEM_TENSOR)
+        if last == "distribute_tensor" and first is not None and first.kind == TENSOR:
+            # torch.distributed.tensor.distribute_tensor: a Replicate placement, or a shard that is a
+            # contiguous chunk, keeps the given tensor's storage as the DTensor's local tensor
+            return first.then(TENSOR, link, convert=first.convert or "distribute_tensor(...)")
+        if last == "set_module_tensor_to_device":
+            value = kwargs.get("value") if "value" in kwargs else (args[3] if len(args) > 3 else None)
+            if value is not None and value.holds_tensor and node.args:
+                # accelerate.utils.set_module_tensor_to_device(module, tensor_name, device, value=...):
+                # "value: The value of the tensor (useful when going from the meta device to any other
+                # device)"; it installs `value.to(device)` (the tensor itself when already there)
+                kept = value if value.convert else value.then(TENSOR, link, convert="value.to(device)")
+                name_arg = node.args[1] if len(node.args) > 1 else None
+                attr = f"<{self.snip(name_arg, 30) if name_arg is not None else 'tensor_name'}>"
+                target = ast.Attribute(value=node.args[0], attr=attr, ctx=ast.Store(), lineno=node.lineno)
+                self.attribute_store(target, kept, node)
+            if self.resolve_call is not None:
+                self.resolve_call(self, node)  # accelerate's own definition, audited: its stores are found too
+            return None
+        if last == "swap_tensors" and len(args) >= 2 and len(node.args) >= 2:
+            # torch.utils.swap_tensors(t1, t2): "This function swaps the content of the two Tensor objects"
+            # (their storages too): the other object, kept wherever it lives, now holds the borrowed bytes
+            for mine, other in ((1, 0), (0, 1)):
+                if args[mine] is not None and args[mine].holds_tensor:
+                    target = ast.Attribute(value=node.args[other], attr="<swapped in>", ctx=ast.Store(),
+                                           lineno=node.lineno)
+                    self.attribute_store(target, args[mine], node)
+            return None
+        from_state_dict = meth_is_load_from_state_dict(node)
+        if from_state_dict and self._first_holding(args, kwargs) is None:
+            starred = next((self.ev(a.value) for a in node.args if isinstance(a, ast.Starred)), None)
+            if starred is not None and starred.holds_tensor:
+                args = [starred]
+        if from_state_dict and args and args[0] is not None and args[0].holds_tensor:
+            # torch.nn.Module._load_from_state_dict(state_dict, prefix, local_metadata, ...), the per-module
+            # step of load_state_dict that engines call by hand: with `assign_to_params_buffers` in its
+            # metadata (load_state_dict(assign=True)'s), the module's parameters become the dict's tensors;
+            # a caller that does not ask for assignment never sets that key
+            if _mentions(self.info.node, "assign"):
+                assert isinstance(node.func, ast.Attribute)
+                target = ast.Attribute(value=node.func.value, attr="<parameters: _load_from_state_dict>",
+                                       ctx=ast.Store(), lineno=node.lineno)
+                self.attribute_store(target, args[0], node)
+            return None
         if name == "setattr" and len(args) >= 3 and args[2] is not None:
             self.setattr_store(node, args[2])
             return None
@@ -181,11 +268,15 @@ class CallRules:
             return Val(SOURCE, 0, (Link(node.lineno, self.fn, f"opened by `{self.snip(node, 40)}`"),), self.fn)
         builtin = V.loader_call_kind(name, node)
         configured = builtin or (self.producer_kind(name) if self.producer_kind is not None else None)
+        if configured is None:
+            configured = self._typed_receiver_producer(node)
         if configured in ("tensor", "dict", "holder"):
             # a getter (`weights.get_tensor(n)`, `load_file(path)`, a helper inferred to return one): borrowed,
             # valid for the step that fetched it, as a source's `f.get_tensor(k)` is (the innermost statement
             # loop's iteration, else the call); a conversion the getter applies is kept for OWN107
             step = next((x for x in reversed(self.loops) if x not in self._comp_steps), self.func_step)
+            if configured == "dict" and self._parked and not _keyword_is(node, "mmap", False):
+                self.next_file_fetched(node)  # (`mmap=False` asks for a copy in memory: not the next borrowed file)
             origin = getattr(configured, "origin", "")
             text = f"returned by `{self.snip(node, 40)}`" + (f" (a producer: {origin})" if origin else "")
             return Val(TENSOR if configured == "tensor" else HOLDER, step, (Link(node.lineno, self.fn, text),),
@@ -202,15 +293,94 @@ class CallRules:
                        elem=ELEM_PAIR, label=f"`{self.snip(node, 40)}`")
         if name in V.PURE_BUILTINS or V.NON_TENSOR_CALLS.search(name):
             return None
+        if self.resolve_call is not None and len(node.args) >= 2 and last in _MAPPERS | _SUBMITTERS \
+                and isinstance(node.args[0], (ast.Name, ast.Attribute)) and args[1] is not None:
+            self._call_handed_over(node, last, args[1])
         if self.resolve_call is not None and (any(v is not None for v in args) or
                                               any(v is not None for v in kwargs.values())):
             handled = self.resolve_call(self, node)
             if handled is not UNRESOLVED:
                 return handled  # type: ignore[return-value]
+        if self._into_unread_base(node, args, kwargs):
+            return None
+        built = self._unknown_object(node, name, last, args, kwargs)
+        if built is not None:
+            return built
         stream = next((v for v in list(args) + list(kwargs.values()) if v is not None and v.kind == ITER), None)
         if stream is not None and not V.NAME_RETURNING.search(name):
             return stream.then(link=link)  # a wrapper around the iterator (a mapper, tqdm): still a stream
         return None
+
+    def _call_handed_over(self, node: ast.Call, last: str, handed: Val) -> None:
+        """``parallel(load_one, iter(weights.items()), model=model)``, ``pool.map(load_one, items)``,
+        ``executor.submit(load_one, w)``: the function handed over is called with each item (a mapper) or
+        with the argument (a submitter), so its summary is applied as for a direct call, the call's other
+        keywords passed on (fastcore's ``parallel`` and ``functools``-style ``**kwargs``)."""
+        if last in _MAPPERS:
+            if handed.kind not in (ITER, HOLDER):
+                return
+            item = element_of(handed, Link(node.lineno, self.fn, f"each item of `{self.snip(node.args[1], 30)}`"))
+        else:
+            item = handed
+        temp = "__ownsan_handed__"
+        self.state.env[temp] = item
+        try:
+            call = ast.copy_location(ast.Call(func=node.args[0], args=[ast.Name(id=temp, ctx=ast.Load())],
+                                              keywords=list(node.keywords)), node)
+            self.resolve_call(self, call)  # type: ignore[misc]
+        finally:
+            self.state.env.pop(temp, None)
+
+    def _typed_receiver_producer(self, node: ast.Call) -> Optional[str]:
+        """``checkpoint_loader.load(key)`` with ``checkpoint_loader: HFCheckpointLoader`` annotated: the
+        annotation names the class, so its method inferred a producer answers, whatever its name (``load``
+        is too common a name to be matched by name alone)."""
+        func = node.func
+        if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)):
+            return None
+        ann = self.annotations.get(func.value.id)
+        settings = getattr(self.producer_kind, "__self__", None)
+        inferred = getattr(settings, "inferred", None)
+        if not ann or inferred is None or not inferred.by_method:
+            return None
+        for cls in V.ANNOTATED_CLASS.findall(ann):
+            got = inferred.kind_of_method(cls.rpartition(".")[2], func.attr)
+            if got is not None:
+                return got
+        return None
+
+    def _into_unread_base(self, node: ast.Call, args: Sequence[Optional[Val]],
+                          kwargs: Dict[Optional[str], Optional[Val]]) -> bool:
+        """``super().__init__(qtype, axis, size, stride, data, scale)`` in an ``__init__`` whose base the audit
+        cannot read (its summaries did not resolve the call): the base keeps what it is built around, as an
+        attribute of the object under construction (a store on ``self``, judged as one)."""
+        func = node.func
+        if not (isinstance(func, ast.Attribute) and func.attr == "__init__" and isinstance(func.value, ast.Call)
+                and isinstance(func.value.func, ast.Name) and func.value.func.id == "super"
+                and self.info.name == "__init__" and self.info.params):
+            return False
+        got = self._first_holding(args, kwargs)
+        if got is None or got.kind != TENSOR:
+            return False
+        me = ast.Name(id=self.info.params[0].arg, ctx=ast.Load(), lineno=node.lineno)
+        target = ast.Attribute(value=me, attr="<kept by super().__init__>", ctx=ast.Store(), lineno=node.lineno)
+        self.attribute_store(target, got, node)
+        return True
+
+    def _unknown_object(self, node: ast.Call, name: str, last: str, args: Sequence[Optional[Val]],
+                        kwargs: Dict[Optional[str], Optional[Val]]) -> Optional[Val]:
+        """``TensorSource(name=n, source=tensor)`` of a class the audit cannot read: an object built around
+        a borrowed tensor holds it (what else would it be given it for?). Torch's own constructors, and
+        exceptions and warnings (a message), are not such objects."""
+        if not _CAMEL.match(last) or last.endswith(("Error", "Exception", "Warning")) \
+                or name.startswith(("torch.", "nn.", "np.", "numpy.")) or last in _NOT_HOLDERS:
+            return None
+        got = next((v for v in list(args) + list(kwargs.values())
+                    if v is not None and v.kind == TENSOR and not v.reported), None)
+        if got is None:
+            return None
+        return got.then(HOLDER, Link(node.lineno, self.fn, f"kept by the new `{last}` (a class the audit does not "
+                                                           f"read)"), elem=ELEM_TENSOR)
 
     def materialise(self, node: ast.AST, it: Val, how: str) -> Val:
         """The whole iterator held at once: the finding, and a holder whose items are already covered."""

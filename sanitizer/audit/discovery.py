@@ -29,7 +29,7 @@ from sanitizer.audit.index import FunctionInfo, _own_scope, annotation_text, dot
 from sanitizer.audit.values import ELEM_PAIR, HOLDER, ITER, PAIR, TENSOR, Val
 
 MAPPING, PAIRS = "mapping", "pairs"  # seed kinds: a per-step dict of weights; a list of pairs held for the call
-_DICT_METHODS = frozenset({"items", "keys", "values", "get", "pop"})
+_DICT_METHODS = frozenset({"items", "keys", "values", "get", "pop", "copy"})
 _ITER_USERS = V.MATERIALISERS | V.TEE | V.LAZY_WRAPPERS | {"next"}
 
 
@@ -39,6 +39,11 @@ class Seed:
     kind: str  # ITER or TENSOR or HOLDER (*args of a forwarding loader)
     why: str
     consumer: str = ""  # the function the weights come from, when not this one (an enclosing function's)
+
+
+# An annotation that names plain numbers among its alternatives (and no tensor type): loss or adapter
+# weights (`float | list[float] | None`), never a loader's tensors
+_SCALARS = re.compile(r"(^|[\[|,(]\s*)(float|int|bool|Number)\s*($|[\]|,)])")
 
 
 def _annotation(arg: ast.arg) -> str:
@@ -124,6 +129,11 @@ def _mapping_names(info: FunctionInfo) -> Dict[str, str]:
 _OTHER_STATE = re.compile(r"(^|_)(kv|caches?|buffers?|bufs|grads?|gradients?|optim\w*|activations?)(_|$)")
 
 
+# Words that name a function writing the model's tensors out (Megatron-Bridge's `_accumulate_grouped_export`
+# of a `converted_weights_dict`): what it is handed was made by the program, not lent by a loader.
+_OUTPUT_PATH = re.compile(r"(^|_)(export|exports|exporting|save|saving|serialize|dump)(_|$)")
+
+
 def _holds_other_state(param: str, function: str) -> bool:
     """Is a ``dict[str, Tensor]`` parameter named, or handed to a function named, for state the program
     owns (aphrodite's kv-transfer connectors' ``register_kv_caches(kv_caches)``, a LoRA trainer's
@@ -133,6 +143,8 @@ def _holds_other_state(param: str, function: str) -> bool:
     if _OTHER_STATE.search(param.lower()):
         return True
     low = function.lower()
+    if _OUTPUT_PATH.search(low) and "load" not in low and "import" not in low:
+        return True  # an export or save path: the model's own tensors on their way out, no loader's
     return bool(_OTHER_STATE.search(low)) and "load" not in low and "weight" not in low
 
 
@@ -162,9 +174,13 @@ def seeds_of(info: FunctionInfo, settings: Optional[Settings] = None) -> List[Se
         ann = _annotation(arg)
         name = arg.arg
         if ann and V.ITER_ANNOTATION.search(ann) and V.TENSOR_ANNOTATION.search(ann) and not V.MAPPING_ANNOTATION.match(ann):
+            if "Parameter" in ann and not re.search(r"\bTensor\b", ann):
+                continue  # (name, nn.Parameter) pairs: a module's own `named_parameters()`, not a loader's stream
             seeds.append(Seed(name, ITER, f"annotated {ann}"))
             continue
-        if ann and V.MAPPING_OF_TENSORS.match(ann):
+        if ann and (V.MAPPING_OF_TENSORS.match(ann) or V.MAPPING_OF_TENSOR_UNION.match(ann)
+                    or (V.MAPPING_OF_ANY.match(ann) and V.STATE_DICT_PARAM.match(name)
+                        and V.MAPPING_FUNCTION.search(info.name.lower()))):
             # the annotation says what it holds, the body says whether it is a dict of weights: one whose
             # tensors are read out by name (`weights[n]`, `.items()`, `n in weights`); a dict only kept
             # or passed on whole (a cache view's `self._caches = caches`) is no weight source
@@ -196,7 +212,9 @@ def seeds_of(info: FunctionInfo, settings: Optional[Settings] = None) -> List[Se
             continue
         if (name in V.ITER_PARAM_NAMES or V.ITER_PARAM_PATTERN.match(name)) and not (
                 ann and (V.MAPPING_ANNOTATION.match(ann) or (V.TENSOR_ANNOTATION.search(ann)
-                                                             and not V.ITER_ANNOTATION.search(ann)))):
+                                                             and not V.ITER_ANNOTATION.search(ann))
+                         or (_SCALARS.search(ann) and not V.TENSOR_ANNOTATION.search(ann)))):
+            # (`adapter_weights: float | list[float] | None`: a LoRA scale's weights, numbers, not tensors)
             if used is None:
                 used = _iterated_names(info)
             if name in used and (ann or name not in _indexed_names(info)):

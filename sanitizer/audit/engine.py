@@ -14,7 +14,7 @@ from sanitizer.audit.discovery import Seed, seed_value, seeds_of, uses_producer
 from sanitizer.audit.findings import Finding
 from sanitizer.audit.flow import Flow
 from sanitizer.audit.index import FunctionInfo, build_index
-from sanitizer.audit.inference import handles_of, infer, infer_paths, may_define_producer
+from sanitizer.audit.inference import calls_typed_producer, handles_of, infer, infer_paths, may_define_producer
 from sanitizer.audit.producers import InferredProducers
 from sanitizer.audit.project import Project
 from sanitizer.audit.selection import RuleSelection, parse_selectors, resolve
@@ -107,7 +107,8 @@ def analyse(source: Source, project: Optional[Project] = None, settings: Optiona
         if info.parent is not None:
             seeds = seeds + _inherited(info, seeds_by_fn)
         seeds_by_fn[id(info)] = seeds
-        if seeds or (producers and (uses_producer(info, settings) or (handles is not None and handles.reads(info)))):
+        if seeds or (producers and (uses_producer(info, settings) or (handles is not None and handles.reads(info))
+                                    or (inferred is not None and calls_typed_producer(info, inferred)))):
             roots.append((0 if any(s.kind == ITER for s in seeds) else 1, info, seeds))
     roots.sort(key=lambda r: r[0])  # iterator consumers first: their chains are the informative ones
     found: Dict[Tuple[str, int, int, str], Finding] = {}

@@ -21,6 +21,7 @@ rest become finding templates the caller instantiates with its own chain (see :m
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -51,6 +52,9 @@ FLAT_DEPTH = 48
 # binds its targets before its element): evaluated by their handler, never taken apart by _ev_flat.
 _OWN_ORDER = (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 _MISSING = object()
+# An unknown function named for turning one dict of weights into another (its keys renamed or filtered):
+# ``_remap_adapter_state_dict_for_load``, ``convert_peft_adapter_state_dict``, ``rename_keys``
+_REMAPPER = re.compile(r"_?(remap|convert|rename|translate|map|fix|filter|prepare|preprocess|adapt)\w*")
 
 
 class Flow(StoreRules, CallRules):
@@ -90,6 +94,13 @@ class Flow(StoreRules, CallRules):
         self._aliases: Dict[str, Tuple[ast.expr, ...]] = {}  # loop targets that name one of a literal's containers
         self._attrs = False  # some attribute was given a borrowed tensor (kept in the env as `self.weight`)
         self._comp_steps: set = set()  # the steps that are comprehensions' (not statement loops)
+        self._open_handles: List[int] = []  # lines of the `with <loader handle>` blocks the walk is inside
+        # Whole-file dicts kept in a step-local container (`state_dict["model"] = load(path)`): the store,
+        # by container; once a later whole-file fetch in the step ends their validity, stale until rebound
+        self._parked: Dict[str, Tuple[ast.AST, Val]] = {}
+        self._stale: Dict[str, Tuple[ast.AST, Val, ast.AST]] = {}
+        self._inside_handle: Dict[str, ast.AST] = {}  # containers bound inside a `with <handle>`: where
+        self._kept_containers: Dict[str, Val] = {}  # local containers a reported store filled (see store_into)
         self.state = State()
         self.out = Outcome()
         self.seen: Dict[Tuple[int, int, str], Finding] = {}
@@ -130,6 +141,9 @@ class Flow(StoreRules, CallRules):
 
     def _st_assign(self, node: ast.Assign) -> None:
         val = self.ev(node.value)
+        if val is None and type(node.value) is ast.Call and len(node.targets) == 1 \
+                and type(node.targets[0]) is ast.Name:
+            val = self._remapped(node.targets[0].id, node.value)  # type: ignore[arg-type]
         for target in node.targets:
             self.assign(target, val, node.value, node)
 
@@ -149,11 +163,88 @@ class Flow(StoreRules, CallRules):
         self.branches([node.body, node.orelse])
 
     def _st_with(self, node: ast.AST) -> None:
+        opened = 0
         for item in node.items:  # type: ignore[attr-defined]
             val = self.ev(item.context_expr)
             if item.optional_vars is not None:
                 self.assign(item.optional_vars, val, item.context_expr, node)
-        self.block(node.body)  # type: ignore[attr-defined]
+            if val is not None and val.kind == SOURCE and val.chain:
+                self._open_handles.append(val.chain[0].line)  # closed (its bytes freed) at the block's end
+                opened += 1
+        try:
+            self.block(node.body)  # type: ignore[attr-defined]
+        finally:
+            closing = self._open_handles[len(self._open_handles) - opened:]
+            del self._open_handles[len(self._open_handles) - opened:]
+        if closing and self._inside_handle:
+            self._handles_closed(node, set(closing))
+
+    def _handles_closed(self, node: ast.AST, lines: set) -> None:
+        """The ``with`` closed its handles: a container of their tensors bound inside it (``tensors = {n:
+        f.get_tensor(n) for n in names}``, one file's dict while the handle is open) is stale from here;
+        a read after the block keeps them past the close."""
+        for name, stmt in list(self._inside_handle.items()):
+            held = self.state.env.get(name)
+            first = held.chain[0] if held is not None and held.chain else None
+            if held is not None and held.kind == HOLDER and first is not None and first.line in lines \
+                    and not first.path and first.text.startswith("opened by") and not held.reported:
+                self._stale[name] = (stmt, held, node)
+                del self._inside_handle[name]
+
+    def _remapped(self, name: str, call: ast.Call) -> Optional[Val]:
+        """``sd = remap_keys(sd, prefix)``, ``sd = tuner._remap_adapter_state_dict_for_load(sd, name)``: a dict
+        of weights rebound to what an unknown function makes of it is taken to be the same tensors under
+        new names (the key remappers every engine has), not a new dict of nothing borrowed."""
+        fname = dotted(call.func)
+        remapper = bool(_REMAPPER.match(fname.rpartition(".")[2]))
+        if fname in V.PURE_BUILTINS or V.NON_TENSOR_CALLS.search(fname) or (
+                V.NAME_RETURNING.search(fname) and not remapper):
+            return None
+        for arg in list(call.args) + [k.value for k in call.keywords]:
+            if type(arg) is not ast.Name or (arg.id != name and not remapper):  # type: ignore[attr-defined]
+                continue
+            held = self.state.env.get(arg.id)  # type: ignore[attr-defined]
+            if held is not None and held.kind == HOLDER and held.mapping:
+                return held.then(HOLDER, Link(call.lineno, self.fn, f"remapped by `{self.snip(call, 40)}`"),
+                                 mapping=True)
+        return None
+
+    def next_file_fetched(self, call: ast.AST) -> None:
+        """A whole-file dict was just fetched (``load_file(path)``, ``torch.load(mmap=True)``, a helper
+        inferred to return one): the dicts fetched earlier in the step and parked in a step-local container
+        are past their step now ("valid until the next file"); a later read of that container keeps them."""
+        for name, (stmt, val) in list(self._parked.items()):
+            held = self.state.env.get(name)
+            if held is not None and held.kind == HOLDER:
+                self._stale[name] = (stmt, val, call)
+        self._parked.clear()
+
+    def _read_after_next_file(self, node: ast.Name) -> None:
+        stmt, val, ended = self._stale.pop(node.id)
+        if isinstance(ended, (ast.With, ast.AsyncWith)):
+            self.report("OWN101", stmt, val, "container of a handle's tensors read past its close",
+                        f"{self._what(val)} is kept in `{node.id}` past the close of its handle (the `with` at "
+                        f"line {ended.lineno}), and read after it (line {node.lineno})", f"`{self.snip(stmt, 60)}`")
+            return
+        self.report("OWN101", stmt, val, "whole-file dict kept past the next file's fetch",
+                    f"{self._what(val)} is kept in `{node.id}` while `{self.snip(ended, 40)}` (line "
+                    f"{getattr(ended, 'lineno', 0)}) fetches the next file, and read after it (line {node.lineno})",
+                    f"`{self.snip(stmt, 60)}`")
+
+    def _returned_past_close(self, node: ast.Return, val: Val) -> None:
+        """``with safe_open(p) as f: return {k: f.get_tensor(k) for k in f.keys()}``: a dict of the handle's
+        tensors is one file's dict while the handle is open (each kept while the next is fetched, used in
+        that block); returned from inside the block, it is handed out as the ``with`` closes the handle
+        (a ring's bytes freed), having kept each tensor past the next fetch: a retention. One tensor
+        returned is handed on, as anywhere."""
+        first = val.chain[0] if val.chain else None
+        if first is None or first.path or first.line not in self._open_handles \
+                or not first.text.startswith("opened by"):
+            return
+        self.report("OWN101", node, val, "container of a handle's tensors returned past its close",
+                    f"{self._what(val)} is returned in a container from inside the `with` that closes its handle: "
+                    f"each was kept while the next was fetched, and the caller gets them after the close",
+                    f"`{self.snip(node, 60)}`")
 
     def _st_try(self, node: ast.AST) -> None:
         self.block(node.body)  # type: ignore[attr-defined]
@@ -169,8 +260,12 @@ class Flow(StoreRules, CallRules):
     def _st_return(self, node: ast.Return) -> None:
         if node.value is not None:
             val = self.ev(node.value)
+            if val is None and self._kept_containers and type(node.value) is ast.Name:
+                val = self._kept_containers.get(node.value.id)  # type: ignore[attr-defined]
             if self.infer and val is not None and val.seed is None and self.out.produced is None:
                 self.out.produced = val  # (before the report below: what it hands on is what it produces)
+            if val is not None and val.kind == HOLDER and self._open_handles and val.seed is None:
+                self._returned_past_close(node, val)
             if val is not None and self.summary_param is not None and val.seed is not None:
                 self.out.returns = self.out.returns or val
             elif val is not None and self.summary_param is None and val.obj and val.step == self.func_step \
@@ -270,6 +365,14 @@ class Flow(StoreRules, CallRules):
     def assign(self, target: ast.AST, val: Optional[Val], value: Optional[ast.AST], stmt: ast.AST,
                loop_target: bool = False) -> None:
         if isinstance(target, ast.Name):
+            if self._parked:
+                self._parked.pop(target.id, None)
+            if self._stale:
+                self._stale.pop(target.id, None)
+            if self._open_handles and val is not None and val.kind == HOLDER:
+                self._inside_handle[target.id] = stmt
+            elif self._inside_handle:
+                self._inside_handle.pop(target.id, None)
             self.bind_name(target.id, val, value, stmt, loop_target)
         elif isinstance(target, (ast.Tuple, ast.List)):
             parts = self.unpack(val, len(target.elts))
@@ -453,6 +556,8 @@ class Flow(StoreRules, CallRules):
             return None
         kind = type(node)
         if kind is ast.Name:  # the most common node by far: no dispatch
+            if self._stale and node.id in self._stale and type(node.ctx) is ast.Load:  # type: ignore[attr-defined]
+                self._read_after_next_file(node)  # type: ignore[arg-type]
             return self.state.env.get(node.id) if type(node.ctx) is ast.Load else None  # type: ignore[attr-defined]
         if kind is ast.Constant:
             return None
@@ -503,6 +608,8 @@ class Flow(StoreRules, CallRules):
         try:
             for node in reversed(order):
                 kind = type(node)
+                if kind is ast.Name and self._stale and node.id in self._stale:  # type: ignore[attr-defined]
+                    self._read_after_next_file(node)  # type: ignore[arg-type]  (as `ev` does)
                 memo[id(node)] = (self.state.env.get(node.id) if kind is ast.Name  # type: ignore[attr-defined]
                                   else _EV.get(kind, Flow._ev_effects)(self, node))
             return memo[id(top)]
@@ -611,6 +718,10 @@ class Flow(StoreRules, CallRules):
             return element_of(base)
         if base.kind == ITER and base.reported:
             return element_of(base)
+        if base.kind == SOURCE and base.mapping:  # a mapping of weights (``self.weights_map[name]``): a tensor
+            step = next((x for x in reversed(self.loops) if x not in self._comp_steps), self.func_step)
+            return Val(TENSOR, step, base.chain + (Link(node.lineno, self.fn, f"`{self.snip(node, 40)}`"),), self.fn,
+                       label=f"`{self.snip(node, 40)}`")
         if base.kind == SOURCE:
             return base  # a dict or list of handles (``self._handles[filename]``): one handle
         return None
@@ -675,15 +786,7 @@ class Flow(StoreRules, CallRules):
         if iterates_stream and stream is not None:
             return self.materialise(node, stream.then(link=Link(node.lineno, self.fn, "kept by the comprehension")),
                                     _MATERIALISING_COMPS[type(node)])
-        return elt.then(HOLDER, elem=ELEM_TENSOR)
-
-
-
-
-
-
-
-
+        return elt.then(HOLDER, elem=ELEM_TENSOR, mapping=isinstance(node, ast.DictComp))  # a dict: tensors by name
 
 
 _STMT = {

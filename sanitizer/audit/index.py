@@ -121,6 +121,7 @@ class ModuleIndex:
     # ``from X import a as b`` at module level: b -> (X, level, a), for calls into other audited modules
     imports: Dict[str, Tuple[str, int, str]] = field(default_factory=dict)
     module_aliases: Set[str] = field(default_factory=set)  # ``import torch``, ``import numpy as np``
+    module_paths: Dict[str, str] = field(default_factory=dict)  # ``import pkg.mod as m``: m -> pkg.mod
     all_classes: List[ClassInfo] = field(default_factory=list)  # nested and local ones too
 
     def method(self, cls: ClassInfo, name: str, _seen: Optional[Set[str]] = None) -> Optional[FunctionInfo]:
@@ -265,11 +266,38 @@ def build_index(path: str, tree: ast.Module) -> ModuleIndex:
                 index.globals.add((alias.asname or alias.name).split(".")[0])
                 if isinstance(stmt, ast.Import):
                     index.module_aliases.add((alias.asname or alias.name).split(".")[0])
+                    if alias.asname:
+                        index.module_paths[alias.asname] = alias.name
                 if isinstance(stmt, ast.ImportFrom) and alias.name != "*":
                     index.imports[alias.asname or alias.name] = (stmt.module or "", stmt.level, alias.name)
 
+    _canonical_loader_calls(index, tree)
     _visit(index, tree.body, "", None, None)
     return index
+
+
+_LOADER_PACKAGES = ("safetensors", "fastsafetensors", "runai_model_streamer", "instanttensor", "torch")
+
+
+def _canonical_loader_calls(index: ModuleIndex, tree: ast.Module) -> None:
+    """``from safetensors.torch import load_file as load_safetensors`` (LitGPT): a call to the alias is
+    the loader's API, so it is renamed to it in the tree (the call's function only; snippets read the
+    source text, so a finding still shows what was written). One walk, only for a module with such an
+    alias."""
+    from sanitizer.audit import vocabulary as V  # the words only; it imports nothing of the audit's
+
+    renamed = {}
+    for alias, (module, level, original) in index.imports.items():
+        if level or alias == original or not module.split(".")[0] in _LOADER_PACKAGES:
+            continue
+        full = f"{module}.{original}"
+        if V.SOURCE_FACTORIES.search(full) or V.ITERATOR_FACTORY.search(full) or V.loader_call_kind(full, None):
+            renamed[alias] = full
+    if not renamed:
+        return
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in renamed:
+            node.func.id = renamed[node.func.id]
 
 
 def _visit(index: ModuleIndex, body: List[ast.stmt], prefix: str, cls: Optional[ClassInfo],

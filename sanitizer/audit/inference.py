@@ -10,8 +10,8 @@ from typing import Dict, Optional, Sequence
 
 from sanitizer.audit import vocabulary as V
 from sanitizer.audit.flow import Flow
-from sanitizer.audit.index import build_index
-from sanitizer.audit.producers import MAX_ROUNDS, InferredProducers, SelfSources, candidate, record
+from sanitizer.audit.index import annotation_text, build_index
+from sanitizer.audit.producers import MAX_ROUNDS, InferredProducers, SelfSources, candidate, record, record_mapping, record_method
 from sanitizer.audit.project import Project
 from sanitizer.audit.settings import Settings
 from sanitizer.audit.snippets import Snippets
@@ -45,13 +45,31 @@ def handles_of(index, settings: Optional[Settings]) -> Optional[SelfSources]:  #
     def is_source(name: str) -> bool:
         return bool(V.SOURCE_FACTORIES.search(name)) or (inferred is not None and inferred.kind_of(name) == "source")
 
-    found = SelfSources(index, is_source)
+    found = SelfSources(index, is_source, inferred.mappings if inferred is not None else None)
     return found if found else None
 
 
 def calls_producer(name: str, settings: Settings) -> bool:
     return bool(V.SOURCE_FACTORIES.search(name) or V.ITERATOR_FACTORY.search(name) or name == "torch.load"
                 or V.loader_call_kind(name, None) or settings.is_producer(name))
+
+
+def calls_typed_producer(info, table: InferredProducers) -> bool:  # type: ignore[no-untyped-def]
+    """Does ``info`` call a method inferred a producer on a parameter annotated with its class
+    (``checkpoint_loader.load(key)``, ``checkpoint_loader: HFCheckpointLoader``)?"""
+    if not table.by_method:
+        return False
+    typed = {}
+    for arg in info.params:
+        if arg.annotation is not None:
+            typed[arg.arg] = [c.rpartition(".")[2] for c in V.ANNOTATED_CLASS.findall(annotation_text(arg.annotation))]
+    if not typed:
+        return False
+    for call in info.calls:
+        receiver, _, meth = call.rpartition(".")
+        if receiver in typed and any(f"{c}.{meth}" in table.by_method for c in typed[receiver]):
+            return True
+    return False
 
 
 def infer(sources: Sequence[Source], settings: Optional[Settings] = None,
@@ -73,7 +91,8 @@ def infer(sources: Sequence[Source], settings: Optional[Settings] = None,
             handles = handles_of(index, now)
             analysis.handles = handles
             for info in index.functions:
-                if not candidate(info, lambda c: calls_producer(c, now), handles or _NO_HANDLES):
+                if not candidate(info, lambda c: calls_producer(c, now), handles or _NO_HANDLES) \
+                        and not calls_typed_producer(info, table):
                     continue
                 flow = Flow(source.path, info, {}, index.globals, snippets, analysis.resolve,
                             module_aliases=index.module_aliases, producer_kind=now.producer_kind)
@@ -85,9 +104,15 @@ def infer(sources: Sequence[Source], settings: Optional[Settings] = None,
                     continue  # the audit itself names it as skipped
                 generator = info.is_generator
                 val = out.produced_yield if generator else out.produced
-                if val is not None and record(table.by_name, info, source.path, val, generator):
-                    changed = True
-                    table._mention = None
+                if val is not None and info.name == "__getitem__" and not generator:
+                    if record_mapping(table.mappings, info, source.path, val):
+                        changed = True
+                elif val is not None:
+                    if record(table.by_name, info, source.path, val, generator):
+                        changed = True
+                        table._mention = None
+                    if record_method(table.by_method, info, source.path, val, generator):
+                        changed = True
         if project is not None:
             project.close()  # summaries memoised under the last round's table
         if not changed:

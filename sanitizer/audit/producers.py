@@ -35,7 +35,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from sanitizer.audit import vocabulary as V
 from sanitizer.audit.findings import Link
-from sanitizer.audit.index import ClassInfo, FunctionInfo, ModuleIndex, dotted
+from sanitizer.audit.index import ClassInfo, FunctionInfo, ModuleIndex, annotation_text, dotted
 from sanitizer.audit.values import HOLDER, ITER, PAIR, SOURCE, TENSOR, Val
 
 MAX_ROUNDS = 8
@@ -85,6 +85,12 @@ class InferredProducers:
     a tensor getter before a holder)."""
 
     by_name: Dict[str, Inferred] = field(default_factory=dict)
+    # classes whose ``__getitem__`` hands out a loader's tensor (accelerate's ``OffloadedWeightsLoader``, a
+    # ``Mapping`` that reads each weight with ``safe_open(...).get_tensor``), by class name
+    mappings: Dict[str, Inferred] = field(default_factory=dict)
+    # every method inferred a producer, by ``Class.method`` (generic names too: ``HFCheckpointLoader.load``),
+    # for a call on a receiver whose class an annotation names (``checkpoint_loader: HFCheckpointLoader``)
+    by_method: Dict[str, Inferred] = field(default_factory=dict)
     _mention: Optional["re.Pattern[str]"] = None
 
     def kind_of(self, call_name: str) -> Optional[Produced]:
@@ -95,9 +101,20 @@ class InferredProducers:
         return Produced(found.kind, found.convert, f"`{found.qualname}` ({found.path}:{found.line}), "
                                                      f"reaching {found.api}")
 
+    def kind_of_method(self, cls: str, meth: str) -> Optional[Produced]:
+        found = self.by_method.get(f"{cls}.{meth}")
+        if found is None:
+            return None
+        return Produced(found.kind, found.convert, f"`{found.qualname}` ({found.path}:{found.line}), "
+                                                     f"reaching {found.api}")
+
     def mentioned_in(self, text: str) -> bool:
         """Does the module's text name any inferred producer (a cheap pre-check before its functions are
         looked at as callers of one)?"""
+        if self.mappings and _MAPPING_WORD.search(text):
+            return True  # a class of its may keep a mapping of weights (:class:`SelfSources`)
+        if self.by_method and any(key.partition(".")[0] in text for key in self.by_method):
+            return True  # it names a class with a producer method (a parameter annotated with it)
         if not self.by_name:
             return False
         if self._mention is None:
@@ -105,7 +122,9 @@ class InferredProducers:
         return bool(self._mention.search(text))
 
     def describe(self) -> List[str]:
-        return [p.describe() for _, p in sorted(self.by_name.items())]
+        return [p.describe() for _, p in sorted(self.by_name.items())] + [
+            f"{name}[...]=tensor ({p.path}:{p.line} `{p.qualname}`; a mapping of weights, reaches {p.api})"
+            for name, p in sorted(self.mappings.items())]
 
 
 class SelfSources:
@@ -113,10 +132,16 @@ class SelfSources:
     ``__init__``; ``self._handles[name] = f`` with ``f = safe_open(...)``; the result of a helper inferred
     to return a handle), so that ``self.f.get_tensor(n)`` in any method is a producer's tensor."""
 
-    def __init__(self, index: ModuleIndex, is_source: Callable[[str], bool]):
+    def __init__(self, index: ModuleIndex, is_source: Callable[[str], bool],
+                 mappings: Optional[Dict[str, "Inferred"]] = None):
         self._by_class: Dict[str, Dict[str, Tuple[int, str]]] = {}
+        self._mapping_api = ""
         for cls in index.all_classes:
             found = _handle_attributes(cls, is_source)
+            if mappings:
+                for attr, line in _mapping_attributes(cls).items():
+                    some = next(iter(mappings.values()))
+                    found.setdefault(attr, (line, f"{MAPPING_API} (e.g. `{some.qualname}`, {some.path}:{some.line})"))
             if found:
                 self._by_class[cls.qualname] = found
 
@@ -134,6 +159,9 @@ class SelfSources:
             return None
         line, api = got
         fn = flow.fn  # type: ignore[attr-defined]
+        if api.startswith(MAPPING_API):
+            return Val(SOURCE, 0, (Link(node.lineno, fn, f"`self.{node.attr}` (bound at line {line}: "
+                                                         f"{api})"),), fn, mapping=True)
         return Val(SOURCE, 0, (Link(node.lineno, fn, f"`self.{node.attr}` (a handle `{api}(...)` opened at "
                                                      f"line {line})"),), fn)
 
@@ -142,7 +170,38 @@ class SelfSources:
         attrs = self.of(info)
         if not attrs:
             return False
-        return any(c.split(".")[1] in attrs for c in info.calls if c.count(".") >= 2)
+        if any(c.split(".")[1] in attrs for c in info.calls if c.count(".") >= 2):
+            return True
+        looked_up = {a for a, (_, api) in attrs.items() if api.startswith(MAPPING_API)}
+        return bool(looked_up) and any(  # `self.weights_map[name]`: a lookup in a mapping of weights
+            isinstance(sub, ast.Subscript) and isinstance(sub.value, ast.Attribute) and sub.value.attr in looked_up
+            for sub in ast.walk(info.node))
+
+
+_MAPPING_WORD = re.compile(r"\bMapping\b")
+MAPPING_API = "a Mapping that may be one whose `__getitem__` reads a loader"
+_MAPPING_TYPE = re.compile(r"^(Optional\[)?\s*(typing\.|collections\.abc\.)?(Mapping|MutableMapping)\b")
+
+
+def _mapping_attributes(cls: ClassInfo) -> Dict[str, int]:
+    """``attr -> line`` for ``self.attr = param`` in ``__init__`` where ``param`` is annotated a ``Mapping``
+    (``weights_map: Optional[Mapping] = None``): with a class of the project whose ``__getitem__`` reads a
+    loader, a lookup in it (``self.weights_map[name]``) hands out a loader's tensor."""
+    init = cls.methods.get("__init__")
+    if init is None:
+        return {}
+    typed = {a.arg for a in init.params if a.annotation is not None
+             and _MAPPING_TYPE.match(annotation_text(a.annotation))}
+    if not typed:
+        return {}
+    me = init.params[0].arg if init.params else "self"
+    out: Dict[str, int] = {}
+    for sub in ast.walk(init.node):
+        if isinstance(sub, ast.Assign) and isinstance(sub.value, ast.Name) and sub.value.id in typed:
+            for target in sub.targets:
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == me:
+                    out.setdefault(target.attr, sub.lineno)
+    return out
 
 
 def _handle_attributes(cls: ClassInfo, is_source: Callable[[str], bool]) -> Dict[str, Tuple[int, str]]:
@@ -222,6 +281,33 @@ def candidate(info: FunctionInfo, is_producer_call: Callable[[str], bool], self_
     return any(is_producer_call(c) for c in info.calls) or self_sources.reads(info)
 
 
+def record_mapping(found: Dict[str, Inferred], info: FunctionInfo, path: str, val: Val) -> bool:
+    """A class's ``__getitem__`` that returns a loader's tensor makes the class a mapping of weights."""
+    cls = info.cls
+    if cls is None or kind_of_value(val, False) != "tensor":
+        return False
+    name = cls.qualname.rpartition(".")[2]
+    if name in found:
+        return False
+    found[name] = Inferred(name, info.qualname, path, info.node.lineno, "tensor",  # type: ignore[attr-defined]
+                           val.convert, api_of(val, path))
+    return True
+
+
+def record_method(found: Dict[str, Inferred], info: FunctionInfo, path: str, val: Val, generator: bool) -> bool:
+    """A method inferred a producer, by ``Class.method`` whatever its name (True when new)."""
+    kind = kind_of_value(val, generator)
+    cls = info.cls
+    if kind is None or cls is None or info.name.startswith("__"):
+        return False
+    key = f"{cls.qualname.rpartition('.')[2]}.{info.name}"
+    if key in found:
+        return False
+    found[key] = Inferred(info.name, info.qualname, path, info.node.lineno, kind,  # type: ignore[attr-defined]
+                          val.convert if kind == "tensor" else "", api_of(val, path))
+    return True
+
+
 def record(found: Dict[str, Inferred], info: FunctionInfo, path: str, val: Val, generator: bool) -> bool:
     """Add ``info`` as a producer of ``val``'s kind (True when that is new or changed)."""
     kind = kind_of_value(val, generator)
@@ -242,4 +328,4 @@ def record(found: Dict[str, Inferred], info: FunctionInfo, path: str, val: Val, 
 
 
 __all__ = ["Produced", "Inferred", "InferredProducers", "SelfSources", "GENERIC_NAMES", "MAX_ROUNDS",
-           "kind_of_value", "api_of", "candidate", "record"]
+           "kind_of_value", "api_of", "candidate", "record", "record_mapping", "record_method", "MAPPING_API"]

@@ -38,6 +38,7 @@ class Project:
         self._cache: "OrderedDict[str, object]" = OrderedDict()
         self.texts: Dict[str, str] = {}  # path -> source text of every module read (for suppression comments)
         self._subclasses: Optional[Dict[str, List[Tuple[str, str]]]] = None
+        self._reexports: Dict[Tuple[str, str], Optional[str]] = {}  # (package, "def f"/"class C") -> file
 
     def subclasses(self, name: str) -> List[Tuple[str, str]]:
         """(file, class name) of every audited class that names ``name`` (its last dotted part) among its
@@ -77,6 +78,45 @@ class Project:
             return None
         found = self._by_suffix.get(tuple(module.split(".")))
         return found
+
+    def reexported(self, importer: str, module: str, level: int, name: str, kind: str = "def") -> Optional[str]:
+        """``from .utils import set_peft_model_state_dict`` where ``utils/__init__.py`` is not audited (it
+        only re-exports): the one audited file under that package that defines ``def name`` at module
+        level (None when none, or more than one, does: an ambiguous name is not guessed)."""
+        if level:
+            base = os.path.dirname(os.path.abspath(importer))
+            for _ in range(level - 1):
+                base = os.path.dirname(base)
+            package = os.path.normpath(os.path.join(base, *module.split("."))) if module else base
+        else:
+            if not module:
+                return None
+            tail = tuple(module.split("."))
+            package = next((os.path.normpath(os.path.abspath(os.path.dirname(f))) for suffix, f in self._by_suffix.items()
+                            if suffix[:len(tail)] == tail and len(suffix) > len(tail)), "")
+            if not package:
+                return None
+        key = (package, f"{kind} {name}")
+        if key in self._reexports:
+            return self._reexports[key]
+        self._reexports[key] = None
+        keyword = rb"(async[ \t]+)?def" if kind == "def" else rb"class"
+        pattern = re.compile(rb"^" + keyword + rb"[ \t]+" + re.escape(name.encode()) + rb"[ \t]*[(:]", re.M)
+        found: List[str] = []
+        prefix = package + os.sep
+        for absolute, f in self._abs.items():
+            if not absolute.startswith(prefix):
+                continue
+            try:
+                with open(absolute, "rb") as fh:
+                    if pattern.search(fh.read()):
+                        found.append(f)
+            except OSError:
+                continue
+            if len(found) > 1:
+                return None
+        self._reexports[key] = found[0] if found else None
+        return self._reexports[key]
 
     def close(self) -> None:
         """Let the cached modules go (they point back to this project: a cycle the audit breaks itself)."""

@@ -99,6 +99,9 @@ class StoreRules:
                     link = Link(getattr(stmt, "lineno", 0), self.fn, f"stored in `{self.snip(root.node)}` (dies with the step)")
                     self.state.env[root.name] = val.then(HOLDER, link, elem=ELEM_PAIR if val.kind == PAIR
                                                          else ELEM_TENSOR)  # type: ignore[index]
+                if val.kind == HOLDER and val.chain and val.chain[0].text.startswith("returned by") \
+                        and not root.through_attribute:
+                    self._parked.setdefault(root.name, (stmt, val))  # type: ignore[attr-defined]
                 return
         code = "OWN104" if val.capture else ("OWN106" if place == "global" else "OWN101")
         pattern = self._store_pattern(how, root, place, val)
@@ -107,6 +110,16 @@ class StoreRules:
         message = (f"{self._what(val)} is stored in `{self.snip(root.node)}`"
                    + (f" ({where})" if where else "") + ", which outlives the loader's step")
         self._store_found(code, stmt, val, pattern, message, place, index)
+        if place == "local" and root.name is not None and not root.through_attribute \
+                and root.name not in self.state.env and self.summary_param is None:
+            # the local container now holds borrowed tensors (reported here, once): what it is returned as
+            # still hands them out (`state_dict` merged from every file and returned: its function is a
+            # producer of a dict, so a caller's store of its tensors is found too). Kept aside, not in the
+            # environment: the container's own elements (lists, dicts) are not tensors to judge again
+            self._kept_containers.setdefault(root.name, val.then(  # type: ignore[attr-defined]
+                HOLDER, Link(getattr(stmt, "lineno", 0), self.fn, f"stored in `{self.snip(root.node)}`"),
+                elem=ELEM_PAIR if val.kind == PAIR else ELEM_TENSOR, reported=True,
+                mapping=how in ("subscript", "setdefault", "update", "__setitem__")))  # by name: a dict
 
     def _store_found(self, code: str, stmt: ast.AST, val: Val, pattern: str, message: str, place: str,
                      index: Optional[int]) -> None:

@@ -60,12 +60,14 @@ class ModuleAnalysis:
         self.index = index
         self._memo: Dict[Tuple[int, int, str, str, bool, bool, bool], Outcome] = {}
         self._busy: set = set()
+        self._partials: Dict[int, Dict[str, List[ast.Call]]] = {}  # a function's `f = partial(g, ...)` bindings
         self.depth = 0
 
     def close(self) -> None:
         """Break the links to the project and the memo (evicted from the project's cache)."""
         self.project = None
         self._memo.clear()
+        self._partials.clear()
 
     # -- resolution ----------------------------------------------------------------------------------------
     def callee(self, flow: Flow, node: ast.Call) -> Optional[Callee]:
@@ -79,6 +81,10 @@ class ModuleAnalysis:
                 cur = cur.parent
             if func.id in index.top_functions:
                 return Callee(index.top_functions[func.id], 0, False)
+            default = _param_default(flow.info, func.id)
+            if default is not None:  # `convert(fqn, value)` with `convert: Convert = to_default`: its default
+                return self.callee(flow, ast.copy_location(ast.Call(func=default, args=node.args,
+                                                                    keywords=node.keywords), node))
             built = self.constructed_class(flow, func.id)
             if built is not None:
                 where, cls = built
@@ -104,7 +110,8 @@ class ModuleAnalysis:
                 m = index.method(other, func.attr)
                 if m is not None:
                     return Callee(m, 0, False)
-            return None
+                return None
+            return self._module_function(base.id, func.attr) or self._imported_class_method(base.id, func.attr)
         if isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super" and cls:
             for b in cls.bases:
                 other = index.classes.get(b.rpartition(".")[2])
@@ -112,6 +119,49 @@ class ModuleAnalysis:
                 if m is not None:
                     return Callee(m, 0 if m.is_static else 1, False)
         return None
+
+    def _imported_class_method(self, name: str, attr: str) -> Optional[Callee]:
+        """``WeightQBytesTensor.load_from_state_dict(sd, ...)`` with the class imported from another audited
+        module (directly, or re-exported by a package's unaudited ``__init__``): its static or class method."""
+        imp = self.index.imports.get(name)
+        if imp is None or self.project is None:
+            return None
+        module, level, original = imp
+        path = self.project.locate(self.path, module, level)
+        other = self._analysis_of(path) if path is not None and path != self.path else None
+        cls = other.index.classes.get(original) if other is not None else None
+        if cls is None:
+            path = self.project.reexported(self.path, module, level, original, kind="class")
+            other = self._analysis_of(path) if path is not None and path != self.path else None
+            cls = other.index.classes.get(original) if other is not None else None
+        if cls is None or other is None:
+            return None
+        found = other.find_method(cls, attr, set())
+        if found is None:
+            return None
+        m, where = found
+        classmethod = any(isinstance(d, ast.Name) and d.id == "classmethod"
+                          for d in getattr(m.node, "decorator_list", ()))
+        return Callee(m, 1 if classmethod else 0, False, where if where is not self else None)
+
+    def _module_function(self, name: str, attr: str) -> Optional[Callee]:
+        """``convert_weights.meta_to_tune(sd)`` with ``from torchtune.models import convert_weights`` (or
+        ``import pkg.mod as m``): a function of another audited module, called through the module."""
+        if self.project is None or name not in self.index.globals:
+            return None
+        imp = self.index.imports.get(name)
+        if imp is not None:
+            module, level, original = imp
+            path = self.project.locate(self.path, f"{module}.{original}" if module else original, level)
+        elif name in self.index.module_aliases:
+            path = self.project.locate(self.path, self.index.module_paths.get(name, name), 0)
+        else:
+            return None
+        if path is None or path == self.path:
+            return None
+        other = self._analysis_of(path)
+        info = other.index.top_functions.get(attr) if other is not None else None
+        return Callee(info, 0, False, other) if info is not None else None
 
     def constructed_class(self, flow: Flow, name: str) -> Optional[Tuple["ModuleAnalysis", ClassInfo]]:
         """The class that ``name(...)`` constructs: one of this module, one imported from another audited
@@ -141,6 +191,11 @@ class ModuleAnalysis:
         for base in cls.bases:
             if base in ("Module", "nn.Module", "torch.nn.Module") or base.startswith(("nn.", "torch.nn.")):
                 return True
+            if base in ("Tensor", "torch.Tensor"):
+                return True  # a tensor subclass (a quantized weight) keeps what it is built around as the weight
+            short = base.rpartition(".")[2]
+            if short.endswith("Tensor") and short not in self.index.classes and self._import_target(short) is None:
+                return True  # (a base the audit cannot read, named as a tensor subclass: `QBytesTensor`)
             short = base.rpartition(".")[2]
             local = self.index.classes.get(short)
             if local is not None and local is not cls:
@@ -251,6 +306,8 @@ class ModuleAnalysis:
             return None
         module, level, original = imp
         path = self.project.locate(self.path, module, level)
+        if path is None:  # a package whose __init__ (not audited) re-exports it
+            path = self.project.reexported(self.path, module, level, original)
         if path is None or path == self.path:
             return None
         other = self.project.module(path, lambda source: ModuleAnalysis(
@@ -301,11 +358,36 @@ class ModuleAnalysis:
             return UNRESOLVED
         target = self.callee(flow, node)
         if target is None:
+            through = self._through_partials(flow, node)
+            if through is not UNRESOLVED:
+                return through
             return self._dataclass_result(flow, node)
         result = self._apply(flow, node, target)
         for other in self.overrides(flow, node, target):  # what an override keeps is kept by this call too
             got = self._apply(flow, node, other)
             result = result if result is not None else got
+        return result
+
+    def _through_partials(self, flow: Flow, node: ast.Call):
+        """``copy_fn(sd, hf_weights)`` where the function bound ``copy_fn = partial(copy_weights_x, config,
+        qkv_weights)`` (in any branch: each binding is followed, as an ``if`` joins both arms): the call
+        made as the wrapped function's, the partial's arguments first (LitGPT's checkpoint converter
+        reaches every copy function only so)."""
+        func = node.func
+        if not isinstance(func, ast.Name):
+            return UNRESOLVED
+        bindings = self._partials.get(id(flow.info.node))
+        if bindings is None:
+            bindings = self._partials[id(flow.info.node)] = _partial_bindings(flow.info.node)
+        result = UNRESOLVED
+        for made in bindings.get(func.id, ()):
+            call = ast.copy_location(ast.Call(func=made.args[0], args=list(made.args[1:]) + list(node.args),
+                                              keywords=list(made.keywords) + list(node.keywords)), node)
+            target = self.callee(flow, call)
+            if target is None:
+                continue
+            got = self._apply(flow, call, target)
+            result = got if result is UNRESOLVED or result is None else result
         return result
 
     def _dataclass_result(self, flow: Flow, node: ast.Call):
@@ -350,8 +432,8 @@ class ModuleAnalysis:
         module = target.constructor and callee.cls is not None and (target.analysis or self).is_module_class(callee.cls)
         for p, expr in bound:
             val = flow.ev(expr) if not isinstance(expr, ast.Name) else flow.state.env.get(expr.id)
-            if val is None or val.kind == SOURCE:
-                continue
+            if val is None or (val.kind == SOURCE and val.mapping):
+                continue  # (a loader's handle passed in is followed: `convert_shard(reader)` fetches from it)
             outcome = (target.analysis or self).summary(callee, p, val, flow._depth)  # one budget of nesting
             pname = (params + [a for a in (callee.vararg, callee.kwarg) if a is not None])[p].arg
             call_link = Link(node.lineno, flow.fn, f"passed to `{callee.qualname}()` as `{pname}`")
@@ -418,6 +500,52 @@ class ModuleAnalysis:
                 flow.out.into_param.append(IntoParam(index, flow.out.findings.pop()))
             return
         self._emit(flow, fact.template, val, call_link, callee)
+
+
+def _param_default(info: FunctionInfo, name: str) -> Optional[ast.expr]:
+    """The default of parameter ``name`` of ``info`` when it names a function (``convert=to_default``):
+    what a call through the parameter runs unless the caller passes another (None otherwise)."""
+    args = getattr(info.node, "args", None)
+    if args is None:
+        return None
+    positional = list(args.posonlyargs) + list(args.args)
+    pairs = list(zip(positional[len(positional) - len(args.defaults):], args.defaults)) + \
+        [(a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None]
+    for arg, default in pairs:
+        if arg.arg == name and isinstance(default, (ast.Name, ast.Attribute)) and not (
+                isinstance(default, ast.Name) and default.id in ("None", "True", "False")):
+            return default
+    return None
+
+
+_PARTIAL_NAMES = frozenset({"partial", "functools.partial"})
+
+
+def _partial_bindings(fn: ast.AST) -> Dict[str, List[ast.Call]]:
+    """The local names a function binds to ``partial(g, ...)`` of a named ``g`` (its own body, not
+    its nested functions'), each with every such call (branches bind the same name to different ``g``)."""
+    out: Dict[str, List[ast.Call]] = {}
+    todo = list(ast.iter_child_nodes(fn))
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+        if not isinstance(node, ast.Assign) or not isinstance(node.value, ast.Call):
+            continue
+        call = node.value
+        name = call.func.id if isinstance(call.func, ast.Name) else (
+            f"{call.func.value.id}.{call.func.attr}" if isinstance(call.func, ast.Attribute)
+            and isinstance(call.func.value, ast.Name) else "")
+        if name not in _PARTIAL_NAMES or not call.args or isinstance(call.args[0], ast.Starred) \
+                or any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
+            continue
+        if not isinstance(call.args[0], (ast.Name, ast.Attribute)):
+            continue
+        for target in node.targets:
+            if isinstance(target, ast.Name):
+                out.setdefault(target.id, []).append(call)
+    return out
 
 
 def _calls_super(fn: ast.AST, name: str) -> bool:

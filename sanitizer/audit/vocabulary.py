@@ -53,6 +53,8 @@ CONTAINER_FACTORIES = frozenset({
     "list", "dict", "set", "tuple", "frozenset", "defaultdict", "collections.defaultdict", "OrderedDict",
     "collections.OrderedDict", "deque", "collections.deque", "Counter", "collections.Counter", "queue.Queue",
     "Queue", "SimpleQueue", "queue.SimpleQueue", "ChainMap", "collections.ChainMap", "WeakValueDictionary",
+    # a copy is a new object nothing else references yet (peft's per-key `tp_layer = copy.deepcopy(style)`)
+    "copy.deepcopy", "deepcopy", "copy.copy",
 })
 # Calls that hold everything an iterator yields, at once.
 MATERIALISERS = frozenset({
@@ -125,6 +127,18 @@ TENSOR_ARG_NAME = re.compile(r"^(w|weight|weights?_\w+|\w+_weight|tensor|\w+_ten
 # ``named_parameters()``), the destination a loader copies into, never what it lends.
 MAPPING_OF_TENSORS = re.compile(r"^\s*(dict|Dict|Mapping|MutableMapping|OrderedDict)\s*\[\s*str\s*,\s*"
                                 r"(torch\.)?Tensor\s*\]\s*$")
+# ... or of tensors among other things: ``dict[str, torch.Tensor | NotYetLoadedTensor]`` (LitGPT's lazy
+# checkpoints), ``Dict[str, Union[Tensor, X]]``, ``Dict[str, Optional[Tensor]]``
+MAPPING_OF_TENSOR_UNION = re.compile(r"^\s*(dict|Dict|Mapping|MutableMapping|OrderedDict)\s*\[\s*str\s*,\s*"
+                                     r"(Union\[|Optional\[|[\w.]+\s*\|)?.*\b(torch\.)?Tensor\b.*\]\s*$")
+# ... or of anything (``dict[str, Any]``, a bare ``dict``): the parameter's and the function's names decide
+MAPPING_OF_ANY = re.compile(r"^\s*(dict|Dict|Mapping|MutableMapping|OrderedDict)\s*(\[\s*str\s*,\s*"
+                            r"(typing\.)?Any\s*\])?\s*$")
+# The class names an annotation mentions (``HFCheckpointLoader | None``): a receiver's class, for a method
+# inferred a producer whatever its name
+ANNOTATED_CLASS = re.compile(r"\b([A-Za-z_][\w.]*[A-Z]\w*)\b")
+# A parameter named for a whole state dict: ``full_sd``, ``model_state_dict``, ``converted_state_dict``
+STATE_DICT_PARAM = re.compile(r"^(\w+_)?(sd|state_dict|weights|tensors|checkpoint|ckpt)$")
 # A list of (name, tensor) pairs already materialised by the caller (one update bucket).
 LIST_OF_PAIRS = re.compile(r"^\s*(list|List|Sequence|tuple|Tuple)\s*\[\s*(tuple|Tuple)\[\s*str\s*,\s*(torch\.)?"
                            r"(Tensor|nn\.Parameter|Parameter)\s*\]")

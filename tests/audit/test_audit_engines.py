@@ -184,7 +184,9 @@ def test_manifests_parse_and_cover_their_verdicts():
         m = _parse(path)
         assert m.repo and re.fullmatch(r"[0-9a-f]{40}", m.commit) and m.files, path.name
         verdicts = {v for v, _, _ in m.entries.values()}
-        assert {"RETAINS", "SAFE"} <= verdicts, f"{path.name}: needs retaining and safe functions"
+        # a tree with no retention at all is a check of precision alone (ms-swift: every dict copied)
+        assert "SAFE" in verdicts, f"{path.name}: needs safe functions"
+        assert "RETAINS" in verdicts or m.bare_miss == set(), f"{path.name}: no retaining function, and no run recorded"
         for (file, q), (v, lines, _) in m.entries.items():
             assert v == "SAFE" or lines, f"{path.name}: {q} is {v} without lines"
 

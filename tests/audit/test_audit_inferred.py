@@ -218,3 +218,170 @@ def test_mmap_torch_load_is_a_dict_producer_and_plain_torch_load_is_not(tmp_path
     '''
     found = _found(tmp_path, {"tl.py": code})
     assert found == [("tl.py", "M.a", "OWN102")]
+
+
+def _tree(tmp_path: Path, files: Dict[str, str]) -> List[Tuple[str, str, str]]:
+    """Files in packages (``pkg/utils/io.py``): audited as a directory, as a user runs ``ownsan audit src``."""
+    for name, text in files.items():
+        p = tmp_path / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(textwrap.dedent(text))
+    result = audit_paths([str(tmp_path)])
+    return sorted((Path(f.path).name, f.function, f.code) for f in result.findings)
+
+
+def test_a_function_called_through_its_module_is_followed(tmp_path: Path):
+    """torchtune's shape: ``from pkg import convert; state["model"] = convert.rekey(sd)``, then the next
+    file fetched while the model's dict is still kept (issue 50)."""
+    found = _tree(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/convert.py": '''
+            def rekey(sd):
+                return {k.replace("model.", ""): v for k, v in sd.items()}
+        ''',
+        "pkg/ckpt.py": '''
+            import torch
+            from pkg import convert
+
+            def load_checkpoint(path, adapter):
+                sd = torch.load(path, mmap=True)
+                state = {}
+                state["model"] = convert.rekey(sd)
+                if adapter:
+                    state["adapter"] = torch.load(adapter, mmap=True)
+                return state
+        ''',
+    })
+    assert ("ckpt.py", "load_checkpoint", "OWN101") in found
+
+
+def test_a_helper_reexported_by_an_unaudited_init_is_followed(tmp_path: Path):
+    """peft's shape: ``from .utils import set_state`` where ``utils/__init__.py`` only re-exports (and is
+    not among the audited files): the one audited module under ``utils/`` that defines it is its source."""
+    found = _tree(tmp_path, {
+        "pkg/utils/io.py": '''
+            from safetensors.torch import load_file as safe_load_file
+
+            def load_adapter_weights(path):
+                return safe_load_file(path)
+
+            def set_state(model, adapter_state_dict, low_cpu_mem_usage=False):
+                if low_cpu_mem_usage:
+                    model.load_state_dict(adapter_state_dict, strict=False, assign=True)
+                else:
+                    model.load_state_dict(adapter_state_dict, strict=False)
+        ''',
+        "pkg/model.py": '''
+            from .utils import load_adapter_weights, set_state
+
+            class Wrapper:
+                def load_adapter(self, path):
+                    weights = load_adapter_weights(path)
+                    set_state(self, weights, low_cpu_mem_usage=True)
+        ''',
+    })
+    assert ("io.py", "set_state", "OWN102") in found
+
+
+def test_a_mapping_class_reading_a_loader_is_listed_and_its_lookups_are_tensors(tmp_path: Path, capsys):
+    code = '''
+        from collections.abc import Mapping
+        from typing import Optional
+        from safetensors import safe_open
+
+        class Offloaded(Mapping):
+            def __init__(self, index):
+                self.index = index
+            def __getitem__(self, key):
+                with safe_open(self.index[key], framework="pt") as f:
+                    return f.get_tensor(key)
+            def __iter__(self):
+                return iter(self.index)
+            def __len__(self):
+                return len(self.index)
+
+        class Hook:
+            def __init__(self, weights_map: Optional[Mapping] = None, names=()):
+                self.weights_map = weights_map
+                self.names = names
+                self.kept = {}
+            def onload(self):
+                for name in self.names:
+                    self.kept[name] = self.weights_map[name]
+            def sizes(self):
+                return {name: self.weights_map[name].numel() for name in self.names}
+    '''
+    paths = _write(tmp_path, {"offload.py": code})
+    found = sorted((f.function, f.code) for f in audit_paths(paths).findings)
+    assert found == [("Hook.onload", "OWN101")]  # `sizes` reads a number of each, keeps nothing
+    assert main(["--show-settings", *paths]) == 0
+    assert "Offloaded[...]=tensor" in capsys.readouterr().out
+
+
+def test_a_static_method_of_a_class_imported_through_a_package_is_followed(tmp_path: Path):
+    """optimum-quanto's shape: a module's ``_load_from_state_dict`` calls ``WeightTensor.load_from_state_dict``
+    of a class re-exported by ``tensor/__init__.py`` (not audited), which builds the weight object around
+    tensors popped from the dict: the retention is the weight class's constructor's store."""
+    found = _tree(tmp_path, {
+        "pkg/tensor/weights.py": '''
+            import torch
+
+            class WeightTensor(torch.Tensor):
+                def __init__(self, data, scale):
+                    self._data = data
+                    self._scale = scale
+
+                @classmethod
+                def load_from_state_dict(cls, state_dict, prefix):
+                    return cls.build(state_dict.pop(prefix + "_data"), state_dict.pop(prefix + "_scale"))
+
+                @staticmethod
+                def build(data, scale):
+                    return WeightTensor(data, scale)
+        ''',
+        "pkg/nn/module.py": '''
+            import torch
+            from ..tensor import WeightTensor
+
+            class QLinear(torch.nn.Module):
+                def _load_from_state_dict(self, state_dict, prefix, *args):
+                    weight = WeightTensor.load_from_state_dict(state_dict, prefix + "weight.")
+                    self.weight = torch.nn.Parameter(weight)
+        ''',
+    })
+    assert ("weights.py", "WeightTensor.__init__", "OWN102") in found
+
+
+def test_a_getter_with_a_common_name_is_found_through_its_receivers_annotation(tmp_path: Path):
+    """xtuner's shape: ``HFCheckpointLoader.load(key)`` reads ``safe_open(...).get_tensor``; ``load`` is too
+    common a name to match a call by, but ``checkpoint_loader: HFCheckpointLoader`` names the class."""
+    found = _tree(tmp_path, {
+        "pkg/loader.py": '''
+            from safetensors import safe_open
+
+            class CheckpointReader:
+                def __init__(self, files):
+                    self.files = files
+                    self._open = {}
+
+                def load(self, key):
+                    path = self.files[key]
+                    if path not in self._open:
+                        self._open[path] = safe_open(path, framework="pt")
+                    return self._open[path].get_tensor(key)
+        ''',
+        "pkg/model.py": '''
+            from pkg.loader import CheckpointReader
+
+            class Model:
+                def read_all(self, keys, reader: CheckpointReader, device):
+                    out = []
+                    for key in keys:
+                        out.append(reader.load(key).to(device))
+                    return out
+
+                def read_other(self, keys, loader):
+                    return [loader.load(key).shape for key in keys]   # no annotation: not matched by `load`
+        ''',
+    })
+    assert found == [("model.py", "Model.read_all", "OWN107")]
