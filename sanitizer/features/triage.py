@@ -80,6 +80,7 @@ from sanitizer.torch_layer.state import state
 ORDER = RetireOrder.TRIAGE
 _RUNNING_DEPTH = 24  # frames of the retiring thread noted at a retire (a loop variable lives a few above it)
 _CONFIRMED_KEPT = 20000  # retention records triage remembers by lease (the store's records are capped anyway)
+_REBOUND_LOCALS = ("frame", "generator")  # holder kinds a known path may not name alone (_name_cheaply)
 _QUIET_S = 0.1  # at least: how long other threads get to drop a view before an unnamed retention is decided
 _LONGEST_WAIT = 10  # times that, while another thread keeps dropping leases of the same buffer
 _REGIONS_KEPT = 4096  # buffers whose latest lease deaths are remembered (then the table starts afresh)
@@ -681,6 +682,12 @@ class Triage:
         start = time.perf_counter()
         names = {key: lease.name}
         found = _holders.replay({key}, names=names).holders.get(key) or []
+        if found and all(h.kind in _REBOUND_LOCALS for h in found):
+            # A replay stops at the first known path that reaches the view; a local's path (a loader's
+            # generator keeping ``shard_data`` from an earlier load) is rebound at every step, so reaching
+            # the view through it says nothing of who else keeps it now: a consumer's dict beside it would
+            # go unnamed (tests/adapters/test_loader_safetensors.py). Only a walk sees both.
+            return None
         if found:
             return found, {"when": "known-path", "ms": _ms(start), "tensors": len(found), "truncated": False}
         found = _holders.replay_siblings({key}, names=names).holders.get(key) or []
