@@ -50,7 +50,10 @@ CONSUMER_KINDS = ("tensor", "iterator", "dict", "pairs")
 PRODUCER_KINDS = ("iterator", "tensor")
 _IGNORE_TABLES = ("per-file-ignores", "extend-per-file-ignores", "per-path-ignores")  # the last: the older name
 _SELECTORS = ("select", "extend-select", "ignore", "extend-ignore")
-_KEYS = frozenset({"producers", "consumers", "exclude", "extend-exclude", *_IGNORE_TABLES, *_SELECTORS})
+# ``suppressions``: the runtime's suppressions file (``ownsan run`` and the pytest plugin read it; the audit
+# only checks it is a path), so that one table holds a project's ownsan settings
+_KEYS = frozenset({"producers", "consumers", "exclude", "extend-exclude", "suppressions", *_IGNORE_TABLES,
+                   *_SELECTORS})
 
 
 class SettingsError(Exception):
@@ -78,6 +81,7 @@ class Settings:
     selection: RuleSelection = RuleSelection()  # select / extend-select / ignore (+ extend-ignore)
     exclude: Optional[Tuple[str, ...]] = None  # None: the default list
     extend_exclude: Tuple[str, ...] = ()
+    suppressions: Optional[str] = None  # the runtime's suppressions file, absolute (relative to this file's dir)
     _producer_res: Optional[List["re.Pattern[str]"]] = None
     # producers inferred over the audited files (:mod:`.producers`): consulted after the configured ones
     inferred: Optional["InferredProducers"] = None
@@ -190,6 +194,7 @@ class Settings:
             lines.extend(f"  {p}: {', '.join(c)}" for p, c in self.per_path_ignores.items())
         else:
             lines.append("per-file-ignores: (none)")
+        lines.append(f"suppressions (runtime): {self.suppressions or '(none)'}")
         return "\n".join(lines) + "\n"
 
 
@@ -256,7 +261,20 @@ def parse(table: dict, path: str) -> Settings:
                               selectors["ignore"] + selectors["extend-ignore"])
     exclude = _strings(table["exclude"], "exclude", path) if "exclude" in table else None
     extend_exclude = _strings(table.get("extend-exclude", []), "extend-exclude", path)
-    return Settings(path, producers, consumers, ignores, producer_kinds, selection, exclude, extend_exclude)
+    return Settings(path, producers, consumers, ignores, producer_kinds, selection, exclude, extend_exclude,
+                    _suppressions(table, path))
+
+
+def _suppressions(table: dict, path: str) -> Optional[str]:
+    """``suppressions = "FILE"``: the runtime's suppressions file, read relative to the pyproject.toml's
+    directory (as ruff reads its paths), absolute here; the file itself is checked where it is used."""
+    if "suppressions" not in table:
+        return None
+    value = table["suppressions"]
+    if not isinstance(value, str) or not value.strip():
+        raise SettingsError(f"{path}: [tool.ownsan] suppressions must be a file name (a non-empty string), "
+                            f"got {value!r:.80}")
+    return os.path.join(os.path.dirname(os.path.abspath(path)), os.path.expanduser(value.strip()))
 
 
 def _selectors(table: dict, key: str, path: str) -> Tuple[str, ...]:

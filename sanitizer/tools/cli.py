@@ -249,6 +249,7 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not command:
         parser.error("give the program to run after --, e.g.: ownsan run -- python train.py")
     options = _parse_options(args.option, parser)
+    options = _project_suppressions(options, parser)
     if "report" in options:  # -o report=PATH is --report PATH (each process's own report is ours to place)
         args.report = options.pop("report") or args.report
     # A confirmed retention fails the run, as LeakSanitizer fails a run that leaked (-o fail_on_retention=0: not).
@@ -279,6 +280,24 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return _finish_run(args, _process_reports(tmp), code)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _project_suppressions(options: Dict[str, str], parser: argparse.ArgumentParser) -> Dict[str, str]:
+    """``-o suppressions=FILE``, else the project's ``[tool.ownsan] suppressions`` (the nearest pyproject.toml
+    above the current directory), checked now: a broken table or suppressions file is one line and exit 2
+    before anything runs, never a child that fails to start its sanitizer."""
+    from sanitizer.audit.settings import SettingsError
+    from sanitizer.tools.project_settings import with_project_suppressions
+
+    try:
+        found = with_project_suppressions(options, os.getcwd())
+        if "suppressions" in found and "suppressions" not in options:
+            _opts.resolve(found)  # (the file is read and checked as the option's own check does)
+    except SettingsError as exc:
+        parser.error(str(exc))
+    except _opts.OptionError as exc:
+        parser.error(f"[tool.ownsan] {exc}")
+    return found
 
 
 def _unwritable(path: str) -> Optional[str]:

@@ -81,6 +81,7 @@ def test_show_settings_and_cli_use_the_nearest_pyproject(tmp_path, capsys, monke
     ('[tool.ownsan.per-path-ignores]\n"a/*" = ["OWN999"]', "'OWN999'"),
     ('producers = [', "not valid TOML"),
     ('producers = ["weights.get_tensor=blob"]', "producers entry 'weights.get_tensor=blob'"),
+    ('suppressions = ["a.txt"]', "suppressions must be a file name"),
 ])
 def test_bad_settings_are_one_named_line_and_exit_2(tmp_path, capsys, table, needle):
     (tmp_path / "m.py").write_text("x = 1\n")
@@ -294,3 +295,13 @@ def test_the_file_given_with_config_must_be_valid_toml(tmp_path, capsys):
     assert main(["--config", str(tmp_path / "conf.toml"), str(tmp_path / "m.py")]) == 2
     err = capsys.readouterr().err
     assert "conf.toml" in err and "not valid TOML" in err and err.count("\n") == 1
+
+
+def test_the_runtimes_suppressions_key_is_accepted_read_relative_to_the_file_and_shown(tmp_path, capsys):
+    """``suppressions`` (the runtime's file, for ownsan run and the pytest plugin) shares the table: the
+    audit must not call it an unknown key, and --show-settings says where it points."""
+    (tmp_path / "m.py").write_text("x = 1\n")
+    (tmp_path / "pyproject.toml").write_text('[tool.ownsan]\nsuppressions = "ci/rules.txt"\n')
+    assert resolve([str(tmp_path / "m.py")]).suppressions == str(tmp_path / "ci" / "rules.txt")
+    assert main(["--show-settings", str(tmp_path / "m.py")]) == 0
+    assert f"suppressions (runtime): {tmp_path / 'ci' / 'rules.txt'}" in capsys.readouterr().out

@@ -84,3 +84,47 @@ def test_a_guessed_store_site_is_matched_by_none_and_said_as_a_guess():
     rules = suppressions.parse("retention:keep_router\n")
     assert suppressions.match(rules, record) is None
     assert suppressions.match(suppressions.parse("retention:__main__.kept*\n"), record) is not None
+
+
+def _run_in_project(tmp_path, table: str, rules: str = ""):
+    """``ownsan run`` in a project whose pyproject.toml has ``table`` (no ``-o suppressions=``), from a
+    sub-directory: the nearest table is found above the current directory, as the audit finds it."""
+    (tmp_path / "pyproject.toml").write_text(table)
+    (tmp_path / "ci").mkdir()
+    (tmp_path / "ci" / "rules.txt").write_text(rules)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "prog.py").write_text(PROGRAM)
+    return subprocess.run([sys.executable, "-m", "sanitizer", "run", "--report", str(tmp_path / "r.json"), "--",
+                           sys.executable, "prog.py"],
+                          capture_output=True, text=True, timeout=300, cwd=str(tmp_path / "src"))
+
+
+def test_the_projects_tool_ownsan_table_names_the_suppressions_file_for_ownsan_run(tmp_path):
+    """``[tool.ownsan] suppressions`` (relative to the pyproject.toml) works as ``-o suppressions=`` does: one
+    table holds a project's ownsan settings (the audit's keys beside it)."""
+    out = _run_in_project(tmp_path, '[tool.ownsan]\nsuppressions = "ci/rules.txt"\nignore = ["OWN107"]\n',
+                          "retention:*router*\nstale_use:layers.*.router.weight\nretention:layers.*.gate.weight\n")
+    assert out.returncode == 0, out.stderr
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["summary"]["suppressed"] == {"errors": 1, "retentions": 2}
+
+
+@pytest.mark.parametrize("table, rules, says", [
+    ('[tool.ownsan]\nsuppressions = 3\n', "", "suppressions must be a file name"),
+    ('[tool.ownsan]\nsuppressions = "ci/rules.txt"\n', "leak:foo\n", "rules.txt:1: 'leak:foo'"),
+    ('[tool.ownsan]\nsuppressions = "ci/none.txt"\n', "", "none.txt"),
+])
+def test_a_bad_project_suppressions_entry_is_one_line_before_anything_runs(tmp_path, table, rules, says):
+    out = _run_in_project(tmp_path, table, rules)
+    assert out.returncode == 2 and not (tmp_path / "r.json").exists(), out.stderr
+    assert says in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_an_explicit_option_beats_the_projects_table(tmp_path):
+    (tmp_path / "mine.txt").write_text("*:*\n")
+    (tmp_path / "pyproject.toml").write_text('[tool.ownsan]\nsuppressions = "missing.txt"\n')
+    from sanitizer.tools.project_settings import suppressions_for, with_project_suppressions
+
+    assert suppressions_for(str(tmp_path)) == str(tmp_path / "missing.txt")
+    mine = str(tmp_path / "mine.txt")
+    assert with_project_suppressions({"suppressions": mine}, str(tmp_path)) == {"suppressions": mine}
