@@ -31,6 +31,7 @@ import torch
 
 from sanitizer.core import forking
 from sanitizer.core.sites import torch_dir
+from sanitizer.features.frozen_heap import FrozenHeap
 from sanitizer.features.holder import Holder, consumer_key
 from sanitizer.features.holder_paths import (DETOUR, GEN_FLAGS, FrameLocal, Frames, Seg, internal,
                                              internal_class, join, label, locals_of, qualname, render, root,
@@ -80,6 +81,15 @@ class _Walk:
         self.found: Dict[int, List[Holder]] = {k: [] for k in keys}
         self.seen_paths: Set[Tuple[int, str]] = set()
         self.aliases: Aliases = {}
+        # after the program's gc.freeze(): the objects gc's own scans skip (found once, for this walk only)
+        self.frozen: Optional[FrozenHeap] = FrozenHeap() if FrozenHeap.present() else None
+
+    def heap(self) -> List[Any]:
+        """Every object the collector tracks, the frozen ones too (a new list: the caller drops it)."""
+        objs = gc.get_objects()
+        if self.frozen is not None:
+            objs.extend(self.frozen.objects())
+        return objs
 
     def out_of_time(self) -> bool:
         if time.thread_time() > self.deadline:
@@ -116,7 +126,7 @@ def _tensor_types() -> Set[type]:
 def _targets(keys: Set[int], walk: _Walk) -> List[Tuple[torch.Tensor, int]]:
     """Every live tensor whose storage is one of ``keys`` (a scan of the gc's objects)."""
     kinds = _tensor_types()
-    objs = gc.get_objects()
+    objs = walk.heap()
     try:
         tensors = [o for o in objs if type(o) in kinds]  # a comprehension: ~10x a loop with checks
     finally:
@@ -963,15 +973,17 @@ def _run(walk: _Walk) -> None:
             ignore.update(id(item) for item in items)
         if any(not gc.is_tracked(obj) for obj, _, _ in targets):  # an array alias: its holder may be hidden too
             ignore.add(id(targets))
-            targets += _untracked_holders(targets, ignore)
+            targets += _untracked_holders(targets, ignore, walk)
         _bfs(walk, targets, local_map, ignore)
     finally:
         local_map.clear()
         stacks.clear()
+        if walk.frozen is not None:
+            walk.frozen.clear()
 
 
-def _untracked_holders(targets: List[Tuple[Any, int, Tuple[Seg, ...]]],
-                       ignore: Set[int]) -> List[Tuple[Any, int, Tuple[Seg, ...]]]:
+def _untracked_holders(targets: List[Tuple[Any, int, Tuple[Seg, ...]]], ignore: Set[int],
+                       walk: _Walk) -> List[Tuple[Any, int, Tuple[Seg, ...]]]:
     """The dicts and tuples that hold a target the gc does not track (issue 29, point 5).
 
     A numpy array is not tracked by the gc, and neither is a dict or a tuple that holds only such arrays
@@ -983,7 +995,7 @@ def _untracked_holders(targets: List[Tuple[Any, int, Tuple[Seg, ...]]],
     out: List[Tuple[Any, int, Tuple[Seg, ...]]] = []
     looked: Set[int] = set()
     ignore.update((id(want), id(out), id(looked)))
-    objs = gc.get_objects()
+    objs = walk.heap()
     try:
         for o in objs:
             to = type(o)
@@ -1062,7 +1074,11 @@ def _bfs(walk: _Walk, targets: List[Tuple[Any, int, Tuple[Seg, ...]]],
         ignore.add(id(by_id))
         next_objs: List[Any] = []
         next_paths: Dict[int, Dict[int, Tuple[Seg, ...]]] = {}
+        if walk.frozen is not None:
+            ignore.update(walk.frozen.ids())  # (the walk's list of frozen objects refers to them all)
         referrers = gc.get_referrers(*objs)
+        if walk.frozen is not None:  # the program froze its heap: gc.get_referrers skips what it froze
+            referrers = referrers + walk.frozen.referring_to(by_id)
         try:
             for r in referrers:
                 rid = id(r)

@@ -639,3 +639,35 @@ def test_other_entries_of_the_same_dict_are_not_named_as_also_holding_a_view():
         assert holder["path"].endswith(f"[{name!r}]"), (name, holder["path"])
         assert [o["path"] for o in holder.get("also", [])] == [], name  # nothing else holds this view
     del our
+
+
+@pytest.fixture
+def frozen_heap():
+    """The heap frozen as an engine freezes it after warm-up (vLLM's ``freeze_gc_heap``, SGLang's
+    ``freeze_gc``): everything alive now moves to gc's permanent generation, which ``gc.get_referrers``
+    never scans. Unfrozen after the test (the session's objects go back to the oldest generation)."""
+    assert gc.get_freeze_count() == 0
+    _REGISTRY["made before the freeze"] = [torch.zeros(1)]  # the dict is tracked, hence frozen with the rest
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def test_a_holder_built_before_the_programs_gc_freeze_is_still_named(frozen_heap):
+    """A view kept in a container the program built before it froze its heap: the walk climbed only
+    what gc.get_referrers sees and said "held where Python cannot see"; the frozen objects are found by
+    reachability, and the walk leaves the collector as the program set it."""
+    buf = sanitizer.StagingBuffer(4096, name="ring0")
+    young = [object()]  # made after the freeze: it stays in a collected generation
+    frozen_before = gc.get_freeze_count()
+    with sanitizer.sanitize(triage=1, triage_budget_ms=10000):
+        _REGISTRY["layer0"] = [torch.zeros(1), _lend(buf, "w")]
+        _next(buf)
+        rec = _only_retention()
+    assert rec["holder"]["path"] == f"{__name__}._REGISTRY['layer0'][1]", rec["holder"]
+    assert rec["holder"]["kind"] == "global"
+    assert 0 < gc.get_freeze_count() <= frozen_before  # nothing frozen or unfrozen by the walk (some died)
+    assert any(o is young for o in gc.get_objects())
+
