@@ -64,7 +64,8 @@ def test_print_errors_0_is_silent_and_a_clean_run_says_nothing(tmp_path):
     assert clean.returncode == 0 and "ownership-sanitizer" not in clean.stderr, clean.stderr
 
 
-@pytest.mark.parametrize("value", ["-1", "256", "x"])
+@pytest.mark.parametrize("value", ["256", pytest.param("-1", marks=pytest.mark.slow),  # (a child each: one
+                                   pytest.param("x", marks=pytest.mark.slow)])            # in the quick run)
 def test_a_bad_exitcode_is_one_line_naming_it(tmp_path, value):
     out = _run(tmp_path, f"halt_on_error=0:exitcode={value}")
     assert out.returncode != 0

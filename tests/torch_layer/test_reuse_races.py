@@ -101,7 +101,7 @@ def test_a_retire_waits_for_an_earlier_retire_whose_victims_it_overlaps_though_t
     assert order.end(third, order.asked(), wait_s=5) is True
 
 
-@pytest.mark.parametrize("trap", ["0", "poison"])
+@pytest.mark.parametrize("trap", ["0", pytest.param("poison", marks=pytest.mark.slow)])  # (~2 s each: one quick)
 def test_rescue_keeps_every_tensor_put_by_threads_through_one_ring(trap):
     # Neighbouring puts both overlap one earlier, wider tensor; the second wrote while the first still copied
     # that tensor out: 2-8% of the kept tensors held a neighbour's bytes, no error said (before the fix).

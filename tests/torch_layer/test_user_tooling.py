@@ -287,6 +287,7 @@ print(passes > (100 if AUDIT else 1000), done[0] > 1000, bad, main_events[0] > 3
 """
 
 
+@pytest.mark.slow  # a soak (thousands of visits under thread churn, ~2.7 s of CPU a case, 11 s in all): the full run's
 @pytest.mark.parametrize("version", ["3.12", "3.13"])
 @pytest.mark.parametrize("audit", ["plain", "audit"])
 def test_the_reach_survives_threads_that_start_and_end_under_it(version, audit):
