@@ -6,7 +6,6 @@ view kept in two containers is read stale through one of them; a dict is filled 
 """
 from __future__ import annotations
 
-import gc
 import sys
 import threading
 
@@ -31,8 +30,7 @@ def _line_of(text: str) -> int:
 
 @pytest.fixture(autouse=True)
 def _fresh(fresh_triage):
-    yield
-    gc.collect()
+    yield  # (what is left of ours dies in the conftest's collection after this)
 
 
 def load_state_dict(names):

@@ -8,7 +8,6 @@ once per holder, never per retention, and each retention is named at the entry t
 from __future__ import annotations
 
 import functools
-import gc
 
 import pytest
 import torch
@@ -47,8 +46,7 @@ def _nothing_kept_after():
     """The views kept here would stay stale, and keep interception on, in the tests that follow."""
     yield
     _clear()
-    holders.forget_patterns()
-    gc.collect()
+    holders.forget_patterns()  # (what is left of ours dies in the conftest's collection after this)
 
 
 def _run(shape: str) -> dict:

@@ -17,8 +17,7 @@ _KEPT: list = []
 @pytest.fixture(autouse=True)
 def _forget_kept():
     yield
-    _KEPT.clear()
-    gc.collect()
+    _KEPT.clear()  # (the leftovers die in the conftest's collection, which runs when something of ours is left)
 
 
 def _load(buf: StagingBuffer, export, n: int = 4) -> None:
