@@ -64,9 +64,27 @@ class _Settings:
     """The session's settings, the command line over the ini, read once in ``pytest_configure`` (so a bad
     value is a usage error before any test runs, never a failure in each)."""
 
-    def __init__(self, every: bool, options: Dict[str, Any], fail_on_retention: bool, report_dir: Optional[str]):
+    def __init__(self, every: bool, options: Dict[str, Any], fail_on_retention: bool, report_dir: Optional[str],
+                 project_pending: bool = False):
         self.every, self.options = every, options
         self.fail_on_retention, self.report_dir = fail_on_retention, report_dir
+        # [tool.ownsan] suppressions not read yet: a session that sanitizes only marked tests reads it at the
+        # first one (a pytest run that sanitizes nothing never reads, nor fails on, the audit's table)
+        self.project_pending = project_pending
+        self.project_problem: Optional[str] = None  # that table could not be used: each sanitized test fails
+
+    def project_suppressions(self, config: Any) -> Optional[str]:
+        """Read ``[tool.ownsan] suppressions`` now if it was left for the first sanitized test; the reason
+        it cannot be used, else None."""
+        if self.project_pending:
+            self.project_pending = False
+            try:
+                path = _project_suppressions(config)
+                if path:
+                    self.options["suppressions"] = _checked_suppressions(path, "[tool.ownsan] suppressions")
+            except pytest.UsageError as exc:
+                self.project_problem = str(exc)
+        return self.project_problem
 
 
 class _Counts:
@@ -191,16 +209,19 @@ def _settings(config: Any) -> _Settings:
     cli_options = config.getoption("--ownership-sanitize-options")
     if cli_options:
         options.update(_parsed(cli_options, "--ownership-sanitize-options"))
+    settings = _Settings(every, options, fail, report_dir)
     if "suppressions" not in options:
         ini_file = str(_ini(config, INI_SUPPRESSIONS) or "").strip()
         if ini_file:
             options["suppressions"] = _checked_suppressions(_ini_path(config, ini_file),
                                                             f"ini {INI_SUPPRESSIONS} = {ini_file!r}")
         else:
-            path = _project_suppressions(config)
-            if path:
-                options["suppressions"] = _checked_suppressions(path, "[tool.ownsan] suppressions")
-    return _Settings(every, options, fail, report_dir)
+            settings.project_pending = True
+            if every:  # every test sanitized: a broken table is a usage error before any test runs
+                problem = settings.project_suppressions(config)
+                if problem:
+                    raise pytest.UsageError(problem)
+    return settings
 
 
 def pytest_configure(config: Any) -> None:
@@ -232,6 +253,9 @@ def _wanted(item: Any) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
         return None, None
     if marker is not None and marker.args:
         return None, f"@pytest.mark.{MARKER} takes keyword options only, got {marker.args!r}"
+    problem = settings.project_suppressions(item.config)
+    if problem:
+        return None, problem
     options = {"triage": 1, **settings.options, **(marker.kwargs if marker else {})}
     if marker is not None and marker.kwargs:
         from sanitizer.core import options as option_table  # torch-free

@@ -326,6 +326,27 @@ def test_ini_suppressions_file_lets_the_known_finding_through_and_the_summary_co
 
 
 @pytest.mark.slow
+def test_the_projects_tool_ownsan_suppressions_are_read_only_by_a_session_that_sanitizes(pytester):
+    """``[tool.ownsan] suppressions`` (the file ownsan run reads too) lets a marked test's known finding
+    through. A broken table fails only what is sanitized: a session with nothing sanitized never reads it
+    (a project's audit settings must not stop its plain pytest runs), a marked test errs with one line,
+    and --ownership-sanitize is a usage error before any test runs."""
+    (pytester.path / "ci").mkdir()
+    (pytester.path / "ci" / "ownsan.supp").write_text("stale_use:test_shared.KEPT*\nretention:test_shared.KEPT*\n")
+    pytester.makepyfile(test_shared=SHARED)
+    pytester.makepyprojecttoml('[tool.ownsan]\nsuppressions = "ci/ownsan.supp"\n')
+    _session(pytester, "-p", "no:cacheprovider").assert_outcomes(passed=2)
+    pytester.makepyprojecttoml('[tool.ownsan]\nsuppressions = 3\n')
+    _session(pytester, "-p", "no:cacheprovider", "-k", "unsanitized").assert_outcomes(passed=1, deselected=1)
+    result = _session(pytester, "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, errors=1)  # (in the marked test's setup, as a bad marker option)
+    result.stdout.fnmatch_lines(["*suppressions must be a file name (a non-empty string), got 3*"])
+    result = _session(pytester, "-p", "no:cacheprovider", "--ownership-sanitize")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*suppressions must be a file name*"])
+
+
+@pytest.mark.slow
 def test_the_command_line_wins_over_the_ini(pytester):
     """Options merge option by option (the command line's over the ini's); the switch turned off in the
     ini is turned on by the flag."""
