@@ -958,7 +958,10 @@ def _run(walk: _Walk) -> None:
         for entry in stacks:
             ignore.add(id(entry))
             frame, mine = entry
-            for name, value in locals_of(frame).items():
+            frame_locals = locals_of(frame)
+            if walk.frozen is not None:
+                walk.frozen.add_roots(list(frame_locals.values()))
+            for name, value in frame_locals.items():
                 item = (frame, name, mine)
                 ignore.add(id(item))
                 bucket = local_map.setdefault(id(value), [])

@@ -134,7 +134,7 @@ def format_triage(rep: Dict[str, Any], path: Optional[str] = None, top: int = 20
             where = f"stored at {g['stored_at']}" if g.get("stored_at") else f"holder lives at {g['site'] or '?'}"
             lines.append(f"  {format_bytes(g['bytes'])}  {g['count']}  {g['kind']}  {g['consumer']} ({where})")
             lines.append(f"      leases: {names}")
-    errors = rep.get("errors", [])
+    errors = [e for e in rep.get("errors", []) if not e.get("suppressed")]  # (counted in the summary line)
     if errors:
         lines += ["", "errors (first of each kind):"]
         lines += _first_of_each_kind(errors, "  {kind}: {summary}", "    ")
@@ -187,7 +187,9 @@ def section_for_test(rep: Dict[str, Any], path: Optional[str]) -> str:
             lines.append(f"  read stale at {', '.join(g['read_stale_at'])}")
         if g.get("fix"):
             lines.append(f"  fix: {g['fix']}")
-    lines += _first_of_each_kind(rep.get("errors", []), "first {kind}: {summary}", "  ")
+    # a suppressed error is the team's known one: never shown as the test's first (the summary counts it)
+    lines += _first_of_each_kind([e for e in rep.get("errors", []) if not e.get("suppressed")],
+                                 "first {kind}: {summary}", "  ")
     if path:
         lines.append(f"report: {path} (ownsan triage {path}; --html timeline.html draws each staging buffer)")
     return "\n".join(lines)

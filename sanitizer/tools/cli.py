@@ -249,7 +249,7 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not command:
         parser.error("give the program to run after --, e.g.: ownsan run -- python train.py")
     options = _parse_options(args.option, parser)
-    options = _project_suppressions(options, parser)
+    options = _project_suppressions(options)
     if "report" in options:  # -o report=PATH is --report PATH (each process's own report is ours to place)
         args.report = options.pop("report") or args.report
     # A confirmed retention fails the run, as LeakSanitizer fails a run that leaked (-o fail_on_retention=0: not).
@@ -282,21 +282,25 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _project_suppressions(options: Dict[str, str], parser: argparse.ArgumentParser) -> Dict[str, str]:
+def _project_suppressions(options: Dict[str, str]) -> Dict[str, str]:
     """``-o suppressions=FILE``, else the project's ``[tool.ownsan] suppressions`` (the nearest pyproject.toml
-    above the current directory), checked now: a broken table or suppressions file is one line and exit 2
-    before anything runs, never a child that fails to start its sanitizer."""
-    from sanitizer.audit.settings import SettingsError
+    above the current directory), checked now: a broken table or suppressions file is one line (naming the
+    pyproject.toml and the rule) and exit 2 before anything runs, never a child that fails to start."""
+    from sanitizer.audit import settings as project_table
+    from sanitizer.core import suppressions
     from sanitizer.tools.project_settings import with_project_suppressions
 
     try:
         found = with_project_suppressions(options, os.getcwd())
-        if "suppressions" in found and "suppressions" not in options:
-            _opts.resolve(found)  # (the file is read and checked as the option's own check does)
-    except SettingsError as exc:
-        parser.error(str(exc))
-    except _opts.OptionError as exc:
-        parser.error(f"[tool.ownsan] {exc}")
+    except project_table.SettingsError as exc:
+        print(f"ownsan run: {exc}; nothing was run", file=sys.stderr)
+        raise SystemExit(2) from None
+    if "suppressions" in found and "suppressions" not in options:
+        why = suppressions.check(found["suppressions"])
+        if why:
+            print(f"ownsan run: {project_table.find([os.getcwd()])}: [tool.ownsan] suppressions: {why}; "
+                  f"nothing was run", file=sys.stderr)
+            raise SystemExit(2)
     return found
 
 

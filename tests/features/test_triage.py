@@ -671,3 +671,27 @@ def test_a_holder_built_before_the_programs_gc_freeze_is_still_named(frozen_heap
     assert 0 < gc.get_freeze_count() <= frozen_before  # nothing frozen or unfrozen by the walk (some died)
     assert any(o is young for o in gc.get_objects())
 
+
+
+class _Runner:
+    def __init__(self):
+        self.model = torch.nn.Linear(4, 4)  # (tracked: the object and its dict are frozen with the rest)
+        self.extra = {}
+
+
+def test_a_holder_only_a_running_function_reaches_after_the_freeze_is_named_once(frozen_heap):
+    """The model built in ``main()`` before the freeze: a running frame's local is its only referrer, no
+    module and no collected object reaches it. The walk named the holder through the young dict, and said
+    "held where Python cannot see" beside it for the path it could not climb (a blind user's case)."""
+    gc.unfreeze()
+    runner = _Runner()
+    gc.freeze()
+    buf = sanitizer.StagingBuffer(4096, name="ring0")
+    with sanitizer.sanitize(triage=1, triage_budget_ms=10000):
+        runner.extra["w"] = _lend(buf, "w")
+        _next(buf)
+        rec = _only_retention()
+        rep = sanitizer.report(final=True)
+    assert rec["holder"]["path"] == "_Runner.extra['w']", rec["holder"]
+    kinds = [g["kind"] for g in rep["summary"]["retaining_consumers"]]
+    assert kinds == ["object"], rep["summary"]["retaining_consumers"]

@@ -43,6 +43,8 @@ def test_a_suppressed_finding_is_listed_counted_apart_and_does_not_fail_the_run(
     assert rep["summary"]["suppressed"] == {"errors": 1, "retentions": 2}
     assert [e["suppressed"].split(" (")[0] for e in rep["errors"]] == ["stale_use:layers.*.router.weight"]
     assert "1 error and 2 retentions suppressed" in out.stderr
+    # the suppressed stale read is not shown as the run's first error (a blind user's case: it was)
+    assert "errors (first of each kind)" not in out.stdout + out.stderr, out.stdout + out.stderr
     assert "borrowed view 'layers.0.router.weight'" not in out.stderr.split("ownership-sanitizer: 0 errors")[0]
 
 
@@ -118,6 +120,7 @@ def test_a_bad_project_suppressions_entry_is_one_line_before_anything_runs(tmp_p
     out = _run_in_project(tmp_path, table, rules)
     assert out.returncode == 2 and not (tmp_path / "r.json").exists(), out.stderr
     assert says in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.count("\n") == 1 and "pyproject.toml" in out.stderr, out.stderr  # one line, naming the table
 
 
 def test_an_explicit_option_beats_the_projects_table(tmp_path):
