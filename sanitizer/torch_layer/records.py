@@ -171,6 +171,10 @@ def raise_or_record(err: OwnershipError, lease: Optional[Lease], halt: Optional[
     if halt is None:
         halt = opts.halts
     lease_id = lease.lease_id if lease is not None else None
+    if halt and opts.suppressions and _suppressed(opts.suppressions, err.record):
+        # Named in the suppressions file (as LSan's and ASan's suppressions let a known report through in
+        # any mode): recorded, listed as suppressed, and the program goes on as in recover mode.
+        halt = False
     if halt:
         STORE.add_error(err.record, lease_id, opts["max_records"], None)
         _last.seq = getattr(_last, "seq", 0) + 1
@@ -185,6 +189,17 @@ def raise_or_record(err: OwnershipError, lease: Optional[Lease], halt: Optional[
             hook(err)
         except Exception:
             pass
+
+
+def _suppressed(path: str, record: dict) -> bool:
+    """Whether the suppressions file names this error, as the report will match it (what the error
+    carries when it is raised: the lease, the use, the lend, the holder when already named)."""
+    from sanitizer.core import suppressions  # (torch-free, standard library only)
+
+    try:
+        return suppressions.match(suppressions.load(path), record) is not None
+    except suppressions.SuppressionError:  # (checked when the option was set; removed since: nothing)
+        return False
 
 
 def error_mark() -> int:
