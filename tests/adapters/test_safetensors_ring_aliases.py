@@ -141,6 +141,7 @@ def emulation():
     adapters.uninstall_import_hooks()
 
 
+@pytest.mark.slow  # a child process that imports torch (>= 1 s of CPU): the full run's, as pyproject's marker says
 def test_a_numpy_alias_kept_past_the_ring_keeps_its_bytes_without_trap(ckpt, emulation):
     """In-process, no trap: the quick form of the test above (before the fix the alias read the next tensors)."""
     oracle = safetensors_torch.load_file(ckpt)

@@ -107,6 +107,7 @@ def test_the_run_confirms_the_finding_and_names_what_the_audit_missed(run_report
         jsonschema.validate(doc, json.load(fh))
 
 
+@pytest.mark.slow  # a child process that imports torch (>= 1 s of CPU): the full run's, as pyproject's marker says
 def test_text_output_says_confirmed_and_missed(run_report, capsys, monkeypatch):
     monkeypatch.chdir(run_report)
     cli.main(["audit", "--report", "ownsan-report.json", "consumer.py"])

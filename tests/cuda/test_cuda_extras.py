@@ -75,9 +75,9 @@ def test_the_device_seam_is_torch_itself_outside_a_harness():
     assert like.shape == t.shape and like.is_contiguous() and not t.is_contiguous()
 
 
-@pytest.mark.parametrize("env, named", [({"DEVICE_CHECK_BUDGET": "6min"}, "'6min'"),  # (the second: full run)
-                                        pytest.param({"OUT": "/proc/no-such-dir"}, "'/proc/no-such-dir'",
-                                                     marks=pytest.mark.slow)])
+@pytest.mark.slow  # a child process that imports torch (>= 1 s of CPU): the full run's, as pyproject's marker says
+@pytest.mark.parametrize("env, named", [({"DEVICE_CHECK_BUDGET": "6min"}, "'6min'"),
+                                        ({"OUT": "/proc/no-such-dir"}, "'/proc/no-such-dir'")])
 def test_the_device_check_names_a_bad_budget_or_output_directory(env, named, tmp_path):
     import shutil
     import subprocess

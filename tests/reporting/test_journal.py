@@ -143,6 +143,7 @@ def _changed(record, path, new):
 _DELETE = object()
 
 
+@pytest.mark.slow  # a child process that imports torch (>= 1 s of CPU): the full run's, as pyproject's marker says
 def test_a_crafted_journal_line_is_one_clear_error_never_a_traceback(tmp_path, capsys):
     """The lines the issue named, then the rule: every field of every kind of record (and of the header)
     deleted or replaced by a value of another type, one at a time. ownsan triage reads the journal or

@@ -53,6 +53,7 @@ def test_exitcode_sets_the_status_after_the_report_is_written(tmp_path):
     assert rep["error_count"] == 4
 
 
+@pytest.mark.slow  # a child process that imports torch (>= 1 s of CPU): the full run's, as pyproject's marker says
 def test_print_errors_0_is_silent_and_a_clean_run_says_nothing(tmp_path):
     out = _run(tmp_path, "halt_on_error=0:print_errors=0")
     assert out.returncode == 0 and "ownership-sanitizer" not in out.stderr, out.stderr
@@ -64,14 +65,15 @@ def test_print_errors_0_is_silent_and_a_clean_run_says_nothing(tmp_path):
     assert clean.returncode == 0 and "ownership-sanitizer" not in clean.stderr, clean.stderr
 
 
-@pytest.mark.parametrize("value", ["256", pytest.param("-1", marks=pytest.mark.slow),  # (a child each: one
-                                   pytest.param("x", marks=pytest.mark.slow)])            # in the quick run)
+@pytest.mark.slow  # a child process that imports torch (>= 1 s of CPU): the full run's, as pyproject's marker says
+@pytest.mark.parametrize("value", ["-1", "256", "x"])
 def test_a_bad_exitcode_is_one_line_naming_it(tmp_path, value):
     out = _run(tmp_path, f"halt_on_error=0:exitcode={value}")
     assert out.returncode != 0
     assert "exitcode" in out.stderr and value in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
+@pytest.mark.slow  # a child process that imports torch (>= 1 s of CPU): the full run's, as pyproject's marker says
 def test_a_sanitize_blocks_errors_are_its_callers_not_printed(tmp_path):
     """`with sanitizer.sanitize(halt_on_error=0):` in a test reads its errors with sanitizer.errors(): the
     process's recover mode neither prints nor counts them (the project's own suite printed 32 reports)."""
@@ -92,6 +94,7 @@ def test_a_sanitize_blocks_errors_are_its_callers_not_printed(tmp_path):
     assert "ownership-sanitizer" not in out.stderr, out.stderr
 
 
+@pytest.mark.slow  # a child process that imports torch (>= 1 s of CPU): the full run's, as pyproject's marker says
 def test_the_summary_names_the_report_as_written_and_ownsan_runs_mode(tmp_path):
     """Found by a user writing from the docs alone: the summary printed `report=...{pid}...` unexpanded, and
     under ownsan run named the run's temporary file and said halt_on_error=0 where triage=1 was in force."""

@@ -48,6 +48,7 @@ def test_a_suppressed_finding_is_listed_counted_apart_and_does_not_fail_the_run(
     assert "borrowed view 'layers.0.router.weight'" not in out.stderr.split("ownership-sanitizer: 0 errors")[0]
 
 
+@pytest.mark.slow  # a child process that imports torch (>= 1 s of CPU): the full run's, as pyproject's marker says
 def test_what_the_file_does_not_name_still_fails_the_run(tmp_path):
     out, rep = _run(tmp_path, "retention:*router*\n")
     assert out.returncode == 1, out.stderr  # the stale read and the gate's retention are not named
@@ -101,6 +102,7 @@ def _run_in_project(tmp_path, table: str, rules: str = ""):
                           capture_output=True, text=True, timeout=300, cwd=str(tmp_path / "src"))
 
 
+@pytest.mark.slow  # a child process that imports torch (>= 1 s of CPU): the full run's, as pyproject's marker says
 def test_the_projects_tool_ownsan_table_names_the_suppressions_file_for_ownsan_run(tmp_path):
     """``[tool.ownsan] suppressions`` (relative to the pyproject.toml) works as ``-o suppressions=`` does: one
     table holds a project's ownsan settings (the audit's keys beside it)."""

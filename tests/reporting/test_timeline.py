@@ -287,6 +287,7 @@ def test_by_construction_no_two_labels_overlap_and_none_leaves_its_panel(tmp_pat
     assert len(labels) > 30  # most retained leases still get their number in a crowded chart
 
 
+@pytest.mark.slow  # a child process that imports torch (>= 1 s of CPU): the full run's, as pyproject's marker says
 def test_names_are_cut_where_they_agree_not_where_they_differ(demo_report):
     page = timeline.render_html(demo_report)
     texts = [t for _, boxes in _label_boxes(page).values() for t, _ in boxes]

@@ -69,6 +69,7 @@ def test_run_fails_on_a_retaining_consumer_and_names_it(retaining_run):
     assert rep["error_count"] > 0 and rep["summary"]["retaining_consumers"][0]["kind"] == "object"
 
 
+@pytest.mark.slow  # a child process that imports torch (>= 1 s of CPU): the full run's, as pyproject's marker says
 def test_triage_prints_the_table_sorted_by_bytes(retaining_run, capsys):
     tmp, _ = retaining_run
     assert cli.main(["triage", str(tmp / "rep.json")]) == 1  # retentions: it fails, as ownsan run did

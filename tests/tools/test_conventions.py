@@ -50,6 +50,7 @@ def test_help_1_prints_the_option_table_and_goes_on(tmp_path):
     assert out.stderr.startswith("option ") and "halt_on_error" in out.stderr and "exitcode" in out.stderr
 
 
+@pytest.mark.slow  # a child process that imports torch (>= 1 s of CPU): the full run's, as pyproject's marker says
 def test_ownsan_demo_help_names_ownsan_demo():
     out = subprocess.run([sys.executable, "-m", "sanitizer", "demo", "--help"], capture_output=True, text=True,
                          timeout=240)
@@ -79,6 +80,7 @@ def test_every_relative_link_in_the_readme_and_docs_resolves():
     assert not broken, broken
 
 
+@pytest.mark.slow  # a child process that imports torch (>= 1 s of CPU): the full run's, as pyproject's marker says
 def test_json_for_options_doctor_and_triage_and_a_description_for_every_subcommand(tmp_path):
     import json
 

@@ -141,6 +141,7 @@ def test_worker_setup_imports_no_torch_and_arms_the_sanitizer_for_the_workers_im
     assert "recorded 1" in proc.stdout, proc.stdout  # triage=1 (runtime_env's default): recorded, not raised
 
 
+@pytest.mark.slow  # a child process that imports torch (>= 1 s of CPU): the full run's, as pyproject's marker says
 def test_worker_setup_after_torch_turns_the_sanitizer_on_at_once(tmp_path):
     """A worker whose code imported torch before the hook ran, with a request the start-up hook never saw
     (set in the environment after start-up), is sanitized from the hook on."""
@@ -160,6 +161,7 @@ def test_worker_setup_after_torch_turns_the_sanitizer_on_at_once(tmp_path):
     assert "enabled True" in proc.stdout, proc.stdout
 
 
+@pytest.mark.slow  # a child process that imports torch (>= 1 s of CPU): the full run's, as pyproject's marker says
 def test_a_worker_given_the_request_at_start_up_is_sanitized_at_its_torch_import_with_its_flusher(tmp_path):
     """No hook at all (Ray runs none for a runtime_env given per task or actor): the start-up hook takes the
     request, the sanitizer turns on at the worker's import of torch, and the flusher runs."""

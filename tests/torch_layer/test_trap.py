@@ -322,6 +322,7 @@ def test_a_correct_program_lends_from_one_mirror_and_a_trapped_range_is_lent_aga
     assert trap.stats()["mirrors"] >= 1
 
 
+@pytest.mark.slow  # a child process that imports torch (>= 1 s of CPU): the full run's, as pyproject's marker says
 def test_a_closed_buffers_file_is_reused_and_a_fork_child_never_shares_it():
     from sanitizer.torch_layer import trap_memory
 

@@ -83,6 +83,7 @@ def test_every_wrapped_function_behaves_as_the_original_for_introspection():
     assert problems == []
 
 
+@pytest.mark.slow  # a child process that imports torch (>= 1 s of CPU): the full run's, as pyproject's marker says
 def test_pool_map_of_torch_from_numpy_works_while_a_lease_is_alive():
     import multiprocessing
 
