@@ -151,4 +151,13 @@ def match(rules: Tuple[Rule, ...], record: Mapping[str, Any], kind: Optional[str
     return None
 
 
-__all__ = ["KINDS", "Rule", "SuppressionError", "parse", "load", "check", "subjects", "match"]
+def suppressed_by_file(path: str, record: Mapping[str, Any]) -> bool:
+    """Whether the file at ``path`` suppresses ``record``: the one question the recover printer and a halting
+    raise ask (a file unreadable since the option was checked suppresses nothing)."""
+    try:
+        return match(load(path), record) is not None
+    except SuppressionError:
+        return False
+
+
+__all__ = ["KINDS", "Rule", "SuppressionError", "parse", "load", "check", "subjects", "match", "suppressed_by_file"]

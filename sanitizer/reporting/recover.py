@@ -79,7 +79,7 @@ def _on_recovered(err: BaseException) -> None:
     if options.halts or state.scopes or not (options.print_errors or options.exitcode):
         return  # (a halting scope entered since, or a `sanitize()` block: its findings are its caller's)
     record = getattr(err, "record", None) or {}
-    if options.suppressions and _suppressed(options.suppressions, record):
+    if options.suppressions and suppressions.suppressed_by_file(options.suppressions, record):
         return  # named in the suppressions file: listed in the report as suppressed, never printed or failing
     key = (str(record.get("kind", type(err).__name__)), _site_of(err))
     with _lock:
@@ -101,13 +101,6 @@ def _on_recovered(err: BaseException) -> None:
             sys.stderr.flush()
         except Exception:  # a closed stderr never turns a recorded error into a crash
             pass
-
-
-def _suppressed(path: str, record: dict) -> bool:
-    try:
-        return suppressions.match(suppressions.load(path), record) is not None
-    except suppressions.SuppressionError:
-        return False
 
 
 def _mode(options: Options) -> str:

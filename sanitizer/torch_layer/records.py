@@ -14,6 +14,7 @@ import threading
 from typing import Any, Dict, List, Optional, Set
 
 from sanitizer.core import forking
+from sanitizer.core import suppressions as _suppressions
 from sanitizer.core.errors import OwnershipError, rebuild
 from sanitizer.core.ledger import Lease
 from sanitizer.torch_layer.hooks import HOOKS
@@ -171,7 +172,7 @@ def raise_or_record(err: OwnershipError, lease: Optional[Lease], halt: Optional[
     if halt is None:
         halt = opts.halts
     lease_id = lease.lease_id if lease is not None else None
-    if halt and opts.suppressions and _suppressed(opts.suppressions, err.record):
+    if halt and opts.suppressions and _suppressions.suppressed_by_file(opts.suppressions, err.record):
         # Named in the suppressions file (as LSan's and ASan's suppressions let a known report through in
         # any mode): recorded, listed as suppressed, and the program goes on as in recover mode.
         halt = False
@@ -189,17 +190,6 @@ def raise_or_record(err: OwnershipError, lease: Optional[Lease], halt: Optional[
             hook(err)
         except Exception:
             pass
-
-
-def _suppressed(path: str, record: dict) -> bool:
-    """Whether the suppressions file names this error, as the report will match it (what the error
-    carries when it is raised: the lease, the use, the lend, the holder when already named)."""
-    from sanitizer.core import suppressions  # (torch-free, standard library only)
-
-    try:
-        return suppressions.match(suppressions.load(path), record) is not None
-    except suppressions.SuppressionError:  # (checked when the option was set; removed since: nothing)
-        return False
 
 
 def error_mark() -> int:
