@@ -14,10 +14,10 @@ from typing import Dict, Optional, Sequence, Tuple
 
 from sanitizer.audit import vocabulary as V
 from sanitizer.audit.findings import Link
-from sanitizer.audit.index import dotted
+from sanitizer.audit.index import dotted, param_default as _param_default
 from sanitizer.audit.targets import _CAMEL, root_of
-from sanitizer.audit.values import (ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR, ELEM_PAIR, ELEM_TENSOR, HOLDER, ITER, PAIR,
-                                    SOURCE, TENSOR, UNRESOLVED, Val, element_of)
+from sanitizer.audit.values import (ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR, ELEM_HANDLE_PAIRS, ELEM_PAIR, ELEM_TENSOR, HOLDER,
+                                    ITER, PAIR, SOURCE, TENSOR, UNRESOLVED, Val, element_of, handle_of, is_handles)
 
 _MAPPING_COPIES = frozenset({"dict", "OrderedDict", "defaultdict"})  # of a dict: its tensors, by name
 # Calls that call the function they are handed with each item of their second argument (``map``, a pool's
@@ -72,6 +72,10 @@ class CallRules:
             handled, result = self.method_on_tainted(node, base, meth, args)
             if handled:
                 return result
+        if meth == "enter_context" and args and args[0] is not None and args[0].kind == SOURCE:
+            # contextlib.ExitStack.enter_context(cm): "returns the result of the __enter__() method" (a
+            # safetensors handle's is the handle): the handle, open until the stack closes
+            return args[0]
         if meth in ("register_buffer", "register_parameter") and len(args) >= 2 and args[1] is not None:
             assert isinstance(func, ast.Attribute)
             target = ast.Attribute(value=func.value, attr=self.snip(node.args[0], 30).strip("'\""), ctx=ast.Store())
@@ -146,6 +150,14 @@ class CallRules:
             if meth in ("items", "__iter__"):
                 return True, base
             return True, None
+        if is_handles(base):  # a list or dict of handles: its lookups and items are handles, its keys names
+            if meth in ("items",):
+                return True, base.then(SOURCE, elem=ELEM_HANDLE_PAIRS)
+            if meth in ("values", "copy", "__iter__"):
+                return True, base
+            if meth in ("pop", "get", "setdefault", "__getitem__", "popitem"):
+                return True, handle_of(base, link)
+            return (False, None) if meth in V.STORE_METHODS else (True, None)
         if base.kind == SOURCE and base.mapping:  # a mapping of weights: `.get(name)` is a lookup
             if meth in ("get", "__getitem__", "pop"):
                 step = next((x for x in reversed(self.loops) if x not in self._comp_steps), self.func_step)
@@ -303,6 +315,9 @@ class CallRules:
                 return handled  # type: ignore[return-value]
         if self._into_unread_base(node, args, kwargs):
             return None
+        passed_through = self._maybe_returned(node, name, last, args)
+        if passed_through is not None:
+            return passed_through
         built = self._unknown_object(node, name, last, args, kwargs)
         if built is not None:
             return built
@@ -348,6 +363,28 @@ class CallRules:
             if got is not None:
                 return got
         return None
+
+    def _maybe_returned(self, node: ast.Call, name: str, last: str,
+                        args: Sequence[Optional[Val]]) -> Optional[Val]:
+        """A call the audit cannot read that returns its tensor unchanged when there is nothing to do, so
+        what it returns may be the borrowed tensor itself (a conversion that copies unless it is a no-op,
+        as ``.to(dtype)`` is: a store of it is conditional, OWN107):
+
+        * ``maybe_cast(t, dtype)``, ``maybe_dequantize(t)``: a ``maybe_`` helper (by the convention its name
+          states) returns its input when the condition does not hold;
+        * ``convert(fqn, t)`` through a parameter whose default names a function the audit was not given
+          (``convert: Convert = to_default``, ``transform=identity``): a hook the caller may pass as the
+          identity, and whose default leaves most tensors unchanged.
+
+        The tensor is the first argument that is one (``convert(fqn, value)``)."""
+        if not (last.startswith("maybe_") and last != "maybe_") and not (
+                isinstance(node.func, ast.Name) and _param_default(self.info, node.func.id) is not None):
+            return None
+        got = next((v for v in args if v is not None and v.kind == TENSOR and not v.reported), None)
+        if got is None:
+            return None
+        link = Link(node.lineno, self.fn, f"`{self.snip(node, 40)}` (may return it unchanged)")
+        return got.then(TENSOR, link, convert=got.convert or f"{self.snip(node.func, 20)}(...)")
 
     def _into_unread_base(self, node: ast.Call, args: Sequence[Optional[Val]],
                           kwargs: Dict[Optional[str], Optional[Val]]) -> bool:

@@ -34,7 +34,7 @@ from sanitizer.audit.stores import StoreRules
 from sanitizer.audit.targets import binding_kind, is_fresh_container, root_of
 from sanitizer.audit.values import (ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR, ELEM_PAIR, ELEM_TENSOR, HOLDER,
                                     ITER, PAIR, SOURCE, TENSOR, UNRESOLVED, IntoParam, Outcome, Slot, State, Val,
-                                    element_of)
+                                    element_of, handle_of, handles_holding, is_handles)
 
 _ACCESSORS = (ast.Attribute, ast.Subscript, ast.Call)  # values that may alias a container of a parameter/self
 _MATERIALISING_COMPS = {ast.ListComp: "list comprehension", ast.SetComp: "set comprehension",
@@ -351,6 +351,8 @@ class Flow(StoreRules, CallRules):
 
     def item_of(self, it: Optional[Val], step_id: int, node: ast.AST) -> Optional[Val]:
         """One item of what a loop iterates, stamped with the loop's step when it is a fresh iteration."""
+        if is_handles(it):  # `for handle in handles:`, `for key, handle in key_to_handle.items():`
+            return handle_of(it)  # type: ignore[arg-type]
         if it is None or it.kind == SOURCE or it.mapping:
             return None  # a dict of weights yields its names
         link = Link(node.lineno, self.fn, f"`{self.snip(node.target)}` yielded by `{self.snip(node.iter)}`")  # type: ignore
@@ -722,6 +724,8 @@ class Flow(StoreRules, CallRules):
             step = next((x for x in reversed(self.loops) if x not in self._comp_steps), self.func_step)
             return Val(TENSOR, step, base.chain + (Link(node.lineno, self.fn, f"`{self.snip(node, 40)}`"),), self.fn,
                        label=f"`{self.snip(node, 40)}`")
+        if is_handles(base):  # `key_to_handle[key]`, `handles[0]`: one handle of a local container of them
+            return handle_of(base)
         if base.kind == SOURCE:
             return base  # a dict or list of handles (``self._handles[filename]``): one handle
         return None
@@ -738,6 +742,9 @@ class Flow(StoreRules, CallRules):
                 vals.append(self.ev(elt))
         tainted = [v for v in vals if v is not None and v.kind != SOURCE]
         if not tainted:
+            handles = [v for v in vals if v is not None and not v.mapping]
+            if handles and isinstance(node, (ast.List, ast.Set)):  # `[safe_open(a), safe_open(b)]`
+                return handles_holding(handles[0])
             return None
         first = tainted[0]
         pair = isinstance(node, ast.Tuple) and len(vals) == 2 and vals[0] is None and vals[1] is not None \
@@ -760,7 +767,9 @@ class Flow(StoreRules, CallRules):
                 if it is not None and it.kind == ITER and not it.reported:
                     iterates_stream, stream = True, it
                 item = None
-                if it is not None and it.kind != SOURCE and it.kind != PAIR:
+                if is_handles(it):
+                    item = handle_of(it)  # type: ignore[arg-type]
+                elif it is not None and it.kind != SOURCE and it.kind != PAIR:
                     item = element_of(it, Link(node.lineno, self.fn, f"`{self.snip(gen.target)}` from "
                                                                      f"`{self.snip(gen.iter, 30)}`"))
                     if it.kind == ITER and not it.reported:
@@ -776,6 +785,10 @@ class Flow(StoreRules, CallRules):
         finally:
             self._pop_loop()
             self.state = saved
+        if elt is not None and elt.kind == SOURCE and not elt.mapping and not isinstance(node, ast.GeneratorExp):
+            # `[stack.enter_context(safe_open(p)) for p in paths]`, `{p: safe_open(p) for p in paths}`: a
+            # container of handles, each handing out tensors when looked up, iterated or looped over
+            return handles_holding(elt, Link(node.lineno, self.fn, "kept by the comprehension"))
         if elt is None or not elt.holds_tensor:
             return None
         if isinstance(node, ast.GeneratorExp):

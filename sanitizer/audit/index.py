@@ -248,6 +248,17 @@ def _scan_function(node: ast.AST) -> _Scan:
                 info.calls.add(name)
         elif isinstance(sub, ast.NamedExpr) and isinstance(sub.target, ast.Name):
             info.locals.add(sub.target.id)
+        if isinstance(sub, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            # the calls a comprehension makes run in this function's walk too (`[stack.enter_context(
+            # safe_open(p)) for p in paths]`): called here, though its names are its own
+            inner = [sub.key, sub.value] if isinstance(sub, ast.DictComp) else [sub.elt]
+            inner += [g.iter for g in sub.generators[1:]] + [c for g in sub.generators for c in g.ifs]
+            for part in inner:
+                for call in ast.walk(part):
+                    if isinstance(call, ast.Call):
+                        name = dotted(call.func)
+                        if name:
+                            info.calls.add(name)
     info.locals -= info.declared_global | info.declared_nonlocal
     return info
 
@@ -353,4 +364,21 @@ def _statements(body: List[ast.stmt]) -> Iterator[ast.stmt]:
         stack.extend(reversed(inner))
 
 
-__all__ = ["FunctionInfo", "ClassInfo", "ModuleIndex", "build_index", "dotted", "annotation_text", "FunctionNode"]
+def param_default(info: "FunctionInfo", name: str) -> Optional[ast.expr]:
+    """The default of parameter ``name`` of ``info`` when it names a function (``convert=to_default``):
+    what a call through the parameter runs unless the caller passes another (None otherwise)."""
+    args = getattr(info.node, "args", None)
+    if args is None:
+        return None
+    positional = list(args.posonlyargs) + list(args.args)
+    pairs = list(zip(positional[len(positional) - len(args.defaults):], args.defaults)) + \
+        [(a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None]
+    for arg, default in pairs:
+        if arg.arg == name and isinstance(default, (ast.Name, ast.Attribute)) and not (
+                isinstance(default, ast.Name) and default.id in ("None", "True", "False")):
+            return default
+    return None
+
+
+__all__ = ["FunctionInfo", "ClassInfo", "ModuleIndex", "build_index", "dotted", "annotation_text", "FunctionNode",
+           "param_default"]

@@ -19,7 +19,8 @@ from sanitizer.audit.codes import CODES
 from sanitizer.audit.findings import Finding, Link
 from sanitizer.audit.lifetimes import LoopLifetimes
 from sanitizer.audit.targets import method_base_is_tensor, root_of, subscript_is_tensor
-from sanitizer.audit.values import COMPREHENSIONS, ELEM_PAIR, ELEM_TENSOR, HOLDER, ITER, PAIR, TENSOR, IntoParam, Val
+from sanitizer.audit.values import (COMPREHENSIONS, ELEM_PAIR, ELEM_TENSOR, HOLDER, ITER, PAIR, SOURCE, TENSOR, IntoParam,
+                                    Val, handles_holding)
 
 _CONDITIONAL = frozenset({"OWN101", "OWN102", "OWN106"})  # stores that a no-op conversion makes retentions
 # the argument a container method stores: `xs.append(v)`, `d.setdefault(k, v)`
@@ -84,6 +85,9 @@ class StoreRules:
 
     def store_into(self, container: ast.AST, val: Val, stmt: ast.AST, how: str) -> None:
         """``container`` (an expression) now holds ``val``: a holder if it dies in the step, else a finding."""
+        if val.kind == SOURCE and not val.mapping:
+            self._handle_stored(container, val)
+            return
         if val.reported or not val.holds_tensor:
             return
         root = root_of(container)
@@ -170,6 +174,19 @@ class StoreRules:
             pattern = "attribute alias of a view"
         message = f"{self._what(val)} is stored in the attribute `{text}`, which outlives the loader's step"
         self._store_found(code, stmt, val, pattern, message, place, index)
+
+    def _handle_stored(self, container: ast.AST, val: Val) -> None:
+        """``key_to_handle[key] = handle``, ``handles.append(safe_open(p))``: a local container now holds a
+        loader's handle, and hands it out again (its lookups, items and loop targets are handles). A handle
+        is no tensor: keeping it is no retention (its tensors are judged where they are fetched)."""
+        root = root_of(container)
+        if root.name is None or root.through_attribute:
+            return  # `self._handles[f] = h`: a getter object's (:class:`~sanitizer.audit.producers.SelfSources`)
+        held = self.state.env.get(root.name)
+        if held is None:
+            self.state.env[root.name] = handles_holding(val)
+        elif held.kind != SOURCE:
+            return  # a container of tensors too: judged as it is
 
     def subscript_store(self, target: ast.Subscript, val: Optional[Val], stmt: ast.AST) -> None:
         aliased = self._aliases.get(target.value.id) if self._aliases and type(target.value) is ast.Name else None

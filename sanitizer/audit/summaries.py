@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Tuple
 from sanitizer.audit.findings import Finding, Link
 from sanitizer.audit.flow import Flow
 from sanitizer.audit.values import UNRESOLVED, IntoParam, Outcome
+from sanitizer.audit.index import param_default as _param_default
 from sanitizer.audit.index import ClassInfo, FunctionInfo, ModuleIndex, build_index
 from sanitizer.audit.producers import SelfSources
 from sanitizer.audit.project import Project
@@ -500,22 +501,6 @@ class ModuleAnalysis:
                 flow.out.into_param.append(IntoParam(index, flow.out.findings.pop()))
             return
         self._emit(flow, fact.template, val, call_link, callee)
-
-
-def _param_default(info: FunctionInfo, name: str) -> Optional[ast.expr]:
-    """The default of parameter ``name`` of ``info`` when it names a function (``convert=to_default``):
-    what a call through the parameter runs unless the caller passes another (None otherwise)."""
-    args = getattr(info.node, "args", None)
-    if args is None:
-        return None
-    positional = list(args.posonlyargs) + list(args.args)
-    pairs = list(zip(positional[len(positional) - len(args.defaults):], args.defaults)) + \
-        [(a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None]
-    for arg, default in pairs:
-        if arg.arg == name and isinstance(default, (ast.Name, ast.Attribute)) and not (
-                isinstance(default, ast.Name) and default.id in ("None", "True", "False")):
-            return default
-    return None
 
 
 _PARTIAL_NAMES = frozenset({"partial", "functools.partial"})

@@ -25,6 +25,10 @@ ITER, PAIR, TENSOR, HOLDER, SOURCE = "iter", "pair", "tensor", "holder", "source
 
 # What one item of an ITER (or one element of a HOLDER) is.
 ELEM_PAIR, ELEM_TENSOR, ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR = "pair", "tensor", "enum-pair", "enum-tensor"
+# A SOURCE whose ``elem`` is one of these is a container of handles, not a handle: a list or dict of them
+# (``[stack.enter_context(safe_open(p)) for p in paths]``, ``key_to_handle[key] = handle``), or such a
+# dict's ``.items()`` ((name, handle) items). Its items, lookups and loop targets are handles.
+ELEM_HANDLES, ELEM_HANDLE_PAIRS = "handles", "handle-pairs"
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,24 @@ def element_of(val: Val, link: Optional[Link] = None) -> Val:
     if val.elem in (ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR):
         kind = HOLDER  # (index, item): unpacked by the loop target
     return val.then(kind, link, elem=val.elem, mapping=False)
+
+
+def is_handles(val: Optional[Val]) -> bool:
+    """A container of loader handles (see :data:`ELEM_HANDLES`)."""
+    return val is not None and val.kind == SOURCE and val.elem in (ELEM_HANDLES, ELEM_HANDLE_PAIRS)
+
+
+def handle_of(val: Val, link: Optional[Link] = None) -> Val:
+    """One handle of a container of handles: a ``(name, handle)`` item of its ``.items()``, else a handle."""
+    handle = val.then(SOURCE, link, elem=ELEM_TENSOR, mapping=False)
+    if val.elem == ELEM_HANDLE_PAIRS:
+        return handle.then(SOURCE, parts=(None, handle))
+    return handle
+
+
+def handles_holding(val: Val, link: Optional[Link] = None) -> Val:
+    """A container of handles that holds ``val`` (a handle, or a container of them)."""
+    return val.then(SOURCE, link, elem=ELEM_HANDLES, mapping=False)
 
 
 COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
@@ -144,4 +166,5 @@ class Unresolved:
 UNRESOLVED = Unresolved()
 
 __all__ = ["Val", "element_of", "Slot", "State", "IntoParam", "Outcome", "UNRESOLVED", "COMPREHENSIONS", "ITER", "PAIR", "TENSOR", "HOLDER", "SOURCE",
-           "ELEM_PAIR", "ELEM_TENSOR", "ELEM_ENUM_PAIR", "ELEM_ENUM_TENSOR"]
+           "ELEM_PAIR", "ELEM_TENSOR", "ELEM_ENUM_PAIR", "ELEM_ENUM_TENSOR", "ELEM_HANDLES", "ELEM_HANDLE_PAIRS",
+           "is_handles", "handle_of", "handles_holding"]

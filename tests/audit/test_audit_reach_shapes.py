@@ -1,0 +1,158 @@
+"""Shapes of reach taken from engines the audit was measured on blind (issue 50, item 4), each a keep /
+safe pair written for this test (not copied from the engines): the rule finds the keeping function, and
+the same shape with the tensor copied or never kept raises nothing. Run with no settings at all."""
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from typing import Dict, List, Set, Tuple
+
+from sanitizer.audit import audit_paths
+
+
+def _audit(tmp_path: Path, files: Dict[str, str]) -> Set[Tuple[str, str, int]]:
+    paths: List[str] = []
+    for name, text in files.items():
+        path = tmp_path / name
+        path.write_text(textwrap.dedent(text))
+        paths.append(str(path))
+    result = audit_paths(paths)
+    return {(f.code, f.function, f.line) for f in result.findings}
+
+
+def _functions(found: Set[Tuple[str, str, int]]) -> Set[str]:
+    return {fn for _, fn, _ in found}
+
+
+# -- a container of handles: all shards opened at once (an ExitStack), then a dict of handles by key --------
+SHARDS_OPEN_TOGETHER = '''
+import contextlib
+from safetensors import safe_open
+
+
+def stream_all(paths):
+    with contextlib.ExitStack() as stack:
+        opened = [stack.enter_context(safe_open(p, framework="pt")) for p in paths]
+        owner = {}
+        for h in opened:
+            for key in h.keys():
+                owner[key] = h
+        for key, h in owner.items():
+            yield key, h.get_tensor(key)
+
+
+def stream_listed(paths):
+    handles = []
+    for p in paths:
+        handles.append(safe_open(p, framework="pt"))
+    for h in handles:
+        for key in h.keys():
+            yield key, h.get_tensor(key)
+
+
+def first_of_each(paths):
+    handles = {p: safe_open(p, framework="pt") for p in paths}
+    kept = []
+    for p in paths:
+        kept.append(handles[p].get_tensor("embed"))  # every file's tensor kept past the next fetch
+    return kept
+
+
+def keep_tied(paths, ties):
+    later = {}
+    for name, t in stream_all(paths):
+        if name in ties:
+            later[ties[name]] = t  # kept past later fetches
+    return later
+
+
+def keep_listed(paths, model):
+    for name, t in stream_listed(paths):
+        setattr(model, name, t)
+
+
+def copy_tied(paths, ties):
+    later = {}
+    for name, t in stream_all(paths):
+        if name in ties:
+            later[ties[name]] = t.clone()
+    return later
+
+
+def shapes_only(paths):
+    handles = [safe_open(p, framework="pt") for p in paths]
+    out = {}
+    for h in handles:
+        for key in h.keys():
+            out[key] = tuple(h.get_slice(key).get_shape())
+    return out
+'''
+
+
+def test_a_list_and_a_dict_of_handles_hand_out_their_tensors(tmp_path: Path):
+    found = _functions(_audit(tmp_path, {"shards.py": SHARDS_OPEN_TOGETHER}))
+    assert {"keep_tied", "keep_listed", "first_of_each"} <= found, found
+    assert not found & {"copy_tied", "shapes_only", "stream_all", "stream_listed"}, found
+
+
+def test_handles_in_a_container_are_no_retention_themselves(tmp_path: Path):
+    """Keeping the handles (not their tensors) in a container that outlives a step is no finding."""
+    text = '''
+    from safetensors import safe_open
+
+
+    class Files:
+        def __init__(self, paths):
+            self.handles = [safe_open(p, framework="pt") for p in paths]
+            self.by_name = {}
+            for h in self.handles:
+                for key in h.keys():
+                    self.by_name[key] = h
+    '''
+    assert _audit(tmp_path, {"files.py": text}) == set()
+
+
+# -- a conversion that may return its argument: a `maybe_` helper, a hook parameter with a default ----------
+HOOKS = '''
+from safetensors import safe_open
+from unread.convert import maybe_cast, to_default
+
+
+def stream(path):
+    with safe_open(path, framework="pt") as f:
+        for key in f.keys():
+            yield key, f.get_tensor(key)
+
+
+def keep_converted(path, model, convert=to_default, dtype=None):
+    for name, t in stream(path):
+        setattr(model, name, maybe_cast(convert(name, t), dtype))
+
+
+def keep_after_hook(path, model, convert=to_default):
+    kept = {}
+    for name, t in stream(path):
+        kept[name] = convert(name, t)
+    model.kept = kept
+
+
+def keep_after_unknown(path, model, convert=None):
+    kept = {}
+    for name, t in stream(path):
+        kept[name] = rebuild(name, t)  # a function the audit cannot read: taken to return a new tensor
+    model.kept = kept
+
+
+def keep_cloned(path, model, convert=to_default):
+    for name, t in stream(path):
+        setattr(model, name, convert(name, t).clone())
+'''
+
+
+def test_a_maybe_helper_and_a_hook_with_a_default_may_return_the_tensor(tmp_path: Path):
+    found = _audit(tmp_path, {"hooks.py": HOOKS})
+    functions = _functions(found)
+    assert {"keep_converted", "keep_after_hook"} <= functions, found
+    assert not functions & {"keep_after_unknown", "keep_cloned", "stream"}, found
+    # conditional: a copy unless the conversion is a no-op
+    assert {code for code, fn, _ in found if fn == "keep_after_hook"} == {"OWN107"}, found
