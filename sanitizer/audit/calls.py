@@ -204,7 +204,9 @@ class CallRules:
         if name in V.LAZY_WRAPPERS:
             got = next((v for v in list(args) + list(kwargs.values()) if v is not None and v.kind != SOURCE), None)
             if got is None:
-                return None
+                # `tqdm(iterators)`, `list(handles)`: a container of handles or streams, wrapped
+                held = args[0] if args and is_handles(args[0]) else None
+                return held if held is not None and last not in ("enumerate", "zip", "zip_longest") else None
             if last == "enumerate":
                 elem = ELEM_ENUM_PAIR if got.elem == ELEM_PAIR or got.kind == PAIR else ELEM_ENUM_TENSOR
                 return got.then(got.kind if got.kind in (ITER, HOLDER) else HOLDER, elem=elem)
@@ -324,6 +326,8 @@ class CallRules:
         stream = next((v for v in list(args) + list(kwargs.values()) if v is not None and v.kind == ITER), None)
         if stream is not None and not V.NAME_RETURNING.search(name):
             return stream.then(link=link)  # a wrapper around the iterator (a mapper, tqdm): still a stream
+        if args and is_handles(args[0]) and not V.NAME_RETURNING.search(name):
+            return args[0]  # `tqdm(state_dict_iterators)`: a wrapper around a container of handles or streams
         return None
 
     def _call_handed_over(self, node: ast.Call, last: str, handed: Val) -> None:

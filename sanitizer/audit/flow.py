@@ -785,9 +785,11 @@ class Flow(StoreRules, CallRules):
         finally:
             self._pop_loop()
             self.state = saved
-        if elt is not None and elt.kind == SOURCE and not elt.mapping and not isinstance(node, ast.GeneratorExp):
+        if elt is not None and not isinstance(node, ast.GeneratorExp) and not iterates_stream and (
+                (elt.kind == SOURCE and not elt.mapping) or (elt.kind == ITER and not elt.reported and elt.step == 0)):
             # `[stack.enter_context(safe_open(p)) for p in paths]`, `{p: safe_open(p) for p in paths}`: a
-            # container of handles, each handing out tensors when looked up, iterated or looped over
+            # container of handles, each handing out tensors when looked up, iterated or looped over;
+            # `[StateDictIterator(f) for f in files]`: of streams, each read when it is looped over
             return handles_holding(elt, Link(node.lineno, self.fn, "kept by the comprehension"))
         if elt is None or not elt.holds_tensor:
             return None

@@ -11,7 +11,8 @@ from typing import Dict, Optional, Sequence
 from sanitizer.audit import vocabulary as V
 from sanitizer.audit.flow import Flow
 from sanitizer.audit.index import annotation_text, build_index
-from sanitizer.audit.producers import MAX_ROUNDS, InferredProducers, SelfSources, candidate, record, record_mapping, record_method
+from sanitizer.audit.producers import (MAX_ROUNDS, InferredProducers, SelfSources, candidate, record, record_iterable,
+                                       record_mapping, record_method)
 from sanitizer.audit.project import Project
 from sanitizer.audit.settings import Settings
 from sanitizer.audit.snippets import Snippets
@@ -107,6 +108,10 @@ def infer(sources: Sequence[Source], settings: Optional[Settings] = None,
                 if val is not None and info.name == "__getitem__" and not generator:
                     if record_mapping(table.mappings, info, source.path, val):
                         changed = True
+                elif val is not None and info.name == "__iter__" and generator:
+                    if record_iterable(table.by_name, info, source.path, val):
+                        changed = True
+                        table._mention = None
                 elif val is not None:
                     if record(table.by_name, info, source.path, val, generator):
                         changed = True

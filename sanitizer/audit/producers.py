@@ -294,6 +294,23 @@ def record_mapping(found: Dict[str, Inferred], info: FunctionInfo, path: str, va
     return True
 
 
+def record_iterable(found: Dict[str, Inferred], info: FunctionInfo, path: str, val: Val) -> bool:
+    """A class whose ``__iter__`` is a generator yielding a loader's tensors (verl's ``StateDictIterator``:
+    ``with safe_open(self.filepath) as f: for k in f.keys(): yield k, f.get_tensor(k)``) makes each of its
+    objects a weights stream: ``Cls(path)`` is matched as a producer of kind ``"iterator"``, so a loop over
+    it (or over a list of them) yields tensors valid for that iteration, as a generator function's call
+    does. Only ``__iter__`` itself: the object is iterated by ``for``, nothing else is called on it."""
+    cls = info.cls
+    if cls is None or kind_of_value(val, True) != "iterator":
+        return False
+    name = cls.qualname.rpartition(".")[2]
+    if name in found or name in GENERIC_NAMES:
+        return False
+    found[name] = Inferred(name, info.qualname, path, info.node.lineno, "iterator",  # type: ignore[attr-defined]
+                           "", api_of(val, path))
+    return True
+
+
 def record_method(found: Dict[str, Inferred], info: FunctionInfo, path: str, val: Val, generator: bool) -> bool:
     """A method inferred a producer, by ``Class.method`` whatever its name (True when new)."""
     kind = kind_of_value(val, generator)
@@ -328,4 +345,5 @@ def record(found: Dict[str, Inferred], info: FunctionInfo, path: str, val: Val, 
 
 
 __all__ = ["Produced", "Inferred", "InferredProducers", "SelfSources", "GENERIC_NAMES", "MAX_ROUNDS",
-           "kind_of_value", "api_of", "candidate", "record", "record_mapping", "record_method", "MAPPING_API"]
+           "kind_of_value", "api_of", "candidate", "record", "record_mapping", "record_iterable", "record_method",
+           "MAPPING_API"]

@@ -29,6 +29,10 @@ ELEM_PAIR, ELEM_TENSOR, ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR = "pair", "tensor", "en
 # (``[stack.enter_context(safe_open(p)) for p in paths]``, ``key_to_handle[key] = handle``), or such a
 # dict's ``.items()`` ((name, handle) items). Its items, lookups and loop targets are handles.
 ELEM_HANDLES, ELEM_HANDLE_PAIRS = "handles", "handle-pairs"
+# A SOURCE whose ``elem`` is this is a container of weight streams, each read lazily when it is iterated
+# (``[StateDictIterator(f) for f in files]``, objects of a class whose ``__iter__`` yields a loader's tensors):
+# its items are the stream (``stream``), each iterated in a step of its own.
+ELEM_STREAMS = "streams"
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,7 @@ class Val:
     mapping: bool = False  # HOLDER only: the step's own dict of weights (a file's ``Dict[str, Tensor]``)
     convert: str = ""  # the chain passed a conversion that copies unless it is a no-op (``.to(dtype)``)
     obj: str = ""  # HOLDER only: the class of the object just built around the tensor (``KVScales(k, v)``)
+    stream: Optional["Val"] = None  # a container of streams (ELEM_STREAMS) only: one of its streams
 
     def then(self, kind: Optional[str] = None, link: Optional[Link] = None, **changes) -> "Val":
         """This value after one more step of the chain (a view, a store, a call). A copy of the fields,
@@ -79,11 +84,14 @@ def element_of(val: Val, link: Optional[Link] = None) -> Val:
 
 def is_handles(val: Optional[Val]) -> bool:
     """A container of loader handles (see :data:`ELEM_HANDLES`)."""
-    return val is not None and val.kind == SOURCE and val.elem in (ELEM_HANDLES, ELEM_HANDLE_PAIRS)
+    return val is not None and val.kind == SOURCE and val.elem in (ELEM_HANDLES, ELEM_HANDLE_PAIRS, ELEM_STREAMS)
 
 
 def handle_of(val: Val, link: Optional[Link] = None) -> Val:
-    """One handle of a container of handles: a ``(name, handle)`` item of its ``.items()``, else a handle."""
+    """One handle of a container of handles: a ``(name, handle)`` item of its ``.items()``, else a handle
+    (of a container of streams: one stream, not yet iterated)."""
+    if val.elem == ELEM_STREAMS and val.stream is not None:
+        return val.stream
     handle = val.then(SOURCE, link, elem=ELEM_TENSOR, mapping=False)
     if val.elem == ELEM_HANDLE_PAIRS:
         return handle.then(SOURCE, parts=(None, handle))
@@ -91,7 +99,10 @@ def handle_of(val: Val, link: Optional[Link] = None) -> Val:
 
 
 def handles_holding(val: Val, link: Optional[Link] = None) -> Val:
-    """A container of handles that holds ``val`` (a handle, or a container of them)."""
+    """A container of handles that holds ``val`` (a handle, or a container of them); of a weights stream
+    (an ITER not yet iterated), a container of such streams."""
+    if val.kind == ITER:
+        return val.then(SOURCE, link, elem=ELEM_STREAMS, mapping=False, stream=val)
     return val.then(SOURCE, link, elem=ELEM_HANDLES, mapping=False)
 
 
@@ -166,5 +177,5 @@ class Unresolved:
 UNRESOLVED = Unresolved()
 
 __all__ = ["Val", "element_of", "Slot", "State", "IntoParam", "Outcome", "UNRESOLVED", "COMPREHENSIONS", "ITER", "PAIR", "TENSOR", "HOLDER", "SOURCE",
-           "ELEM_PAIR", "ELEM_TENSOR", "ELEM_ENUM_PAIR", "ELEM_ENUM_TENSOR", "ELEM_HANDLES", "ELEM_HANDLE_PAIRS",
+           "ELEM_PAIR", "ELEM_TENSOR", "ELEM_ENUM_PAIR", "ELEM_ENUM_TENSOR", "ELEM_HANDLES", "ELEM_HANDLE_PAIRS", "ELEM_STREAMS",
            "is_handles", "handle_of", "handles_holding"]

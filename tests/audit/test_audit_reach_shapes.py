@@ -156,3 +156,77 @@ def test_a_maybe_helper_and_a_hook_with_a_default_may_return_the_tensor(tmp_path
     assert not functions & {"keep_after_unknown", "keep_cloned", "stream"}, found
     # conditional: a copy unless the conversion is a no-op
     assert {code for code, fn, _ in found if fn == "keep_after_hook"} == {"OWN107"}, found
+
+
+# -- an iterable class: its `__iter__` reads a loader, its objects are streams (one per shard, in a list) ----
+ITERABLE_SHARDS = '''
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+
+@dataclass
+class ShardReader:
+    path: str
+
+    def __iter__(self):
+        with safe_open(self.path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+class Unrelated:
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __iter__(self):
+        for r in self.rows:
+            yield r, torch.zeros(3)
+
+
+def merge(paths):
+    readers = [ShardReader(p) for p in paths]
+    merged = {}
+    for reader in readers:
+        for name, t in reader:
+            merged[name] = t.cpu()  # every shard's tensors kept while the next is read
+    return merged
+
+
+def keep_one(path, model):
+    for name, t in ShardReader(path):
+        if name == "embed":
+            model.embed = t
+
+
+def merge_copies(paths):
+    merged = {}
+    for reader in [ShardReader(p) for p in paths]:
+        for name, t in reader:
+            merged[name] = t.clone()
+    return merged
+
+
+def norms(paths):
+    out = {}
+    for p in paths:
+        for name, t in ShardReader(p):
+            out[name] = float(t.norm())
+    return out
+
+
+def keep_rows(rows):
+    kept = {}
+    for name, t in Unrelated(rows):
+        kept[name] = t
+    return kept
+'''
+
+
+def test_objects_of_a_class_whose_iter_reads_a_loader_are_weight_streams(tmp_path: Path):
+    found = _audit(tmp_path, {"reader.py": ITERABLE_SHARDS})
+    functions = _functions(found)
+    assert {"merge", "keep_one"} <= functions, found
+    assert not functions & {"merge_copies", "norms", "keep_rows", "ShardReader.__iter__"}, found
+    assert {code for code, fn, _ in found if fn == "merge"} == {"OWN107"}, found  # `.cpu()`: a no-op on cpu
