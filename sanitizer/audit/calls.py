@@ -307,6 +307,8 @@ class CallRules:
                        elem=ELEM_PAIR, label=f"`{self.snip(node, 40)}`")
         if name in V.PURE_BUILTINS or V.NON_TENSOR_CALLS.search(name):
             return None
+        if isinstance(node.func, ast.Name) and self.summary_param is None and not getattr(self, "infer", False):
+            self._closure_called(node, node.func.id)
         if self.resolve_call is not None and len(node.args) >= 2 and last in _MAPPERS | _SUBMITTERS \
                 and isinstance(node.args[0], (ast.Name, ast.Attribute)) and args[1] is not None:
             self._call_handed_over(node, last, args[1])
@@ -329,6 +331,42 @@ class CallRules:
         if args and is_handles(args[0]) and not V.NAME_RETURNING.search(name):
             return args[0]  # `tqdm(state_dict_iterators)`: a wrapper around a container of handles or streams
         return None
+
+    def _closure_called(self, node: ast.Call, name: str) -> None:
+        """``load(model)`` where ``load`` is a closure this function defines over its weights (diffusers'
+        ``_load_state_dict_into_model``: a nested ``load(module, prefix)`` that recurses into the children
+        and calls ``module._load_from_state_dict(state_dict, ...)`` on the enclosing ``state_dict``): the
+        closure's body runs on them now, so what it keeps is kept by this call too (reported here, as well
+        as at the closure's own statement). Only a closure defined in this function and called directly;
+        one stored or returned is judged where it is kept (OWN104)."""
+        held = self.state.env.get(name)
+        nested = self.info.nested.get(name)
+        if held is None or held.capture != "closure" or nested is None or self._depth > 8:
+            return
+        own = {a.arg for a in nested.params} | {a.arg for a in (nested.vararg, nested.kwarg) if a is not None}
+        seeds: Dict[str, Val] = {}
+        for sub in ast.walk(nested.node):
+            if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Load) and sub.id not in own \
+                    and sub.id not in seeds:
+                val = self.state.env.get(sub.id)
+                if val is not None and val.holds_tensor and not val.reported:
+                    seeds[sub.id] = val
+        if not seeds:
+            return
+        make = type(self)  # a Flow: these rules are its mixin
+        inner = make(self.path, nested, seeds, self.globals, self.snip, self.resolve_call,  # type: ignore[call-arg]
+                     module_aliases=tuple(self.module_aliases), producer_kind=self.producer_kind,
+                     depth=self._depth + 1)
+        inner.attribute_source = self.attribute_source
+        try:
+            found = inner.run().findings
+        except RecursionError:
+            return
+        for f in found:
+            val = next(iter(seeds.values()))
+            self.report(f.code, node, val, f"kept by closure `{name}` (called here)",
+                        f"{self._what(val)} is kept by the closure `{name}` this function defines and calls "
+                        f"(line {f.line}: {f.message})", f"`{self.snip(node, 40)}` runs `{name}` on it")
 
     def _call_handed_over(self, node: ast.Call, last: str, handed: Val) -> None:
         """``parallel(load_one, iter(weights.items()), model=model)``, ``pool.map(load_one, items)``,

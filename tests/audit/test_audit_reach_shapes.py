@@ -230,3 +230,48 @@ def test_objects_of_a_class_whose_iter_reads_a_loader_are_weight_streams(tmp_pat
     assert {"merge", "keep_one"} <= functions, found
     assert not functions & {"merge_copies", "norms", "keep_rows", "ShardReader.__iter__"}, found
     assert {code for code, fn, _ in found if fn == "merge"} == {"OWN107"}, found  # `.cpu()`: a no-op on cpu
+
+
+# -- a closure over the weights, defined and called by the same function ------------------------------------
+CLOSURE = '''
+import torch
+from safetensors.torch import load_file
+
+
+def load_into(model, path):
+    state_dict = load_file(path)
+
+    def assign(module, prefix=""):
+        module._load_from_state_dict(state_dict, prefix, {"assign_to_params_buffers": True}, True, [], [], [])
+        for name, child in module._modules.items():
+            assign(child, prefix + name + ".")
+
+    assign(model)
+
+
+def copy_into(model, path):
+    state_dict = load_file(path)
+
+    def fill(module, prefix=""):
+        for name, p in module.named_parameters(recurse=False):
+            p.data.copy_(state_dict[prefix + name])
+        for name, child in module._modules.items():
+            fill(child, prefix + name + ".")
+
+    fill(model)
+
+
+def define_only(path):
+    state_dict = load_file(path)
+
+    def count():
+        return len(state_dict)
+
+    return count()
+'''
+
+
+def test_a_call_to_a_closure_over_the_weights_keeps_what_the_closure_keeps(tmp_path: Path):
+    found = _functions(_audit(tmp_path, {"closure.py": CLOSURE}))
+    assert "load_into" in found, found  # (the closure's own statement is reported when it is seeded itself)
+    assert not found & {"copy_into", "copy_into.<locals>.fill", "define_only", "define_only.<locals>.count"}, found
