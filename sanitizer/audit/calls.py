@@ -27,6 +27,17 @@ _SUBMITTERS = frozenset({"submit", "apply_async"})
 _NOT_HOLDERS = frozenset({"Parameter", "Tensor", "Size", "Path", "PurePath", "Event", "Thread", "Lock"})
 
 
+# Adapter loaders that assign the given state dict's tensors into the model when asked to load with low memory
+# (the adapter's weights made on the meta device first, then `load_state_dict(..., assign=True)`):
+# transformers' `PreTrainedModel.load_adapter(adapter_state_dict=sd, low_cpu_mem_usage=True)` and peft's
+# `set_peft_model_state_dict(model, sd, low_cpu_mem_usage=True)` ("Create empty adapter weights on meta
+# device before loading the saved weights"): the state dict argument, by keyword or position.
+_ADAPTER_LOADERS = {"load_adapter": ("adapter_state_dict", None)}
+_ADAPTER_SETTERS = {"set_peft_model_state_dict": ("peft_model_state_dict", 1),
+                    "peft.set_peft_model_state_dict": ("peft_model_state_dict", 1),
+                    "peft.utils.set_peft_model_state_dict": ("peft_model_state_dict", 1)}
+
+
 def _keyword_is(node: ast.Call, name: str, value: bool) -> bool:
     """``name=True`` (or ``False``) among the call's keywords, as a literal (a variable may be either)."""
     return any(k.arg == name and isinstance(k.value, ast.Constant) and k.value.value is value for k in node.keywords)
@@ -91,6 +102,9 @@ class CallRules:
                                    ctx=ast.Store(), lineno=node.lineno)  # no columns: named by ast.unparse
             self.attribute_store(target, args[0], node)
             return None
+        if meth in _ADAPTER_LOADERS and isinstance(func, ast.Attribute) or name in _ADAPTER_SETTERS:
+            if self._adapter_assigned(node, name, meth, args, kwargs):
+                return None
         if meth in V.STORE_METHODS and not self._is_module(func):
             self.container_method(node, meth, args, kwargs)
             if meth != "setdefault":
@@ -331,6 +345,35 @@ class CallRules:
         if args and is_handles(args[0]) and not V.NAME_RETURNING.search(name):
             return args[0]  # `tqdm(state_dict_iterators)`: a wrapper around a container of handles or streams
         return None
+
+    def _adapter_assigned(self, node: ast.Call, name: str, meth: str, args: Sequence[Optional[Val]],
+                          kwargs: Dict[Optional[str], Optional[Val]]) -> bool:
+        """``text_encoder.load_adapter(adapter_state_dict=sd, **peft_kwargs)``, ``set_peft_model_state_dict(
+        model, sd, low_cpu_mem_usage=True)``: with ``low_cpu_mem_usage`` asked for (a literal ``True``, or
+        ``**kwargs`` in a function that names the option: diffusers sets it in ``peft_kwargs`` from its own
+        argument), the adapter's parameters become the dict's tensors (see :data:`_ADAPTER_LOADERS`). When
+        the audit reads the function's own definition, that is followed instead (what it keeps is reported
+        where it keeps it)."""
+        keyword, position = _ADAPTER_LOADERS.get(meth) if meth in _ADAPTER_LOADERS else _ADAPTER_SETTERS[name]
+        sd = kwargs.get(keyword)
+        if sd is None and position is not None and len(args) > position:
+            sd = args[position]
+        if sd is None or not sd.holds_tensor:
+            return False
+        if self.resolve_call is not None and self.resolve_call(self, node) is not UNRESOLVED:
+            return True  # its definition is audited (peft's own `set_peft_model_state_dict`): followed there
+        asked = _keyword_is(node, "low_cpu_mem_usage", True) or (
+            any(k.arg is None for k in node.keywords) and _mentions(self.info.node, "low_cpu_mem_usage")) or (
+            any(k.arg == "low_cpu_mem_usage" and not isinstance(k.value, ast.Constant) for k in node.keywords))
+        if not asked:
+            return False
+        owner = node.func.value if meth in _ADAPTER_LOADERS else (node.args[0] if node.args else None)  # type: ignore
+        if owner is None:
+            return False
+        target = ast.Attribute(value=owner, attr=f"<adapter parameters: {meth or name.rpartition('.')[2]}"
+                                                 f"(low_cpu_mem_usage)>", ctx=ast.Store(), lineno=node.lineno)
+        self.attribute_store(target, sd, node)
+        return True
 
     def _closure_called(self, node: ast.Call, name: str) -> None:
         """``load(model)`` where ``load`` is a closure this function defines over its weights (diffusers'

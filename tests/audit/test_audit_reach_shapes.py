@@ -275,3 +275,55 @@ def test_a_call_to_a_closure_over_the_weights_keeps_what_the_closure_keeps(tmp_p
     found = _functions(_audit(tmp_path, {"closure.py": CLOSURE}))
     assert "load_into" in found, found  # (the closure's own statement is reported when it is seeded itself)
     assert not found & {"copy_into", "copy_into.<locals>.fill", "define_only", "define_only.<locals>.count"}, found
+
+
+# -- an adapter loaded with low_cpu_mem_usage: transformers' load_adapter / peft's set_peft_model_state_dict
+ADAPTERS = '''
+from peft import set_peft_model_state_dict
+from safetensors.torch import load_file
+
+
+def lora_into_encoder(encoder, path, low_cpu_mem_usage=False):
+    state_dict = load_file(path)
+    extra = {}
+    if low_cpu_mem_usage:
+        extra["low_cpu_mem_usage"] = low_cpu_mem_usage
+    state_dict = {k.removeprefix("text."): v for k, v in state_dict.items()}
+    encoder.load_adapter(adapter_name="a", adapter_state_dict=state_dict, **extra)
+
+
+def lora_into_peft_model(model, path):
+    set_peft_model_state_dict(model, load_file(path), low_cpu_mem_usage=True)
+
+
+def lora_copied(encoder, path):
+    encoder.load_adapter(adapter_name="a", adapter_state_dict=load_file(path))
+
+
+def lora_copied_by_peft(model, path):
+    set_peft_model_state_dict(model, load_file(path))
+'''
+
+
+def test_adapter_loaders_with_low_cpu_mem_usage_keep_the_dict(tmp_path: Path):
+    found = _functions(_audit(tmp_path, {"adapters.py": ADAPTERS}))
+    assert {"lora_into_encoder", "lora_into_peft_model"} <= found, found
+    assert not found & {"lora_copied", "lora_copied_by_peft"}, found
+
+
+def test_an_audited_adapter_setter_is_followed_into_its_definition(tmp_path: Path):
+    """When the setter's own definition is audited, the store is reported there, not at the call."""
+    setter = '''
+    def set_peft_model_state_dict(model, peft_model_state_dict, low_cpu_mem_usage=False):
+        model.kept = peft_model_state_dict
+    '''
+    caller = '''
+    from safetensors.torch import load_file
+    from setter import set_peft_model_state_dict
+
+
+    def load_lora(model, path):
+        set_peft_model_state_dict(model, load_file(path), low_cpu_mem_usage=True)
+    '''
+    found = _functions(_audit(tmp_path, {"setter.py": setter, "caller.py": caller}))
+    assert found == {"set_peft_model_state_dict"}, found
