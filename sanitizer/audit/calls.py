@@ -83,6 +83,10 @@ class CallRules:
             handled, result = self.method_on_tainted(node, base, meth, args)
             if handled:
                 return result
+        elif self._onloaded and meth:
+            got = self.onloaded_read(node, meth)
+            if got is not None:
+                return got
         if meth == "enter_context" and args and args[0] is not None and args[0].kind == SOURCE:
             # contextlib.ExitStack.enter_context(cm): "returns the result of the __enter__() method" (a
             # safetensors handle's is the handle): the handle, open until the stack closes

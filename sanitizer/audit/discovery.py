@@ -227,7 +227,8 @@ def seeds_of(info: FunctionInfo, settings: Optional[Settings] = None) -> List[Se
 def uses_producer(info: FunctionInfo, settings: Optional[Settings] = None) -> bool:
     """Does the body call a known producer of borrowed tensors (so the flow must look at it)?"""
     return any(V.SOURCE_FACTORIES.search(c) or V.ITERATOR_FACTORY.search(c) or V.loader_call_kind(c, None)
-               or c == "torch.load" or (settings is not None and settings.is_producer(c)) for c in info.calls)
+               or c == "torch.load" or (settings is not None and settings.is_producer(c))
+               or c.rpartition(".")[2] in V.ONLOADING_CONTEXTS for c in info.calls)
 
 
 def seed_value(info: FunctionInfo, seed: Seed) -> Val:

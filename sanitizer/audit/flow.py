@@ -99,6 +99,7 @@ class Flow(StoreRules, CallRules):
         # by container; once a later whole-file fetch in the step ends their validity, stale until rebound
         self._parked: Dict[str, Tuple[ast.AST, Val]] = {}
         self._stale: Dict[str, Tuple[ast.AST, Val, ast.AST]] = {}
+        self._onloaded: Dict[str, ast.AST] = {}  # modules onloaded by the `with align_module_device(m)` the walk is in
         self._inside_handle: Dict[str, ast.AST] = {}  # containers bound inside a `with <handle>`: where
         self._kept_containers: Dict[str, Val] = {}  # local containers a reported store filled (see store_into)
         self.state = State()
@@ -164,8 +165,13 @@ class Flow(StoreRules, CallRules):
 
     def _st_with(self, node: ast.AST) -> None:
         opened = 0
+        onloaded: List[str] = []
         for item in node.items:  # type: ignore[attr-defined]
             val = self.ev(item.context_expr)
+            module = self._onloads(item.context_expr)
+            if module and module not in self._onloaded:
+                self._onloaded[module] = item.context_expr  # type: ignore[assignment]
+                onloaded.append(module)
             if item.optional_vars is not None:
                 self.assign(item.optional_vars, val, item.context_expr, node)
             if val is not None and val.kind == SOURCE and val.chain:
@@ -176,8 +182,36 @@ class Flow(StoreRules, CallRules):
         finally:
             closing = self._open_handles[len(self._open_handles) - opened:]
             del self._open_handles[len(self._open_handles) - opened:]
+            for module in onloaded:
+                del self._onloaded[module]
         if closing and self._inside_handle:
             self._handles_closed(node, set(closing))
+
+    @staticmethod
+    def _onloads(expr: ast.AST) -> str:
+        """``align_module_device(module, "cpu")``: the module it onloads for its block (its dotted text), or
+        "" (see :data:`~sanitizer.audit.vocabulary.ONLOADING_CONTEXTS`)."""
+        if not (isinstance(expr, ast.Call) and expr.args
+                and dotted(expr.func).rpartition(".")[2] in V.ONLOADING_CONTEXTS):
+            return ""
+        name = dotted(expr.args[0])
+        return "" if not name or name.startswith("?") else name
+
+    def onloaded_read(self, node: ast.Call, meth: str) -> Optional[Val]:
+        """``module.state_dict()`` (``named_parameters()``...) inside ``with align_module_device(module)``:
+        the offload loader's tensors, valid for the step the block runs in (the innermost statement loop's
+        iteration, else the call); a dict of them by name, or an iterable of them (pairs for ``named_*``)."""
+        func = node.func
+        if not isinstance(func, ast.Attribute) or meth not in V.ONLOADED_READS:
+            return None
+        ctx = self._onloaded.get(dotted(func.value))
+        if ctx is None:
+            return None
+        step = next((x for x in reversed(self.loops) if x not in self._comp_steps), self.func_step)
+        link = Link(node.lineno, self.fn, f"`{self.snip(node, 40)}` of a module onloaded by "
+                                          f"`{self.snip(ctx, 40)}` (line {getattr(ctx, 'lineno', 0)})")
+        return Val(HOLDER, step, (link,), self.fn, label=f"`{self.snip(node, 40)}`", mapping=meth == "state_dict",
+                   elem=ELEM_PAIR if meth.startswith("named_") else ELEM_TENSOR)
 
     def _handles_closed(self, node: ast.AST, lines: set) -> None:
         """The ``with`` closed its handles: a container of their tensors bound inside it (``tensors = {n:

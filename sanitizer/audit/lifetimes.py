@@ -129,7 +129,10 @@ class LoopLifetimes:
                     stack.append(value)
             if isinstance(node, ast.Name):
                 self.names.setdefault(node.id, []).append(node)
-        for uses in self.names.values():
+        own = _comprehension_names(function)
+        for name, uses in self.names.items():
+            if own:
+                uses[:] = [u for u in uses if id(u) not in own]
             uses.sort(key=_position)
 
     def read_after(self, name: str, loop: ast.AST) -> Optional[ast.Name]:
@@ -188,6 +191,9 @@ class LoopLifetimes:
                 return False
             if parent is not loop and isinstance(parent, ast.stmt) and _walrus_before(parent, name, use):
                 return True  # `if (t := w.t()) is not None: use(t)`: bound in the same step, before the read
+            if isinstance(parent, (ast.For, ast.AsyncFor)) and parent is not loop and block is parent.body \
+                    and _target_binds(parent.target, name):
+                return True  # an inner loop's body: its target rebinds the name first in each of its steps
             if block is not None and cur is not None:
                 if parent is loop and block is not getattr(loop, "body", None):
                     return True  # the loop's else: runs once, after the last step (a read after the loop)
@@ -196,6 +202,30 @@ class LoopLifetimes:
                         return True
             cur = parent
         return False
+
+
+def _comprehension_names(function: ast.AST) -> set:
+    """The ids of the names a comprehension binds for itself, wherever it reads or binds them
+    (``{n: p for n, p in m.named_parameters()}``: its ``p`` is not the function's ``p``); the first
+    iterable is evaluated in the enclosing scope, so its names are the function's."""
+    out: set = set()
+    for node in ast.walk(function):
+        if not isinstance(node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            continue
+        bound = {n.id for g in node.generators for n in ast.walk(g.target) if isinstance(n, ast.Name)}
+        if not bound:
+            continue
+        parts: List[ast.AST] = [node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt]
+        for i, g in enumerate(node.generators):
+            parts.append(g.target)
+            parts.extend(g.ifs)
+            if i:
+                parts.append(g.iter)
+        for part in parts:
+            for sub in ast.walk(part):
+                if isinstance(sub, ast.Name) and sub.id in bound:
+                    out.add(id(sub))
+    return out
 
 
 def _index(block: List[ast.stmt], node: ast.AST) -> int:

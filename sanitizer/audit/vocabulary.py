@@ -98,10 +98,17 @@ SOURCE_DICT_METHODS = frozenset({"as_dict"})  # fastsafetensors' ``fb.as_dict(na
 HANDLE_LOOKUPS = frozenset({"get", "pop", "setdefault", "__getitem__"})  # of a dict of handles: one handle
 SOURCE_ITER_METHODS = frozenset({"tensors", "get_tensors", "iterate_weights", "items", "stream_tensors"})
 SOURCE_SOURCE_METHODS = frozenset({"copy_files_to_device", "__enter__"})  # a handle that hands out tensors too
+# Context managers that onload an offloaded module for their block: accelerate's
+# ``align_module_device(module, device)`` runs the module's hook ``pre_forward`` (each parameter becomes the
+# offload loader's tensor, ``weights_map[name]``) and ``post_forward`` at its end (offloaded again). Inside
+# the block the module's ``state_dict()``, ``parameters()``, ``named_parameters()``, ``buffers()`` and
+# ``named_buffers()`` hand out the loader's tensors, valid for the block's step.
+ONLOADING_CONTEXTS = frozenset({"align_module_device"})
+ONLOADED_READS = frozenset({"state_dict", "parameters", "named_parameters", "buffers", "named_buffers"})
 # Cheap pre-check of a module's text: does it mention any producer at all?
 PRODUCER_HINT = re.compile(r"safe_open|weights_iter|ParallelLoader|SafeTensorsFileLoader|SafetensorsStreamer|"
                            r"stream_files|InstantTensor|iterate_weights|get_all_weights|copy_files_to_device|"
-                           r"FastSafeTensorsLoader|get_weights_iterator")
+                           r"FastSafeTensorsLoader|get_weights_iterator|align_module_device")
 # A call whose name matches yields (name, tensor) pairs: vLLM's and SGLang's weight iterators and similar.
 ITERATOR_FACTORY = re.compile(r"(^|\.)(\w*_weights_iterator|\w*weights_iter|iterate_weights|get_all_weights|"
                               r"_get_weights_iterator|get_weights_iterator|stream_files)$")

@@ -327,3 +327,77 @@ def test_an_audited_adapter_setter_is_followed_into_its_definition(tmp_path: Pat
     '''
     found = _functions(_audit(tmp_path, {"setter.py": setter, "caller.py": caller}))
     assert found == {"set_peft_model_state_dict"}, found
+
+
+# -- an offloaded module onloaded for a block: `with align_module_device(module, device)` ------------------
+ONLOADING = '''
+import torch
+from accelerate.utils import align_module_device
+
+
+def gather_offloaded(model):
+    state_dict = {}
+    for name, module in model.named_modules():
+        with align_module_device(module, "cpu"):
+            onloaded = module.state_dict()
+        for key in onloaded:
+            state_dict[f"{name}.{key}"] = onloaded[key].to("cpu")  # kept while later modules are onloaded
+    return state_dict
+
+
+def into_callers_dict(module, prefix, out):
+    with align_module_device(module):
+        for key, p in module.named_parameters():
+            out[f"{prefix}.{key}"] = p
+
+
+def gather_copies(model):
+    state_dict = {}
+    for name, module in model.named_modules():
+        with align_module_device(module, "cpu"):
+            for key, p in module.named_parameters(recurse=False):
+                state_dict[f"{name}.{key}"] = p.detach().clone()
+    return state_dict
+
+
+def compress_each(model, compress):
+    for name, module in model.named_modules():
+        with align_module_device(module, "cpu"):
+            params = {f"{name}.{n}": p for n, p in module.named_parameters(recurse=False)}
+        for n, value in compress(params).items():
+            value = value.to("cpu")
+            setattr(module, n.rpartition(".")[2] + "_c", torch.nn.Parameter(value.clone()))
+
+
+def not_onloaded(model):
+    kept = {}
+    for name, module in model.named_modules():
+        kept[name] = module.state_dict()  # the model's own tensors: no loader's
+    return kept
+'''
+
+
+def test_a_module_onloaded_by_align_module_device_hands_out_the_loaders_tensors(tmp_path: Path):
+    found = _functions(_audit(tmp_path, {"onload.py": ONLOADING}))
+    assert {"gather_offloaded", "into_callers_dict"} <= found, found
+    assert not found & {"gather_copies", "compress_each", "not_onloaded"}, found
+
+
+def test_a_name_a_comprehension_or_an_inner_loop_binds_is_not_the_outer_one(tmp_path: Path):
+    """OWN105 (a variable read by a later iteration): a comprehension's own ``p`` and an inner loop's
+    target rebound before each read are not the value an earlier iteration left behind."""
+    text = '''
+    from safetensors.torch import load_file
+
+
+    def per_file(paths, model):
+        for path in paths:
+            sd = load_file(path)
+            p = None
+            for name, value in sd.items():
+                value = value.float()
+                p = value + 1
+            names = {n: p for n, p in model.named_parameters()}
+            print(names)
+    '''
+    assert _audit(tmp_path, {"scopes.py": text}) == set()
