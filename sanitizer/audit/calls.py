@@ -179,7 +179,8 @@ class CallRules:
         if base.kind == SOURCE and base.mapping:  # a mapping of weights: `.get(name)` is a lookup
             if meth in ("get", "__getitem__", "pop"):
                 step = next((x for x in reversed(self.loops) if x not in self._comp_steps), self.func_step)
-                return True, Val(TENSOR, step, base.chain + (link,), self.fn, label=f"`{self.snip(node, 40)}`")
+                return True, Val(TENSOR, step, base.chain + (link,), self.fn, label=f"`{self.snip(node, 40)}`",
+                                 seed=base.seed)
             return True, None
         if base.kind == SOURCE:
             if meth in V.SOURCE_TENSOR_METHODS:

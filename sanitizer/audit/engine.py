@@ -13,7 +13,7 @@ from sanitizer.audit import suppression
 from sanitizer.audit.discovery import Seed, seed_value, seeds_of, uses_producer
 from sanitizer.audit.findings import Finding
 from sanitizer.audit.flow import Flow
-from sanitizer.audit.index import FunctionInfo, build_index
+from sanitizer.audit.index import FunctionInfo, annotation_text, build_index
 from sanitizer.audit.inference import calls_typed_producer, handles_of, infer, infer_paths, may_define_producer
 from sanitizer.audit.producers import InferredProducers
 from sanitizer.audit.project import Project
@@ -22,7 +22,7 @@ from sanitizer.audit.settings import Settings
 from sanitizer.audit.sources import TOO_DEEP_TO_FOLLOW, AuditInputError, Source, parse, python_files, read
 from sanitizer.audit.snippets import Snippets
 from sanitizer.audit.summaries import ModuleAnalysis
-from sanitizer.audit.vocabulary import PRODUCER_HINT
+from sanitizer.audit.vocabulary import LAZY_MAPPING_TYPE, PRODUCER_HINT
 from sanitizer.audit.values import ITER
 
 
@@ -85,6 +85,13 @@ def _inherited(info: FunctionInfo, seeds_by_fn: Dict[int, List[Seed]]) -> List[S
     return out
 
 
+def _binds_lazy_mapping(info: FunctionInfo) -> bool:
+    """Does ``info`` bind a local annotated ``Mapping[str, Tensor]`` (a lazy mapping of weights when a class
+    of the project reads a loader in its ``__getitem__``: see Flow._lazy_mapping)?"""
+    return any(isinstance(sub, ast.AnnAssign) and sub.value is not None and isinstance(sub.target, ast.Name)
+               and LAZY_MAPPING_TYPE.match(annotation_text(sub.annotation)) for sub in ast.walk(info.node))
+
+
 def analyse(source: Source, project: Optional[Project] = None, settings: Optional[Settings] = None,
             skipped: Optional[List[Skipped]] = None) -> Tuple[List[Finding], List[Consumer]]:
     """Every finding in one parsed module (before suppression and selection), and its consumers. A
@@ -108,7 +115,8 @@ def analyse(source: Source, project: Optional[Project] = None, settings: Optiona
             seeds = seeds + _inherited(info, seeds_by_fn)
         seeds_by_fn[id(info)] = seeds
         if seeds or (producers and (uses_producer(info, settings) or (handles is not None and handles.reads(info))
-                                    or (inferred is not None and calls_typed_producer(info, inferred)))):
+                                    or (inferred is not None and calls_typed_producer(info, inferred))
+                                    or (inferred is not None and inferred.mappings and _binds_lazy_mapping(info)))):
             roots.append((0 if any(s.kind == ITER for s in seeds) else 1, info, seeds))
     roots.sort(key=lambda r: r[0])  # iterator consumers first: their chains are the informative ones
     found: Dict[Tuple[str, int, int, str], Finding] = {}

@@ -150,7 +150,24 @@ class Flow(StoreRules, CallRules):
 
     def _st_annassign(self, node: ast.AnnAssign) -> None:
         if node.value is not None:
-            self.assign(node.target, self.ev(node.value), node.value, node)
+            val = self.ev(node.value)
+            if val is None and isinstance(node.target, ast.Name):
+                val = self._lazy_mapping(node)
+            self.assign(node.target, val, node.value, node)
+
+    def _lazy_mapping(self, node: ast.AnnAssign) -> Optional[Val]:
+        """``hf_state_dict: Mapping[str, torch.Tensor] = hf_pretrained.state`` (Megatron-Bridge) bound from
+        something the audit cannot read, in a project where a class's ``__getitem__`` reads a loader (a lazy
+        ``Mapping`` of weights, :func:`~sanitizer.audit.producers.record_mapping`): a mapping of weights,
+        each lookup a tensor valid for the step that made it, as for a ``Mapping``-annotated attribute."""
+        settings = getattr(self.producer_kind, "__self__", None)
+        inferred = getattr(settings, "inferred", None)
+        if inferred is None or not inferred.mappings or not V.LAZY_MAPPING_TYPE.match(annotation_text(node.annotation)):
+            return None
+        some = next(iter(inferred.mappings.values()))
+        return Val(SOURCE, 0, (Link(node.lineno, self.fn, f"`{self.snip(node.target)}` annotated a Mapping (a "
+                                                          f"class's `__getitem__` may read a loader: `{some.qualname}`, "
+                                                          f"{some.path}:{some.line})"),), self.fn, mapping=True)
 
     def _st_for(self, node: ast.AST) -> None:
         self.loop(node, self.ev(node.iter))  # type: ignore[attr-defined]
@@ -757,7 +774,7 @@ class Flow(StoreRules, CallRules):
         if base.kind == SOURCE and base.mapping:  # a mapping of weights (``self.weights_map[name]``): a tensor
             step = next((x for x in reversed(self.loops) if x not in self._comp_steps), self.func_step)
             return Val(TENSOR, step, base.chain + (Link(node.lineno, self.fn, f"`{self.snip(node, 40)}`"),), self.fn,
-                       label=f"`{self.snip(node, 40)}`")
+                       label=f"`{self.snip(node, 40)}`", seed=base.seed)  # (a helper's: what it was handed)
         if is_handles(base):  # `key_to_handle[key]`, `handles[0]`: one handle of a local container of them
             return handle_of(base)
         if base.kind == SOURCE:

@@ -32,7 +32,7 @@ from sanitizer.audit.project import Project
 from sanitizer.audit.settings import Settings
 from sanitizer.audit.snippets import Snippets
 from sanitizer.audit.targets import root_of
-from sanitizer.audit.values import HOLDER, ITER, SOURCE, Val
+from sanitizer.audit.values import HOLDER, ITER, SOURCE, TENSOR, Val
 
 MAX_DEPTH = 3
 MAX_OVERRIDES = 16  # overrides of one method a ``self.`` call is followed into (a deep hierarchy: the nearest)
@@ -433,8 +433,12 @@ class ModuleAnalysis:
         module = target.constructor and callee.cls is not None and (target.analysis or self).is_module_class(callee.cls)
         for p, expr in bound:
             val = flow.ev(expr) if not isinstance(expr, ast.Name) else flow.state.env.get(expr.id)
-            if val is None or (val.kind == SOURCE and val.mapping):
+            if val is None:
                 continue  # (a loader's handle passed in is followed: `convert_shard(reader)` fetches from it)
+            if val.kind == SOURCE and val.mapping:
+                got = self._lookup_through(flow, node, target, p, val)
+                result = result if result is not None else got
+                continue
             outcome = (target.analysis or self).summary(callee, p, val, flow._depth)  # one budget of nesting
             pname = (params + [a for a in (callee.vararg, callee.kwarg) if a is not None])[p].arg
             call_link = Link(node.lineno, flow.fn, f"passed to `{callee.qualname}()` as `{pname}`")
@@ -460,6 +464,21 @@ class ModuleAnalysis:
             if result is None and val.kind == ITER and callee.is_generator and outcome.yields is not None:
                 result = val.then(ITER, Link(node.lineno, flow.fn, f"re-yielded by `{callee.name}()`"))
         return result
+
+    def _lookup_through(self, flow: Flow, node: ast.Call, target: Callee, p: int, val: Val) -> Optional[Val]:
+        """``self.maybe_modify_loaded_hf_weight(param, hf_state_dict)`` with a lazy mapping of weights: a helper
+        that looks tensors up in it and returns them hands out tensors fetched at this call, valid for the
+        caller's step (its innermost statement loop's iteration, else the call). Only what it returns is
+        taken: its own stores are judged where it is walked itself."""
+        callee = target.info
+        outcome = (target.analysis or self).summary(callee, p, val, flow._depth)
+        ret = outcome.returns
+        if ret is None or ret.kind not in (TENSOR, HOLDER) or ret.capture:
+            return None
+        step = next((x for x in reversed(flow.loops) if x not in flow._comp_steps), flow.func_step)
+        link = Link(node.lineno, flow.fn, f"looked up in `{flow.snip(node, 40)}` by `{callee.name}()`")
+        return Val(ret.kind, step, val.chain + (link,), flow.fn, elem=ret.elem, label=f"`{flow.snip(node, 40)}`",
+                   convert=ret.convert, mapping=ret.mapping)
 
     def _emit(self, flow: Flow, template: Finding, val: Val, call_link: Link, callee: FunctionInfo) -> None:
         if val.reported:

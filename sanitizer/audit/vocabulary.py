@@ -153,6 +153,9 @@ LIST_OF_PAIRS = re.compile(r"^\s*(list|List|Sequence|tuple|Tuple)\s*\[\s*(tuple|
 MAPPING_PARAM_NAMES = frozenset({"weights", "weight_dict", "weights_dict", "state_dict", "hf_weights", "tensors",
                                  "sd", "checkpoint", "ckpt", "weight_map", "loaded_weights", "tensor_dict"})
 MAPPING_FUNCTION = re.compile(r"load|weight")
+# A local annotated as a read-only mapping of tensors (``Mapping[str, torch.Tensor]``): with a class of the project
+# whose ``__getitem__`` reads a loader, a lazy mapping of weights (see Flow._lazy_mapping)
+LAZY_MAPPING_TYPE = re.compile(r"^(Optional\[)?\s*(typing\.|collections\.abc\.)?Mapping\s*\[\s*str\s*,\s*(torch\.)?Tensor\s*\]")
 MAPPING_ANNOTATION = re.compile(r"^\s*(dict|Dict|Mapping|MutableMapping|OrderedDict|defaultdict|list|List|set|"
                                 r"Set|deque)\b")
 

@@ -401,3 +401,74 @@ def test_a_name_a_comprehension_or_an_inner_loop_binds_is_not_the_outer_one(tmp_
             print(names)
     '''
     assert _audit(tmp_path, {"scopes.py": text}) == set()
+
+
+# -- a lazy Mapping of weights (a class whose __getitem__ reads a loader) in an annotated local ----------------
+LAZY_MAPPING = {
+    "source.py": '''
+from collections.abc import Mapping
+
+from safetensors import safe_open
+
+
+class CheckpointSource(Mapping):
+    def __init__(self, path):
+        self.path = path
+
+    def __getitem__(self, key):
+        with safe_open(self.path, framework="pt") as f:
+            return f.get_tensor(key)
+
+    def __iter__(self):
+        with safe_open(self.path, framework="pt") as f:
+            return iter(list(f.keys()))
+
+    def __len__(self):
+        return len(list(iter(self)))
+''',
+    "bridge.py": '''
+from typing import Dict, Mapping
+
+import torch
+
+
+class Bridge:
+    def fetch(self, name, weights: Mapping[str, torch.Tensor]):
+        return weights[name]
+
+    def load_all(self, pretrained, tasks):
+        weights: Mapping[str, torch.Tensor] = pretrained.state
+        cache: Dict[str, torch.Tensor] = {}
+        for task in tasks:
+            if task.grouped and task.name in cache:
+                w = cache[task.name]
+            else:
+                w = self.fetch(task.name, weights)
+                cache[task.name] = w  # kept for later tasks, past later fetches
+            task.param.copy_(w)
+
+    def load_each(self, pretrained, tasks):
+        weights: Mapping[str, torch.Tensor] = pretrained.state
+        for task in tasks:
+            w = self.fetch(task.name, weights)
+            parts = {"w": w}
+            task.param.copy_(parts["w"])
+
+    def shapes(self, pretrained, names):
+        weights: Mapping[str, int] = pretrained.shapes
+        kept = {}
+        for n in names:
+            kept[n] = weights[n]
+        return kept
+''',
+}
+
+
+def test_a_mapping_annotated_local_is_a_lazy_mapping_of_weights_when_a_class_reads_a_loader(tmp_path: Path):
+    found = _functions(_audit(tmp_path, LAZY_MAPPING))
+    assert "Bridge.load_all" in found, found
+    assert not found & {"Bridge.load_each", "Bridge.shapes", "Bridge.fetch", "CheckpointSource.__getitem__"}, found
+
+
+def test_a_mapping_annotated_local_is_nothing_without_such_a_class(tmp_path: Path):
+    assert _audit(tmp_path, {"bridge.py": LAZY_MAPPING["bridge.py"]}) == set()
