@@ -300,6 +300,8 @@ class CallRules:
         if V.SOURCE_FACTORIES.search(name):
             return Val(SOURCE, 0, (Link(node.lineno, self.fn, f"opened by `{self.snip(node, 40)}`"),), self.fn)
         builtin = V.loader_call_kind(name, node)
+        if builtin and self._own_method(node):
+            builtin = ""  # `self.load_file(fn)`: the class's own method of that name, not safetensors'
         configured = builtin or (self.producer_kind(name) if self.producer_kind is not None else None)
         if configured is None:
             configured = self._typed_receiver_producer(node)
@@ -367,6 +369,8 @@ class CallRules:
             return False
         if self.resolve_call is not None and self.resolve_call(self, node) is not UNRESOLVED:
             return True  # its definition is audited (peft's own `set_peft_model_state_dict`): followed there
+        if isinstance(node.func, ast.Name) and not self._imported_from_library(node.func.id):
+            return False  # the project's own function of that name (peft itself, imported relatively)
         asked = _keyword_is(node, "low_cpu_mem_usage", True) or (
             any(k.arg is None for k in node.keywords) and _mentions(self.info.node, "low_cpu_mem_usage")) or (
             any(k.arg == "low_cpu_mem_usage" and not isinstance(k.value, ast.Constant) for k in node.keywords))
@@ -379,6 +383,22 @@ class CallRules:
                                                  f"(low_cpu_mem_usage)>", ctx=ast.Store(), lineno=node.lineno)
         self.attribute_store(target, sd, node)
         return True
+
+    def _own_method(self, node: ast.Call) -> bool:
+        """``self.load_file(...)`` / ``cls.load_file(...)`` where the enclosing class defines that method."""
+        func = node.func
+        if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
+                and func.value.id in (self.self_name(), "cls")):
+            return False
+        cls = self.info.enclosing_class
+        return cls is not None and func.attr in cls.methods
+
+    def _imported_from_library(self, name: str) -> bool:
+        """Is ``name`` imported absolutely (``from peft import set_peft_model_state_dict``), not relatively
+        as the project's own (``from .utils import ...``, peft itself) nor defined in this module?"""
+        index = getattr(getattr(self.resolve_call, "__self__", None), "index", None)
+        imported = index.imports.get(name) if index is not None else None
+        return imported is not None and imported[1] == 0
 
     def _closure_called(self, node: ast.Call, name: str) -> None:
         """``load(model)`` where ``load`` is a closure this function defines over its weights (diffusers'

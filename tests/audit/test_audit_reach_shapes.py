@@ -472,3 +472,38 @@ def test_a_mapping_annotated_local_is_a_lazy_mapping_of_weights_when_a_class_rea
 
 def test_a_mapping_annotated_local_is_nothing_without_such_a_class(tmp_path: Path):
     assert _audit(tmp_path, {"bridge.py": LAZY_MAPPING["bridge.py"]}) == set()
+
+
+def test_a_class_own_method_named_like_a_loader_api_is_not_the_api(tmp_path: Path):
+    """``self.load_file(fn)``, the class's own method (a memory-mapped dataset index), is not safetensors'
+    ``load_file``; a comprehension's calls now count for walking a function, so this must hold there."""
+    text = '''
+    import numpy as np
+
+
+    class TextDataset:
+        def __init__(self, files):
+            self.files = files
+            loaded = [self.load_file(fn) for fn in files]
+            self.loaded = loaded
+
+        def load_file(self, fn):
+            return np.load(fn, mmap_mode="r"), np.load(fn + ".idx")
+    '''
+    assert _audit(tmp_path, {"dataset.py": text}) == set()
+
+
+def test_the_projects_own_adapter_setter_imported_relatively_is_no_library_keeper(tmp_path: Path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    caller = '''
+    from safetensors.torch import load_file
+
+    from .missing import set_peft_model_state_dict
+
+
+    def load_adapter(model, path, low_cpu_mem_usage=False):
+        set_peft_model_state_dict(model, load_file(path), low_cpu_mem_usage=low_cpu_mem_usage)
+    '''
+    assert _audit(pkg, {"model.py": caller}) == set()
