@@ -79,12 +79,43 @@ class _Api:
         # memmove, called with the GIL kept (ctypes.memmove itself lets the GIL go during the call)
         self.write = ctypes.PYFUNCTYPE(vp, vp, vp, ctypes.c_size_t)(ctypes.cast(ctypes.memmove, vp).value)
         self.func_off, self.obj_off = _find_profile_fields(self.get_tstate)
+        # Python 3.11: where the thread's current ``_PyCFrame`` pointer sits (None elsewhere: see _find_cframe_field)
+        self.cframe_off: Optional[int] = (_find_cframe_field(self.get_tstate, self.func_off)
+                                          if sys.version_info[:2] == (3, 11) else None)
 
     def read(self, tstate: int) -> Tuple[int, int]:
         """This thread's ``(c_profilefunc, c_profileobj)`` (0 for NULL): only for the calling thread's own state."""
         func = ctypes.c_void_p.from_address(tstate + self.func_off).value or 0
         obj = ctypes.c_void_p.from_address(tstate + self.obj_off).value or 0
         return func, obj
+
+    def install(self, tstate: int, func: int, obj: int) -> None:
+        """Make ``(func, obj)`` this thread's profile function and object (``tstate`` is the calling thread's
+        own state), taking a reference on ``obj`` and giving back the one on the object it replaces.
+
+        3.12+: ``_PyEval_SetProfile``, which also keeps the interpreter's count of profiled threads. 3.11:
+        the fields are written here, with the frame's ``use_tracing`` flag as _PyThreadState_UpdateTracingState
+        computes it, because 3.11's ``_PyEval_SetProfile`` guards itself with one process-wide ``reentrant``
+        flag: while any thread is inside it (an audit hook that lets the GIL go), a call from another thread
+        fails with "Cannot install a profile function while another profile function is being installed" and
+        clears the flag, so ours would have made a user's own ``sys.setprofile`` fail. The three words
+        ``c_profilefunc, c_tracefunc, c_profileobj`` are written in one C call (the GIL kept), the trace function
+        as it is: only this thread changes it on 3.11. Inside a profile call (``tracing`` > 0) the flag written
+        here is recomputed by the call on its way out, from these same fields."""
+        if self.cframe_off is None:
+            self.set_profile(tstate, func or None, obj or None)
+            return
+        old = ctypes.c_void_p.from_address(tstate + self.obj_off).value or 0
+        trace = ctypes.c_void_p.from_address(tstate + self.func_off + _WORD).value or 0
+        if obj:
+            self.incref(obj)
+        words = (ctypes.c_void_p * 3)(func or None, trace or None, obj or None)
+        self.write(tstate + self.func_off, ctypes.addressof(words), 3 * _WORD)
+        frame = ctypes.c_void_p.from_address(tstate + self.cframe_off).value
+        if frame:
+            ctypes.c_uint8.from_address(frame).value = 255 if (func or trace) else 0
+        if old:
+            self.decref(old)
 
     def put_func(self, tstate: int, func: int) -> None:
         """Write this thread's ``c_profilefunc`` alone (the count of profiled threads is not changed)."""
@@ -144,6 +175,54 @@ def _find_profile_fields(get_tstate: Callable[[], int]) -> Tuple[int, int]:
     return found[0]
 
 
+def _find_cframe_field(get_tstate: Callable[[], int], func_off: int) -> Optional[int]:
+    """Python 3.11: the offset of ``PyThreadState.cframe``, the word just before ``c_profilefunc``
+    (``_PyCFrame *cframe; Py_tracefunc c_profilefunc; ...`` in 3.11's ``cpython/pystate.h``). Its first byte,
+    ``use_tracing``, is what 3.11's eval loop reads to call profile functions; CPython's own
+    ``_PyEval_SetProfile(tstate, ...)`` sets it for another thread through ``_PyThreadState_UpdateTracingState``
+    ("tstate->cframe->use_tracing = (use_tracing ? 255 : 0)"), and a returning frame hands it to the frame
+    below ("tstate->cframe->use_tracing = cframe.use_tracing" in ceval.c), so setting it in the innermost
+    frame is enough. Checked in a fresh thread of ours: the word must look like a pointer, and the byte it
+    points at must be 0, then 255 while ``sys.setprofile(marker)`` is in force, then 0 again. Raises when
+    either check fails (the door then stays closed on 3.11, as before)."""
+    failed: List[BaseException] = []
+    found: List[int] = []
+    done = _thread.allocate_lock()
+    done.acquire()
+    off = func_off - _WORD
+
+    def marker(frame, event, arg):  # type: ignore[no-untyped-def]
+        return None
+
+    def use_tracing(tstate: int) -> int:
+        pointer = ctypes.c_void_p.from_address(tstate + off).value or 0
+        if pointer < 65536 or pointer % _WORD:  # the ints before it, or an odd layout: never dereferenced
+            raise RuntimeError(f"PyThreadState.cframe not where expected ({pointer:#x})")
+        return ctypes.c_uint8.from_address(pointer).value
+
+    def probe() -> None:
+        try:
+            tstate = get_tstate()
+            before = use_tracing(tstate)
+            sys.setprofile(marker)
+            during = use_tracing(tstate)
+            sys.setprofile(None)
+            after = use_tracing(tstate)
+            if (before, during, after) != (0, 255, 0):
+                raise RuntimeError(f"use_tracing did not follow sys.setprofile ({before}, {during}, {after})")
+            found.append(off)
+        except BaseException as err:  # reported to the caller, never into a thread of ours
+            failed.append(err)
+        finally:
+            done.release()
+
+    _thread.start_new_thread(probe, ())
+    done.acquire()
+    if not found:
+        raise RuntimeError(f"cannot locate PyThreadState.cframe: {failed[0] if failed else 'no result'}")
+    return found[0]
+
+
 def _gil_enabled() -> bool:
     is_enabled = getattr(sys, "_is_gil_enabled", None)
     return True if is_enabled is None else bool(is_enabled())
@@ -161,8 +240,9 @@ else:
 
 HERE_AVAILABLE: bool = _api is not None
 """Can a visit be put on the calling thread (:func:`run_here_when`)?"""
-AVAILABLE: bool = HERE_AVAILABLE and sys.version_info >= (3, 12)
-"""Can other running threads be visited (:func:`run_in_running_threads`)?"""
+AVAILABLE: bool = HERE_AVAILABLE and (sys.version_info >= (3, 12) or _api is not None and _api.cframe_off is not None)
+"""Can other running threads be visited (:func:`run_in_running_threads`)? 3.12+, and 3.11 where its frame's
+tracing flag was found (:func:`_find_cframe_field`)."""
 
 
 class _Batch(dict):
@@ -218,7 +298,7 @@ def _on_event(obj: int, frame: int, what: int, arg: int) -> int:
         else:
             func, own = _unwind(holder, (tstate, api.get_id(tstate)))
             fn = _run_in_threads
-        api.set_profile(tstate, func or None, own or None)  # the thread's own, exactly (it takes a reference)
+        api.install(tstate, func, own)  # the thread's own, exactly (it takes a reference)
         if fn is not None:
             _safe_call(fn, None)
         if own:
@@ -301,15 +381,16 @@ def run_here_when(ready: Optional[Callable[[], bool]], fn: Callable[[], None]) -
     api = _api
     if api is None:
         return False
-    tstate = api.get_tstate()
-    func, obj = api.read(tstate)
-    if func == _ON_EVENT_ADDRESS:
-        return False
-    here = _Here(func, obj, fn, ready)
-    if obj:
-        api.incref(obj)
-    api.set_profile(tstate, _ON_EVENT_ADDRESS, id(here))
-    return True
+    with _PASSES:  # 3.11 writes the fields in Python steps: no pass of another thread may visit this one meanwhile
+        tstate = api.get_tstate()
+        func, obj = api.read(tstate)
+        if func == _ON_EVENT_ADDRESS:
+            return False
+        here = _Here(func, obj, fn, ready)
+        if obj:
+            api.incref(obj)
+        api.install(tstate, _ON_EVENT_ADDRESS, id(here))
+        return True
 
 
 def run_in_running_threads(fn: Callable[[], None]) -> bool:
@@ -333,7 +414,18 @@ def run_in_running_threads(fn: Callable[[], None]) -> bool:
         my_func, my_obj = api.read(me)
         # The audit hooks see the change now, on this thread, before any other thread's state is held: one
         # that refuses raises here (the caller falls back); one that lets the GIL go frees nothing under us.
-        api.set_profile(me, my_func or None, my_obj or None)
+        # Our own reference on the object while it is set again: 3.11's _PyEval_SetProfile lets go of the old
+        # object before it takes the new one, and a visit waiting here (run_here_when) is held by nothing else.
+        if api.cframe_off is not None:  # 3.11: the audit alone (see _Api.install)
+            sys.audit("sys.setprofile")
+        else:
+            if my_obj:
+                api.incref(my_obj)
+            try:
+                api.set_profile(me, my_func or None, my_obj or None)
+            finally:
+                if my_obj:
+                    api.decref(my_obj)
         for _round in range(_ROUNDS):
             # Threads with no profile function get ours only as far as the count was raised for them first
             # (the count may be above the truth for a moment, never below: below, a profiler set meanwhile
@@ -405,15 +497,24 @@ def _visit(api: _Api, me: int, batch: _Batch, select, limit: Optional[int]) -> i
     t_key, t_id, t_func, t_obj, t_wf, t_wo = itertools.tee(states, 6)
     objs = map(_VALUE, map(ctypes.c_void_p.from_address, map(operator.add, t_obj, itertools.repeat(api.obj_off))))
     keys = zip(t_key, map(api.get_id, t_id))
-    cells = (ctypes.c_void_p(_ON_EVENT_ADDRESS), ctypes.c_void_p(id(batch)))
+    cells = (ctypes.c_void_p(_ON_EVENT_ADDRESS), ctypes.c_void_p(id(batch)), ctypes.c_uint8(255))
     before = len(batch)
-    deque(zip(map(batch.__setitem__, keys, zip(_funcs(api, t_func), objs)),
-              map(api.incref, itertools.repeat(id(batch))),
-              map(api.write, map(operator.add, t_wf, itertools.repeat(api.func_off)),
-                  itertools.repeat(ctypes.addressof(cells[0])), itertools.repeat(_WORD)),
-              map(api.write, map(operator.add, t_wo, itertools.repeat(api.obj_off)),
-                  itertools.repeat(ctypes.addressof(cells[1])), itertools.repeat(_WORD))),
-          maxlen=0)
+    steps = [map(batch.__setitem__, keys, zip(_funcs(api, t_func), objs)),
+             map(api.incref, itertools.repeat(id(batch))),
+             map(api.write, map(operator.add, t_wf, itertools.repeat(api.func_off)),
+                 itertools.repeat(ctypes.addressof(cells[0])), itertools.repeat(_WORD)),
+             map(api.write, map(operator.add, t_wo, itertools.repeat(api.obj_off)),
+                 itertools.repeat(ctypes.addressof(cells[1])), itertools.repeat(_WORD))]
+    if api.cframe_off is not None:
+        # 3.11: the thread's innermost frame starts calling profile functions (``use_tracing = 255``, as
+        # _PyThreadState_UpdateTracingState would write for it); a thread inside its own profiler's call is
+        # left alone by that call (``tracing`` > 0), which recomputes the flag from the fields on its way out.
+        t_wo, t_cf = itertools.tee(t_wo, 2)
+        steps[3] = map(api.write, map(operator.add, t_wo, itertools.repeat(api.obj_off)),
+                       itertools.repeat(ctypes.addressof(cells[1])), itertools.repeat(_WORD))
+        frames = map(_VALUE, map(ctypes.c_void_p.from_address, map(operator.add, t_cf, itertools.repeat(api.cframe_off))))
+        steps.append(map(api.write, frames, itertools.repeat(ctypes.addressof(cells[2])), itertools.repeat(1)))
+    deque(zip(*steps), maxlen=0)
     return len(batch) - before
 
 
@@ -424,7 +525,7 @@ def _shift_count(api: _Api, me: int, delta: int) -> None:
     writes this thread's function field alone to the other side. This thread's profiler is as it was
     afterwards. The rounds run in one C-level loop, so no profile event of this thread falls between them
     (audit hooks run with tracing off)."""
-    if delta == 0:
+    if delta == 0 or api.cframe_off is not None:  # (3.11 keeps no such count: each thread's frame flag says it)
         return
     func, obj = api.read(me)
     field = me + api.func_off

@@ -248,7 +248,7 @@ def _python(version: str):
     return None
 
 
-def test_running_threads_are_reached_on_python_312_and_refused_before():
+def test_running_threads_are_reached_where_the_door_is_open_and_on_python_312():
     from sanitizer.core import thread_reach
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -212,7 +212,7 @@ print(main_kept, sorted(ok), len(set(reached)), min(events.get("w0", 0), events.
 """
 
 
-@pytest.mark.parametrize("version", ["3.12", "3.13"])
+@pytest.mark.parametrize("version", ["3.11", "3.12", "3.13"])
 def test_every_profiler_a_user_set_survives_the_reach_and_keeps_its_events(version):
     """Python profilers and a C-level one (as yappi sets it), in workers, in the main thread and for new
     threads: every visit puts each back exactly and passes it every event (torch-free: run on 3.12 and 3.13
@@ -288,7 +288,7 @@ print(passes > (100 if AUDIT else 1000), done[0] > 1000, bad, main_events[0] > 3
 
 
 @pytest.mark.slow  # a soak (thousands of visits under thread churn, ~2.7 s of CPU a case, 11 s in all): the full run's
-@pytest.mark.parametrize("version", ["3.12", "3.13"])
+@pytest.mark.parametrize("version", ["3.11", "3.12", "3.13"])
 @pytest.mark.parametrize("audit", ["plain", "audit"])
 def test_the_reach_survives_threads_that_start_and_end_under_it(version, audit):
     """Thousands of visits while short-lived threads (``threading`` and raw ``_thread`` ones, half with their own
@@ -487,7 +487,7 @@ print(sorted(res.items(), key=str))
 def test_a_profiler_resetting_every_thread_does_not_take_our_visits_with_it(variant):
     """A sampling profiler that sets (or clears) every thread's profile function before the visited threads ran
     took our visits away: those threads stayed unchecked while the lease stayed stale (3.12+)."""
-    if not thread_reach.AVAILABLE:
+    if not thread_reach.AVAILABLE or not hasattr(threading, "setprofile_all_threads"):
         pytest.skip("needs Python 3.12+ (threading.setprofile_all_threads, running threads visited)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("OWNERSHIP_SANITIZE")}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
