@@ -35,8 +35,9 @@ Where a thread's profile fields sit in ``PyThreadState`` is not public: it is
 found once, at run time, in a thread of our own (``sys.setprofile`` of a marker
 and a scan for its address), and checked both ways; if anything is off, the
 door is closed (``AVAILABLE`` False) and callers keep their older rule.
-Visiting other threads needs Python 3.12+ (3.11 keeps the mode for a thread's
-life instead; CPython 3.12 added the all-threads setter this mirrors) and the
+Visiting other threads needs Python 3.11+ (CPython 3.12 added the all-threads
+setter this mirrors; on 3.11 the pass also sets each thread's frame flag, see
+:func:`_find_cframe_field`; 3.10 keeps the mode for a thread's life) and the
 GIL (a free-threaded build stops the world instead). Torch-free, so it is
 tested on Pythons without torch.
 """

@@ -7,8 +7,8 @@ previous lease stale and its death a moment later clears it; toggling the mode
 and the reader hooks per tensor would cost more than keeping them for the rest
 of the load. A correct program never pays at all.
 
-On Python 3.12+ other threads follow the main thread's rule (re-armed in every
-running thread at the first stale lease); before, they get the mode when they
+On Python 3.11+ other threads follow the main thread's rule (re-armed in every
+running thread at the first stale lease); on 3.10, they get the mode when they
 start while the sanitizer is enabled, or when they lend, and keep it (see
 :class:`~sanitizer.torch_layer.mode.ModeController`).
 

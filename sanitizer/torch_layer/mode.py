@@ -9,14 +9,15 @@ where ours sits. The main thread carries it only while a stale lease exists (a
 program whose leases are all fresh pays nothing per op there), following every
 change at once or, when another thread made it, at its next eval-breaker check
 (a call into Python code, a loop's jump back) through CPython's pending-call queue
-(``Py_AddPendingCall``). On Python 3.12+
+(``Py_AddPendingCall``). On Python 3.11+
 other threads follow the same rule: at the first stale lease every running
 thread is made to install the mode at its next Python call (a visit through its
 profile function that keeps any profiler it has, see core/thread_reach.py), and
 when interception ends each removes it again, so a worker pays nothing per op
 while nothing is stale. A removal never happens while an op is under way in the
 thread (:func:`stack_change_safe`): it waits for the thread's next Python event
-outside any op. Before 3.12 a running thread cannot be given the mode later:
+outside any op. Where running threads cannot be reached (3.10, an odd build) a
+running thread cannot be given the mode later:
 other threads get it when they start while the sanitizer is enabled, or when
 they lend, and keep it until they end, taking the cheap path while nothing is
 stale; threads started before ``enable()`` that never lend are not checked
@@ -363,7 +364,7 @@ class ModeController:
         self._modes: "weakref.WeakSet[BorrowCheckMode]" = weakref.WeakSet()
         self._installed = 0  # threads whose stack holds one of ours
         self._orig_bootstrap: Optional[Callable] = None
-        # 3.12+: other threads carry the mode only while the main thread's interception is on, re-armed in
+        # 3.11+: other threads carry the mode only while the main thread's interception is on, re-armed in
         # every running thread at the first stale lease (thread_reach); False: each keeps it for its life
         self.lazy_workers = False
         self._warned_unreachable = False
@@ -491,7 +492,7 @@ class ModeController:
         else:
             self.uninstall_here()
 
-    # -- other threads, lazily (Python 3.12+) ----------------------------------------
+    # -- other threads, lazily (Python 3.11+) ----------------------------------------
     def sync_workers(self, wants: Callable[[], bool]) -> None:
         """Make every other running thread install or remove its mode as ``wants()`` says, at its next
         Python call or return (a visit: :func:`sanitizer.core.thread_reach.run_in_running_threads`, which
@@ -555,7 +556,7 @@ class ModeController:
         self._orig_bootstrap = orig
         threading.Thread._bootstrap_inner = _bootstrap_inner  # type: ignore[attr-defined]
 
-        def _reached() -> None:  # in a thread started before enable (Python 3.12+)
+        def _reached() -> None:  # in a thread started before enable (Python 3.11+)
             if threading.current_thread() is not threading.main_thread() and should_install():
                 controller.install_here()
 

@@ -68,13 +68,13 @@ t = threading.Thread(target=lambda: torch.ones(2) + 1); t.start(); t.join()
 print("thread", op_lookup.serialized(), "lazy", interception.MODES.lazy_workers)
 buf = sanitizer.StagingBuffer(64, name="b")
 w = buf.lend(0, (4,), torch.float32, name="w")
-buf.reuse(0, 16, by="next")  # a stale lease: every thread checks now (3.12+ re-arms running ones)
+buf.reuse(0, 16, by="next")  # a stale lease: every thread checks now (3.11+ re-arms running ones)
 t = threading.Thread(target=lambda: torch.ones(2) + 1); t.start(); t.join()
 print("stale", op_lookup.serialized())
 """
     proc = run_python(code, timeout=60)
     out = proc.stdout.split()
-    # Before 3.12 a worker started while enabled carries a mode for its life; on 3.12+ it carries one only
+    # On 3.10 a worker started while enabled carries a mode for its life; on 3.11+ it carries one only
     # while something is stale (issue 33): the lock comes with the first mode either way.
     lazy = "lazy" in out and out[out.index("lazy") + 1] == "True"
     assert out == ["imported", "False", "enabled", "False", "thread", str(not lazy), "lazy", str(lazy),

@@ -388,7 +388,7 @@ def _user_profilers_survive(hooked: str, worker_first: bool) -> dict:
                                                   ("both", True)])
 def test_a_users_profile_hooks_survive_enable_lend_stale_and_disable_in_every_thread(hooked, worker_first):
     """Issue 46: a worker's hook was gone after the main thread's first stale lease, and the main thread's
-    after a worker's first stale lease (3.12+; the reach is what replaced them)."""
+    after a worker's first stale lease (3.11+; the reach is what replaced them)."""
     seen = _user_profilers_survive(hooked, worker_first)
     assert seen == {"worker_during": True, "worker_after": True, "main_during": True, "main_after": True}
 
@@ -429,7 +429,7 @@ def _stale_read_in_a_thread(name: str, hook, set_in_thread: bool):
 
 def test_threads_started_while_enabled_are_checked_under_a_profiler_for_new_threads():
     """yappi and viztracer set ``threading.setprofile``: the threads started while enabled carry that
-    profiler, and a stale read there is still caught (3.12+ reaches them under it; before, they carry the
+    profiler, and a stale read there is still caught (3.11+ reaches them under it; before, they carry the
     mode from their start)."""
     hook = lambda f, e, a: None  # noqa: E731
     threading.setprofile(hook)
@@ -442,7 +442,7 @@ def test_threads_started_while_enabled_are_checked_under_a_profiler_for_new_thre
 
 def test_a_thread_with_its_own_profiler_is_checked_and_keeps_it():
     """A worker started while enabled sets its own ``sys.setprofile`` hook (cProfile in a worker, 3.11's
-    cProfile; pyinstrument): at the first stale lease it is still reached (3.12+: through its profiler, which
+    cProfile; pyinstrument): at the first stale lease it is still reached (3.11+: through its profiler, which
     keeps every event), and a stale read there raises."""
     calls = [0]
 
