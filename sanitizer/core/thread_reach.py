@@ -80,9 +80,15 @@ class _Api:
         # memmove, called with the GIL kept (ctypes.memmove itself lets the GIL go during the call)
         self.write = ctypes.PYFUNCTYPE(vp, vp, vp, ctypes.c_size_t)(ctypes.cast(ctypes.memmove, vp).value)
         self.func_off, self.obj_off = _find_profile_fields(self.get_tstate)
-        # Python 3.11: where the thread's current ``_PyCFrame`` pointer sits (None elsewhere: see _find_cframe_field)
-        self.cframe_off: Optional[int] = (_find_cframe_field(self.get_tstate, self.func_off)
-                                          if sys.version_info[:2] == (3, 11) else None)
+        # Python 3.11: where the thread's current ``_PyCFrame`` pointer sits (None elsewhere, or when not found:
+        # then only this thread's own visits work there, as before; see _find_cframe_field)
+        self.cframe_off: Optional[int] = None
+        self.cframe_why_not = ""
+        if sys.version_info[:2] == (3, 11):
+            try:
+                self.cframe_off = _find_cframe_field(self.get_tstate, self.func_off)
+            except Exception as err:
+                self.cframe_why_not = f"{type(err).__name__}: {err}"
 
     def read(self, tstate: int) -> Tuple[int, int]:
         """This thread's ``(c_profilefunc, c_profileobj)`` (0 for NULL): only for the calling thread's own state."""

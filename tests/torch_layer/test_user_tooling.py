@@ -497,3 +497,14 @@ def test_a_profiler_resetting_every_thread_does_not_take_our_visits_with_it(vari
     assert proc.stdout.strip() == str(sorted({**{i: "caught" for i in range(3)},
                                                **{f"{i}_profiler_kept": True for i in range(3)}}.items(),
                                               key=str))
+
+
+def test_running_threads_can_be_reached_on_cpython_311_and_later():
+    """The door that lets a worker drop the dispatch mode while nothing is stale (issue 52: a 4-thread load was
+    4.8x of off on 3.11 while every worker kept it) must stay open on the Pythons the project supports: on
+    3.11 it needs the frame flag found beside the profile fields at run time (``_find_cframe_field``)."""
+    if sys.implementation.name != "cpython" or sys.version_info < (3, 11):
+        pytest.skip("CPython 3.11+ only (3.10 keeps the mode for a thread's life)")
+    assert thread_reach.AVAILABLE, thread_reach._why_not or thread_reach._api.cframe_why_not
+    if sys.version_info[:2] == (3, 11):
+        assert thread_reach._api.cframe_off == thread_reach._api.func_off - 8
