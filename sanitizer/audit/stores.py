@@ -188,6 +188,32 @@ class StoreRules:
         elif held.kind != SOURCE:
             return  # a container of tensors too: judged as it is
 
+    def _read_as_mapping(self, target: ast.Subscript) -> bool:
+        """Does the function itself read ``target``'s base as a dict? Its ``.items()``, ``.keys()`` or
+        ``.values()`` are called (``for k, v in state_.items(): ... state_[k] = v.clone()``), or the index is
+        a key taken from a dict's ``.items()``/``.keys()`` (``for k, v in state.items(): sd[idx][k] = ...``):
+        an optimizer's per-parameter state, ``{"step": t, "exp_avg": t}``, read out of a loaded dict of
+        dicts. A tensor has no ``.items()`` and is not indexed by a dict's keys: a store into it is a
+        store into that dict (its new value judged as such), not an in-place write."""
+        memo = getattr(self, "_mapping_reads", None)
+        if memo is None:
+            receivers: set = set()
+            keys: set = set()
+            for sub in ast.walk(self.info.node):
+                if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and not sub.args \
+                        and sub.func.attr in ("items", "keys", "values"):
+                    receivers.add(ast.dump(sub.func.value))
+                    continue
+                if isinstance(sub, (ast.For, ast.AsyncFor, ast.comprehension)) and isinstance(sub.iter, ast.Call) \
+                        and isinstance(sub.iter.func, ast.Attribute) and sub.iter.func.attr in ("items", "keys"):
+                    key = sub.target.elts[0] if isinstance(sub.target, ast.Tuple) and sub.target.elts \
+                        and sub.iter.func.attr == "items" else sub.target
+                    if isinstance(key, ast.Name):
+                        keys.add(key.id)
+            memo = self._mapping_reads = (receivers, keys)
+        receivers, keys = memo
+        return ast.dump(target.value) in receivers or (isinstance(target.slice, ast.Name) and target.slice.id in keys)
+
     def subscript_store(self, target: ast.Subscript, val: Optional[Val], stmt: ast.AST) -> None:
         aliased = self._aliases.get(target.value.id) if self._aliases and type(target.value) is ast.Name else None
         if aliased:  # `dst[i] = w`, `dst` a loop target over (name, container) pairs: into each container
@@ -197,7 +223,8 @@ class StoreRules:
             return
         base = self.ev(target.value)
         self.ev(target.slice)
-        if base is not None and base.kind == TENSOR and _names_a_key(target.slice):
+        if base is not None and base.kind == TENSOR and (_names_a_key(target.slice) or
+                                                         self._read_as_mapping(target)):
             # `tensors["scale"] = ...`: a string indexes no tensor, so what a getter declared `=tensor` returned
             # here is a dict of them (a helper that fills one): a store into it, not an in-place write
             base = base.then(HOLDER, mapping=True)
@@ -215,6 +242,8 @@ class StoreRules:
             kind = "container"
         if subscript_is_tensor(target, kind, self.annotations.get(root.name or "", "")):
             return  # a copy into a tensor
+        if root.name and not root.through_attribute and _read_back_from(stmt, target, root.name):
+            return  # `out[k] = out[k].to(device)`: what the container already held, put back (judged where it got in)
         self.store_into(target.value, val, stmt, "subscript")
 
     def augassign(self, node: ast.AugAssign) -> None:
@@ -296,6 +325,24 @@ class StoreRules:
             self.report("OWN105", stmt, val, f"variable read {when}",
                         f"`{name}` keeps {self._what(val)} past its step: it is read {when} (line {use.lineno}), "
                         f"when the loader has moved on", f"`{name}` read {when} at line {use.lineno}")
+
+
+def _read_back_from(stmt: ast.AST, target: ast.Subscript, name: str) -> bool:
+    """Is ``stmt`` ``name[k] = name[k].to(device)``: the value read out of the very container it is stored
+    back into (ColossalAI's ``gather_state_dict_fast``, ``returned_state_dict[k] = returned_state_dict[k].to(device)``)?
+    The container held that tensor already; whether it may is judged where the tensor got in."""
+    if not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1 or stmt.targets[0] is not target:
+        return False
+    node = stmt.value
+    while True:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            node = node.func.value
+        elif isinstance(node, (ast.Attribute, ast.Subscript)):
+            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == name:
+                return True
+            node = node.value
+        else:
+            return False
 
 
 def _names_a_key(index: ast.AST) -> bool:

@@ -507,3 +507,95 @@ def test_the_projects_own_adapter_setter_imported_relatively_is_no_library_keepe
         set_peft_model_state_dict(model, load_file(path), low_cpu_mem_usage=low_cpu_mem_usage)
     '''
     assert _audit(pkg, {"model.py": caller}) == set()
+
+
+# -- round 9 (ColossalAI, MLC LLM): a generator of whole-file dicts, merged; a prefetching generator; a torch
+# optimizer's load_state_dict; numpy views through a reader chosen at run time; dicts of dicts ----------------
+OPTIMIZER_STATE = '''
+from typing import Optional
+
+import torch
+from safetensors.torch import load_file
+from torch.optim import Optimizer
+
+
+def load_flat(path):
+    flat = load_file(path)
+    return {"state": {0: {"step": flat["state.0.step"], "exp_avg": flat["state.0.exp_avg"]}}, "param_groups": []}
+
+
+def load_torch_optimizer(optimizer: Optimizer, path):
+    optimizer.load_state_dict(load_flat(path))  # torch keeps `step` as loaded, `.to()` the rest
+
+
+def load_adamw(optimizer: Optional[torch.optim.AdamW], path):
+    state = load_flat(path)
+    optimizer.load_state_dict(state)
+
+
+def load_wrapped(optimizer: "OptimizerWrapper", path):
+    optimizer.load_state_dict(load_flat(path))  # the project's own wrapper: its own load_state_dict
+
+
+def load_model(model: torch.nn.Module, path):
+    model.load_state_dict(load_file(path))  # a module's load_state_dict copies (no assign)
+
+
+def slice_states(state: dict, rank: int, inplace: bool):
+    state_ = state if inplace else dict(state)
+    for k, v in state_.items():
+        if k != "step":
+            state_[k] = v.chunk(2)[rank].clone()  # a dict of one parameter's states: a store into it
+    return state_
+
+
+def shard_optimizer_file(path, rank):
+    sd = load_flat(path)["state"]
+    for idx, state in sd.items():
+        for k, v in state.items():
+            sd[idx][k] = v.flatten().clone()  # keyed by the state's own keys: a dict, not a tensor
+    return sd
+
+
+def scale_loaded(path):
+    w = load_file(path)["w"]
+    for i in range(2):
+        w[i] = 0  # a tensor, indexed by a number: an in-place write
+    return w
+'''
+
+
+def test_a_dict_of_dicts_read_by_its_own_keys_is_no_tensor(tmp_path: Path):
+    """An optimizer's per-parameter state (``{"step": t, "exp_avg": t}``) read out of a loaded dict of dicts:
+    a subscript store into something whose ``.items()`` the function calls, or keyed by a dict's own keys, is
+    a store into a dict, not an in-place write (ColossalAI's ``shard_from_complete_optimizer_state``,
+    LowLevelZero's ``load_sharded_optimizer``); a tensor indexed by a number still is."""
+    found = _audit(tmp_path, {"optim.py": OPTIMIZER_STATE})
+    assert not _functions(found) & {"slice_states", "shard_optimizer_file"}, found
+    assert ("OWN120", "scale_loaded") in {(c, f) for c, f, _ in found}, found
+
+
+def test_a_value_put_back_into_the_container_it_was_read_from_is_not_kept_anew(tmp_path: Path):
+    """``out[k] = out[k].to(device)`` in a returned shallow copy of a dict of weights (ColossalAI's
+    ``gather_state_dict_fast``): the container held that tensor already; a store into another container
+    that outlives the call still is one."""
+    text = '''
+    from typing import Dict
+
+    import torch
+
+
+    def gather(state_dict: Dict[str, torch.Tensor], device):
+        out = state_dict.copy()
+        for k in list(out):
+            out[k] = out[k].to(device)
+        return out
+
+
+    class Keeper:
+        def keep(self, state_dict: Dict[str, torch.Tensor], device):
+            for k in state_dict:
+                self.kept[k] = state_dict[k].to(device)
+    '''
+    found = _functions(_audit(tmp_path, {"gather.py": text}))
+    assert found == {"Keeper.keep"}, found
