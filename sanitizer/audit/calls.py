@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ast
 from dataclasses import replace
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from sanitizer.audit import vocabulary as V
 from sanitizer.audit.findings import Link
@@ -65,6 +65,10 @@ class CallRules:
 
     def call(self, node: ast.Call) -> Optional[Val]:
         func = node.func
+        if isinstance(func, ast.Name):
+            alts = self.info.function_aliases.get(func.id)
+            if alts:
+                return self._call_of_choice(node, alts)
         name = dotted(func)
         base: Optional[Val] = None
         meth = ""
@@ -121,6 +125,16 @@ class CallRules:
                 return got.then(HOLDER, Link(node.lineno, self.fn, f"bound by `{self.snip(node, 40)}`"),
                                 capture="inspect.BoundArguments")
         return self.function_call(node, name, args, kwargs)
+
+    def _call_of_choice(self, node: ast.Call, alts: Sequence[ast.expr]) -> Optional[Val]:
+        """``load_func(path)`` with ``load_func = load_safetensor_shard if st else load_torch_shard``: a call of
+        each function it may be; the result is the first that carries weights (a stream before a tensor)."""
+        got: List[Val] = []
+        for alt in alts:
+            val = self.call(ast.copy_location(ast.Call(func=alt, args=node.args, keywords=node.keywords), node))
+            if val is not None:
+                got.append(val)
+        return next((v for v in got if v.kind == ITER), got[0] if got else None)
 
     def _is_module(self, func: ast.AST) -> bool:
         """``torch.add(...)``, ``np.put(...)``: a module's function, not a container's method."""
@@ -215,6 +229,8 @@ class CallRules:
                     return None  # `list(weights)`, `sorted(weights)`: a dict iterates its names, not its tensors
                 return first
             if first.kind == TENSOR:
+                if name in ("numpy.array", "np.array") and not _keyword_is(node, "copy", False):
+                    return None  # numpy.array(t): "copy: bool, default True": a copy (np.asarray shares it)
                 return first.then(HOLDER, link, elem=ELEM_TENSOR)
             return None
         if name in V.TEE and first is not None and first.kind == ITER:

@@ -65,6 +65,13 @@ class FunctionInfo:
         return self.scan.calls
 
     @property
+    def function_aliases(self) -> Dict[str, List[ast.expr]]:
+        """Locals bound, once, to a function named in the body or to a conditional choice of such names
+        (``load_func = load_safetensor_shard if st else load_torch_shard``) and then called: MLC LLM picks its
+        shard reader so. ``load_func(path)`` calls one of them; the audit follows each."""
+        return self.scan.aliases
+
+    @property
     def scan(self) -> "_Scan":
         if self._scan is None:
             self._scan = _scan_function(self.node)
@@ -221,6 +228,9 @@ class _Scan:
     declared_nonlocal: Set[str] = field(default_factory=set)
     is_generator: bool = False
     calls: Set[str] = field(default_factory=set)
+    # ``load = read_safetensors if path.endswith(".safetensors") else read_torch``: a local bound to a choice
+    # of functions (or to one function) and called; the call is a call of each (:meth:`FunctionInfo.function_aliases`)
+    aliases: Dict[str, List[ast.expr]] = field(default_factory=dict)
 
 
 def _scan_function(node: ast.AST) -> _Scan:
@@ -260,7 +270,44 @@ def _scan_function(node: ast.AST) -> _Scan:
                         if name:
                             info.calls.add(name)
     info.locals -= info.declared_global | info.declared_nonlocal
+    if info.calls:
+        bound: Dict[str, List[ast.expr]] = {}
+        rebound: Set[str] = set()
+        for sub in _own_scope(node.body):  # type: ignore[attr-defined]
+            if isinstance(sub, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For, ast.AsyncFor, ast.With,
+                                ast.AsyncWith, ast.NamedExpr)):
+                targets = sub.targets if isinstance(sub, ast.Assign) else [
+                    getattr(sub, "target", None)] if not isinstance(sub, (ast.With, ast.AsyncWith)) else [
+                    i.optional_vars for i in sub.items]
+                for t in targets:
+                    for n in (_bound_names(t) if t is not None else ()):
+                        if n in bound or n in rebound:
+                            rebound.add(n)
+                            bound.pop(n, None)
+                        elif isinstance(sub, ast.Assign) and len(sub.targets) == 1 and isinstance(t, ast.Name):
+                            alts = _function_choices(sub.value)
+                            if alts:
+                                bound[n] = alts
+                            else:
+                                rebound.add(n)
+                        else:
+                            rebound.add(n)
+        for n, alts in bound.items():
+            if n in info.calls:
+                info.aliases[n] = alts
+                info.calls.update(dotted(a) for a in alts)
     return info
+
+
+def _function_choices(value: ast.expr) -> List[ast.expr]:
+    """``a if c else b`` (nested), of names or dotted names: the functions it chooses between ([] otherwise)."""
+    if isinstance(value, ast.IfExp):
+        body, orelse = _function_choices(value.body), _function_choices(value.orelse)
+        return body + orelse if body and orelse else []
+    if isinstance(value, (ast.Name, ast.Attribute)) and dotted(value) and not (
+            isinstance(value, ast.Name) and value.id in ("None", "True", "False")):
+        return [value]
+    return []
 
 
 def build_index(path: str, tree: ast.Module) -> ModuleIndex:

@@ -575,6 +575,73 @@ def test_a_dict_of_dicts_read_by_its_own_keys_is_no_tensor(tmp_path: Path):
     assert ("OWN120", "scale_loaded") in {(c, f) for c, f, _ in found}, found
 
 
+NUMPY_CACHE = '''
+import numpy as np
+from safetensors import safe_open
+
+
+def read_safetensors(path):
+    with safe_open(path, framework="pt", device="cpu") as f:
+        for name in f.keys():
+            param = f.get_tensor(name).detach().cpu()
+            yield name, param.numpy()  # an ndarray sharing the tensor's memory
+
+
+def read_pickle(path):
+    import torch
+    for name, param in torch.load(path).items():
+        yield name, param.numpy()
+
+
+class Loader:
+    def __init__(self):
+        self.cached_files = {}
+
+    def load_file(self, path):
+        reader = read_safetensors if str(path).endswith(".safetensors") else read_pickle
+        result = {}
+        for name, arr in reader(path):
+            result[name] = arr  # every array of the file kept past its fetch
+        self.cached_files[path] = result
+
+    def load_asarray(self, path):
+        out = {}
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                out[name] = np.asarray(f.get_tensor(name))  # shares the memory too
+        self.cached_files[path] = out
+
+    def load_copied(self, path):
+        reader = read_safetensors if str(path).endswith(".safetensors") else read_pickle
+        result = {}
+        for name, arr in reader(path):
+            result[name] = arr.copy()
+        self.cached_files[path] = result
+
+    def load_np_array(self, path):
+        result = {}
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                result[name] = np.array(f.get_tensor(name))  # numpy.array copies by default
+        self.cached_files[path] = result
+
+    def load_reader_rebound(self, path):
+        reader = read_safetensors
+        reader = len  # rebound: not one function the audit can follow
+        print(reader(path))
+'''
+
+
+def test_numpy_views_of_a_chosen_reader_kept_in_a_cache_on_self(tmp_path: Path):
+    """``reader = read_safetensors if ... else read_pickle`` then ``reader(path)``: a call of each function it
+    may be (MLC LLM's ``HuggingFaceLoader._load_file``); ``.numpy()`` and ``np.asarray`` share the tensor's
+    memory, ``.copy()`` and ``np.array`` do not."""
+    found = _functions(_audit(tmp_path, {"np_loader.py": NUMPY_CACHE}))
+    assert {"Loader.load_file", "Loader.load_asarray"} <= found, found
+    assert not found & {"Loader.load_copied", "Loader.load_np_array", "Loader.load_reader_rebound",
+                        "read_safetensors", "read_pickle"}, found
+
+
 def test_a_value_put_back_into_the_container_it_was_read_from_is_not_kept_anew(tmp_path: Path):
     """``out[k] = out[k].to(device)`` in a returned shallow copy of a dict of weights (ColossalAI's
     ``gather_state_dict_fast``): the container held that tensor already; a store into another container
