@@ -16,7 +16,7 @@ from sanitizer.audit import vocabulary as V
 from sanitizer.audit.findings import Link
 from sanitizer.audit.index import dotted, param_default as _param_default
 from sanitizer.audit.targets import _CAMEL, root_of
-from sanitizer.audit.values import (ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR, ELEM_HANDLE_PAIRS, ELEM_PAIR, ELEM_TENSOR, HOLDER,
+from sanitizer.audit.values import (ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR, ELEM_HANDLE_PAIRS, ELEM_DICT, ELEM_PAIR, ELEM_TENSOR, HOLDER,
                                     ITER, PAIR, SOURCE, TENSOR, UNRESOLVED, Val, element_of, handle_of, is_handles)
 
 _MAPPING_COPIES = frozenset({"dict", "OrderedDict", "defaultdict"})  # of a dict: its tensors, by name
@@ -83,6 +83,8 @@ class CallRules:
         if out is not None and out.kind == TENSOR:
             self.inplace(node, out, "out= argument", f"`{self.snip(node, 50)}` writes into it")
 
+        if base is not None and meth == "result" and base.kind in (TENSOR, HOLDER) and not node.args:
+            return base  # `future.result()` of a submitted loader call (see function_call: `submit`)
         if base is not None:
             handled, result = self.method_on_tainted(node, base, meth, args)
             if handled:
@@ -341,7 +343,16 @@ class CallRules:
             origin = getattr(configured, "origin", "")
             return Val(ITER, 0, (Link(node.lineno, self.fn, f"yielded by `{self.snip(node, 40)}`"
                                       + (f" (a producer: {origin})" if origin else "")),), self.fn,
-                       elem=ELEM_PAIR, label=f"`{self.snip(node, 40)}`")
+                       elem=ELEM_DICT if configured == "dicts" else ELEM_PAIR, label=f"`{self.snip(node, 40)}`")
+        if last == "submit" and node.args and isinstance(node.args[0], (ast.Name, ast.Attribute)) \
+                and not any(v is not None for v in args) and not any(v is not None for v in kwargs.values()):
+            # `executor.submit(load_shard, path)`: the future holds what the call returns once it has run, a
+            # producer's dict or tensor fetched now, while the caller goes on (and fetches more): `.result()`
+            # hands it out. A future kept past the step keeps it (a prefetching generator's `futures` list).
+            done = self.call(ast.copy_location(ast.Call(func=node.args[0], args=node.args[1:],
+                                                        keywords=node.keywords), node))
+            if done is not None and done.kind in (TENSOR, HOLDER):
+                return done.then(done.kind, Link(node.lineno, self.fn, f"a future of `{self.snip(node, 40)}`"))
         if name in V.PURE_BUILTINS or V.NON_TENSOR_CALLS.search(name):
             return None
         if isinstance(node.func, ast.Name) and self.summary_param is None and not getattr(self, "infer", False):

@@ -238,6 +238,8 @@ def _handle_attributes(cls: ClassInfo, is_source: Callable[[str], bool]) -> Dict
 def kind_of_value(val: Val, generator: bool) -> Optional[str]:
     """The producer kind a returned (or yielded) value makes of its function."""
     if generator:
+        if val.kind == HOLDER and val.capture is None and not val.obj:
+            return "dicts"  # a generator of whole dicts, a file's each (`yield load_file(path)`)
         return "iterator" if val.kind in (PAIR, TENSOR) else None
     if val.kind == TENSOR:
         return "tensor"
@@ -335,7 +337,7 @@ def record(found: Dict[str, Inferred], info: FunctionInfo, path: str, val: Val, 
                     val.convert if kind == "tensor" else "", api_of(val, path))
     old = found.get(name)
     if old is not None and (old.path, old.line) != (mine.path, mine.line):
-        rank = ("tensor", "dict", "iterator", "holder", "source")
+        rank = ("tensor", "dict", "iterator", "dicts", "holder", "source")
         if rank.index(old.kind) <= rank.index(kind):
             return False  # two definitions of one name: the one that hands out tensors is kept
     if old == mine:

@@ -33,6 +33,10 @@ ELEM_HANDLES, ELEM_HANDLE_PAIRS = "handles", "handle-pairs"
 # (``[StateDictIterator(f) for f in files]``, objects of a class whose ``__iter__`` yields a loader's tensors):
 # its items are the stream (``stream``), each iterated in a step of its own.
 ELEM_STREAMS = "streams"
+# An ITER whose ``elem`` is this yields whole dicts of tensors, one file's each (ColossalAI's
+# ``load_state_dict_shards``: a generator yielding each shard's ``load_file`` dict): an item is that file's dict,
+# valid for the iteration that yielded it.
+ELEM_DICT = "dict"
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,8 @@ class Val:
 def element_of(val: Val, link: Optional[Link] = None) -> Val:
     """One item of an iterator or holder: a pair when the items are pairs, else a tensor."""
     kind = PAIR if val.elem in (ELEM_PAIR,) else TENSOR
+    if val.elem == ELEM_DICT and val.kind == ITER:
+        return val.then(HOLDER, link, elem=ELEM_TENSOR, mapping=True)
     if val.elem in (ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR):
         kind = HOLDER  # (index, item): unpacked by the loop target
     return val.then(kind, link, elem=val.elem, mapping=False)
@@ -177,5 +183,5 @@ class Unresolved:
 UNRESOLVED = Unresolved()
 
 __all__ = ["Val", "element_of", "Slot", "State", "IntoParam", "Outcome", "UNRESOLVED", "COMPREHENSIONS", "ITER", "PAIR", "TENSOR", "HOLDER", "SOURCE",
-           "ELEM_PAIR", "ELEM_TENSOR", "ELEM_ENUM_PAIR", "ELEM_ENUM_TENSOR", "ELEM_HANDLES", "ELEM_HANDLE_PAIRS", "ELEM_STREAMS",
+           "ELEM_PAIR", "ELEM_TENSOR", "ELEM_ENUM_PAIR", "ELEM_ENUM_TENSOR", "ELEM_HANDLES", "ELEM_HANDLE_PAIRS", "ELEM_STREAMS", "ELEM_DICT",
            "is_handles", "handle_of", "handles_holding"]

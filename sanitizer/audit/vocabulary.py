@@ -68,6 +68,7 @@ LAZY_WRAPPERS = frozenset({
     "islice", "itertools.groupby", "groupby", "itertools.starmap", "itertools.filterfalse",
     "itertools.takewhile", "itertools.dropwhile", "itertools.compress", "itertools.zip_longest",
     "itertools.chain.from_iterable", "chain.from_iterable", "tqdm", "tqdm.tqdm", "tqdm.auto.tqdm",
+    "as_completed", "concurrent.futures.as_completed", "futures.as_completed",
 })
 PARTIALS = frozenset({"functools.partial", "partial", "functools.partialmethod", "partialmethod"})
 BIND_METHODS = frozenset({"bind", "bind_partial"})

@@ -511,6 +511,82 @@ def test_the_projects_own_adapter_setter_imported_relatively_is_no_library_keepe
 
 # -- round 9 (ColossalAI, MLC LLM): a generator of whole-file dicts, merged; a prefetching generator; a torch
 # optimizer's load_state_dict; numpy views through a reader chosen at run time; dicts of dicts ----------------
+SHARD_DICTS = {
+    "shards.py": '''
+import concurrent.futures
+
+from safetensors.torch import load_file
+
+
+def read_shard(path):
+    return load_file(path)
+
+
+def shard_dicts(files, prefetch=2, low_mem=True):
+    if low_mem:
+        for f in files:
+            yield read_shard(f)
+    else:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=prefetch) as pool:
+            pending = []
+            for f in files:
+                pending.append(pool.submit(read_shard, f))  # every file fetched while earlier ones are consumed
+            for fut in concurrent.futures.as_completed(pending):
+                yield fut.result()
+
+
+def shard_dicts_in_turn(files):
+    for f in files:
+        yield read_shard(f)
+
+
+def shard_dict_now(pool, path):
+    fut = pool.submit(read_shard, path)
+    return fut.result()  # handed on within the call
+''',
+    "consumers.py": '''
+from shards import shard_dicts, shard_dicts_in_turn
+
+
+def load_all_then_assign(model, files):
+    merged = {}
+    for sd in shard_dicts_in_turn(files):
+        merged.update(sd)  # every file's dict kept past the next file
+    model.load_state_dict(merged, strict=False)
+
+
+def load_each(model, files):
+    for sd in shard_dicts(files):
+        model.load_state_dict(sd, strict=False)  # copied in the file's step
+
+
+def count_keys(files):
+    names = set()
+    for sd in shard_dicts_in_turn(files):
+        names.update(sd.keys())  # names only
+    return names
+''',
+}
+
+
+def test_a_generator_of_file_dicts_merged_with_update_keeps_every_file(tmp_path: Path):
+    """A generator yielding one file's dict a step (``yield load_file(path)``, through a helper) is a stream
+    of dicts (``=dicts`` in ``--show-settings``); ``merged.update(sd)`` into a dict bound before the loop keeps
+    each file's tensors past the next file (ColossalAI's FSDP ``load_sharded_model``/``_optimizer``)."""
+    found = _functions(_audit(tmp_path, SHARD_DICTS))
+    assert "load_all_then_assign" in found, found
+    assert not found & {"load_each", "count_keys", "shard_dicts_in_turn", "shard_dict_now", "read_shard"}, found
+
+
+def test_a_prefetching_generator_keeps_the_files_its_futures_hold(tmp_path: Path):
+    """``pool.submit(read_shard, f)`` for every file before the first is consumed: each future holds a file's
+    dict (``.result()`` hands it out), and the list of futures keeps them all (ColossalAI's
+    ``load_state_dict_shards`` with ``low_cpu_mem_mode=False``). A future resolved in the same call keeps
+    nothing."""
+    found = _audit(tmp_path, SHARD_DICTS)
+    assert {(code, fn) for code, fn, _ in found if fn == "shard_dicts"} == {("OWN101", "shard_dicts")}, found
+
+
 OPTIMIZER_STATE = '''
 from typing import Optional
 
