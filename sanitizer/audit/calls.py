@@ -9,6 +9,7 @@ the weights iterator, which still yields them. A mixin of :class:`~sanitizer.aud
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -112,6 +113,16 @@ class CallRules:
                                    ctx=ast.Store(), lineno=node.lineno)  # no columns: named by ast.unparse
             self.attribute_store(target, args[0], node)
             return None
+        if meth == "load_state_dict" and args and args[0] is not None and args[0].holds_tensor \
+                and self._torch_optimizer(func):
+            # torch.optim.Optimizer.load_state_dict: `_process_value_according_to_param_policy` returns the
+            # `step` entry as loaded (unless capturable or fused) and `value.to(dtype=param.dtype,
+            # device=param.device)` for the others (the tensor itself when already in place); the results go
+            # into `self.state`. A loaded optimizer file's tensors are kept for the optimizer's life.
+            assert isinstance(func, ast.Attribute)
+            target = ast.Attribute(value=func.value, attr="state", ctx=ast.Load(), lineno=node.lineno)
+            self.store_into(target, args[0], node, "update")
+            return None
         if meth in _ADAPTER_LOADERS and isinstance(func, ast.Attribute) or name in _ADAPTER_SETTERS:
             if self._adapter_assigned(node, name, meth, args, kwargs):
                 return None
@@ -137,6 +148,17 @@ class CallRules:
             if val is not None:
                 got.append(val)
         return next((v for v in got if v.kind == ITER), got[0] if got else None)
+
+    def _torch_optimizer(self, func: ast.AST) -> bool:
+        """Is ``func``'s receiver annotated as a torch optimizer (``optimizer: Optimizer``,
+        ``torch.optim.AdamW``)? A wrapper of the project's own (``OptimizerWrapper``, ColossalAI's
+        LowLevelZero optimizer that deep-copies) is not: its ``load_state_dict`` is its own."""
+        if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)):
+            return False
+        ann = self.annotations.get(func.value.id, "").replace(" ", "")
+        ann = ann[9:-1] if ann.startswith("Optional[") and ann.endswith("]") else ann
+        return ann in ("Optimizer", "torch.optim.Optimizer", "optim.Optimizer", "torch.optim.optimizer.Optimizer") \
+            or re.fullmatch(r"(torch\.)?optim\.[A-Z]\w*", ann) is not None
 
     def _is_module(self, func: ast.AST) -> bool:
         """``torch.add(...)``, ``np.put(...)``: a module's function, not a container's method."""

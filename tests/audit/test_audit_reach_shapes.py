@@ -641,6 +641,16 @@ def scale_loaded(path):
 '''
 
 
+def test_a_torch_optimizer_keeps_the_loaded_state(tmp_path: Path):
+    """``optimizer.load_state_dict(sd)`` on a receiver annotated as a torch optimizer keeps ``step`` as loaded
+    and the other states through a no-op ``.to()``: stored in ``optimizer.state`` (ColossalAI's
+    ``GeneralCheckpointIO.load_unsharded_optimizer``). A wrapper of the project's own is not torch's, and a
+    module's ``load_state_dict`` copies."""
+    found = _functions(_audit(tmp_path, {"optim.py": OPTIMIZER_STATE}))
+    assert {"load_torch_optimizer", "load_adamw"} <= found, found
+    assert not found & {"load_wrapped", "load_model", "load_flat"}, found
+
+
 def test_a_dict_of_dicts_read_by_its_own_keys_is_no_tensor(tmp_path: Path):
     """An optimizer's per-parameter state (``{"step": t, "exp_avg": t}``) read out of a loaded dict of dicts:
     a subscript store into something whose ``.items()`` the function calls, or keyed by a dict's own keys, is
