@@ -238,8 +238,10 @@ def _handle_attributes(cls: ClassInfo, is_source: Callable[[str], bool]) -> Dict
 def kind_of_value(val: Val, generator: bool) -> Optional[str]:
     """The producer kind a returned (or yielded) value makes of its function."""
     if generator:
-        if val.kind == HOLDER and val.capture is None and not val.obj:
-            return "dicts"  # a generator of whole dicts, a file's each (`yield load_file(path)`)
+        if val.kind == HOLDER and val.capture is None and not val.obj and val.parts is None \
+                and val.elem != "pair":
+            return "dicts"  # a generator of whole dicts, a file's each (`yield load_file(path)`); not a
+            # `yield name, holder` tuple, whose items are (name, value) pairs
         return "iterator" if val.kind in (PAIR, TENSOR) else None
     if val.kind == TENSOR:
         return "tensor"

@@ -752,3 +752,31 @@ def test_a_value_put_back_into_the_container_it_was_read_from_is_not_kept_anew(t
     '''
     found = _functions(_audit(tmp_path, {"gather.py": text}))
     assert found == {"Keeper.keep"}, found
+
+
+
+def test_show_settings_names_a_generator_of_dicts(tmp_path: Path, capsys):
+    """``yield read_shard(f)`` (through a helper) makes a ``dicts`` producer, listed by ``--show-settings``."""
+    from sanitizer.audit.cli import main
+
+    paths = []
+    for name, text in SHARD_DICTS.items():
+        (tmp_path / name).write_text(textwrap.dedent(text))
+        paths.append(str(tmp_path / name))
+    assert main(["--show-settings", *paths]) == 0
+    shown = capsys.readouterr().out
+    lines = {line.strip().split("=")[0]: line.strip() for line in shown.splitlines() if line.startswith("  ")}
+    assert lines["shard_dicts"].startswith("shard_dicts=dicts"), lines
+    assert lines["shard_dicts_in_turn"].startswith("shard_dicts_in_turn=dicts"), lines
+
+
+def test_a_yielded_tuple_literal_is_no_dict_of_a_file():
+    """A generator yielding a container of a producer's tensors is a ``dicts`` producer; one yielding a tuple
+    literal (``yield name, value``, whatever the value holds: compressed-tensors' ``decompress`` yields
+    ``(name, self.decompress_weight(...))``) is not: its items are (name, value) pairs."""
+    from sanitizer.audit.producers import kind_of_value
+    from sanitizer.audit.values import HOLDER, Val
+
+    held = Val(HOLDER, 0, (), "f", mapping=True)
+    assert kind_of_value(held, True) == "dicts"
+    assert kind_of_value(held.then(HOLDER, parts=(None, held)), True) != "dicts"
