@@ -68,8 +68,13 @@ class FunctionInfo:
     def function_aliases(self) -> Dict[str, List[ast.expr]]:
         """Locals bound, once, to a function named in the body or to a conditional choice of such names
         (``load_func = load_safetensor_shard if st else load_torch_shard``) and then called: MLC LLM picks its
-        shard reader so. ``load_func(path)`` calls one of them; the audit follows each."""
-        return self.scan.aliases
+        shard reader so. ``load_func(path)`` calls one of them; the audit follows each. Statements only (as
+        :attr:`declared`), so asking costs no full scan of a function the flow would not scan."""
+        if self._aliases is None:
+            self._aliases = _function_aliases(self.node.body)  # type: ignore[attr-defined]
+        return self._aliases
+
+    _aliases: Optional[Dict[str, List[ast.expr]]] = None
 
     @property
     def scan(self) -> "_Scan":
@@ -228,9 +233,6 @@ class _Scan:
     declared_nonlocal: Set[str] = field(default_factory=set)
     is_generator: bool = False
     calls: Set[str] = field(default_factory=set)
-    # ``load = read_safetensors if path.endswith(".safetensors") else read_torch``: a local bound to a choice
-    # of functions (or to one function) and called; the call is a call of each (:meth:`FunctionInfo.function_aliases`)
-    aliases: Dict[str, List[ast.expr]] = field(default_factory=dict)
 
 
 def _scan_function(node: ast.AST) -> _Scan:
@@ -270,33 +272,38 @@ def _scan_function(node: ast.AST) -> _Scan:
                         if name:
                             info.calls.add(name)
     info.locals -= info.declared_global | info.declared_nonlocal
-    if info.calls:
-        bound: Dict[str, List[ast.expr]] = {}
-        rebound: Set[str] = set()
-        for sub in _own_scope(node.body):  # type: ignore[attr-defined]
-            if isinstance(sub, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For, ast.AsyncFor, ast.With,
-                                ast.AsyncWith, ast.NamedExpr)):
-                targets = sub.targets if isinstance(sub, ast.Assign) else [
-                    getattr(sub, "target", None)] if not isinstance(sub, (ast.With, ast.AsyncWith)) else [
-                    i.optional_vars for i in sub.items]
-                for t in targets:
-                    for n in (_bound_names(t) if t is not None else ()):
-                        if n in bound or n in rebound:
-                            rebound.add(n)
-                            bound.pop(n, None)
-                        elif isinstance(sub, ast.Assign) and len(sub.targets) == 1 and isinstance(t, ast.Name):
-                            alts = _function_choices(sub.value)
-                            if alts:
-                                bound[n] = alts
-                            else:
-                                rebound.add(n)
-                        else:
-                            rebound.add(n)
-        for n, alts in bound.items():
-            if n in info.calls:
-                info.aliases[n] = alts
-                info.calls.update(dotted(a) for a in alts)
+    for n, alts in _function_aliases(node.body).items():  # type: ignore[attr-defined]
+        if n in info.calls:  # `load_func(path)`: a call of each function it may be, for discovery too
+            info.calls.update(dotted(a) for a in alts)
     return info
+
+
+def _function_aliases(body: List[ast.stmt]) -> Dict[str, List[ast.expr]]:
+    """Names bound once in the function's own statements, to a function's name or a conditional choice of
+    names (``load_func = a if c else b``): what a call of the name may call. A name bound again (by another
+    assignment, a loop, a ``with``, ``+=``) is none."""
+    choices: Dict[str, List[ast.expr]] = {}
+    binds: Dict[str, int] = {}
+    for stmt in _statements(body):
+        if isinstance(stmt, ast.Assign):
+            targets: List[ast.AST] = list(stmt.targets)
+            if len(targets) == 1 and type(targets[0]) is ast.Name:
+                alts = _function_choices(stmt.value)
+                if alts:
+                    choices[targets[0].id] = alts  # type: ignore[attr-defined]
+        elif isinstance(stmt, (ast.AnnAssign, ast.AugAssign, ast.For, ast.AsyncFor)):
+            targets = [stmt.target]
+        elif isinstance(stmt, (ast.With, ast.AsyncWith)):
+            targets = [i.optional_vars for i in stmt.items if i.optional_vars is not None]
+        elif isinstance(stmt, FunctionNode + (ast.ClassDef,)):
+            binds[stmt.name] = binds.get(stmt.name, 0) + 2  # type: ignore[attr-defined]
+            continue
+        else:
+            continue
+        for t in targets:
+            for n in _bound_names(t):
+                binds[n] = binds.get(n, 0) + 1
+    return {n: alts for n, alts in choices.items() if binds.get(n) == 1}
 
 
 def _function_choices(value: ast.expr) -> List[ast.expr]:
