@@ -6,6 +6,7 @@ import ast
 import io
 import os
 import threading
+import warnings
 import tokenize
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Set
@@ -91,7 +92,7 @@ def parse(path: str, text: str) -> Source:
     nested deeper than its parser takes, memory) is an :class:`AuditInputError` naming the file."""
     try:
         try:
-            tree = ast.parse(text, filename=path)
+            tree = _quietly(ast.parse, text, filename=path)
         except RecursionError:
             tree = _parse_from_the_top(text, path)
     except SyntaxError as exc:  # (3.12+: a NUL byte too, with no line)
@@ -108,6 +109,17 @@ def parse(path: str, text: str) -> Source:
     return Source(path, text, tree)
 
 
+def _quietly(parse, *args, **kwargs):  # type: ignore[no-untyped-def]
+    """``parse`` with the compiler's warnings about the audited code silenced (an invalid escape such as
+    ``"\\."`` is a DeprecationWarning on 3.11 and a SyntaxWarning, printed by default, on 3.12+): they are the
+    audited project's business, printed by its own interpreter; from a linter they were noise on stderr
+    (ruff and flake8 print none either)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SyntaxWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return parse(*args, **kwargs)
+
+
 def _parse_from_the_top(text: str, path: str) -> ast.Module:
     """``ast.parse`` as at the top of a program: in a thread of its own. Python's parser allows nesting in
     proportion to what is left of the caller's recursion budget (3.11: the recursion limit left; 3.12+: the
@@ -118,7 +130,7 @@ def _parse_from_the_top(text: str, path: str) -> ast.Module:
 
     def run() -> None:
         try:
-            out.append(ast.parse(text, filename=path))
+            out.append(_quietly(ast.parse, text, filename=path))
         except BaseException as exc:  # handed to the caller, which names the file
             out.append(exc)
 

@@ -423,3 +423,15 @@ def test_sync_readme_on_a_file_without_its_markers_is_one_line_and_the_file_is_u
     page.write_text(f"# Options\n\n{opts.README_BEGIN}\nold\n{opts.README_END}\n")
     code, out, _ = _options(capsys, "--sync-readme", str(page))
     assert code == 0 and "updated" in out and opts.markdown_table() in page.read_text()
+
+
+def test_the_compilers_warnings_about_the_audited_code_are_not_printed(tmp_path):
+    """An invalid escape in the audited code (``"\\."``: a SyntaxWarning on 3.12+, printed by default) is the
+    project's business: ``ownsan audit`` printed one per such file (seen on ColossalAI, Petals, xtuner)."""
+    (tmp_path / "esc.py").write_text('import re\nPAT = re.compile("a\\.b")\n\n' + RETAINING.decode())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OWNERSHIP_SANITIZE")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-W", "default", "-m", "sanitizer.audit", str(tmp_path / "esc.py")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # the retention is still found
+    assert "Warning" not in proc.stderr, proc.stderr
