@@ -51,7 +51,9 @@ import operator
 import sys
 import threading
 from collections import deque
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, TypeVar
+
+T = TypeVar("T")
 
 from sanitizer.core import forking
 
@@ -135,54 +137,64 @@ def _c_function(name: str, restype, *argtypes):  # type: ignore[no-untyped-def]
     return ctypes.PYFUNCTYPE(restype, *argtypes)((name, ctypes.pythonapi))
 
 
-def _find_profile_fields(get_tstate: Callable[[], int]) -> Tuple[int, int]:
-    """Offsets of ``c_profilefunc`` and ``c_profileobj`` in ``PyThreadState``, found in a fresh thread of ours
-    (no profiler there: ``_thread`` threads do not run ``threading``'s profile hook): the object slot holds a
-    marker's address exactly while ``sys.setprofile(marker)`` is in force, and the function slot, two words
-    before it in every CPython that has them (``c_profilefunc, c_tracefunc, c_profileobj, c_traceobj``), is
-    set and cleared with it. Raises when either check fails."""
-    found: List[Tuple[int, int]] = []
+def _probe_in_a_fresh_thread(probe: Callable[[int], T], what: str, get_tstate: Callable[[], int]) -> T:
+    """``probe(tstate)`` run in a fresh thread of ours (no profiler there: ``_thread`` threads do not run
+    ``threading``'s profile hook), its result returned; anything it raises becomes one RuntimeError naming
+    ``what`` (never raised into a thread of ours)."""
+    found: List[T] = []
     failed: List[BaseException] = []
     done = _thread.allocate_lock()
     done.acquire()
 
-    def marker(frame, event, arg):  # type: ignore[no-untyped-def]
-        return None
-
-    def probe() -> None:
+    def run() -> None:
         try:
-            tstate = get_tstate()
-
-            def words() -> List[int]:
-                raw = ctypes.string_at(tstate, _SCAN_WORDS * _WORD)
-                return [int.from_bytes(raw[i:i + _WORD], sys.byteorder) for i in range(0, len(raw), _WORD)]
-
-            before = words()
-            sys.setprofile(marker)
-            during = words()
-            sys.setprofile(None)
-            after = words()
-            hits = [i for i, w in enumerate(during) if w == id(marker) and before[i] == 0 and after[i] == 0]
-            if len(hits) != 1 or hits[0] < 2:
-                raise RuntimeError(f"profile object slot not found ({len(hits)} candidates)")
-            obj = hits[0]
-            func = obj - 2
-            if not (before[func] == 0 and during[func] != 0 and after[func] == 0):
-                raise RuntimeError("profile function slot not where expected")
-            found.append((func * _WORD, obj * _WORD))
-        except BaseException as err:  # reported to the caller, never into a thread of ours
+            found.append(probe(get_tstate()))
+        except BaseException as err:  # reported to the caller
             failed.append(err)
         finally:
             done.release()
 
-    _thread.start_new_thread(probe, ())
+    _thread.start_new_thread(run, ())
     done.acquire()
     if not found:
-        raise RuntimeError(f"cannot locate the profile fields: {failed[0] if failed else 'no result'}")
+        raise RuntimeError(f"cannot locate {what}: {failed[0] if failed else 'no result'}")
     return found[0]
 
 
-def _find_cframe_field(get_tstate: Callable[[], int], func_off: int) -> Optional[int]:
+def _marker(frame, event, arg):  # type: ignore[no-untyped-def]
+    """The profile function the probes set: its identity is what they look for."""
+    return None
+
+
+def _find_profile_fields(get_tstate: Callable[[], int]) -> Tuple[int, int]:
+    """Offsets of ``c_profilefunc`` and ``c_profileobj`` in ``PyThreadState``, found in a fresh thread of ours:
+    the object slot holds a marker's address exactly while ``sys.setprofile(marker)`` is in force, and the
+    function slot, two words before it in every CPython that has them (``c_profilefunc, c_tracefunc,
+    c_profileobj, c_traceobj``), is set and cleared with it. Raises when either check fails."""
+
+    def probe(tstate: int) -> Tuple[int, int]:
+        def words() -> List[int]:
+            raw = ctypes.string_at(tstate, _SCAN_WORDS * _WORD)
+            return [int.from_bytes(raw[i:i + _WORD], sys.byteorder) for i in range(0, len(raw), _WORD)]
+
+        before = words()
+        sys.setprofile(_marker)
+        during = words()
+        sys.setprofile(None)
+        after = words()
+        hits = [i for i, w in enumerate(during) if w == id(_marker) and before[i] == 0 and after[i] == 0]
+        if len(hits) != 1 or hits[0] < 2:
+            raise RuntimeError(f"profile object slot not found ({len(hits)} candidates)")
+        obj = hits[0]
+        func = obj - 2
+        if not (before[func] == 0 and during[func] != 0 and after[func] == 0):
+            raise RuntimeError("profile function slot not where expected")
+        return func * _WORD, obj * _WORD
+
+    return _probe_in_a_fresh_thread(probe, "the profile fields", get_tstate)
+
+
+def _find_cframe_field(get_tstate: Callable[[], int], func_off: int) -> int:
     """Python 3.11: the offset of ``PyThreadState.cframe``, the word just before ``c_profilefunc``
     (``_PyCFrame *cframe; Py_tracefunc c_profilefunc; ...`` in 3.11's ``cpython/pystate.h``). Its first byte,
     ``use_tracing``, is what 3.11's eval loop reads to call profile functions; CPython's own
@@ -191,15 +203,8 @@ def _find_cframe_field(get_tstate: Callable[[], int], func_off: int) -> Optional
     below ("tstate->cframe->use_tracing = cframe.use_tracing" in ceval.c), so setting it in the innermost
     frame is enough. Checked in a fresh thread of ours: the word must look like a pointer, and the byte it
     points at must be 0, then 255 while ``sys.setprofile(marker)`` is in force, then 0 again. Raises when
-    either check fails (the door then stays closed on 3.11, as before)."""
-    failed: List[BaseException] = []
-    found: List[int] = []
-    done = _thread.allocate_lock()
-    done.acquire()
+    either check fails (the door to other threads then stays closed on 3.11, as before)."""
     off = func_off - _WORD
-
-    def marker(frame, event, arg):  # type: ignore[no-untyped-def]
-        return None
 
     def use_tracing(tstate: int) -> int:
         pointer = ctypes.c_void_p.from_address(tstate + off).value or 0
@@ -207,27 +212,17 @@ def _find_cframe_field(get_tstate: Callable[[], int], func_off: int) -> Optional
             raise RuntimeError(f"PyThreadState.cframe not where expected ({pointer:#x})")
         return ctypes.c_uint8.from_address(pointer).value
 
-    def probe() -> None:
-        try:
-            tstate = get_tstate()
-            before = use_tracing(tstate)
-            sys.setprofile(marker)
-            during = use_tracing(tstate)
-            sys.setprofile(None)
-            after = use_tracing(tstate)
-            if (before, during, after) != (0, 255, 0):
-                raise RuntimeError(f"use_tracing did not follow sys.setprofile ({before}, {during}, {after})")
-            found.append(off)
-        except BaseException as err:  # reported to the caller, never into a thread of ours
-            failed.append(err)
-        finally:
-            done.release()
+    def probe(tstate: int) -> int:
+        before = use_tracing(tstate)
+        sys.setprofile(_marker)
+        during = use_tracing(tstate)
+        sys.setprofile(None)
+        after = use_tracing(tstate)
+        if (before, during, after) != (0, 255, 0):
+            raise RuntimeError(f"use_tracing did not follow sys.setprofile ({before}, {during}, {after})")
+        return off
 
-    _thread.start_new_thread(probe, ())
-    done.acquire()
-    if not found:
-        raise RuntimeError(f"cannot locate PyThreadState.cframe: {failed[0] if failed else 'no result'}")
-    return found[0]
+    return _probe_in_a_fresh_thread(probe, "PyThreadState.cframe", get_tstate)
 
 
 def _gil_enabled() -> bool:
