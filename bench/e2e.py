@@ -59,30 +59,12 @@ TARGETS = {("llm", "ring"): 1.3, ("llm", "ring+checksum"): 1.5, ("llm", "triage"
 
 
 def make_llm(path: Path, layers: int, hidden: int, vocab: int) -> List[str]:
-    import torch
-    from safetensors.torch import save_file
+    """The LLM-shaped checkpoint of bench/loaders.py (two bf16 shards), with an embedding of ``vocab`` rows."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from loaders import make_checkpoint
 
-    inter = hidden * 11 // 4
-    g = torch.Generator().manual_seed(0)
-    t: Dict[str, "torch.Tensor"] = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        t[p + "input_layernorm.weight"] = torch.randn(hidden, generator=g)
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            t[p + f"self_attn.{name}.weight"] = torch.randn(hidden, hidden, generator=g)
-        t[p + "post_attention_layernorm.weight"] = torch.randn(hidden, generator=g)
-        for name, shape in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)),
-                            ("down_proj", (hidden, inter))):
-            t[p + f"mlp.{name}.weight"] = torch.randn(*shape, generator=g)
-    names = list(t)
-    half = len(names) // 2
     path.mkdir(parents=True, exist_ok=True)
-    files = []
-    for i, part in enumerate((names[:half], names[half:])):
-        f = path / f"model-{i + 1:05d}-of-00002.safetensors"
-        save_file({k: t[k].to(torch.bfloat16) for k in part}, str(f))
-        files.append(str(f))
-    return files
+    return make_checkpoint(str(path), layers, hidden, vocab)[0]
 
 
 def make_100k(path: Path, count: int = 100_000) -> List[str]:

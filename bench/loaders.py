@@ -34,7 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, Iterator, List, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -49,12 +49,16 @@ MODES = ("off", "tracking", "full")
 BREAKDOWN = ("tracking-noguard", "tracking-notriage")
 
 
-def make_checkpoint(directory: str, layers: int, hidden: int) -> Tuple[List[str], Dict[str, torch.Tensor]]:
+def make_checkpoint(directory: str, layers: int, hidden: int,
+                    vocab: Optional[int] = None) -> Tuple[List[str], Dict[str, torch.Tensor]]:
+    """An LLM's tensors (an embedding of ``vocab`` rows, default ``8 * hidden``, and ``layers`` layers of norms,
+    attention and MLP projections), bf16, in two shards under ``directory`` (also used by bench/e2e.py)."""
     from safetensors.torch import save_file
 
     inter = hidden * 11 // 4
     g = torch.Generator().manual_seed(0)
-    tensors: Dict[str, torch.Tensor] = {"model.embed_tokens.weight": torch.randn(8 * hidden, hidden, generator=g)}
+    rows = 8 * hidden if vocab is None else vocab
+    tensors: Dict[str, torch.Tensor] = {"model.embed_tokens.weight": torch.randn(rows, hidden, generator=g)}
     for i in range(layers):
         p = f"model.layers.{i}."
         tensors[p + "input_layernorm.weight"] = torch.randn(hidden, generator=g)
