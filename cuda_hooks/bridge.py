@@ -57,39 +57,7 @@ def to_unsigned(v: int) -> int:
 # --------------------------------------------------------------------------- lazy kernels
 
 
-_preloading: Optional[threading.Thread] = None
-_PRELOAD_WAIT_S = 20.0
-
-
-def preload_cpu_in_background() -> None:
-    """Start loading the CPU kernels (numba's import and the cached kernels, ~0.4 s) in a thread of our own,
-    so that a program enabling ``checksum=1`` at start-up pays for it while it still imports and builds its
-    model, not at its first lend. The first hash waits for it (:func:`_cpu`); so does a ``fork()``
-    (:func:`_before_fork`), since a child forked while a thread of ours held numba's import locks would hang
-    at its own first import of them. A failure here is left for the first hash to raise."""
-    global _preloading
-    if "cpu" in _modules or _preloading is not None:
-        return
-
-    def run() -> None:
-        try:
-            _cpu(wait=False).preload()
-        except Exception:  # (the first hash imports again, and says what is wrong)
-            pass
-
-    _preloading = threading.Thread(target=run, name="ownership-sanitizer kernel preload", daemon=True)
-    _preloading.start()
-
-
-def _wait_for_preload() -> None:
-    thread = _preloading
-    if thread is not None and thread is not threading.current_thread() and thread.is_alive():
-        thread.join(_PRELOAD_WAIT_S)
-
-
-def _cpu(wait: bool = True) -> ModuleType:
-    if wait:
-        _wait_for_preload()
+def _cpu() -> ModuleType:
     mod = _modules.get("cpu")
     if mod is None:
         t0 = time.perf_counter()
@@ -213,7 +181,7 @@ def _after_fork_in_child() -> None:
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_wait_for_preload, after_in_child=_after_fork_in_child)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _scratch_for(device: torch.device, stream: Any) -> torch.Tensor:

@@ -60,7 +60,6 @@ from .kernel_choice import PARALLEL, KernelChoice
 
 __all__ = [
     "hash_bytes",
-    "preload",
     "compile_seconds",
     "kernel_runs",
     "MIN_CHUNK_WORDS",
@@ -226,20 +225,6 @@ def hash_bytes(buf: np.ndarray) -> int:
         h = _hash_serial(words, tail, buf.size)
     _choice.record(kernel, (time.perf_counter() - t0) / buf.size, probe)
     return int(h)
-
-
-def preload() -> None:
-    """Load the serial kernel from numba's disk cache (compiling it on a cold cache), so that a thread of
-    the sanitizer's own can pay for most of a first hash's cost ahead of it: numba's import (~0.2 s) and
-    its typing set-up (~0.2 s), which the parallel kernel then shares (its own load is ~6 ms).
-
-    The parallel kernel is neither loaded nor run here: loading it starts numba's OpenMP layer, after
-    which a forked child that runs it is terminated by numba ("fork() called from a process already
-    using GNU OpenMP"); it stays with :func:`_warm_up` at the first hash, in the thread that hashes (its
-    torch thread count kept), which also checks the known answers."""
-    probe = np.zeros(64, dtype=np.uint8)
-    words, tail = _split(probe)
-    _hash_serial(words, tail, probe.size)  # (runs on 64 bytes of our own)
 
 
 def kernel_runs() -> dict[str, int]:

@@ -471,17 +471,8 @@ def _synchronize_at_exit() -> None:
 
 
 def _on_enable(options: Options) -> None:
-    """``enable(checksum=1)``: start loading the CPU kernels in a thread of ours (numba's import and typing
-    set-up, ~0.4 s, overlap the program's own start-up instead of stalling its first lend; measured in
-    ``bench/e2e.py``); in a process already using CUDA, load the kernels on the current device now, so the
-    first lend does not pay for it and no graph captured later can see a module load."""
-    if options.checksum:
-        try:
-            from cuda_hooks import bridge
-
-            bridge.preload_cpu_in_background()
-        except (ImportError, AttributeError):  # enabled while cuda_hooks itself imports torch: the first hash loads
-            pass
+    """``enable(checksum=1)`` in a process already using CUDA: load the kernels on the current device now,
+    so the first lend does not pay for it and no graph captured later can see a module load."""
     if not options.checksum or not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return  # (a process not using CUDA yet is left alone: initialising CUDA here would break a later fork)
     device = torch.device("cuda", torch.cuda.current_device())
