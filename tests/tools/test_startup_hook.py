@@ -193,3 +193,21 @@ def test_a_bad_option_when_torch_is_imported_during_start_up_exits_cleanly(tmp_p
     out = subprocess.run([python, "-c", "import sys; print(sys.modules['sanitizer'].enabled())"], env=env,
                          capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
     assert out.returncode == 0 and out.stdout.split() == ["True"], out.stderr[-2000:]
+
+
+def test_a_hook_left_behind_by_a_moved_install_says_the_program_runs_unsanitized(tmp_path):
+    """The hook runs, the package is gone (an editable install whose checkout moved: a blind user found CI's
+    3.12 venv so): OWNERSHIP_SANITIZE=1 ran the program unsanitized without a word. Now one line says so; with
+    the switch off nothing is printed."""
+    startup.install_pth(str(tmp_path))
+    prelude = f"import site\nsite.addsitedir({str(tmp_path)!r})\nprint('ran')\n"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OWNERSHIP_SANITIZE", "OWNSAN_"))}
+    env["PYTHONPATH"] = ""
+    outside = str(tmp_path / "elsewhere")
+    os.makedirs(outside)
+    for value, said in (("1", True), ("0", False)):
+        proc = subprocess.run([sys.executable, "-S", "-c", prelude], env={**env, "OWNERSHIP_SANITIZE": value},
+                              capture_output=True, text=True, timeout=60, cwd=outside)
+        assert proc.returncode == 0 and proc.stdout.strip() == "ran", proc.stderr
+        assert ("cannot import the package" in proc.stderr) is said, proc.stderr
+        assert proc.stderr.count("\n") == (1 if said else 0), proc.stderr
