@@ -108,23 +108,29 @@ class _Api:
         flag: while any thread is inside it (an audit hook that lets the GIL go), a call from another thread
         fails with "Cannot install a profile function while another profile function is being installed" and
         clears the flag, so ours would have made a user's own ``sys.setprofile`` fail. The three words
-        ``c_profilefunc, c_tracefunc, c_profileobj`` are written in one C call (the GIL kept), the trace function
-        as it is: only this thread changes it on 3.11. Inside a profile call (``tracing`` > 0) the flag written
-        here is recomputed by the call on its way out, from these same fields."""
+        ``c_profilefunc, c_tracefunc, c_profileobj``, the object they replace and the frame flag are moved in one
+        C-level pass (the GIL kept, no Python code in it: no other thread's pass can come between the read and
+        the write), the trace function as it is: only this thread changes it on 3.11. Inside a profile call
+        (``tracing`` > 0) the flag written here is recomputed by the call on its way out, from these fields."""
         if self.cframe_off is None:
             self.set_profile(tstate, func or None, obj or None)
             return
-        old = ctypes.c_void_p.from_address(tstate + self.obj_off).value or 0
-        trace = ctypes.c_void_p.from_address(tstate + self.func_off + _WORD).value or 0
+        trace = ctypes.c_void_p.from_address(tstate + self.func_off + _WORD).value or 0  # (only this thread sets it)
+        frame = ctypes.c_void_p.from_address(tstate + self.cframe_off).value or 0
         if obj:
             self.incref(obj)
         words = (ctypes.c_void_p * 3)(func or None, trace or None, obj or None)
-        self.write(tstate + self.func_off, ctypes.addressof(words), 3 * _WORD)
-        frame = ctypes.c_void_p.from_address(tstate + self.cframe_off).value
+        flag = ctypes.c_uint8(255 if (func or trace) else 0)
+        old = ctypes.c_void_p(None)
+        # One C-level pass, no Python code in it (so no other thread's pass can come between): the object being
+        # replaced is read, the three words written, the frame flag set. What it replaced gets its reference back.
+        moves = [(ctypes.addressof(old), tstate + self.obj_off, _WORD),
+                 (tstate + self.func_off, ctypes.addressof(words), 3 * _WORD)]
         if frame:
-            ctypes.c_uint8.from_address(frame).value = 255 if (func or trace) else 0
-        if old:
-            self.decref(old)
+            moves.append((frame, ctypes.addressof(flag), 1))
+        deque(itertools.starmap(self.write, moves), maxlen=0)
+        if old.value:
+            self.decref(old.value)
 
     def put_func(self, tstate: int, func: int) -> None:
         """Write this thread's ``c_profilefunc`` alone (the count of profiled threads is not changed)."""
@@ -383,16 +389,17 @@ def run_here_when(ready: Optional[Callable[[], bool]], fn: Callable[[], None]) -
     api = _api
     if api is None:
         return False
-    with _PASSES:  # 3.11 writes the fields in Python steps: no pass of another thread may visit this one meanwhile
-        tstate = api.get_tstate()
-        func, obj = api.read(tstate)
-        if func == _ON_EVENT_ADDRESS:
-            return False
-        here = _Here(func, obj, fn, ready)
-        if obj:
-            api.incref(obj)
-        api.install(tstate, _ON_EVENT_ADDRESS, id(here))
-        return True
+    tstate = api.get_tstate()
+    func, obj = api.read(tstate)
+    if func == _ON_EVENT_ADDRESS:
+        return False
+    here = _Here(func, obj, fn, ready)
+    if obj:
+        api.incref(obj)
+    # (Another thread's pass visiting this one in between is overwritten here: its batch keeps the entry, and a
+    # batch that goes with entries left tells on_lost, whose owner visits again.)
+    api.install(tstate, _ON_EVENT_ADDRESS, id(here))
+    return True
 
 
 def run_in_running_threads(fn: Callable[[], None]) -> bool:
