@@ -423,11 +423,10 @@ def run_in_running_threads(fn: Callable[[], None]) -> bool:
         my_func, my_obj = api.read(me)
         # The audit hooks see the change now, on this thread, before any other thread's state is held: one
         # that refuses raises here (the caller falls back); one that lets the GIL go frees nothing under us.
-        # Our own reference on the object while it is set again: 3.11's _PyEval_SetProfile lets go of the old
-        # object before it takes the new one, and a visit waiting here (run_here_when) is held by nothing else.
         if api.cframe_off is not None:  # 3.11: the audit alone (see _Api.install)
             sys.audit("sys.setprofile")
-        else:
+        else:  # (our own reference on the object while it is set again: a visit waiting here, run_here_when's,
+            # is held by nothing else, and a _PyEval_SetProfile that lets go of the old object first frees it)
             if my_obj:
                 api.incref(my_obj)
             try:
@@ -503,7 +502,8 @@ def _visit(api: _Api, me: int, batch: _Batch, select, limit: Optional[int]) -> i
     states = itertools.compress(s_keep, select(_funcs(api, s_read)))
     if limit is not None:
         states = itertools.islice(states, max(0, limit))
-    t_key, t_id, t_func, t_obj, t_wf, t_wo = itertools.tee(states, 6)
+    flagged = api.cframe_off is not None
+    t_key, t_id, t_func, t_obj, t_wf, t_wo, *t_cf = itertools.tee(states, 7 if flagged else 6)
     objs = map(_VALUE, map(ctypes.c_void_p.from_address, map(operator.add, t_obj, itertools.repeat(api.obj_off))))
     keys = zip(t_key, map(api.get_id, t_id))
     cells = (ctypes.c_void_p(_ON_EVENT_ADDRESS), ctypes.c_void_p(id(batch)), ctypes.c_uint8(255))
@@ -514,14 +514,12 @@ def _visit(api: _Api, me: int, batch: _Batch, select, limit: Optional[int]) -> i
                  itertools.repeat(ctypes.addressof(cells[0])), itertools.repeat(_WORD)),
              map(api.write, map(operator.add, t_wo, itertools.repeat(api.obj_off)),
                  itertools.repeat(ctypes.addressof(cells[1])), itertools.repeat(_WORD))]
-    if api.cframe_off is not None:
+    if flagged:
         # 3.11: the thread's innermost frame starts calling profile functions (``use_tracing = 255``, as
         # _PyThreadState_UpdateTracingState would write for it); a thread inside its own profiler's call is
         # left alone by that call (``tracing`` > 0), which recomputes the flag from the fields on its way out.
-        t_wo, t_cf = itertools.tee(t_wo, 2)
-        steps[3] = map(api.write, map(operator.add, t_wo, itertools.repeat(api.obj_off)),
-                       itertools.repeat(ctypes.addressof(cells[1])), itertools.repeat(_WORD))
-        frames = map(_VALUE, map(ctypes.c_void_p.from_address, map(operator.add, t_cf, itertools.repeat(api.cframe_off))))
+        frames = map(_VALUE, map(ctypes.c_void_p.from_address,
+                                 map(operator.add, t_cf[0], itertools.repeat(api.cframe_off))))
         steps.append(map(api.write, frames, itertools.repeat(ctypes.addressof(cells[2])), itertools.repeat(1)))
     deque(zip(*steps), maxlen=0)
     return len(batch) - before
