@@ -177,6 +177,8 @@ def main() -> None:
     if args.child:
         child(args.files, args.threads)
         return
+    if args.reps < 1:
+        raise SystemExit(f"e2e: --reps must be at least 1, got {args.reps}")
     directory = Path(args.dir)
     modes = ["off"] + [m for m in args.modes.split(",") if m and m != "off"]
     for m in modes:
