@@ -78,9 +78,6 @@ class _Api:
         self.get_id = _c_function("PyThreadState_GetID", ctypes.c_uint64, vp)
         self.set_profile = _c_function("_PyEval_SetProfile", ctypes.c_int, vp, vp, vp)
         self.incref = _c_function("Py_IncRef", None, vp)
-        # The collector's switch (3.10+), called inside a walk's C-level chain (see _walk_with_the_collector_off)
-        self.gc_disable = _c_function("PyGC_Disable", ctypes.c_int)
-        self.gc_enable = _c_function("PyGC_Enable", ctypes.c_int)
         self.decref = _c_function("Py_DecRef", None, vp)
         # memmove, called with the GIL kept (ctypes.memmove itself lets the GIL go during the call)
         self.write = ctypes.PYFUNCTYPE(vp, vp, vp, ctypes.c_size_t)(ctypes.cast(ctypes.memmove, vp).value)
@@ -491,42 +488,16 @@ def _with_another(funcs):  # type: ignore[no-untyped-def]
     return map(operator.and_, map(bool, some), map(operator.ne, other, itertools.repeat(_ON_EVENT_ADDRESS)))
 
 
-def _walk_with_the_collector_off(api: _Api, steps) -> None:  # type: ignore[no-untyped-def]
-    """Run ``steps`` (a C-level chain over the thread states) to its end with the garbage collector off.
-
-    Why: a chain holds thread states by address while it walks and writes, and it allocates (tee links,
-    tuples, ctypes words). A collection started by one of those allocations runs finalizers, whose Python
-    code may let the GIL go; a thread that ends then frees its state, and the chain would write into freed
-    memory or walk on through a freed list node. (Python 3.11 collects inside an allocation; 3.12+ only at the
-    eval loop's next check, after the chain: there the switch costs two calls and guards against the same
-    thing should a chain ever run Python code.) ``PyGC_Disable`` and ``PyGC_Enable`` are the chain's first and
-    last steps, so no Python code of ours or anyone's runs while the collector is off (a user's own
-    ``gc.disable()`` is kept: the collector is switched back on only when it was on)."""
-    was: List[int] = []
-    back: List[int] = []
-    off = map(was.append, itertools.starmap(api.gc_disable, ((),)))
-    on = map(back.append, itertools.starmap(api.gc_enable, itertools.compress(((),), was)))
-    chain = itertools.chain(off, steps, on)
-    sink: deque = deque(maxlen=0)  # (made before: an allocation on the consuming line may collect before it)
-    try:
-        sink.extend(chain)
-    finally:
-        if was and was[0] and not back:  # (the chain stopped half-way: the collector goes back on all the same)
-            api.gc_enable()
-
-
 def _count_states(api: _Api, me: int, select) -> int:  # type: ignore[no-untyped-def]
-    """How many other thread states ``select`` keeps (one C-level pass, the collector off)."""
-    kept: List[bool] = []
-    _walk_with_the_collector_off(api, map(kept.append, select(_funcs(api, _all_states(api, me)))))
-    return sum(kept)
+    """How many other thread states ``select`` keeps (one C-level pass)."""
+    return sum(select(_funcs(api, _all_states(api, me))))
 
 
 def _visit(api: _Api, me: int, batch: _Batch, select, limit: Optional[int]) -> int:  # type: ignore[no-untyped-def]
-    """One C-level pass, no Python code until it is done (the collector off): for each other thread state
-    that ``select`` keeps (at most ``limit``), zip reads its profile function and object and saves them in the
-    batch (the state's reference on the object moves to the batch), takes a reference on the batch for the
-    state, and writes ours into the two fields. Returns how many states it visited."""
+    """One C-level pass, no Python code until the deque is done: for each other thread state that ``select``
+    keeps (at most ``limit``), zip reads its profile function and object and saves them in the batch (the
+    state's reference on the object moves to the batch), takes a reference on the batch for the state, and
+    writes ours into the two fields. Returns how many states it visited."""
     s_read, s_keep = itertools.tee(_all_states(api, me), 2)
     states = itertools.compress(s_keep, select(_funcs(api, s_read)))
     if limit is not None:
@@ -550,7 +521,7 @@ def _visit(api: _Api, me: int, batch: _Batch, select, limit: Optional[int]) -> i
         frames = map(_VALUE, map(ctypes.c_void_p.from_address,
                                  map(operator.add, t_cf[0], itertools.repeat(api.cframe_off))))
         steps.append(map(api.write, frames, itertools.repeat(ctypes.addressof(cells[2])), itertools.repeat(1)))
-    _walk_with_the_collector_off(api, zip(*steps))
+    deque(zip(*steps), maxlen=0)
     return len(batch) - before
 
 

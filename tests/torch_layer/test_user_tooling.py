@@ -16,7 +16,6 @@ import random
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 import torch
@@ -509,61 +508,3 @@ def test_running_threads_can_be_reached_on_cpython_311_and_later():
     assert thread_reach.AVAILABLE, thread_reach._why_not or thread_reach._api.cframe_why_not
     if sys.version_info[:2] == (3, 11):
         assert thread_reach._api.cframe_off == thread_reach._api.func_off - 8
-
-
-def test_no_garbage_collection_runs_while_a_pass_walks_the_threads():
-    """A pass walks the thread states by address and writes into them in C-level chains, which allocate (tee
-    links, tuples, ctypes words): a garbage collection there runs finalizers, whose Python code may let the GIL
-    go, and a thread that ends meanwhile frees a state the pass still holds (a write into freed memory, or a
-    walk on through a freed list node). The collector is off for the length of each chain. (3.11 collects
-    inside an allocation, so there the check fails without the switch; 3.12+ collect between bytecodes.)"""
-    if not thread_reach.AVAILABLE:
-        pytest.skip(f"running threads cannot be visited here: {thread_reach._why_not}")
-    import inspect
-
-    # The lines that run a chain: a C-level consumer (deque, extend, sum) over the walk (a collection on the lines
-    # that build a chain is harmless: nothing is held yet).
-    chain_lines = set()
-    for fn in (thread_reach._visit, thread_reach._count_states, thread_reach._walk_with_the_collector_off):
-        lines, first = inspect.getsourcelines(fn)
-        chain_lines |= {(fn.__code__, first + i) for i, text in enumerate(lines)
-                        if ("deque(" in text and "deque(maxlen" not in text) or "sum(select" in text or ".extend(" in text}
-    walks = {code for code, _line in chain_lines}
-    inside: list = []
-
-    def on_collection(phase, info):
-        if phase != "start":
-            return
-        frame = sys._getframe(1)
-        while frame is not None:
-            if frame.f_code in walks:
-                if (frame.f_code, frame.f_lineno) in chain_lines:
-                    local = frame.f_locals  # (3.12+ collect at the consuming call's end: the chain is done then)
-                    if not (local.get("was") and local.get("back")):
-                        inside.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
-                return
-            frame = frame.f_back
-
-    stop = threading.Event()
-
-    def busy():  # Python events all the time: each pass finds them with their own profiler back, and visits
-        while not stop.is_set():
-            time.sleep(0.0005)
-
-    threads = [threading.Thread(target=busy) for _ in range(4)]
-    for t in threads:
-        t.start()
-    thresholds = gc.get_threshold()
-    gc.callbacks.append(on_collection)
-    try:
-        gc.set_threshold(1, 1, 1)
-        for _ in range(40):
-            assert thread_reach.run_in_running_threads(lambda: None)
-            time.sleep(0.002)
-    finally:
-        gc.set_threshold(*thresholds)
-        gc.callbacks.remove(on_collection)
-        stop.set()
-        for t in threads:
-            t.join()
-    assert inside == []
