@@ -131,6 +131,11 @@ _OTHER_STATE = re.compile(r"(^|_)(kv|caches?|buffers?|bufs|grads?|gradients?|opt
 
 # Words that name a function writing the model's tensors out (Megatron-Bridge's `_accumulate_grouped_export`
 # of a `converted_weights_dict`): what it is handed was made by the program, not lent by a loader.
+_OWN_PARAMETERS = re.compile(r"(named_)?(param|params|parameters)(_or_groups|_groups)?$")
+"""A parameter named for a module's own parameters (nanotron's optimizer helpers take
+``named_parameters: Iterable[Tuple[str, torch.Tensor]]`` and ``named_params_or_groups``): what it carries is
+``model.named_parameters()``, which optimizer groups keep for the run, and no loader's stream, whatever the
+annotation says of its element type."""
 _OUTPUT_PATH = re.compile(r"(^|_)(export|exports|exporting|save|saving|serialize|dump)(_|$)")
 
 
@@ -174,7 +179,7 @@ def seeds_of(info: FunctionInfo, settings: Optional[Settings] = None) -> List[Se
         ann = _annotation(arg)
         name = arg.arg
         if ann and V.ITER_ANNOTATION.search(ann) and V.TENSOR_ANNOTATION.search(ann) and not V.MAPPING_ANNOTATION.match(ann):
-            if "Parameter" in ann and not re.search(r"\bTensor\b", ann):
+            if ("Parameter" in ann and not re.search(r"\bTensor\b", ann)) or _OWN_PARAMETERS.match(name):
                 continue  # (name, nn.Parameter) pairs: a module's own `named_parameters()`, not a loader's stream
             seeds.append(Seed(name, ITER, f"annotated {ann}"))
             continue

@@ -780,3 +780,45 @@ def test_a_yielded_tuple_literal_is_no_dict_of_a_file():
     held = Val(HOLDER, 0, (), "f", mapping=True)
     assert kind_of_value(held, True) == "dicts"
     assert kind_of_value(held.then(HOLDER, parts=(None, held)), True) != "dicts"
+
+
+# -- a module's own parameters, annotated as (name, Tensor) pairs (nanotron's optimizer helpers) ----------
+OWN_PARAMETERS = '''
+from typing import Any, Dict, Iterable, List, Tuple, Union
+import torch
+
+
+def get_custom_weight_decay_for_named_parameters(
+    named_parameters: Iterable[Tuple[str, torch.Tensor]],
+    model,
+    weight_decay: float,
+    exclude_named_params: List[str],
+) -> List[Dict[str, Any]]:
+    named_param_groups_with_custom_weight_decay = []
+    for name, param in named_parameters:
+        should_exclude = any(name.startswith(p) for p in exclude_named_params)
+        current_weight_decay = 0.0 if should_exclude else weight_decay
+        named_param_groups_with_custom_weight_decay.append(
+            {"named_params": [(name, param)], "weight_decay": current_weight_decay}
+        )
+    print(len(named_param_groups_with_custom_weight_decay))
+    return named_param_groups_with_custom_weight_decay
+
+
+class NamedOptimizer:
+    def __init__(self, named_params_or_groups: Iterable[Union[Tuple[str, torch.Tensor], Dict[str, Any]]]):
+        self.groups = list(named_params_or_groups)
+
+
+def load_weights(weights: Iterable[Tuple[str, torch.Tensor]]):
+    return list(weights)
+'''
+
+
+def test_a_modules_own_parameters_annotated_as_name_tensor_pairs_are_no_loaders_stream(tmp_path: Path):
+    """nanotron (not tuned on, first run): a parameter named for a module's own parameters
+    (``named_parameters``, ``named_params_or_groups``) annotated ``Iterable[Tuple[str, torch.Tensor]]`` carries
+    ``model.named_parameters()`` into optimizer groups: kept for the run, and no loader's. A loader's stream of
+    the same annotation, named as loaders name it, is still kept (OWN103)."""
+    found = _audit(tmp_path, {"own_parameters.py": OWN_PARAMETERS})
+    assert _functions(found) == {"load_weights"}
