@@ -35,7 +35,7 @@ __all__ = ["track_lease", "storage_of", "reuse", "retire", "close_region", "diso
 
 # -- leases ------------------------------------------------------------------
 def track_lease(region: Region, start: int, nbytes: int, view: torch.Tensor,
-                name: Optional[str], dtype: torch.dtype, shape: tuple) -> Lease:
+                name: Optional[str], dtype: torch.dtype, shape: tuple, site: Optional[Site] = None) -> Lease:
     """Record a lend whose tensor ``view`` has a storage of its own (see aliasing.py). Called only by a
     buffer's ``_lend_checked`` (see the capture below).
 
@@ -43,11 +43,14 @@ def track_lease(region: Region, start: int, nbytes: int, view: torch.Tensor,
     is off only the immediate call site is kept, and the ledger files the lease in O(1) (see
     ``Region.pending``). The lease is a weak reference to the view's storage (its death ends the
     lease, see :func:`_lease_died`), filed under the storage's address (what :func:`lease_of` looks
-    up), with ``lease.lent`` (the borrowed marker's answer) set.
+    up), with ``lease.lent`` (the borrowed marker's answer) set. ``site``: the lent-at stack, when the
+    caller captured it already (a write takes one stack for its reuse and its lend: the same frames).
     """
     depth = state.options.stack_depth
     enabled = state.enabled
-    if depth:
+    if site is not None:
+        pass
+    elif depth:
         # 4: past capture, this function, a buffer's _lend_checked and its caller (lend or write_prepared,
         # ours too): the walk starts at the frame that may be the user's. Python 3.11+ makes a frame
         # object for each frame the walk touches, and for a call that is about to return that costs
@@ -162,9 +165,10 @@ def _unfile(lease: Lease) -> None:
             interception.sync()
 
 
-def reuse(region: Region, start: int, end: int, by: Optional[str]) -> ReuseEvent:
-    """Declare ``[start, end)`` of ``region`` about to be overwritten; overlapping leases go stale."""
-    return _retire_range(region, start, end, by, "reuse")
+def reuse(region: Region, start: int, end: int, by: Optional[str], site: Optional[Site] = None) -> ReuseEvent:
+    """Declare ``[start, end)`` of ``region`` about to be overwritten; overlapping leases go stale.
+    ``site``: the reused-at stack, when the caller captured it already."""
+    return _retire_range(region, start, end, by, "reuse", site)
 
 
 def retire(region: Region, start: int, end: int, by: Optional[str]) -> ReuseEvent:
@@ -175,18 +179,30 @@ def retire(region: Region, start: int, end: int, by: Optional[str]) -> ReuseEven
 _RETIRES = RetiresInFlight()  # a reuse returns once the overlapping retires that took its victims marked them
 
 
-def _retire_range(region: Region, start: int, end: int, by: Optional[str], kind: str) -> ReuseEvent:
-    depth = state.options.stack_depth
-    site: Site = capture(depth) if depth else ()
-    with _RETIRES.retiring(region.region_id, start, end, _not_inside_our_own_work) as answered:
-        event, victims = state.ledger.reuse(region.region_id, start, end, by, site, threading.current_thread().name,
-                                            kind)
-        answered(*_extent(region, victims, start, end))
-        victims = _still_borrowed(region, victims)
+def _retire_range(region: Region, start: int, end: int, by: Optional[str], kind: str,
+                  site: Optional[Site] = None) -> ReuseEvent:
+    if site is None:
+        depth = state.options.stack_depth
+        site = capture(depth, 2) if depth else ()
+    # _RETIRES.retiring() spelled out: this runs at every put of a ring load (a generator-based context
+    # manager and its closure cost ~2 us a put of 512 bytes).
+    retires = _RETIRES
+    region_id = region.region_id
+    ticket = retires.begin(region_id, start, end)
+    limit = ticket
+    try:
+        event, victims = state.ledger.reuse(region_id, start, end, by, site, threading.current_thread().name, kind)
+        limit = retires.asked()
+        took_start, took_end = _extent(region, victims, start, end)
+        retires.took(ticket, took_start, took_end)
+        if victims:
+            victims = _still_borrowed(region, victims)
         interception.retry_leave()
         for hook in HOOKS.reuse:
             hook(region, event)
         _run_retire_hooks(region, event, victims)
+    finally:
+        retires.end(ticket, limit, may_wait=_not_inside_our_own_work)
     return event
 
 

@@ -17,6 +17,7 @@ import torch
 from sanitizer.torch_layer import interception, runtime
 from sanitizer.torch_layer.aliasing import alias_view, check_device, device_key, dtype_name, host_array
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
+from sanitizer.core.sites import Site, capture
 from sanitizer.torch_layer.sources import Prepared, Source, check_dtype, check_shape, copy_into, prepare
 from sanitizer.torch_layer.stale_use import check_not_stale
 from sanitizer.torch_layer.state import state
@@ -272,10 +273,10 @@ class StagingBuffer:
         return nbytes
 
     def _lend_checked(self, data: torch.Tensor, offset: int, nbytes: int, shape: tuple, dtype: torch.dtype,
-                      name: Optional[str]) -> torch.Tensor:
+                      name: Optional[str], site: Optional[Site] = None) -> torch.Tensor:
         """The one tail of every lend (checked already): the view over its own storage, its lease, its mark."""
         view, memory = self._lend_view(data, offset, nbytes, shape, dtype)
-        lease = runtime.track_lease(self._region, offset, nbytes, view, name, dtype, shape)
+        lease = runtime.track_lease(self._region, offset, nbytes, view, name, dtype, shape, site)
         if memory is not None:
             self._attach(lease, memory)
         if not _MARKER_ON_CLASS:
@@ -380,10 +381,14 @@ class StagingBuffer:
         if not source_checked:
             refuse_stale_source(src)
         payload = self._payload(offset, src, nbytes)
-        self.reuse(offset, nbytes, by=name)
+        # One stack for the reuse and the lend (the same frames: every one between them is ours), taken
+        # here while enabled; off, a lend keeps one frame only (see runtime.track_lease), so each takes its own.
+        depth = state.options.stack_depth
+        site = (capture(depth, 2) if depth else ()) if state.enabled else None
+        runtime.reuse(self._region, offset, offset + nbytes, name, site)  # (bounds checked above)
         if payload is not None:
             copy_into(data, self._host, offset, payload, nbytes)
-        return self._lend_checked(data, offset, nbytes, shape, dtype, name)  # (checked above, once)
+        return self._lend_checked(data, offset, nbytes, shape, dtype, name, site)  # (checked above, once)
 
     def _payload(self, offset: int, src: Prepared, nbytes: int) -> Any:
         """What :meth:`write_prepared` copies after its reuse, decided before it: a source that overlaps
