@@ -804,6 +804,12 @@ class Flow(StoreRules, CallRules):
             return first.then(PAIR, elem=ELEM_PAIR, parts=tuple(vals), reported=first.reported)
         return first.then(HOLDER, elem=ELEM_TENSOR, parts=tuple(vals), reported=all(v.reported for v in tainted))
 
+    def _made_in(self, val: Val, node: ast.AST) -> bool:
+        """Did ``val``'s chain pass through ``node``'s own text (made by each iteration, not a name bound
+        before the comprehension)?"""
+        lo, hi = node.lineno, getattr(node, "end_lineno", None) or node.lineno
+        return any(link.path is None and link.function == self.fn and lo <= link.line <= hi for link in val.chain)
+
     def comprehension(self, node: ast.AST) -> Optional[Val]:
         saved = self.state
         self.state = saved.copy()
@@ -844,6 +850,16 @@ class Flow(StoreRules, CallRules):
             return handles_holding(elt, Link(node.lineno, self.fn, "kept by the comprehension"))
         if elt is None or not elt.holds_tensor:
             return None
+        if elt.kind == HOLDER and elt.mapping and not elt.reported and not isinstance(node, ast.GeneratorExp) \
+                and self._made_in(elt, node):
+            # `[load_file(f) for f in files]`, `[torch.load(p, mmap=True) for p in shards]`: a whole file's
+            # dict is valid until the next file is loaded, and this keeps every file's dict while it loads the
+            # next (a per-tensor getter's `[h.get_tensor(n) for n in names]` is one step: not this)
+            how = _MATERIALISING_COMPS[type(node)]
+            self.report("OWN101", node, elt, f"{how} of whole-file loads",
+                        f"the {how} keeps each file's tensors while it loads the next file",
+                        f"`{self.snip(node, 60)}`")
+            return elt.then(HOLDER, reported=True, mapping=False)
         if isinstance(node, ast.GeneratorExp):
             if iterates_stream and stream is not None:  # a lazy transform: still one item per step
                 pair = isinstance(node.elt, ast.Tuple) and len(node.elt.elts) == 2  # type: ignore[attr-defined]

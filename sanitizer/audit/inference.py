@@ -44,7 +44,16 @@ def handles_of(index, settings: Optional[Settings]) -> Optional[SelfSources]:  #
     inferred = settings.inferred if settings is not None else None
 
     def is_source(name: str) -> bool:
-        return bool(V.SOURCE_FACTORIES.search(name)) or (inferred is not None and inferred.kind_of(name) == "source")
+        if V.SOURCE_FACTORIES.search(name):
+            return True
+        if inferred is None:
+            return False
+        if inferred.kind_of(name) == "source":
+            return True
+        # `TensorLoader.get(path)`: a factory called on its class (a classmethod or staticmethod), matched by
+        # class and method, since its name (`get`, `open`) is too common to be matched alone
+        receiver, _, meth = name.rpartition(".")
+        return bool(receiver) and inferred.kind_of_method(receiver.rpartition(".")[2], meth) == "source"
 
     found = SelfSources(index, is_source, inferred.mappings if inferred is not None else None)
     return found if found else None

@@ -22,6 +22,7 @@ import ast
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
+from sanitizer.audit import vocabulary as V
 from sanitizer.audit.findings import Finding, Link
 from sanitizer.audit.flow import Flow
 from sanitizer.audit.values import UNRESOLVED, IntoParam, Outcome
@@ -62,6 +63,7 @@ class ModuleAnalysis:
         self._memo: Dict[Tuple[int, int, str, str, bool, bool, bool], Outcome] = {}
         self._busy: set = set()
         self._partials: Dict[int, Dict[str, List[ast.Call]]] = {}  # a function's `f = partial(g, ...)` bindings
+        self._constructed: Dict[int, Dict[str, str]] = {}  # a function's locals bound to a new object, by class
         self.depth = 0
 
     def close(self) -> None:
@@ -69,6 +71,7 @@ class ModuleAnalysis:
         self.project = None
         self._memo.clear()
         self._partials.clear()
+        self._constructed.clear()
 
     # -- resolution ----------------------------------------------------------------------------------------
     def callee(self, flow: Flow, node: ast.Call) -> Optional[Callee]:
@@ -112,13 +115,45 @@ class ModuleAnalysis:
                 if m is not None:
                     return Callee(m, 0, False)
                 return None
-            return self._module_function(base.id, func.attr) or self._imported_class_method(base.id, func.attr)
+            return self._module_function(base.id, func.attr) or self._imported_class_method(base.id, func.attr) \
+                or self._typed_object_method(flow, base.id, func.attr)
         if isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super" and cls:
             for b in cls.bases:
                 other = index.classes.get(b.rpartition(".")[2])
                 m = index.method(other, func.attr) if other is not None else None
                 if m is not None:
                     return Callee(m, 0 if m.is_static else 1, False)
+        return None
+
+    def _typed_object_method(self, flow: Flow, name: str, attr: str) -> Optional[Callee]:
+        """``writer.save_tensor(n, t)`` on an object whose class the function states: a parameter annotated
+        with it (``writer: TensorWriter``), or a local the function binds once to a new one (``writer =
+        TensorWriter(...)``, ``with TensorWriter(...) as writer``): that class's method, bound to it (a store
+        into ``self`` there is a store into ``writer`` here, judged by where ``writer`` lives)."""
+        classes: List[str] = []
+        ann = flow.annotations.get(name)
+        if ann:
+            classes = [c.rpartition(".")[2] for c in V.ANNOTATED_CLASS.findall(ann)]
+        else:
+            node = flow.info.node
+            built_here = self._constructed.get(id(node))
+            if built_here is None:
+                built_here = self._constructed[id(node)] = _constructed_locals(node)
+            built = built_here.get(name)
+            if built is not None:
+                classes = [built]
+        for cls_name in classes:
+            found = self.constructed_class(flow, cls_name)
+            if found is None:
+                continue
+            where, cls = found
+            got = where.find_method(cls, attr, set())
+            if got is None:
+                continue
+            m, m_where = got
+            if m.is_static:
+                return Callee(m, 0, False, m_where if m_where is not self else None)
+            return Callee(m, 1, False, m_where if m_where is not self else None)
         return None
 
     def _imported_class_method(self, name: str, attr: str) -> Optional[Callee]:
@@ -429,6 +464,9 @@ class ModuleAnalysis:
             elif kw.arg is not None and callee.kwarg is not None:
                 bound.append((len(params) + (callee.vararg is not None), kw.value))
         arg_of = {p: expr for p, expr in bound}
+        if target.offset == 1 and not target.constructor and isinstance(node.func, ast.Attribute) \
+                and isinstance(node.func.value, ast.Name):
+            arg_of.setdefault(0, node.func.value)  # `writer.save_tensor(...)`: its `self` is `writer`
         result: Optional[Val] = None
         module = target.constructor and callee.cls is not None and (target.analysis or self).is_module_class(callee.cls)
         for p, expr in bound:
@@ -576,3 +614,33 @@ def constructor_result(outcome: Outcome) -> bool:
 
 
 __all__ = ["ModuleAnalysis", "Callee", "MAX_DEPTH"]
+
+
+def _constructed_locals(fn: ast.AST) -> Dict[str, str]:
+    """The local names a function binds (in its own body, not its nested functions') to a new object of a
+    named class, ``name = Cls(...)`` or ``with Cls(...) as name``, each bound once only (a name rebound to
+    anything else is left out: its class is not known for all its uses)."""
+    bound: Dict[str, Optional[str]] = {}
+
+    def note(name: str, value: Optional[ast.AST]) -> None:
+        cls = value.func.id if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) \
+            and value.func.id[:1].isupper() else None
+        bound[name] = cls if name not in bound else None
+
+    stack = list(getattr(fn, "body", []))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    note(target.id, node.value)
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)) and isinstance(node.target, ast.Name):
+            note(node.target.id, getattr(node, "value", None) if isinstance(node, ast.AnnAssign) else None)
+        elif isinstance(node, ast.withitem) and isinstance(node.optional_vars, ast.Name):
+            note(node.optional_vars.id, node.context_expr)
+        elif isinstance(node, (ast.For, ast.AsyncFor)) and isinstance(node.target, ast.Name):
+            note(node.target.id, None)
+        stack.extend(ast.iter_child_nodes(node))
+    return {name: cls for name, cls in bound.items() if cls is not None}

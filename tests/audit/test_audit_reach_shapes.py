@@ -822,3 +822,129 @@ def test_a_modules_own_parameters_annotated_as_name_tensor_pairs_are_no_loaders_
     the same annotation, named as loaders name it, is still kept (OWN103)."""
     found = _audit(tmp_path, {"own_parameters.py": OWN_PARAMETERS})
     assert _functions(found) == {"load_weights"}
+
+
+# -- round 10: whole files' dicts gathered by a comprehension (fms's `load_state_dict`) ---------------------
+FILES_GATHERED = '''
+from collections import ChainMap
+import torch
+from safetensors.torch import load_file
+
+
+def chained_checkpoints(checkpoints, device):
+    sds = [torch.load(str(p), mmap=True, map_location=device) for p in checkpoints]
+    return ChainMap(*sds)
+
+
+def shards_by_path(files):
+    return {f: load_file(f) for f in files}
+
+
+def one_dict_repeated(path):
+    sd = load_file(path)
+    return [sd for _ in range(2)]
+
+
+def one_file_at_a_time(files, model):
+    for sd in (load_file(f) for f in files):
+        model.load_state_dict(sd)
+
+
+def step_of_one_getter(handle, names):
+    return torch.cat([handle.get_tensor(n) for n in names])
+'''
+
+
+def test_a_comprehension_of_whole_file_loads_keeps_every_file(tmp_path: Path):
+    """fms (not tuned on, first run): ``[torch.load(p, mmap=True) for p in checkpoints]`` keeps every file's
+    dict while the next file is loaded (a whole file's dict is valid until then), as the loop that appends
+    them does; a dict comprehension by path too. One dict repeated, a generator that hands each file on,
+    and a per-tensor getter's fetches used together in one step raise nothing."""
+    found = _audit(tmp_path, {"files_gathered.py": FILES_GATHERED})
+    assert found == {("OWN101", "chained_checkpoints", 8), ("OWN101", "shards_by_path", 13)}
+
+
+# -- round 10: a handle bound through a factory classmethod, a writer whose class the caller states (mergekit) -
+FACTORY_AND_WRITER = '''
+import threading
+from typing import Optional
+import safetensors
+import torch
+
+
+class ShardReader:
+    def get_tensor(self, key: str) -> torch.Tensor: ...
+
+    @classmethod
+    def get(cls, path: str, device=None) -> "ShardReader":
+        if path.endswith(".safetensors"):
+            return safetensors.safe_open(path, framework="pt", device=device or "cpu")
+        return PickleReader(path)
+
+
+class PickleReader(ShardReader):
+    def __init__(self, path):
+        self.tensors = torch.load(path, weights_only=True)
+
+    def get_tensor(self, key):
+        return self.tensors[key]
+
+
+class LazyReader:
+    current: Optional[ShardReader]
+
+    def __init__(self, paths):
+        self.paths = paths
+        self.current = None
+        self.lock = threading.Lock()
+
+    def fetch(self, key: str, device: str = "cpu"):
+        with self.lock:
+            if self.current is None:
+                self.current = ShardReader.get(self.paths[key], device=device)
+            return self.current.get_tensor(key).to(device)
+
+
+class ShardWriter:
+    def __init__(self):
+        self.shard = {}
+        self.copies = {}
+
+    def save(self, name, tensor, clone=False):
+        if clone:
+            tensor = tensor.clone()
+        self.shard[name] = tensor
+
+    def save_copy(self, name, tensor):
+        self.copies[name] = tensor.clone()
+
+
+def copy_out(reader: LazyReader, writer: ShardWriter, names):
+    for n in names:
+        writer.save(n, reader.fetch(n))
+
+
+def copy_out_owned(reader: LazyReader, names):
+    writer = ShardWriter()
+    for n in names:
+        writer.save_copy(n, reader.fetch(n))
+    return writer
+
+
+def per_step_writer(reader: LazyReader, names, sink):
+    for n in names:
+        writer = ShardWriter()
+        writer.save(n, reader.fetch(n))
+        sink(writer.shard[n].sum())
+'''
+
+
+def test_a_factory_classmethods_handle_and_a_stated_writer_class_are_followed(tmp_path: Path):
+    """mergekit (not tuned on, first run): ``self.current = ShardReader.get(path)``, a classmethod that returns
+    ``safe_open(...)``, makes ``self.current`` a handle (``get`` alone is too common a name to match), so
+    ``LazyReader.fetch`` is a producer; ``writer.save(n, t)`` on ``writer: ShardWriter`` is read as
+    ``ShardWriter.save``, whose store into ``self`` keeps the tensor in ``writer``, which outlives the step:
+    reported at that store (conditional: ``.to(device)``). A writer that clones, and one made in the step,
+    raise nothing."""
+    found = _audit(tmp_path, {"factory_and_writer.py": FACTORY_AND_WRITER})
+    assert found == {("OWN107", "ShardWriter.save", 49)}
