@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from sanitizer.audit import vocabulary as V
 from sanitizer.audit.findings import Link
 from sanitizer.audit.index import dotted, param_default as _param_default
-from sanitizer.audit.targets import _CAMEL, root_of
+from sanitizer.audit.targets import _CAMEL, constructed_locals, root_of
 from sanitizer.audit.values import (ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR, ELEM_HANDLE_PAIRS, ELEM_DICT, ELEM_PAIR, ELEM_TENSOR, HOLDER,
                                     ITER, PAIR, SOURCE, TENSOR, UNRESOLVED, Val, element_of, handle_of, is_handles)
 
@@ -111,7 +111,7 @@ class CallRules:
             assert isinstance(func, ast.Attribute)
             target = ast.Attribute(value=func.value, attr="<parameters: load_state_dict(assign=True)>",
                                    ctx=ast.Store(), lineno=node.lineno)  # no columns: named by ast.unparse
-            self.attribute_store(target, args[0], node)
+            self.attribute_store(target, args[0], node, for_life=self._new_module(func.value))
             return None
         if meth == "load_state_dict" and args and args[0] is not None and args[0].holds_tensor \
                 and self._torch_optimizer(func):
@@ -159,6 +159,20 @@ class CallRules:
         ann = ann[9:-1] if ann.startswith("Optional[") and ann.endswith("]") else ann
         return ann in ("Optimizer", "torch.optim.Optimizer", "optim.Optimizer", "torch.optim.optimizer.Optimizer") \
             or re.fullmatch(r"(torch\.)?optim\.[A-Z]\w*", ann) is not None
+
+    def _new_module(self, expr: ast.AST) -> bool:
+        """Is ``expr`` a local this function binds to a new object (``model = Transformer(args)``, in a ``with
+        torch.device("meta")`` or not), whose ``load_state_dict(sd, assign=True)`` is being judged? Only a
+        ``torch.nn.Module``'s ``load_state_dict`` takes ``assign``, so the object is a module, and a module
+        keeps its parameters for its own life, which is the model's, whatever the function then does with it
+        (mistral-inference's ``from_folder`` returns it): what it is made to keep is kept, as a module's
+        constructor's stores are (see ``ModuleAnalysis.is_module_class``)."""
+        if not isinstance(expr, ast.Name):
+            return False
+        memo = getattr(self, "_new_objects", None)
+        if memo is None:
+            memo = self._new_objects = constructed_locals(self.info.node)
+        return expr.id in memo
 
     def _is_module(self, func: ast.AST) -> bool:
         """``torch.add(...)``, ``np.put(...)``: a module's function, not a container's method."""

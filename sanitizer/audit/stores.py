@@ -149,12 +149,14 @@ class StoreRules:
             return "dict by name: parked until used" + (" (on an object)" if place == "self" else "")
         return "container that outlives the step"
 
-    def attribute_store(self, target: ast.Attribute, val: Val, stmt: ast.AST) -> None:
+    def attribute_store(self, target: ast.Attribute, val: Val, stmt: ast.AST, for_life: bool = False) -> None:
+        """``for_life``: the object is a new module, which keeps what it is given for the model's life (no
+        step of this function ends its hold)."""
         if val.reported or not val.holds_tensor:
             return
         root = root_of(target.value)
         place, index = self.place(root.name)
-        if place == "local" and root.name is not None:
+        if place == "local" and root.name is not None and not for_life:
             slot = self.state.slots[root.name]
             if slot.fresh and val.step in slot.loops:
                 self.state.env[root.name] = val.then(HOLDER, Link(getattr(stmt, "lineno", 0), self.fn,

@@ -28,6 +28,7 @@ from sanitizer.audit.flow import Flow
 from sanitizer.audit.values import UNRESOLVED, IntoParam, Outcome
 from sanitizer.audit.index import param_default as _param_default
 from sanitizer.audit.index import ClassInfo, FunctionInfo, ModuleIndex, build_index
+from sanitizer.audit.targets import constructed_locals
 from sanitizer.audit.producers import SelfSources
 from sanitizer.audit.project import Project
 from sanitizer.audit.settings import Settings
@@ -138,7 +139,7 @@ class ModuleAnalysis:
             node = flow.info.node
             built_here = self._constructed.get(id(node))
             if built_here is None:
-                built_here = self._constructed[id(node)] = _constructed_locals(node)
+                built_here = self._constructed[id(node)] = constructed_locals(node)
             built = built_here.get(name)
             if built is not None:
                 classes = [built]
@@ -615,32 +616,3 @@ def constructor_result(outcome: Outcome) -> bool:
 
 __all__ = ["ModuleAnalysis", "Callee", "MAX_DEPTH"]
 
-
-def _constructed_locals(fn: ast.AST) -> Dict[str, str]:
-    """The local names a function binds (in its own body, not its nested functions') to a new object of a
-    named class, ``name = Cls(...)`` or ``with Cls(...) as name``, each bound once only (a name rebound to
-    anything else is left out: its class is not known for all its uses)."""
-    bound: Dict[str, Optional[str]] = {}
-
-    def note(name: str, value: Optional[ast.AST]) -> None:
-        cls = value.func.id if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) \
-            and value.func.id[:1].isupper() else None
-        bound[name] = cls if name not in bound else None
-
-    stack = list(getattr(fn, "body", []))
-    while stack:
-        node = stack.pop()
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
-            continue
-        if isinstance(node, ast.Assign):
-            for target in node.targets:
-                if isinstance(target, ast.Name):
-                    note(target.id, node.value)
-        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)) and isinstance(node.target, ast.Name):
-            note(node.target.id, getattr(node, "value", None) if isinstance(node, ast.AnnAssign) else None)
-        elif isinstance(node, ast.withitem) and isinstance(node.optional_vars, ast.Name):
-            note(node.optional_vars.id, node.context_expr)
-        elif isinstance(node, (ast.For, ast.AsyncFor)) and isinstance(node.target, ast.Name):
-            note(node.target.id, None)
-        stack.extend(ast.iter_child_nodes(node))
-    return {name: cls for name, cls in bound.items() if cls is not None}

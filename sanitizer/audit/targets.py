@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 import re
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 from sanitizer.audit import vocabulary as V
 from sanitizer.audit.index import dotted
@@ -69,6 +69,11 @@ def _builds_container(value: ast.AST) -> bool:
     if isinstance(value, ast.Call):
         name = dotted(value.func)
         if name in V.CONTAINER_FACTORIES:
+            return True
+        if isinstance(value.func, ast.Attribute) and value.func.attr == "state_dict" and not value.args:
+            # torch.nn.Module.state_dict(): "Return a dictionary containing references to the whole state of
+            # the module": a new dict each call (the module keeps none of it), so storing into it stores
+            # into nothing the module holds (mistral-inference's LoRA merge, loaded back without assign)
             return True
         last = name.rpartition(".")[2]
         return bool(_CAMEL.match(last)) and last not in ("Parameter", "Tensor")
@@ -171,5 +176,35 @@ def peel_target(target: ast.AST) -> Tuple[str, ast.AST]:
     return "other", target
 
 
-__all__ = ["Root", "root_of", "is_fresh_container", "binding_kind", "subscript_is_tensor",
+def constructed_locals(fn: ast.AST) -> Dict[str, str]:
+    """The local names a function binds (in its own body, not its nested functions') to a new object of a
+    named class, ``name = Cls(...)`` or ``with Cls(...) as name``, each bound once only (a name rebound to
+    anything else is left out: its class is not known for all its uses)."""
+    bound: Dict[str, Optional[str]] = {}
+
+    def note(name: str, value: Optional[ast.AST]) -> None:
+        cls = value.func.id if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) \
+            and value.func.id[:1].isupper() else None
+        bound[name] = cls if name not in bound else None
+
+    stack = list(getattr(fn, "body", []))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    note(target.id, node.value)
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)) and isinstance(node.target, ast.Name):
+            note(node.target.id, getattr(node, "value", None) if isinstance(node, ast.AnnAssign) else None)
+        elif isinstance(node, ast.withitem) and isinstance(node.optional_vars, ast.Name):
+            note(node.optional_vars.id, node.context_expr)
+        elif isinstance(node, (ast.For, ast.AsyncFor)) and isinstance(node.target, ast.Name):
+            note(node.target.id, None)
+        stack.extend(ast.iter_child_nodes(node))
+    return {name: cls for name, cls in bound.items() if cls is not None}
+
+
+__all__ = ["Root", "root_of", "is_fresh_container", "constructed_locals", "binding_kind", "subscript_is_tensor",
            "method_base_is_tensor", "peel_target"]

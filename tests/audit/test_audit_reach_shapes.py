@@ -948,3 +948,47 @@ def test_a_factory_classmethods_handle_and_a_stated_writer_class_are_followed(tm
     raise nothing."""
     found = _audit(tmp_path, {"factory_and_writer.py": FACTORY_AND_WRITER})
     assert found == {("OWN107", "ShardWriter.save", 49)}
+
+
+# -- round 11: a new module made to keep a file's tensors, and a module's `state_dict()` copy (mistral-inference) -
+NEW_MODULE_ASSIGNED = '''
+import torch
+import torch.nn as nn
+import safetensors.torch
+
+
+class Net(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.lin = nn.Linear(n, n)
+
+    @staticmethod
+    def from_folder(path, device="cuda", dtype=None):
+        with torch.device("meta"):
+            model = Net(4)
+        loaded = safetensors.torch.load_file(path)
+        model.load_state_dict(loaded, assign=True, strict=True)
+        return model.to(device=device, dtype=dtype)
+
+    def merge_adapter(self, path, scale):
+        adapter = safetensors.torch.load_file(path)
+        merged = self.state_dict()
+        for k, v in adapter.items():
+            merged[k] = v
+        self.load_state_dict(merged, strict=True)
+
+    @staticmethod
+    def copied(path):
+        model = Net(4)
+        model.load_state_dict(safetensors.torch.load_file(path))
+        return model
+'''
+
+
+def test_a_new_module_made_to_keep_a_file_keeps_it_and_a_state_dict_copy_keeps_nothing(tmp_path: Path):
+    """mistral-inference (not tuned on, first run): ``model.load_state_dict(loaded, assign=True)`` on a module the
+    function makes keeps the file's tensors for the module's life, though the function returns the module
+    (only a module's ``load_state_dict`` takes ``assign``); ``merged = self.state_dict()`` is a new dict, so the
+    adapter's tensors stored in it and loaded without ``assign`` (copied) are kept by nothing."""
+    found = _audit(tmp_path, {"new_module.py": NEW_MODULE_ASSIGNED})
+    assert found == {("OWN102", "Net.from_folder", 17)}
