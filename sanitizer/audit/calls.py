@@ -354,7 +354,7 @@ class CallRules:
         if V.SOURCE_FACTORIES.search(name):
             return Val(SOURCE, 0, (Link(node.lineno, self.fn, f"opened by `{self.snip(node, 40)}`"),), self.fn)
         builtin = V.loader_call_kind(name, node)
-        if builtin and self._own_method(node):
+        if builtin and (self._own_method(node) or self._method_of_a_value(node)):
             builtin = ""  # `self.load_file(fn)`: the class's own method of that name, not safetensors'
         configured = builtin or (self.producer_kind(name) if self.producer_kind is not None else None)
         if configured is None:
@@ -446,6 +446,17 @@ class CallRules:
                                                  f"(low_cpu_mem_usage)>", ctx=ast.Store(), lineno=node.lineno)
         self.attribute_store(target, sd, node)
         return True
+
+    def _method_of_a_value(self, node: ast.Call) -> bool:
+        """``media_io.load_file(path)`` on a parameter or local (lmdeploy's media readers): a method of that
+        object, not safetensors' ``load_file`` (reached as an imported name or through a module alias)."""
+        func = node.func
+        if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)):
+            return False
+        name = func.value.id
+        if name in self.module_aliases:
+            return False
+        return name in self.state.slots or any(a.arg == name for a in self.info.params)
 
     def _own_method(self, node: ast.Call) -> bool:
         """``self.load_file(...)`` / ``cls.load_file(...)`` where the enclosing class defines that method."""

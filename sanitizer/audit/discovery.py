@@ -126,7 +126,12 @@ def _mapping_names(info: FunctionInfo) -> Dict[str, str]:
 
 # Words that name tensors a program owns and keeps by name, not a checkpoint's: KV caches, buffers,
 # gradients, optimizer state, activations (`kv_caches`, `register_kv_caches`, a trainer's `buffers`).
-_OTHER_STATE = re.compile(r"(^|_)(kv|caches?|buffers?|bufs|grads?|gradients?|optim\w*|activations?)(_|$)")
+# `meta_args` (ColossalAI's tracer): tensors on the meta device, which hold no bytes to borrow.
+_OTHER_STATE = re.compile(r"(^|_)(kv|caches?|buffers?|bufs|grads?|gradients?|optim\w*|activations?|meta)(_|$)")
+# A union that mixes tensors with plain settings (`dict[str, torch.Tensor | int | torch.dtype | torch.device]`,
+# GPTQModel's test cases): a bundle of arguments, not a checkpoint's tensors by name (LitGPT's
+# `dict[str, torch.Tensor | NotYetLoadedTensor]` mixes tensors with a lazy tensor only).
+_SETTINGS_IN_UNION = re.compile(r"\b(int|float|bool|str|bytes|(torch\.)?dtype|(torch\.)?device)\b")
 
 
 # Words that name a function writing the model's tensors out (Megatron-Bridge's `_accumulate_grouped_export`
@@ -191,7 +196,9 @@ def seeds_of(info: FunctionInfo, settings: Optional[Settings] = None) -> List[Se
             # or passed on whole (a cache view's `self._caches = caches`) is no weight source
             if mapping is None:
                 mapping = _mapping_names(info)
-            if name in mapping and not _holds_other_state(name, info.name):
+            bundle = not V.MAPPING_OF_TENSORS.match(ann) and bool(_SETTINGS_IN_UNION.search(ann.split(",", 1)[-1])) \
+                and not V.STATE_DICT_PARAM.match(name)
+            if name in mapping and not bundle and not _holds_other_state(name, info.name):
                 seeds.append(Seed(name, MAPPING, f"a dict of weights by name, annotated {ann}"))
             continue
         if ann and V.LIST_OF_PAIRS.match(ann):

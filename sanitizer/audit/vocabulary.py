@@ -184,6 +184,8 @@ def loader_call_kind(name: str, node: "object") -> str:
     """What a call to a known loader API returns when it is not a handle (those are ``SOURCE_FACTORIES``):
     ``"dict"`` for the dict loaders above, ``""`` for anything else."""
     if _DICT_LOADERS.search(name):
+        if name.startswith(("self.", "cls.")) and name.count(".") >= 2:
+            return ""  # `self.video_loader.load_file(path)`: a method of an object the class holds, not safetensors'
         return "dict"
     if name == "torch.load":
         for kw in getattr(node, "keywords", ()):

@@ -992,3 +992,67 @@ def test_a_new_module_made_to_keep_a_file_keeps_it_and_a_state_dict_copy_keeps_n
     adapter's tensors stored in it and loaded without ``assign`` (copied) are kept by nothing."""
     found = _audit(tmp_path, {"new_module.py": NEW_MODULE_ASSIGNED})
     assert found == {("OWN102", "Net.from_folder", 17)}
+
+
+# -- false findings the round 10-11 rules exposed on trees nobody classified (ColossalAI, GPTQModel, lmdeploy) --
+NOT_WEIGHTS = '''
+from typing import Dict
+import torch
+from safetensors.torch import load_file
+
+
+class Tracer:
+    def trace(self, root, meta_args: Dict[str, torch.Tensor]):
+        self.meta_args = meta_args
+        return root
+
+
+def initialize_model(model, meta_args: Dict[str, torch.Tensor]):
+    tracer = Tracer()
+    for name in meta_args:
+        print(meta_args[name].shape)
+    return tracer.trace(model, meta_args=meta_args)
+
+
+class QuantLinear:
+    def pack(self, g_idx):
+        self.g_idx = g_idx
+
+
+def build_case_module(case: dict[str, torch.Tensor | int | torch.dtype | torch.device]):
+    module = QuantLinear()
+    module.pack(case["g_idx"])
+    return module
+
+
+class Frames:
+    def load_file(self, path):
+        return {"frames": path}
+
+
+def load_from_path(path, media_io: Frames):
+    return media_io.load_file(path)
+
+
+def load_many(paths, media_io: Frames):
+    return [load_from_path(p, media_io) for p in paths]
+
+
+def keep_state_dict_bundle(state_dict: dict[str, torch.Tensor | int], holder):
+    holder.weights = state_dict["w"]
+
+
+def keep_files(paths):
+    return [load_file(p) for p in paths]
+'''
+
+
+def test_meta_tensors_argument_bundles_and_a_readers_own_load_file_are_no_weights(tmp_path: Path):
+    """Rounds 10-11's rules reach further (a method of an object of a stated class, a comprehension of whole
+    files), which exposed three false sources on trees nobody classified: a ``meta_args`` dict of meta tensors
+    (ColossalAI's tracer: no bytes to borrow), a dict of tensors mixed with settings (``dict[str, Tensor | int |
+    torch.dtype]``, GPTQModel's test cases: an argument bundle), and ``media_io.load_file(path)``, a method
+    of a value the function holds (lmdeploy's image and video readers), taken for safetensors' ``load_file``.
+    The same union under a state-dict name, and safetensors' own ``load_file``, are still weights."""
+    found = _audit(tmp_path, {"not_weights.py": NOT_WEIGHTS})
+    assert _functions(found) == {"keep_state_dict_bundle", "keep_files"}
