@@ -328,6 +328,8 @@ class EmulatedSafeOpen:
         """(Under the lock.) The ring is about to write ``[start, end)`` of ``segment``: every view still
         held there keeps its bytes, aliases included (safetensors' contract lets it be kept)."""
         self._pass_pending(segment, start, end)
+        if not state.ledger.live_count:
+            return  # (no lease alive anywhere: nothing can be held there; a ring load whose consumer copies)
         region = self._ring.segments[segment]._region.region_id
         stay = _held(state.ledger.overlapping(region, start, end))
         if stay:
