@@ -4,6 +4,7 @@ and ``--select/--ignore`` filter what is left."""
 from __future__ import annotations
 
 import ast
+import os
 import gc
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,6 +35,18 @@ class Consumer:
     line: int
     function: str
     why: str
+
+
+def internal_error(exc: BaseException) -> str:
+    """The reason a function was not followed when the audit itself failed on it (a bug to report)."""
+    where = ""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is not None:
+        where = f" at {os.path.basename(tb.tb_frame.f_code.co_filename)}:{tb.tb_lineno}"
+    return (f"the audit failed on it ({type(exc).__name__}: {exc}{where}; a bug of ownsan audit, please report "
+            f"it with this line)")
 
 
 @dataclass(frozen=True)
@@ -135,6 +148,11 @@ def analyse(source: Source, project: Optional[Project] = None, settings: Optiona
             if skipped is None:
                 raise
             skipped.append(Skipped(source.path, TOO_DEEP_TO_FOLLOW, info.node.lineno, info.qualname))  # type: ignore
+            continue
+        except Exception as exc:  # a bug of the audit's own on code it did not expect: named, never a traceback
+            if skipped is None:
+                raise
+            skipped.append(Skipped(source.path, internal_error(exc), info.node.lineno, info.qualname))  # type: ignore
             continue
         for finding in outcome.findings:
             if finding.key in found:

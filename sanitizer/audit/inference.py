@@ -110,8 +110,8 @@ def infer(sources: Sequence[Source], settings: Optional[Settings] = None,
                 flow.attribute_source = handles.value if handles is not None else None
                 try:
                     out = flow.run()
-                except RecursionError:
-                    continue  # the audit itself names it as skipped
+                except Exception:  # (RecursionError, or a bug of the audit's own: the audit's walk of the
+                    continue  # same function names it as skipped, with its reason; no producer from it)
                 generator = info.is_generator
                 val = out.produced_yield if generator else out.produced
                 if val is not None and info.name == "__getitem__" and not generator:
