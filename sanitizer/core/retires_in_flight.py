@@ -23,10 +23,9 @@ itself), and the wait is bounded. Torch-free: ranges, thread idents and a condit
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 WAIT_S = 10.0  # the longest a reuse waits for another thread's retire (a hook stuck on a lock we cannot see)
 
@@ -93,23 +92,13 @@ class RetiresInFlight:
                 self._cond.wait(left)
             return True
 
-    @contextlib.contextmanager
     def retiring(self, region_id: int, start: int, end: int,
-                 may_wait: Optional[Callable[[], bool]] = None) -> Iterator[Callable[..., None]]:
-        """One retire, registered around its body: call what it yields once the ledger answered, with the
-        extent ``(start, end)`` of the victims it took, or none (the limit of :meth:`end`, and :meth:`took`);
-        on the way out it waits as :meth:`end` does, even when the body raised."""
-        ticket = self.begin(region_id, start, end)
-        limit: List[int] = [ticket]
-
-        def answered(took_start: Optional[int] = None, took_end: Optional[int] = None) -> None:
-            limit[0] = self.asked()
-            self.took(ticket, start if took_start is None else took_start, end if took_end is None else took_end)
-
-        try:
-            yield answered
-        finally:
-            self.end(ticket, limit[0], may_wait=may_wait)
+                 may_wait: Optional[Callable[[], bool]] = None) -> "_Retiring":
+        """One retire, registered around its body (``with``): call what it yields once the ledger answered,
+        with the extent ``(start, end)`` of the victims it took, or none (the limit of :meth:`end`, and
+        :meth:`took`); on the way out it waits as :meth:`end` does, even when the body raised. A plain class,
+        not a generator context manager: this runs at every put of a ring load."""
+        return _Retiring(self, region_id, start, end, may_wait)
 
     def in_flight(self) -> int:
         return len(self._flight)
@@ -118,6 +107,28 @@ class RetiresInFlight:
         """Only the forking thread lives on in a child: the others' retires never end there."""
         self._cond = threading.Condition(threading.Lock())
         self._flight = {}
+
+
+class _Retiring:
+    """What :meth:`RetiresInFlight.retiring` returns: registers the retire on entry, ends it on exit."""
+
+    __slots__ = ("flight", "start", "end", "may_wait", "ticket", "limit")
+
+    def __init__(self, flight: RetiresInFlight, region_id: int, start: int, end: int,
+                 may_wait: Optional[Callable[[], bool]]) -> None:
+        self.flight, self.start, self.end, self.may_wait = flight, start, end, may_wait
+        self.ticket = self.limit = flight.begin(region_id, start, end)
+
+    def __enter__(self) -> Callable[..., None]:
+        return self.answered
+
+    def answered(self, took_start: Optional[int] = None, took_end: Optional[int] = None) -> None:
+        self.limit = self.flight.asked()
+        self.flight.took(self.ticket, self.start if took_start is None else took_start,
+                         self.end if took_end is None else took_end)
+
+    def __exit__(self, *exc: object) -> None:
+        self.flight.end(self.ticket, self.limit, may_wait=self.may_wait)
 
 
 __all__ = ["RetiresInFlight", "WAIT_S"]

@@ -48,15 +48,13 @@ def track_lease(region: Region, start: int, nbytes: int, view: torch.Tensor,
     """
     depth = state.options.stack_depth
     enabled = state.enabled
-    if site is not None:
-        pass
-    elif depth:
+    if site is None and depth:
         # 4: past capture, this function, a buffer's _lend_checked and its caller (lend or write_prepared,
         # ours too): the walk starts at the frame that may be the user's. Python 3.11+ makes a frame
         # object for each frame the walk touches, and for a call that is about to return that costs
         # more than the rest of the capture (0.8 us of a 5 us lend when it started at lend's frame).
         site = capture(depth if enabled or depth == 1 else 1, 4)
-    else:
+    elif site is None:
         site = ()
     storage = view.untyped_storage()
     lease = state.ledger.lend(region.region_id, start, start + nbytes, name,
@@ -184,25 +182,16 @@ def _retire_range(region: Region, start: int, end: int, by: Optional[str], kind:
     if site is None:
         depth = state.options.stack_depth
         site = capture(depth, 2) if depth else ()
-    # _RETIRES.retiring() spelled out: this runs at every put of a ring load (a generator-based context
-    # manager and its closure cost ~2 us a put of 512 bytes).
-    retires = _RETIRES
-    region_id = region.region_id
-    ticket = retires.begin(region_id, start, end)
-    limit = ticket
-    try:
-        event, victims = state.ledger.reuse(region_id, start, end, by, site, threading.current_thread().name, kind)
-        limit = retires.asked()
-        took_start, took_end = _extent(region, victims, start, end)
-        retires.took(ticket, took_start, took_end)
+    with _RETIRES.retiring(region.region_id, start, end, _not_inside_our_own_work) as answered:
+        event, victims = state.ledger.reuse(region.region_id, start, end, by, site, threading.current_thread().name,
+                                            kind)
+        answered(*_extent(region, victims, start, end))
         if victims:
             victims = _still_borrowed(region, victims)
         interception.retry_leave()
         for hook in HOOKS.reuse:
             hook(region, event)
         _run_retire_hooks(region, event, victims)
-    finally:
-        retires.end(ticket, limit, may_wait=_not_inside_our_own_work)
     return event
 
 
