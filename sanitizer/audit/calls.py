@@ -34,6 +34,19 @@ _NOT_HOLDERS = frozenset({"Parameter", "Tensor", "Size", "Path", "PurePath", "Ev
 # `set_peft_model_state_dict(model, sd, low_cpu_mem_usage=True)` ("Create empty adapter weights on meta
 # device before loading the saved weights"): the state dict argument, by keyword or position.
 _ADAPTER_LOADERS = {"load_adapter": ("adapter_state_dict", None)}
+
+# Methods that make their argument a part of the object they are called on, with the index of that argument
+# (and of the name it is kept under: None for a fixed name). torch.nn.Module.add_module: "Add a child module to
+# the current module. The module can be accessed as an attribute using the given name" (register_module is
+# its alias; set_submodule "Set the submodule given by target if it exists"). transformers'
+# PreTrainedModel.set_input_embeddings / set_output_embeddings / set_decoder set the model's module of that
+# role (unsloth's `model.set_output_embeddings(new_lm_head)` around an mmap-loaded weight).
+_MODULE_SETTERS = {"add_module": (1, 0), "register_module": (1, 0), "set_submodule": (1, 0),
+                   "set_input_embeddings": (0, None), "set_output_embeddings": (0, None), "set_decoder": (0, None)}
+# Modules built around the tensor they are given, sharing its memory: torch.nn.Embedding.from_pretrained
+# "embeddings (Tensor) - FloatTensor containing weights for the Embedding" (it becomes `Parameter(embeddings)`,
+# the same storage); the same for EmbeddingBag.
+_MODULE_OF_TENSOR = frozenset({"Embedding.from_pretrained", "EmbeddingBag.from_pretrained"})
 _ADAPTER_SETTERS = {"set_peft_model_state_dict": ("peft_model_state_dict", 1),
                     "peft.set_peft_model_state_dict": ("peft_model_state_dict", 1),
                     "peft.utils.set_peft_model_state_dict": ("peft_model_state_dict", 1)}
@@ -103,6 +116,14 @@ class CallRules:
             target = ast.Attribute(value=func.value, attr=self.snip(node.args[0], 30).strip("'\""), ctx=ast.Store())
             self.attribute_store(ast.copy_location(target, node), args[1], node)
             return None
+        if meth in _MODULE_SETTERS and isinstance(func, ast.Attribute):
+            value, key = _MODULE_SETTERS[meth]
+            if len(args) > value and args[value] is not None and args[value].holds_tensor:
+                attr = self.snip(node.args[key], 30).strip("'\"") if key is not None and len(node.args) > key \
+                    else meth[len("set_"):]
+                target = ast.Attribute(value=func.value, attr=attr, ctx=ast.Store())
+                self.attribute_store(ast.copy_location(target, node), args[value], node)
+                return None
         if meth == "load_state_dict" and args and args[0] is not None and args[0].holds_tensor \
                 and _keyword_is(node, "assign", True):
             # torch.nn.Module.load_state_dict: "assign (bool, optional) - When set to False, the properties
@@ -293,7 +314,8 @@ class CallRules:
             if first.kind == HOLDER:
                 return element_of(first, link)
             return None
-        if (name in V.ALIAS_FUNCTIONS or last in ("Parameter", "from_numpy", "as_tensor", "asarray")) \
+        if (name in V.ALIAS_FUNCTIONS or last in ("Parameter", "from_numpy", "as_tensor", "asarray")
+                or ".".join(name.split(".")[-2:]) in _MODULE_OF_TENSOR) \
                 and first is not None and first.holds_tensor:
             return first.then(TENSOR, link, parameter=first.parameter or "Parameter" in name)
         if name in V.SPLIT_FUNCTIONS and first is not None and first.kind == TENSOR:

@@ -1056,3 +1056,69 @@ def test_meta_tensors_argument_bundles_and_a_readers_own_load_file_are_no_weight
     The same union under a state-dict name, and safetensors' own ``load_file``, are still weights."""
     found = _audit(tmp_path, {"not_weights.py": NOT_WEIGHTS})
     assert _functions(found) == {"keep_state_dict_bundle", "keep_files"}
+
+
+# -- round 12: a module built around a loaded tensor, handed to a model's setter (unsloth); a plain object's
+# `load_state_dict(sd)` (gpt-neox's LR scheduler) --------------------------------------------------------------
+MODULE_SETTERS = '''
+import torch
+
+
+def offload(path):
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+
+
+def keep_as_embedding(model, path):
+    weight = offload(path)
+    embedding = torch.nn.Embedding.from_pretrained(weight)
+    model.set_input_embeddings(embedding)
+
+
+def keep_as_head(model, path):
+    weight = offload(path)
+    head = torch.nn.Linear(1, 1, bias=None)
+    del head.weight
+    head.weight = weight
+    model.set_output_embeddings(head)
+
+
+def keep_as_child(model, path):
+    model.add_module("extra", torch.nn.Embedding.from_pretrained(offload(path)))
+
+
+def copy_as_embedding(model, path):
+    weight = offload(path)
+    embedding = torch.nn.Embedding.from_pretrained(weight.clone())
+    model.set_input_embeddings(embedding)
+
+
+def copy_as_head(model, path):
+    head = torch.nn.Linear(1, 1, bias=None)
+    head.weight.data.copy_(offload(path))
+    model.set_output_embeddings(head)
+
+
+class WarmupSchedule(object):
+    def __init__(self, start_lr):
+        self.start_lr = start_lr
+
+    def load_state_dict(self, sd):
+        self.start_lr = sd["start_lr"]
+        self.num_iters = sd["num_iters"]
+
+
+class Block(torch.nn.Module):
+    def load_state_dict(self, sd):
+        self.weight = sd["weight"]
+'''
+
+
+def test_a_module_built_around_a_loaded_tensor_and_set_on_a_model_keeps_it(tmp_path: Path):
+    """unsloth offloads an embedding to disk and reads it back with ``torch.load(mmap=True)`` in a helper,
+    then keeps the mapped tensor in the model through ``nn.Embedding.from_pretrained(w)`` (which makes
+    ``Parameter(w)``: the same storage) and ``model.set_input_embeddings(...)`` / ``set_output_embeddings``
+    (transformers' setters; ``add_module`` is torch's). Copied first, nothing is kept. A plain object's
+    ``load_state_dict(sd)`` (a class with no base: torch's Stateful protocol, gpt-neox's LR scheduler) reads
+    its settings, not weights; a module's override of it still reads weights."""
+    found = _audit(tmp_path, {"setters.py": MODULE_SETTERS})
+    assert _functions(found) == {"keep_as_embedding", "keep_as_head", "keep_as_child", "Block.load_state_dict"}
