@@ -260,7 +260,8 @@ class CallRules:
                 # the innermost statement loop's step: `{k: f.get_tensor(k) for k in f.keys()}` builds the
                 # step's dict of one file's tensors, which lives as long as that file's step
                 step = next((x for x in reversed(self.loops) if x not in self._comp_steps), self.func_step)
-                return True, Val(TENSOR, step, base.chain + (link,), self.fn, label=f"`{self.snip(node, 40)}`")
+                return True, Val(TENSOR, step, base.chain + (link,), self.fn, label=f"`{self.snip(node, 40)}`",
+                                 seed=base.seed)  # (a helper's, from the handle it was handed: see _apply)
             if meth in V.SOURCE_ITER_METHODS:
                 return True, base.then(ITER, link, elem=ELEM_PAIR)
             if meth in V.SOURCE_SOURCE_METHODS or meth in V.HANDLE_LOOKUPS:

@@ -158,6 +158,26 @@ def _holds_other_state(param: str, function: str) -> bool:
     return bool(_OTHER_STATE.search(low)) and "load" not in low and "weight" not in low
 
 
+_DICT_OF_WEIGHTS_NAMES = frozenset({"weight_dict", "weights_dict"})
+
+
+def _names_weights(param: str) -> bool:
+    """A parameter whose own name says it is a dict of weights (``weight_dict``): one whatever its function is
+    called (LightX2V's ops take a LoRA file's dict in ``register_diff(weight_dict)`` and ``register_lora``).
+    The vaguer names still need a function named for loading: ``weights`` is as often a getter object (TGI's
+    ``Weights``, whose ``get_tensor`` is a producer of its own) or a stream, ``sd``/``tensors``/``checkpoint``
+    anything."""
+    return param in _DICT_OF_WEIGHTS_NAMES
+
+
+def _passed_to_a_call(info: FunctionInfo, name: str) -> bool:
+    """Is the parameter ``name`` handed whole to a call (``helper(attrs, weight_dict)``) in the body?"""
+    for node in _own_scope(info.node.body):  # type: ignore[attr-defined]
+        if isinstance(node, ast.Call) and any(isinstance(a, ast.Name) and a.id == name for a in node.args):
+            return True
+    return False
+
+
 _STATE_PROTOCOL = frozenset({"load_state_dict", "set_state_dict", "load_state", "set_state"})
 
 
@@ -221,14 +241,19 @@ def seeds_of(info: FunctionInfo, settings: Optional[Settings] = None) -> List[Se
         if ann and V.LIST_OF_PAIRS.match(ann):
             seeds.append(Seed(name, PAIRS, f"(name, tensor) pairs the caller holds for the call, annotated {ann}"))
             continue
-        if not ann and name in V.MAPPING_PARAM_NAMES and V.MAPPING_FUNCTION.search(info.name.lower()) \
-                and not _plain_object_state(info):
+        if not ann and name in V.MAPPING_PARAM_NAMES and not _plain_object_state(info) and (
+                V.MAPPING_FUNCTION.search(info.name.lower()) or _names_weights(name)):
             if mapping is None:
                 mapping = _mapping_names(info)
             if used is None:
                 used = _iterated_names(info)
             if name in mapping and name not in used:
                 seeds.append(Seed(name, MAPPING, f"a dict of weights by name ({name}, {mapping[name]})"))
+                continue
+            if _names_weights(name) and name not in used and _passed_to_a_call(info, name):
+                # (`device_tensors = create_default_tensors(self.base_attrs, weight_dict)`: the helper reads it,
+                # and what it returns is followed through its summary)
+                seeds.append(Seed(name, MAPPING, f"a dict of weights by name ({name}, passed to a helper)"))
                 continue
         if name in V.TENSOR_PARAM_NAMES:
             seeds.append(Seed(name, TENSOR, f"a per-tensor weight ({name})"))

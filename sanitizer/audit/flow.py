@@ -31,7 +31,7 @@ from sanitizer.audit.findings import Finding, Link
 from sanitizer.audit.index import FunctionInfo, annotation_text, dotted
 from sanitizer.audit.snippets import Snippets
 from sanitizer.audit.stores import StoreRules
-from sanitizer.audit.targets import binding_kind, is_fresh_container, root_of
+from sanitizer.audit.targets import binding_kind, is_fresh_container, rebound_before_leaving, root_of
 from sanitizer.audit.values import (ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR, ELEM_PAIR, ELEM_TENSOR, HOLDER,
                                     ITER, PAIR, SOURCE, TENSOR, UNRESOLVED, IntoParam, Outcome, Slot, State, Val,
                                     element_of, handle_of, handles_holding, is_handles)
@@ -94,6 +94,7 @@ class Flow(StoreRules, CallRules):
         self._aliases: Dict[str, Tuple[ast.expr, ...]] = {}  # loop targets that name one of a literal's containers
         self._attrs = False  # some attribute was given a borrowed tensor (kept in the env as `self.weight`)
         self._comp_steps: set = set()  # the steps that are comprehensions' (not statement loops)
+        self._rebinds: dict = {}  # the function's statements by block (stores.rebound_before_leaving), built once
         self._open_handles: List[int] = []  # lines of the `with <loader handle>` blocks the walk is inside
         # Whole-file dicts kept in a step-local container (`state_dict["model"] = load(path)`): the store,
         # by container; once a later whole-file fetch in the step ends their validity, stale until rebound
@@ -440,15 +441,20 @@ class Flow(StoreRules, CallRules):
                     self.assign(elt, part, sub, stmt, loop_target)
         elif isinstance(target, ast.Attribute):
             base = self.ev(target.value)
-            if val is not None and (base is None or base.kind != TENSOR):
+            # replaced by a later store of the same step (judged itself): not what the object keeps, but
+            # read back until then as the tensor it is (`self.other = self.weight` in between is a store)
+            replaced = val is not None and isinstance(stmt, (ast.Assign, ast.AnnAssign)) \
+                and rebound_before_leaving(self.info.node, self._rebinds, stmt, target)
+            if val is not None and (base is None or base.kind != TENSOR) and not replaced:
                 self.attribute_store(target, val, stmt)
-            self._remember_attribute(target, val, stmt)
+            self._remember_attribute(target, val, stmt, reported=not replaced)
         elif isinstance(target, ast.Subscript):
             self.subscript_store(target, val, stmt)
         elif isinstance(target, ast.Starred):
             self.assign(target.value, val, value, stmt, loop_target)
 
-    def _remember_attribute(self, target: ast.Attribute, val: Optional[Val], stmt: ast.AST) -> None:
+    def _remember_attribute(self, target: ast.Attribute, val: Optional[Val], stmt: ast.AST,
+                            reported: bool = True) -> None:
         """``self.weight = w`` makes ``self.weight`` read as ``w`` for the rest of the walk, so that an
         in-place write through the attribute (``self.weight += bias``, ``self.weight.data.mul_(s)``) is
         found. The store itself is reported where it is made: the value read back is marked reported,
@@ -459,7 +465,7 @@ class Flow(StoreRules, CallRules):
             return
         if val is not None and val.kind == TENSOR and not val.capture:
             self.state.env[key] = val.then(link=Link(getattr(stmt, "lineno", 0), self.fn, f"stored in `{key}`"),
-                                           reported=True, label=f"`{key}`")
+                                           reported=reported or val.reported, label=f"`{key}`")
             self._attrs = True
         elif self._attrs:
             self.state.env.pop(key, None)

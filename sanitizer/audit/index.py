@@ -132,6 +132,7 @@ class ModuleIndex:
     by_node: Dict[int, FunctionInfo] = field(default_factory=dict)
     # ``from X import a as b`` at module level: b -> (X, level, a), for calls into other audited modules
     imports: Dict[str, Tuple[str, int, str]] = field(default_factory=dict)
+    star_imports: List[Tuple[str, int]] = field(default_factory=list)  # `from m import *`: (module, level)
     module_aliases: Set[str] = field(default_factory=set)  # ``import torch``, ``import numpy as np``
     module_paths: Dict[str, str] = field(default_factory=dict)  # ``import pkg.mod as m``: m -> pkg.mod
     all_classes: List[ClassInfo] = field(default_factory=list)  # nested and local ones too
@@ -335,6 +336,8 @@ def build_index(path: str, tree: ast.Module) -> ModuleIndex:
                         index.module_paths[alias.asname] = alias.name
                 if isinstance(stmt, ast.ImportFrom) and alias.name != "*":
                     index.imports[alias.asname or alias.name] = (stmt.module or "", stmt.level, alias.name)
+                elif isinstance(stmt, ast.ImportFrom):
+                    index.star_imports.append((stmt.module or "", stmt.level))
 
     _canonical_loader_calls(index, tree)
     _visit(index, tree.body, "", None, None)

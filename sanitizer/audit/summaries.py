@@ -339,6 +339,8 @@ class ModuleAnalysis:
     def _import_target(self, name: str) -> Optional[Tuple["ModuleAnalysis", str]]:
         """The audited module that ``name`` is imported from, with the name it has there."""
         imp = self.index.imports.get(name)
+        if imp is None and self.index.star_imports and self.project is not None and name not in self.index.globals:
+            return self._star_import_target(name)
         if imp is None or self.project is None:
             return None
         module, level, original = imp
@@ -350,6 +352,21 @@ class ModuleAnalysis:
         other = self.project.module(path, lambda source: ModuleAnalysis(
             source.path, build_index(source.path, source.tree), Snippets(source.text), self.project, self.settings))
         return (other, original) if isinstance(other, ModuleAnalysis) else None
+
+    def _star_import_target(self, name: str) -> Optional[Tuple["ModuleAnalysis", str]]:
+        """``from lightx2v.common.ops.utils import *`` then ``create_default_tensors(...)``: the first star-imported
+        audited module that defines ``name`` at its top level (a later star import would shadow an earlier
+        one, so the last is looked at first, as Python binds them)."""
+        assert self.project is not None
+        for module, level in reversed(self.index.star_imports):
+            path = self.project.locate(self.path, module, level)
+            if path is None or path == self.path:
+                continue
+            other = self.project.module(path, lambda source: ModuleAnalysis(
+                source.path, build_index(source.path, source.tree), Snippets(source.text), self.project, self.settings))
+            if isinstance(other, ModuleAnalysis) and (name in other.index.top_functions or name in other.index.classes):
+                return other, name
+        return None
 
     def _imported(self, name: str) -> Optional[Callee]:
         """A module-level function imported from another audited module (``from .x import f``)."""
@@ -488,6 +505,9 @@ class ModuleAnalysis:
                     self._emit(flow, fact.template, val, call_link, callee)  # kept by a module: see is_module_class
                     continue
                 self._into_param(flow, node, target, fact, arg_of, val, call_link, callee)
+            if outcome.returns is not None and result is None and val.kind == SOURCE \
+                    and outcome.returns.kind in (TENSOR, HOLDER) and not outcome.returns.capture:
+                result = self._fetched_through(flow, node, callee, val, outcome.returns)
             if outcome.returns is not None and result is None:
                 ret = outcome.returns
                 link = Link(node.lineno, flow.fn, f"returned by `{callee.name}()`")
@@ -503,6 +523,16 @@ class ModuleAnalysis:
             if result is None and val.kind == ITER and callee.is_generator and outcome.yields is not None:
                 result = val.then(ITER, Link(node.lineno, flow.fn, f"re-yielded by `{callee.name}()`"))
         return result
+
+    def _fetched_through(self, flow: Flow, node: ast.Call, callee: FunctionInfo, val: Val, ret: Val) -> Val:
+        """``self._load_local_tensor(source, key, device)``: a helper handed the loader's handle fetches from it
+        (``source.get_tensor(key)``) and returns the tensor, or a view of it: fetched at this call, so valid for
+        the caller's step (its innermost statement loop's iteration, else the call), as a fetch written in the
+        caller would be (LightX2V's MiniMax-H3 loaders fetch every tensor so)."""
+        step = next((x for x in reversed(flow.loops) if x not in flow._comp_steps), flow.func_step)
+        link = Link(node.lineno, flow.fn, f"fetched from the handle by `{callee.name}()`")
+        return Val(ret.kind, step, val.chain + (link,), flow.fn, elem=ret.elem, label=f"`{flow.snip(node, 40)}`",
+                   convert=ret.convert)
 
     def _lookup_through(self, flow: Flow, node: ast.Call, target: Callee, p: int, val: Val) -> Optional[Val]:
         """``self.maybe_modify_loaded_hf_weight(param, hf_state_dict)`` with a lazy mapping of weights: a helper

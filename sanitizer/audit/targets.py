@@ -208,3 +208,67 @@ def constructed_locals(fn: ast.AST) -> Dict[str, str]:
 
 __all__ = ["Root", "root_of", "is_fresh_container", "constructed_locals", "binding_kind", "subscript_is_tensor",
            "method_base_is_tensor", "peel_target"]
+
+
+def _blocks_of(fn: ast.AST) -> Dict[int, Tuple[list, int]]:
+    """Every statement of ``fn`` (nested functions and classes excluded), by id: the statement list it is in
+    and its place there."""
+    where: Dict[int, Tuple[list, int]] = {}
+    stack = [fn]
+    while stack:
+        node = stack.pop()
+        for field in ("body", "orelse", "finalbody"):
+            block = getattr(node, field, None)
+            if isinstance(block, list):
+                for i, stmt in enumerate(block):
+                    if isinstance(stmt, ast.stmt):
+                        where[id(stmt)] = (block, i)
+                        if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+                            stack.append(stmt)
+        for handler in getattr(node, "handlers", ()) or ():
+            stack.append(handler)
+        for case in getattr(node, "cases", ()) or ():
+            stack.append(case)
+    return where
+
+
+_LEAVES = (ast.Return, ast.Raise, ast.Yield, ast.YieldFrom, ast.Await, ast.Break, ast.Continue)
+
+
+def rebound_before_leaving(fn: ast.AST, memo: Dict[int, Dict[int, Tuple[list, int]]], stmt: ast.AST,
+                           target: ast.Attribute) -> bool:
+    """Is the attribute ``target`` that ``stmt`` stores into bound again (or deleted) by a later statement
+    of the same block, which every path from ``stmt`` reaches (nothing between leaves the block: no
+    return, raise, yield, break or continue)? Then what ``stmt`` stored is not what the object keeps: it is
+    replaced before the step ends (LightX2V's quantizing loaders: ``self.weight = w.to(torch.float32)``, then
+    ``self.weight, self.scale = quantize(self.weight)``), and the later store is judged on its own."""
+    where = memo.get(id(fn))
+    if where is None:
+        where = memo[id(fn)] = _blocks_of(fn)
+    found = where.get(id(stmt))
+    if found is None:
+        return False
+    block, index = found
+    key = ast.dump(target, annotate_fields=False, include_attributes=False).replace("Store()", "")
+    for later in block[index + 1:]:
+        targets: list = []
+        if isinstance(later, ast.Assign):
+            targets = list(later.targets)
+        elif isinstance(later, (ast.AnnAssign, ast.AugAssign)):
+            targets = [later.target] if isinstance(later, ast.AnnAssign) and later.value is not None else []
+        elif isinstance(later, ast.Delete):
+            targets = list(later.targets)
+        flat = []
+        while targets:
+            t = targets.pop()
+            if isinstance(t, (ast.Tuple, ast.List)):
+                targets.extend(t.elts)
+            else:
+                flat.append(t)
+        if any(isinstance(t, ast.Attribute) and
+               ast.dump(t, annotate_fields=False, include_attributes=False).replace("Del()", "").replace("Store()", "")
+               == key for t in flat):
+            return True
+        if any(isinstance(n, _LEAVES) for n in ast.walk(later)):
+            return False
+    return False

@@ -1122,3 +1122,99 @@ def test_a_module_built_around_a_loaded_tensor_and_set_on_a_model_keeps_it(tmp_p
     its settings, not weights; a module's override of it still reads weights."""
     found = _audit(tmp_path, {"setters.py": MODULE_SETTERS})
     assert _functions(found) == {"keep_as_embedding", "keep_as_head", "keep_as_child", "Block.load_state_dict"}
+
+
+# -- round 12: LightX2V (a handle handed to a helper that fetches; a `weight_dict` by its name; a helper reached
+# through a star import; a store replaced before the step ends) ---------------------------------------------------
+OPS_UTILS = '''
+def split_tensors(attrs, weight_dict):
+    on_device = {}
+    for name, attr in attrs:
+        if name in weight_dict:
+            on_device[attr] = weight_dict[name]
+    return on_device
+
+
+def pinned_copies(attrs, weight_dict):
+    return {attr: weight_dict[name].clone() for name, attr in attrs}
+'''
+
+OPS = '''
+import torch
+from safetensors import safe_open
+from ops_utils import *
+
+
+class Op:
+    def load(self, weight_dict):
+        tensors = split_tensors(self.attrs, weight_dict)
+        self.weight = tensors.get("weight")
+
+    def load_copied(self, weight_dict):
+        tensors = pinned_copies(self.attrs, weight_dict)
+        self.weight = tensors.get("weight")
+
+    def register_diff(self, weight_dict):
+        self.weight_diff = weight_dict[self.weight_name + ".diff"]
+
+    def register_copy(self, weight_dict):
+        self.weight_diff = weight_dict[self.weight_name + ".diff"].clone()
+
+    def load_quantized(self, weight_dict):
+        self.weight = weight_dict[self.weight_name].to(torch.float32)
+        self.weight, self.scale = quantize(self.weight)
+        self.weight = self.weight.to(torch.float8_e4m3fn)
+
+    def load_then_alias(self, weight_dict):
+        self.weight = weight_dict[self.weight_name]
+        self.original = self.weight
+        self.weight = quantize(self.weight)
+
+    def load_or_return(self, weight_dict):
+        self.weight = weight_dict[self.weight_name]
+        if self.keep:
+            return
+        self.weight = quantize(self.weight)
+
+
+class Model:
+    def _local_tensor(self, source, key, device):
+        tensor = source.get_tensor(key)
+        if torch.device(device).type != "cpu":
+            tensor = tensor.to(device)
+        return tensor
+
+    def _local_copy(self, source, key):
+        return source.get_tensor(key).clone()
+
+    def load_all(self, files):
+        weight_dict = {}
+        for path in files:
+            with safe_open(path, framework="pt", device="cpu") as source:
+                for key in source.keys():
+                    weight_dict[key] = self._local_tensor(source, key, "cpu")
+        return weight_dict
+
+    def load_copies(self, files):
+        weight_dict = {}
+        for path in files:
+            with safe_open(path, framework="pt", device="cpu") as source:
+                for key in source.keys():
+                    weight_dict[key] = self._local_copy(source, key)
+        return weight_dict
+'''
+
+
+def test_a_handle_handed_to_a_helper_a_weight_dict_by_name_a_star_import_and_a_replaced_store(tmp_path: Path):
+    """LightX2V's shapes (round 12, read blind first): a helper handed the loader's handle fetches from it and
+    returns the tensor, fetched at the caller's step (MiniMax-H3's ``_load_local_tensor(source, key, device)``,
+    every tensor of several files kept in one dict); an op's ``register_diff(weight_dict)`` reads a LoRA file's
+    dict by its parameter's name alone; ``load(weight_dict)`` hands the dict to a helper reached through
+    ``from ...utils import *`` and stores what it returns. A store replaced by a later one of the same block
+    before anything leaves it (a quantizing loader: ``self.weight = w.to(torch.float32)``, then the quantized
+    copy) is not what the object keeps, but the tensor is read back through the attribute until then (an
+    alias stored in between is kept), and a ``return`` in between keeps it. Copies keep nothing."""
+    found = _audit(tmp_path, {"ops_utils.py": OPS_UTILS, "ops.py": OPS})
+    assert _functions(found) == {"Op.load", "Op.register_diff", "Op.load_then_alias", "Op.load_or_return",
+                                 "Model.load_all"}
+    assert ("OWN102", "Op.load_then_alias", 29) in found
