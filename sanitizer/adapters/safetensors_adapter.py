@@ -319,7 +319,9 @@ class EmulatedSafeOpen:
                 self._ring = StagingRing(ring_bytes, device=tensor.device, name=self._label,
                                          plain_memory=not self._strict())
                 self._pending = []
-            if not self._strict():
+            if (self._pending or state.ledger.live_count) and not self._strict():
+                # (nothing pending and no lease alive anywhere: nothing can be held where the put lands, and
+                # the put finds its own place: a ring load whose consumer copies each tensor out)
                 segment, offset = self._ring.place(nbytes, tensor.element_size())
                 self._keep_held(segment, offset, offset + nbytes)
             return self._ring.put(name, tensor)
@@ -329,7 +331,7 @@ class EmulatedSafeOpen:
         held there keeps its bytes, aliases included (safetensors' contract lets it be kept)."""
         self._pass_pending(segment, start, end)
         if not state.ledger.live_count:
-            return  # (no lease alive anywhere: nothing can be held there; a ring load whose consumer copies)
+            return  # (no lease alive anywhere: nothing can be held there)
         region = self._ring.segments[segment]._region.region_id
         stay = _held(state.ledger.overlapping(region, start, end))
         if stay:

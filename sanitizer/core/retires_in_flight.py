@@ -38,6 +38,7 @@ class RetiresInFlight:
         self._cond = threading.Condition(threading.Lock())
         self._seq = 0
         self._flight: Dict[int, Tuple[int, int, int, int]] = {}
+        self._waiters = 0  # threads inside a wait: only they need a notify (a put pays none on one thread)
 
     def begin(self, region_id: int, start: int, end: int) -> int:
         """Register a retire of ``[start, end)`` of ``region_id`` about to ask the ledger; its ticket."""
@@ -55,7 +56,8 @@ class RetiresInFlight:
                 return
             region_id, a, b, thread, _ = entry
             self._flight[ticket] = (region_id, min(a, start), max(b, end), thread, True)
-            self._cond.notify_all()
+            if self._waiters:
+                self._cond.notify_all()
 
     def asked(self) -> int:
         """The limit to wait up to, read once the ledger answered: a retire registered later asked it later
@@ -71,7 +73,8 @@ class RetiresInFlight:
         triage walk, which holds a lock the other retire's hooks need) must not wait at all."""
         with self._cond:
             entry = self._flight.pop(ticket, None)  # None: forgotten by a fork while under way
-            self._cond.notify_all()
+            if self._waiters:
+                self._cond.notify_all()
             if entry is None or not self._flight:
                 return True
             region_id, start, end, me, _ = entry
@@ -89,7 +92,11 @@ class RetiresInFlight:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
-                self._cond.wait(left)
+                self._waiters += 1
+                try:
+                    self._cond.wait(left)
+                finally:
+                    self._waiters -= 1
             return True
 
     def retiring(self, region_id: int, start: int, end: int,
@@ -107,6 +114,7 @@ class RetiresInFlight:
         """Only the forking thread lives on in a child: the others' retires never end there."""
         self._cond = threading.Condition(threading.Lock())
         self._flight = {}
+        self._waiters = 0
 
 
 class _Retiring:
