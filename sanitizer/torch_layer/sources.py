@@ -106,6 +106,10 @@ def _flat_bytes(source: torch.Tensor, nbytes: int) -> torch.Tensor:
     """``source``'s bytes as one flat, contiguous uint8 tensor (a view when it already is contiguous)."""
     flat = source.detach().contiguous().reshape(-1)
     if flat.dtype != torch.uint8 and nbytes:
+        if flat.stride(0) != 1:
+            # One element: torch calls it contiguous whatever its stride (`get_slice(k)[::2]` of a 1-element
+            # slice has stride 2), and a dtype view needs stride 1: the same element, read with stride 1.
+            flat = flat.as_strided((flat.numel(),), (1,))
         flat = flat.view(torch.uint8)
     return flat
 

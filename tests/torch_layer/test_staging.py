@@ -37,6 +37,21 @@ def test_every_dtype_round_trips_bit_exactly(dtype):
     assert torch.equal(w.view(torch.uint8), src.view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64, torch.uint8])
+def test_a_one_element_source_with_any_stride_is_written(dtype):
+    """Torch calls a one-element tensor contiguous whatever its stride (safetensors' ``get_slice(k)[::2]`` of a
+    one-element slice has stride 2); its bytes are still one element. A write raised (a dtype view needs stride
+    1) until a user's fuzz of the ``safetensors_ring`` emulation's slices found it."""
+    base = torch.arange(6).to(dtype)
+    src = base[4::2]
+    assert src.shape == (1,) and src.stride() == (2,) and src.is_contiguous()
+    ring = StagingRing(4096)
+    w = ring.put("one", src)
+    assert w.shape == (1,) and torch.equal(w, src)
+    empty = base[6::2]
+    assert ring.put("none", empty).shape == (0,)
+
+
 def test_derived_views_share_the_lease():
     buf = StagingBuffer(1 << 16)
     w = buf.lend(0, (16, 32), torch.float32, name="w")
