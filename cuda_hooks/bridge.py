@@ -32,6 +32,7 @@ import torch
 
 from . import devices
 from .errors import KernelsUnavailable
+from .loading import loading
 
 __all__ = ["checksum", "checksum_host", "checksum_into", "verify_into", "poison", "warm", "kernel_info",
            "compile_seconds", "to_signed", "to_unsigned", "KernelsUnavailable"]
@@ -60,27 +61,29 @@ def to_unsigned(v: int) -> int:
 def _cpu() -> ModuleType:
     mod = _modules.get("cpu")
     if mod is None:
-        t0 = time.perf_counter()
-        from . import cpu as mod
+        with loading():  # (a fork waits for the import: see loading.py)
+            t0 = time.perf_counter()
+            from . import cpu as mod
 
-        _import_seconds["numba_import_cpu"] = time.perf_counter() - t0
-        _modules["cpu"] = mod
+            _import_seconds.setdefault("numba_import_cpu", time.perf_counter() - t0)
+            _modules["cpu"] = mod
     return mod
 
 
 def _gpu() -> ModuleType:
     mod = _modules.get("gpu")
     if mod is None:
-        t0 = time.perf_counter()
-        try:
-            from . import gpu as mod
-        except ImportError as exc:
-            raise KernelsUnavailable(
-                "cuda_hooks needs numba's CUDA target for CUDA tensors "
-                f"(import failed: {exc}); pip install 'ownership-sanitizer[cuda12]' (or [cuda13]) for numba-cuda"
-            ) from exc
-        _import_seconds["numba_import_cuda"] = time.perf_counter() - t0
-        _modules["gpu"] = mod
+        with loading():  # (a fork waits for the import: see loading.py)
+            t0 = time.perf_counter()
+            try:
+                from . import gpu as mod
+            except ImportError as exc:
+                raise KernelsUnavailable(
+                    "cuda_hooks needs numba's CUDA target for CUDA tensors "
+                    f"(import failed: {exc}); pip install 'ownership-sanitizer[cuda12]' (or [cuda13]) for numba-cuda"
+                ) from exc
+            _import_seconds.setdefault("numba_import_cuda", time.perf_counter() - t0)
+            _modules["gpu"] = mod
     return mod
 
 

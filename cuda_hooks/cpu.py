@@ -44,7 +44,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator
 
 import llvmlite.ir as llvm_ir
@@ -56,6 +56,7 @@ from numba.extending import intrinsic
 
 from . import hashdef
 from .cachedir import kernel_cache
+from .loading import loading
 from .kernel_choice import PARALLEL, KernelChoice
 
 __all__ = [
@@ -186,6 +187,22 @@ def _build(defn: str) -> tuple[Any, Any]:
 with kernel_cache():  # the on-disk cache goes to the user cache directory, not next to this file
     _hash_serial, _hash_parallel = _build(hashdef.definition_digest())
 _compile_seconds: dict[str, float] = {}
+_variants: set = set()  # (kernel, (aligned, writeable)) compiled past the warm-up's, each under loading() once
+
+
+@contextmanager
+def _compiling(kernel: str, variant: tuple) -> Iterator[None]:
+    """Around a kernel call: under :func:`loading` when it may compile a variant the warm-up did not (until
+    one such call has returned: a thread calling it meanwhile waits on the same lock, not on numba's)."""
+    if variant == (True, True) or (kernel, variant) in _variants:
+        yield
+        return
+    with loading():
+        yield
+        _variants.add((kernel, variant))
+
+
+_NOTHING = nullcontext()
 _forked = False
 _choice = KernelChoice()  # serial or parallel above PARALLEL_MIN_BYTES: see kernel_choice.py
 
@@ -213,16 +230,27 @@ def hash_bytes(buf: np.ndarray) -> int:
     if buf.dtype != np.uint8 or buf.ndim != 1 or not buf.flags.c_contiguous:
         raise ValueError(f"hash_bytes needs a contiguous 1-D uint8 array, got {buf.dtype} {buf.shape}")
     if not _compile_seconds:
-        _warm_up()
+        with loading():  # (a fork waits for the compile: see loading.py)
+            if not _compile_seconds:
+                _warm_up()
     words, tail = _split(buf)
+    # numba types an array by its alignment and writability too: the warm-up compiled the aligned, writable
+    # variant; another is compiled at its first use, under loading() (a fork must not copy numba's compiler lock)
+    variant = (words.flags.aligned, words.flags.writeable)
+    known = variant == (True, True)  # (the common case: no context manager on the per-lend path)
     if buf.size < PARALLEL_MIN_BYTES or _forked:
-        return int(_hash_serial(words, tail, buf.size))
+        if known:
+            return int(_hash_serial(words, tail, buf.size))
+        with _compiling("serial", variant):
+            return int(_hash_serial(words, tail, buf.size))
     kernel, probe = _choice.pick()
     t0 = time.perf_counter()
     if kernel == PARALLEL:
-        h = _hash_parallel(words, tail, buf.size, _chunk_words(words.size))
+        with _compiling("parallel", variant) if not known else _NOTHING:
+            h = _hash_parallel(words, tail, buf.size, _chunk_words(words.size))
     else:
-        h = _hash_serial(words, tail, buf.size)
+        with _compiling("serial", variant) if not known else _NOTHING:
+            h = _hash_serial(words, tail, buf.size)
     _choice.record(kernel, (time.perf_counter() - t0) / buf.size, probe)
     return int(h)
 

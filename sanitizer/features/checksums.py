@@ -472,7 +472,12 @@ def _synchronize_at_exit() -> None:
 
 def _on_enable(options: Options) -> None:
     """``enable(checksum=1)`` in a process already using CUDA: load the kernels on the current device now,
-    so the first lend does not pay for it and no graph captured later can see a module load."""
+    so the first lend does not pay for it and no graph captured later can see a module load. And import the
+    kernels' package (a few ms, no numba) here, in the enabling thread: a worker thread's first lend then only
+    loads numba, under cuda_hooks' loading lock, which a fork waits for (a fork during an import of the package
+    itself would leave the child its module lock, held forever)."""
+    if options.checksum or options.poison:
+        _kernels()
     if not options.checksum or not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return  # (a process not using CUDA yet is left alone: initialising CUDA here would break a later fork)
     device = torch.device("cuda", torch.cuda.current_device())

@@ -313,3 +313,38 @@ def test_checksum_host_is_checksum_of_the_same_bytes() -> None:
     assert cuda_hooks.checksum_host(raw[3:101]) == cuda_hooks.checksum(t.view(torch.uint8)[3:101])
     with pytest.raises(ValueError, match="uint8"):
         cuda_hooks.checksum_host(t.numpy())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_fork_while_another_thread_loads_the_kernels_leaves_a_child_that_can_hash() -> None:
+    """A fork copies the locks other threads hold: forked while a worker thread took the first checksum (numba's
+    import, a compile), the child hung forever at its own first hash (a user's fuzz: 4 loader threads, a fork,
+    ``checksum=1``: every child hung). The load runs under cuda_hooks.loading's lock, which a fork waits for.
+    Here the fork is made once the worker is seen inside the load (the lock held), so the child must find the
+    kernels loaded and hash; before the lock, it hung in the import (the subprocess' timeout)."""
+    code = (
+        "import os, sys, threading, time, warnings, numpy as np\n"
+        "warnings.filterwarnings('ignore', '.*multi-threaded.*fork', DeprecationWarning)  # 3.12+\n"
+        "from cuda_hooks import bridge, loading\n"
+        "buf = np.arange(4096, dtype=np.uint8)\n"
+        "t = threading.Thread(target=bridge.checksum_host, args=(buf,))\n"
+        "t.start()\n"
+        "deadline = time.monotonic() + 30\n"
+        "while time.monotonic() < deadline:  # until the worker holds the load's lock (inside the import)\n"
+        "    if not loading._lock.acquire(blocking=False):\n"
+        "        break\n"
+        "    loading._lock.release()\n"
+        "    time.sleep(0.001)\n"
+        "else:\n"
+        "    print('never saw the load'); sys.exit(5)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os._exit(0 if bridge.checksum_host(buf) == bridge.checksum_host(buf.copy()) else 3)\n"
+        "t.join()\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "print(os.waitstatus_to_exitcode(status))\n"
+    )
+    proc = run_python(code, timeout=90)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip() == "0", proc.stdout + proc.stderr
