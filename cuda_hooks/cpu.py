@@ -190,19 +190,23 @@ _compile_seconds: dict[str, float] = {}
 _variants: set = set()  # (kernel, (aligned, writeable)) compiled past the warm-up's, each under loading() once
 
 
-@contextmanager
-def _compiling(kernel: str, variant: tuple) -> Iterator[None]:
-    """Around a kernel call: under :func:`loading` when it may compile a variant the warm-up did not (until
-    one such call has returned: a thread calling it meanwhile waits on the same lock, not on numba's)."""
+_NOTHING = nullcontext()
+
+
+def _compiling(kernel: str, variant: tuple) -> Any:
+    """Around a kernel call: nothing for a variant already compiled (the aligned, writable one of the warm-up: the
+    per-lend path), else :func:`loading` until one such call has returned (a thread calling it meanwhile waits on
+    the same lock, not on numba's)."""
     if variant == (True, True) or (kernel, variant) in _variants:
-        yield
-        return
+        return _NOTHING
+    return _loading_variant(kernel, variant)
+
+
+@contextmanager
+def _loading_variant(kernel: str, variant: tuple) -> Iterator[None]:
     with loading():
         yield
         _variants.add((kernel, variant))
-
-
-_NOTHING = nullcontext()
 _forked = False
 _choice = KernelChoice()  # serial or parallel above PARALLEL_MIN_BYTES: see kernel_choice.py
 
@@ -237,19 +241,16 @@ def hash_bytes(buf: np.ndarray) -> int:
     # numba types an array by its alignment and writability too: the warm-up compiled the aligned, writable
     # variant; another is compiled at its first use, under loading() (a fork must not copy numba's compiler lock)
     variant = (words.flags.aligned, words.flags.writeable)
-    known = variant == (True, True)  # (the common case: no context manager on the per-lend path)
     if buf.size < PARALLEL_MIN_BYTES or _forked:
-        if known:
-            return int(_hash_serial(words, tail, buf.size))
         with _compiling("serial", variant):
             return int(_hash_serial(words, tail, buf.size))
     kernel, probe = _choice.pick()
     t0 = time.perf_counter()
     if kernel == PARALLEL:
-        with _compiling("parallel", variant) if not known else _NOTHING:
+        with _compiling("parallel", variant):
             h = _hash_parallel(words, tail, buf.size, _chunk_words(words.size))
     else:
-        with _compiling("serial", variant) if not known else _NOTHING:
+        with _compiling("serial", variant):
             h = _hash_serial(words, tail, buf.size)
     _choice.record(kernel, (time.perf_counter() - t0) / buf.size, probe)
     return int(h)

@@ -360,11 +360,8 @@ class ModuleAnalysis:
         assert self.project is not None
         for module, level in reversed(self.index.star_imports):
             path = self.project.locate(self.path, module, level)
-            if path is None or path == self.path:
-                continue
-            other = self.project.module(path, lambda source: ModuleAnalysis(
-                source.path, build_index(source.path, source.tree), Snippets(source.text), self.project, self.settings))
-            if isinstance(other, ModuleAnalysis) and (name in other.index.top_functions or name in other.index.classes):
+            other = self._analysis_of(path) if path is not None and path != self.path else None
+            if other is not None and (name in other.index.top_functions or name in other.index.classes):
                 return other, name
         return None
 

@@ -206,8 +206,6 @@ def constructed_locals(fn: ast.AST) -> Dict[str, str]:
     return {name: cls for name, cls in bound.items() if cls is not None}
 
 
-__all__ = ["Root", "root_of", "is_fresh_container", "constructed_locals", "binding_kind", "subscript_is_tensor",
-           "method_base_is_tensor", "peel_target"]
 
 
 def _blocks_of(fn: ast.AST) -> Dict[int, Tuple[list, int]]:
@@ -232,6 +230,12 @@ def _blocks_of(fn: ast.AST) -> Dict[int, Tuple[list, int]]:
     return where
 
 
+def _shape(node: ast.AST) -> str:
+    """``node`` as text, whatever its context (a store, a load or a ``del`` of the same attribute compare equal)."""
+    return ast.dump(node, annotate_fields=False, include_attributes=False).replace("Store()", "").replace(
+        "Del()", "").replace("Load()", "")
+
+
 _LEAVES = (ast.Return, ast.Raise, ast.Yield, ast.YieldFrom, ast.Await, ast.Break, ast.Continue)
 
 
@@ -249,26 +253,24 @@ def rebound_before_leaving(fn: ast.AST, memo: Dict[int, Dict[int, Tuple[list, in
     if found is None:
         return False
     block, index = found
-    key = ast.dump(target, annotate_fields=False, include_attributes=False).replace("Store()", "")
+    key = _shape(target)
     for later in block[index + 1:]:
-        targets: list = []
-        if isinstance(later, ast.Assign):
+        if isinstance(later, (ast.Assign, ast.Delete)):
             targets = list(later.targets)
-        elif isinstance(later, (ast.AnnAssign, ast.AugAssign)):
-            targets = [later.target] if isinstance(later, ast.AnnAssign) and later.value is not None else []
-        elif isinstance(later, ast.Delete):
-            targets = list(later.targets)
-        flat = []
+        elif isinstance(later, ast.AnnAssign) and later.value is not None:
+            targets = [later.target]
+        else:
+            targets = []  # (an augmented assignment writes into what is there: no rebinding)
         while targets:
             t = targets.pop()
             if isinstance(t, (ast.Tuple, ast.List)):
                 targets.extend(t.elts)
-            else:
-                flat.append(t)
-        if any(isinstance(t, ast.Attribute) and
-               ast.dump(t, annotate_fields=False, include_attributes=False).replace("Del()", "").replace("Store()", "")
-               == key for t in flat):
-            return True
+            elif isinstance(t, ast.Attribute) and _shape(t) == key:
+                return True
         if any(isinstance(n, _LEAVES) for n in ast.walk(later)):
             return False
     return False
+
+
+__all__ = ["Root", "root_of", "is_fresh_container", "constructed_locals", "binding_kind", "subscript_is_tensor",
+           "method_base_is_tensor", "peel_target", "rebound_before_leaving"]
