@@ -306,8 +306,10 @@ def _script(loader: str, out: str, version: str) -> None:
 def loader_folder(loader: str, version: str) -> str:
     folder = os.path.join(LOADERS_DIR, f"{DISTRIBUTIONS[loader]}-{version}")
     if not os.path.isfile(os.path.join(folder, ".complete")):
-        pytest.skip(f"{DISTRIBUTIONS[loader]} {version} is not installed in {folder}: "
-                    f"run `./dev test --full` (or `bash .ci/loader_matrix.sh`), as .ci/run does")
+        log = f"{folder}.log"
+        why = (f"it did not install or import there (see {log})" if os.path.isfile(log) else
+               "run `./dev test --full` (or `bash .ci/loader_matrix.sh`), as .ci/run does")
+        pytest.skip(f"{DISTRIBUTIONS[loader]} {version} is not installed in {folder}: {why}")
     return folder
 
 
