@@ -80,6 +80,22 @@ def _parse_options(items: Sequence[str], parser: argparse.ArgumentParser) -> Dic
     return out
 
 
+def _options_from_env(parser: argparse.ArgumentParser) -> Dict[str, str]:
+    """The options already in the environment (``OWNERSHIP_SANITIZE_OPTIONS``), which ``-o`` overrides one
+    by one: the run sets that variable for its processes, and a user's own setting must not vanish under it
+    without a word (a ``safetensors_ring`` set there was dropped and the run checked nothing it asked for)."""
+    text = os.environ.get(_opts.ENV_OPTIONS, "")
+    if not text.strip():
+        return {}
+    try:
+        found = _opts.parse_options_string(text)
+        _opts.resolve(found)
+    except _opts.OptionError as exc:
+        parser.error(f"{_opts.ENV_OPTIONS} in the environment: {exc}")
+    found.pop("report", None)  # each process's report is the run's to place (--report names the merged one)
+    return found
+
+
 class _Progress:
     """A one-line spinner with the elapsed time on a terminal; silent otherwise."""
 
@@ -248,7 +264,8 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         command = command[1:]
     if not command:
         parser.error("give the program to run after --, e.g.: ownsan run -- python train.py")
-    options = _parse_options(args.option, parser)
+    options = _options_from_env(parser)
+    options.update(_parse_options(args.option, parser))
     options = _project_suppressions(options)
     if "report" in options:  # -o report=PATH is --report PATH (each process's own report is ours to place)
         args.report = options.pop("report") or args.report
@@ -552,7 +569,8 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Run COMMAND with the sanitizer on (triage=1: record, do not raise), "
                          "merge the reports of its processes, print the triage summary.")
     run.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE",
-                     help="a sanitizer option (see ownsan options); repeat, or join with ':'. The run exits 1 on "
+                     help="a sanitizer option (see ownsan options); repeat, or join with ':'; it overrides the same "
+                     "option in OWNERSHIP_SANITIZE_OPTIONS, whose others apply too. The run exits 1 on "
                      "an error or a confirmed retention (-o fail_on_retention=0: on errors only)")
     run.add_argument("--report", default="ownsan-report.json", metavar="PATH",
                      help="where to write the merged JSON report (default: %(default)s)")

@@ -500,3 +500,24 @@ def test_the_progress_line_never_covers_the_programs_output(tmp_path):
     shown = [line for line in _screen(text) if line.strip()]
     assert shown[:3] == ["line one", "line two", "half and the rest"], shown  # ...and never over its output
     assert not any("ownsan: running" in line for line in shown)  # and erased at the end
+
+
+def test_run_keeps_the_options_already_in_the_environment_and_o_overrides_them(tmp_path):
+    """``OWNERSHIP_SANITIZE_OPTIONS=safetensors_ring=65536 ownsan run -- ...`` ran with no ring at all: the run
+    wrote the variable for its processes from ``-o`` alone, and the user's setting vanished without a word."""
+    show = ("import sanitizer, json; from sanitizer.torch_layer.state import state; "
+            "print(json.dumps([state.options.safetensors_ring, state.options.stack_depth]))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OWNERSHIP_SANITIZE")}
+    env.update(PYTHONPATH=ROOT, OWNERSHIP_SANITIZE_OPTIONS="safetensors_ring=65536:stack_depth=5")
+    argv = [sys.executable, "-m", "sanitizer", "run", "-q", "--report", "rep.json"]
+    out = subprocess.run(argv + ["--", sys.executable, "-c", show], cwd=str(tmp_path), env=env,
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "[65536, 5]", out.stderr
+    out = subprocess.run(argv + ["-o", "stack_depth=3", "--", sys.executable, "-c", show], cwd=str(tmp_path),
+                         env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "[65536, 3]", out.stderr
+    env["OWNERSHIP_SANITIZE_OPTIONS"] = "safetensors_rign=65536"
+    out = subprocess.run(argv + ["--", sys.executable, "-c", show], cwd=str(tmp_path), env=env,
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 2 and "OWNERSHIP_SANITIZE_OPTIONS in the environment" in out.stderr, out.stderr
+    assert "safetensors_rign" in out.stderr and not out.stdout
