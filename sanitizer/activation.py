@@ -57,13 +57,21 @@ def composed() -> bool:
 
 
 def enable(**options: Any) -> None:
-    """Turn debug mode on (options as in the table; unknown ones raise OptionError)."""
+    """Turn debug mode on (options as in the table; unknown ones raise OptionError).
+
+    An option served only through a loader's adapter (``safetensors_ring``) installs the adapters' import
+    hooks, as ``OWNERSHIP_SANITIZE=1`` does: ``enable(safetensors_ring=N)`` in code emulated nothing and said
+    nothing. Without one, code that enables keeps the loaders' own functions unpatched."""
     from sanitizer.torch_layer import runtime
     from sanitizer.torch_layer.state import state
 
     resolved = _opts.resolve(options, base=state.options)  # validated once, before anything is installed
     compose()
     runtime.arm(resolved)
+    if resolved["safetensors_ring"]:
+        from sanitizer.adapters import install_import_hooks
+
+        install_import_hooks()
     _print_help_once(resolved)
 
 

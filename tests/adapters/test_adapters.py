@@ -198,6 +198,25 @@ def test_safetensors_ring_option_patches_safe_open_but_not_load_file(ckpt_files)
 
 
 # -- import hooks ---------------------------------------------------------------------
+def test_enable_in_code_with_safetensors_ring_lends_from_the_ring(ckpt_files):
+    """``sanitizer.enable(safetensors_ring=N)`` (the code form of the option) installed no adapter: safe_open
+    stayed safetensors' own and nothing was emulated, without a word. Plain ``enable()`` patches nothing."""
+    paths, _ = ckpt_files
+    code = textwrap.dedent(f"""
+        import sanitizer
+        from sanitizer import adapters
+        sanitizer.enable()
+        print(adapters.patched() == [] or sorted(adapters.patched()))
+        sanitizer.enable(safetensors_ring=1 << 12)
+        from safetensors import safe_open
+        with safe_open({paths[0]!r}, framework="pt") as f:
+            print(all(sanitizer.is_borrowed(f.get_tensor(k)) for k in f.keys()))
+    """)
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "True"], proc.stdout
+
+
 def test_hooks_cost_nothing_when_off():
     proc = run_python("import sys, sanitizer; print('sanitizer.adapters' in sys.modules, "
                       "any(type(f).__name__ == '_PostImportFinder' for f in sys.meta_path))")
