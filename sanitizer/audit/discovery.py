@@ -20,7 +20,7 @@ from __future__ import annotations
 import ast
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set
 
 from sanitizer.audit import vocabulary as V
 from sanitizer.audit.findings import Link
@@ -71,6 +71,15 @@ def _iterated_names(info: FunctionInfo) -> Dict[str, str]:
         elif isinstance(node, ast.Starred) and isinstance(node.value, ast.Name):
             used.setdefault(node.value.id, "unpacked")
     return used
+
+
+def _indexed_names(info: FunctionInfo) -> Set[str]:
+    """Names read by index in the body (``outputs[0]``, ``xs[i]``): whatever the annotation says
+    (``Iterable[Dict[str, Tensor]]``, a trainer's micro-batch outputs, nanotron's ``train_step_logs``), such
+    a value is a sequence the caller built, not a loader's stream (a generator cannot be indexed): a caller
+    that materialised a loader's stream into it is where the retention is, and is found there."""
+    return {node.value.id for node in ast.walk(info.node)
+            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and isinstance(node.ctx, ast.Load)}
 
 
 _DESTINATIONS = frozenset({"param", "p", "parameter", "layer_param", "expert_data", "param_data", "dst", "target",
@@ -223,6 +232,8 @@ def seeds_of(info: FunctionInfo, settings: Optional[Settings] = None) -> List[Se
         if ann and V.ITER_ANNOTATION.search(ann) and V.TENSOR_ANNOTATION.search(ann) and not V.MAPPING_ANNOTATION.match(ann):
             if ("Parameter" in ann and not re.search(r"\bTensor\b", ann)) or _OWN_PARAMETERS.match(name):
                 continue  # (name, nn.Parameter) pairs: a module's own `named_parameters()`, not a loader's stream
+            if name in _indexed_names(info):
+                continue  # `outputs[0]`: a generator cannot be indexed, so this is a sequence its caller built
             seeds.append(Seed(name, ITER, f"annotated {ann}"))
             continue
         if ann and (V.MAPPING_OF_TENSORS.match(ann) or V.MAPPING_OF_TENSOR_UNION.match(ann)

@@ -1218,3 +1218,30 @@ def test_a_handle_handed_to_a_helper_a_weight_dict_by_name_a_star_import_and_a_r
     assert _functions(found) == {"Op.load", "Op.register_diff", "Op.load_then_alias", "Op.load_or_return",
                                  "Model.load_all"}
     assert ("OWN102", "Op.load_then_alias", 29) in found
+
+
+# -- an annotated iterable that the body indexes: a sequence its caller built (nanotron, round 13) -----------
+INDEXED_OUTPUTS = '''
+from typing import Dict, Iterable, Tuple, Union
+import torch
+
+
+class Trainer:
+    def train_step_logs(self, outputs: Iterable[Dict[str, Union[torch.Tensor, int]]], loss_avg):
+        first = outputs[0]["domain_weights"]
+        return torch.stack([output["ce_loss"] for output in outputs]).sum(), first
+
+
+def load_weights(model, weights: Iterable[Tuple[str, torch.Tensor]]):
+    kept = [w for _, w in weights]
+    model.kept = kept
+'''
+
+
+def test_an_annotated_iterable_the_body_indexes_is_no_loaders_stream(tmp_path: Path):
+    """nanotron's DoReMi trainer: ``train_step_logs(outputs: Iterable[Dict[str, Union[Tensor, ...]]])`` reads
+    ``outputs[0]`` and stacks one entry of each (a trainer's micro-batch outputs): taken for a weights stream by
+    its annotation, an OWN103 false alarm. A generator cannot be indexed; the stream that is only looped over
+    is still one."""
+    found = _audit(tmp_path, {"trainer.py": INDEXED_OUTPUTS})
+    assert _functions(found) == {"load_weights"}
