@@ -349,8 +349,11 @@ class TrapMemory(WindowsByLease):
         mapping failed (the budget is checked, and windows counted, by the buffer's lend)."""
         if self._file is None:
             return None
-        first = offset // pages.PAGE * pages.PAGE
-        end = pages.round_up(offset + max(nbytes, 1))
+        # A window holds at least a page of the buffer: an empty lend at the very end (offset == the buffer's
+        # size, a ring's zero-byte put at its head) takes the last page, its view at the window's end (it
+        # asked a chunk mirror past the buffer for 0 bytes: "length must be > 0", a crash of the put).
+        first = min(offset, self.length - 1) // pages.PAGE * pages.PAGE
+        end = pages.round_up(max(offset + nbytes, first + 1))
         with _lock:
             try:
                 mirror = self._mirror_for(first, end)

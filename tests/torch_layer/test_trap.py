@@ -518,3 +518,22 @@ def test_the_map_budget_counts_the_splits_of_retired_windows(monkeypatch):
     assert any("process maps with the splits" in str(c.message) for c in caught)
     assert buf._memory.window(sanitizer.lease_of(more)) is None  # a plain view: the guard's
     del kept
+
+
+@pytest.mark.parametrize("pages_of_chunks", [0, 1, 2])
+def test_an_empty_lend_at_the_very_end_of_a_trap_buffer_lends(pages_of_chunks):
+    """A zero-byte put at a ring's head when the head is the buffer's end (a quarantined ring, trap=poison,
+    size a multiple of 2 MiB) asked a chunk mirror past the buffer for 0 bytes and raised "length must be >
+    0, got 0" from the put. Its window is now the last page; the view is empty, the buffer's bytes intact."""
+    from sanitizer.torch_layer import trap_memory
+
+    sanitizer.enable(trap="poison", halt_on_error=False)
+    size = trap_memory._CHUNK * pages_of_chunks or 4096
+    buf = StagingBuffer(size, name="end")
+    full = buf.write(0, torch.arange(size, dtype=torch.int64).remainder(251).to(torch.uint8), "all")
+    empty = buf.lend(size, (0,), torch.uint8, name="empty at the end")
+    assert empty.shape == (0,) and empty.sum().item() == 0
+    assert torch.equal(full[:251], torch.arange(251, dtype=torch.uint8))
+    ring = StagingRing(size, quarantine=1)
+    ring.put("whole", torch.ones(size, dtype=torch.uint8))
+    assert ring.put("nothing", torch.empty(0, dtype=torch.uint8)).shape == (0,)
