@@ -454,13 +454,31 @@ class EmulatedSafeOpen:
 
 
 class _EmulatedSlice:
-    """``get_slice(name)``: shape and dtype as safetensors says; each ``[...]`` a ring view of the slice."""
+    """``get_slice(name)``: shape and dtype as safetensors says; each ``[...]`` a ring view of the slice, laid
+    out as safetensors lays it out.
+
+    safetensors (0.4+) returns a slice as a view of the whole tensor in its file mapping: ``[:, 2:5]`` of an
+    8x8 tensor has strides (8, 1) and offset 2, not contiguous (a real borrowing loader's slice is a view of its
+    buffer too). So the ring holds the bytes the slice spans, and the lent view has the same shape and strides
+    over them: a consumer that reads strides, calls ``view()`` (which refuses a strided slice), or
+    checks ``is_contiguous()`` sees what it sees without the sanitizer (it saw a contiguous copy). The span
+    lies within the tensor's own bytes, so it fits a ring sized for the largest tensor."""
 
     def __init__(self, owner: EmulatedSafeOpen, name: str, inner: Any):
         self._owner, self._name, self._inner = owner, name, inner
 
     def __getitem__(self, index: Any) -> Any:
-        return self._owner._lend(self._name, self._inner[index])
+        got = self._inner[index]
+        if not isinstance(got, torch.Tensor) or got.is_contiguous() or got.numel() == 0 \
+                or any(st < 0 for st in got.stride()):
+            return self._owner._lend(self._name, got)
+        # the bytes from the slice's first element to its last (strides >= 0: the first is the lowest)
+        span = 1 + sum((size - 1) * stride for size, stride in zip(got.shape, got.stride()))
+        flat = got.as_strided((span,), (1,), got.storage_offset())
+        lent = self._owner._lend(self._name, flat)
+        if lent is flat:  # (not emulated: safetensors' own tensor)
+            return got
+        return lent.as_strided(tuple(got.shape), tuple(got.stride()), lent.storage_offset())
 
     def __getattr__(self, name: str) -> Any:  # get_shape, get_dtype
         return getattr(self._inner, name)

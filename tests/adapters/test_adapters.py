@@ -197,6 +197,38 @@ def test_safetensors_ring_option_patches_safe_open_but_not_load_file(ckpt_files)
     assert not isinstance(safe_open, type) or safe_open.__module__ != "sanitizer.adapters.safetensors_adapter"
 
 
+def test_an_emulated_slice_has_safetensors_strides_and_values(tmp_path):
+    """safetensors returns ``get_slice(k)[:, 2:5]`` as a strided view of the whole tensor; the emulation lent a
+    contiguous copy, so ``view()``, ``stride()`` and ``is_contiguous()`` answered otherwise under the sanitizer."""
+    from safetensors.torch import save_file
+
+    path = str(tmp_path / "m.safetensors")
+    save_file({"a": torch.arange(64, dtype=torch.float32).view(8, 8), "e": torch.zeros(0, 4)}, path)
+    code = textwrap.dedent(f"""
+        import json, torch, sanitizer
+        from safetensors import safe_open
+        out = []
+        with safe_open({path!r}, framework="pt") as f:
+            for idx in [(slice(None), slice(2, 5)), (slice(1, 7, 2),), (slice(None), 3), (Ellipsis,),
+                        (slice(None), slice(None, None, 2)), (slice(3, 3),)]:
+                t = f.get_slice("a")[idx]
+                out.append([list(t.shape), list(t.stride()), t.is_contiguous(), t.flatten().tolist(),
+                            sanitizer.is_borrowed(t)])
+            e = f.get_slice("e")[:, 1:3]
+            out.append([list(e.shape), e.is_contiguous(), sanitizer.is_borrowed(e)])
+        print(json.dumps(out))
+    """)
+    off = run_python(code)
+    on = run_python(code, {"OWNERSHIP_SANITIZE": "1", "OWNERSHIP_SANITIZE_OPTIONS": "safetensors_ring=4096"})
+    assert off.returncode == 0 and on.returncode == 0, off.stderr + on.stderr
+    import json
+
+    got_off, got_on = json.loads(off.stdout.splitlines()[-1]), json.loads(on.stdout.splitlines()[-1])
+    assert [row[:4] for row in got_on[:-1]] == [row[:4] for row in got_off[:-1]]
+    assert got_on[-1][:2] == got_off[-1][:2]
+    assert all(row[-1] for row in got_on[:-2]) and not any(row[-1] for row in got_off)
+
+
 # -- import hooks ---------------------------------------------------------------------
 def test_enable_in_code_with_safetensors_ring_lends_from_the_ring(ckpt_files):
     """``sanitizer.enable(safetensors_ring=N)`` (the code form of the option) installed no adapter: safe_open
