@@ -187,23 +187,6 @@ def _passed_to_a_call(info: FunctionInfo, name: str) -> bool:
     return False
 
 
-_STATE_PROTOCOL = frozenset({"load_state_dict", "set_state_dict", "load_state", "set_state"})
-
-
-def _plain_object_state(info: FunctionInfo) -> bool:
-    """Is ``info`` the state-restoring method of a plain object (a class with no base, or only ``object``)?
-    torch's checkpoint protocol (``torch.distributed.checkpoint.stateful.Stateful``: "load_state_dict(state_dict):
-    Restore the object's state from the provided state_dict") is written by LR schedulers, samplers and
-    trainers' own objects (gpt-neox's ``AnnealingLR(object).load_state_dict(sd)`` reads ``sd["start_lr"]``):
-    their dict carries the object's settings. A module's ``load_state_dict`` is ``torch.nn.Module``'s or an
-    override on a class that derives from one, so it always names a base."""
-    if info.name not in _STATE_PROTOCOL or info.cls_ref is None:
-        return False
-    cls = info.cls_ref()
-    return cls is not None and all(b in ("object", "builtins.object") for b in cls.bases) \
-        and not cls.node.keywords
-
-
 def _looks_like_loader(name: str) -> bool:
     return bool(V.LOADER_FUNCTION.search(name)) or "weight_loader" in name
 
@@ -252,7 +235,7 @@ def seeds_of(info: FunctionInfo, settings: Optional[Settings] = None) -> List[Se
         if ann and V.LIST_OF_PAIRS.match(ann):
             seeds.append(Seed(name, PAIRS, f"(name, tensor) pairs the caller holds for the call, annotated {ann}"))
             continue
-        if not ann and name in V.MAPPING_PARAM_NAMES and not _plain_object_state(info) and (
+        if not ann and name in V.MAPPING_PARAM_NAMES and (
                 V.MAPPING_FUNCTION.search(info.name.lower()) or _names_weights(name)):
             if mapping is None:
                 mapping = _mapping_names(info)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from sanitizer.audit import suppression
-from sanitizer.audit.discovery import Seed, seed_value, seeds_of, uses_producer
+from sanitizer.audit.discovery import MAPPING, Seed, seed_value, seeds_of, uses_producer
 from sanitizer.audit.findings import Finding
 from sanitizer.audit.flow import Flow
 from sanitizer.audit.index import FunctionInfo, annotation_text, build_index
@@ -23,7 +23,7 @@ from sanitizer.audit.settings import Settings
 from sanitizer.audit.sources import TOO_DEEP_TO_FOLLOW, AuditInputError, Source, parse, python_files, read
 from sanitizer.audit.snippets import Snippets
 from sanitizer.audit.summaries import ModuleAnalysis
-from sanitizer.audit.vocabulary import LAZY_MAPPING_TYPE, PRODUCER_HINT
+from sanitizer.audit.vocabulary import LAZY_MAPPING_TYPE, MAPPING_OF_ANY, PRODUCER_HINT
 from sanitizer.audit.values import ITER
 
 
@@ -123,7 +123,7 @@ def analyse(source: Source, project: Optional[Project] = None, settings: Optiona
     roots = []
     seeds_by_fn: Dict[int, List[Seed]] = {}
     for info in index.functions:
-        seeds = seeds_of(info, settings)
+        seeds = _without_settings_dicts(info, seeds_of(info, settings), analysis)
         if info.parent is not None:
             seeds = seeds + _inherited(info, seeds_by_fn)
         seeds_by_fn[id(info)] = seeds
@@ -189,6 +189,27 @@ def reported_codes(select: Optional[Sequence[str]] = None, ignore: Optional[Sequ
     cli = RuleSelection(parse_selectors(select, "--select") if select else None,
                         parse_selectors(extend_select, "--extend-select"), parse_selectors(ignore or (), "--ignore"))
     return set(resolve([settings.selection, cli] if settings is not None else [cli]))
+
+
+_STATE_PROTOCOL = frozenset({"load_state_dict", "set_state_dict", "load_state", "set_state"})
+
+
+def _without_settings_dicts(info: FunctionInfo, seeds: List[Seed], analysis: ModuleAnalysis) -> List[Seed]:
+    """``seeds`` less the dict a plain object's state-restoring method is handed, unless its annotation says it
+    holds tensors. torch's checkpoint protocol (``torch.distributed.checkpoint.stateful.Stateful``:
+    "load_state_dict(state_dict): Restore the object's state from the provided state_dict") is written by LR
+    schedulers, samplers and trainers' own objects (gpt-neox's ``AnnealingLR(object)`` reads
+    ``sd["start_lr"]``; timm's ``PlateauLRScheduler(Scheduler)``, ``Scheduler(ABC)`` in another file, reads
+    ``state_dict['best']``): their dict carries settings. A module's ``load_state_dict`` is on a class that
+    derives from ``nn.Module`` (or from a base the audit cannot read), never a plain one."""
+    if not seeds or info.name not in _STATE_PROTOCOL or info.cls_ref is None:
+        return seeds
+    cls = info.cls_ref()
+    if cls is None or not analysis.is_plain_class(cls):
+        return seeds
+    untyped = {a.arg for a in info.params
+               if not a.annotation or MAPPING_OF_ANY.match(annotation_text(a.annotation))}
+    return [s for s in seeds if not (s.kind == MAPPING and s.param in untyped)]
 
 
 def audit_sources(sources: Iterable[Source], select: Optional[Sequence[str]] = None,

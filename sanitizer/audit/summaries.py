@@ -27,7 +27,7 @@ from sanitizer.audit.findings import Finding, Link
 from sanitizer.audit.flow import Flow
 from sanitizer.audit.values import UNRESOLVED, IntoParam, Outcome
 from sanitizer.audit.index import param_default as _param_default
-from sanitizer.audit.index import ClassInfo, FunctionInfo, ModuleIndex, build_index
+from sanitizer.audit.index import ClassInfo, FunctionInfo, ModuleIndex, build_index, dotted
 from sanitizer.audit.targets import constructed_locals
 from sanitizer.audit.producers import SelfSources
 from sanitizer.audit.project import Project
@@ -246,6 +246,27 @@ class ModuleAnalysis:
                 if other_cls is not None and other.is_module_class(other_cls, depth + 1):
                     return True
         return False
+
+    def is_plain_class(self, cls: ClassInfo, depth: int = 0) -> bool:
+        """Is ``cls`` a plain object: every base ``object`` or ``ABC`` (or none), or a class of the audited code
+        that is plain itself? False for any base the audit cannot read (it may be a module of a library)."""
+        if depth > 6 or any(k.arg != "metaclass" or dotted(k.value).rpartition(".")[2] != "ABCMeta"
+                            for k in cls.node.keywords):
+            return False
+        for base in cls.bases:
+            if base in _PLAIN_BASES:
+                continue
+            short = base.rpartition(".")[2]
+            local = self.index.classes.get(short)
+            if local is not None and local is not cls:
+                if not self.is_plain_class(local, depth + 1):
+                    return False
+                continue
+            found = self._import_target(short) if short else None
+            other_cls = found[0].index.classes.get(found[1]) if found is not None else None
+            if other_cls is None or not found[0].is_plain_class(other_cls, depth + 1):
+                return False
+        return True
 
     def overrides(self, flow: Flow, node: ast.Call, target: Callee) -> List[Callee]:
         """For ``self.name(...)``: the overrides of ``name`` in subclasses of the calling method's class
@@ -589,6 +610,7 @@ class ModuleAnalysis:
 
 
 _PARTIAL_NAMES = frozenset({"partial", "functools.partial"})
+_PLAIN_BASES = frozenset({"object", "builtins.object", "ABC", "abc.ABC"})
 
 
 def _partial_bindings(fn: ast.AST) -> Dict[str, List[ast.Call]]:

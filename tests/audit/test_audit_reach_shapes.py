@@ -1245,3 +1245,48 @@ def test_an_annotated_iterable_the_body_indexes_is_no_loaders_stream(tmp_path: P
     is still one."""
     found = _audit(tmp_path, {"trainer.py": INDEXED_OUTPUTS})
     assert _functions(found) == {"load_weights"}
+
+
+# -- a plain object's state protocol through a base in another file (timm's schedulers, round 13) ----------
+SCHEDULER_BASE = '''
+from abc import ABC
+
+
+class Scheduler(ABC):
+    def state_dict(self):
+        return {}
+'''
+
+SCHEDULERS = '''
+from typing import Any, Dict
+
+import torch
+from lib_unread import Quantized
+from .scheduler import Scheduler
+
+
+class PlateauLRScheduler(Scheduler):
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.best = state_dict['best']
+        if 'last_epoch' in state_dict:
+            self.last_epoch = state_dict['last_epoch']
+
+
+class Cached(Scheduler):
+    def load_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
+        self.weight = state_dict['weight']
+
+
+class QuantizedLinear(Quantized):
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.weight = state_dict['weight']
+'''
+
+
+def test_a_plain_objects_state_dict_is_settings_through_a_base_in_another_file(tmp_path: Path):
+    """timm's ``PlateauLRScheduler(Scheduler).load_state_dict(state_dict: Dict[str, Any])`` (``Scheduler(ABC)`` in
+    another file) restores ``best`` and ``last_epoch``: two OWN102 false alarms. A plain class's dict annotated as
+    tensors is still weights, and so is one on a class whose base the audit cannot read (it may be a module)."""
+    (tmp_path / "__init__.py").write_text("")
+    found = _audit(tmp_path, {"scheduler.py": SCHEDULER_BASE, "plateau.py": SCHEDULERS})
+    assert _functions(found) == {"Cached.load_state_dict", "QuantizedLinear.load_state_dict"}
