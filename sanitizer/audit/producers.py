@@ -31,7 +31,7 @@ from __future__ import annotations
 import ast
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Collection, Dict, List, Optional, Tuple
 
 from sanitizer.audit import vocabulary as V
 from sanitizer.audit.findings import Link
@@ -111,7 +111,7 @@ class InferredProducers:
     def mentioned_in(self, text: str) -> bool:
         """Does the module's text name any inferred producer (a cheap pre-check before its functions are
         looked at as callers of one)?"""
-        if self.mappings and _MAPPING_WORD.search(text):
+        if self.mappings and (_MAPPING_WORD.search(text) or any(name in text for name in self.mappings)):
             return True  # a class of its may keep a mapping of weights (:class:`SelfSources`)
         if self.by_method and any(key.partition(".")[0] in text for key in self.by_method):
             return True  # it names a class with a producer method (a parameter annotated with it)
@@ -139,11 +139,31 @@ class SelfSources:
         for cls in index.all_classes:
             found = _handle_attributes(cls, is_source)
             if mappings:
-                for attr, line in _mapping_attributes(cls).items():
+                for attr, line in _mapping_attributes(cls, mappings).items():
                     some = next(iter(mappings.values()))
                     found.setdefault(attr, (line, f"{MAPPING_API} (e.g. `{some.qualname}`, {some.path}:{some.line})"))
             if found:
                 self._by_class[cls.qualname] = found
+        by_name = {cls.qualname.rpartition(".")[2]: cls for cls in index.all_classes}
+        for cls in index.all_classes:  # a subclass's methods read what its same-module bases bound
+            inherited = self._inherited(cls, by_name, 0)
+            if inherited:
+                self._by_class[cls.qualname] = {**inherited, **self._by_class.get(cls.qualname, {})}
+
+    def _inherited(self, cls: ClassInfo, by_name: Dict[str, ClassInfo], depth: int) -> Dict[str, Tuple[int, str]]:
+        """The handle attributes ``cls``'s bases of this module bind (``AutoWrappedNonRecurseModule`` reads the
+        ``self.disk_map`` its base ``AutoWrappedModule.__init__`` stored), nearest base first."""
+        out: Dict[str, Tuple[int, str]] = {}
+        if depth > 6:
+            return out
+        for base in cls.bases:
+            other = by_name.get(base.rpartition(".")[2])
+            if other is None or other is cls:
+                continue
+            for attr, got in {**self._inherited(other, by_name, depth + 1),
+                              **self._by_class.get(other.qualname, {})}.items():
+                out.setdefault(attr, got)
+        return out
 
     def __bool__(self) -> bool:
         return bool(self._by_class)
@@ -172,6 +192,12 @@ class SelfSources:
             return False
         if any(c.split(".")[1] in attrs for c in info.calls if c.count(".") >= 2):
             return True
+        if info.name == "__getitem__" and any(  # `self.files[i].get_tensor(n)`: a lazy mapping over a list of
+                isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute)  # handles (DiffSynth's DiskMap)
+                and isinstance(sub.func.value, ast.Subscript) and isinstance(sub.func.value.value, ast.Attribute)
+                and sub.func.value.value.attr in attrs for sub in ast.walk(info.node)):
+            return True  # (only there: a getter method so read, LightX2V's `DiskTensorReader.get_tensor`, would be
+            # inferred by its bare name `get_tensor`, and every handle's `get_tensor` of the project matched as it)
         looked_up = {a for a, (_, api) in attrs.items() if api.startswith(MAPPING_API)}
         return bool(looked_up) and any(  # `self.weights_map[name]`: a lookup in a mapping of weights
             isinstance(sub, ast.Subscript) and isinstance(sub.value, ast.Attribute) and sub.value.attr in looked_up
@@ -179,19 +205,22 @@ class SelfSources:
 
 
 _MAPPING_WORD = re.compile(r"\bMapping\b")
+_WORD = re.compile(r"\w+")
 MAPPING_API = "a Mapping that may be one whose `__getitem__` reads a loader"
 _MAPPING_TYPE = re.compile(r"^(Optional\[)?\s*(typing\.|collections\.abc\.)?(Mapping|MutableMapping)\b")
 
 
-def _mapping_attributes(cls: ClassInfo) -> Dict[str, int]:
+def _mapping_attributes(cls: ClassInfo, classes: Collection[str] = ()) -> Dict[str, int]:
     """``attr -> line`` for ``self.attr = param`` in ``__init__`` where ``param`` is annotated a ``Mapping``
-    (``weights_map: Optional[Mapping] = None``): with a class of the project whose ``__getitem__`` reads a
-    loader, a lookup in it (``self.weights_map[name]``) hands out a loader's tensor."""
+    (``weights_map: Optional[Mapping] = None``) or one of ``classes``, the project's classes whose
+    ``__getitem__`` reads a loader (DiffSynth's ``disk_map: DiskMap = None``): with such a class in the
+    project, a lookup in it (``self.weights_map[name]``) hands out a loader's tensor."""
     init = cls.methods.get("__init__")
     if init is None:
         return {}
     typed = {a.arg for a in init.params if a.annotation is not None
-             and _MAPPING_TYPE.match(annotation_text(a.annotation))}
+             and (_MAPPING_TYPE.match(annotation_text(a.annotation))
+                  or any(w in classes for w in _WORD.findall(annotation_text(a.annotation))))}
     if not typed:
         return {}
     me = init.params[0].arg if init.params else "self"
@@ -232,7 +261,19 @@ def _handle_attributes(cls: ClassInfo, is_source: Callable[[str], bool]) -> Dict
                     base = target.value if isinstance(target, ast.Subscript) else target
                     if isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name) and base.value.id == me:
                         out.setdefault(base.attr, (sub.lineno, api))
+            elif isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and sub.func.attr in _FILLS \
+                    and len(sub.args) == 1 and isinstance(sub.func.value, ast.Attribute) \
+                    and isinstance(sub.func.value.value, ast.Name) and sub.func.value.value.id == me:
+                # `self.files.append(safe_open(path, ...))` (DiffSynth's DiskMap, in a method of its own): a
+                # list of handles, each read as `self.files[i].get_tensor(name)`
+                arg = sub.args[0]
+                api = dotted(arg.func) if isinstance(arg, ast.Call) else handles.get(getattr(arg, "id", ""), "")
+                if api and is_source(api):
+                    out.setdefault(sub.func.value.attr, (sub.lineno, api))
     return out
+
+
+_FILLS = frozenset({"append", "insert", "add"})
 
 
 def kind_of_value(val: Val, generator: bool) -> Optional[str]:

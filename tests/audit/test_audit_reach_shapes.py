@@ -1290,3 +1290,67 @@ def test_a_plain_objects_state_dict_is_settings_through_a_base_in_another_file(t
     (tmp_path / "__init__.py").write_text("")
     found = _audit(tmp_path, {"scheduler.py": SCHEDULER_BASE, "plateau.py": SCHEDULERS})
     assert _functions(found) == {"Cached.load_state_dict", "QuantizedLinear.load_state_dict"}
+
+
+# -- a lazy mapping over a list of handles, held by wrappers typed with its class (DiffSynth, round 13) -----
+DISK_MAP = '''
+import torch
+from safetensors import safe_open
+
+
+class DiskMap:
+    def __init__(self, paths, device):
+        self.paths, self.device = paths, device
+        self.files = []
+        self.open_files()
+        self.where = {name: i for i, f in enumerate(self.files) for name in f.keys()}
+
+    def open_files(self):
+        for path in self.paths:
+            self.files.append(safe_open(path, framework="pt", device=str(self.device)))
+
+    def __getitem__(self, name):
+        param = self.files[self.where[name]].get_tensor(name)
+        if param.device.type == "cpu":
+            param = param.clone()
+        return param
+'''
+
+WRAPPERS = '''
+import torch
+from disk_map import DiskMap
+
+
+class Wrapped(torch.nn.Module):
+    def __init__(self, module, names, disk_map: DiskMap = None):
+        super().__init__()
+        self.module, self.names = module, names
+        self.disk_map = disk_map
+
+    def load_from_disk(self, dtype, device):
+        state_dict = {}
+        for name in self.names:
+            state_dict[name] = self.disk_map[name].to(dtype=dtype, device=device)
+        self.module.load_state_dict(state_dict, assign=True)
+        return self.module
+
+    def copy_from_disk(self):
+        for name, p in self.module.named_parameters():
+            p.data.copy_(self.disk_map[name])
+
+
+class WrappedFlat(Wrapped):
+    def load_flat(self):
+        state_dict = {name: self.disk_map[name] for name in self.names}
+        self.module.load_state_dict(state_dict, assign=True)
+'''
+
+
+def test_a_lazy_mapping_over_a_list_of_handles_read_by_wrappers_typed_with_its_class(tmp_path: Path):
+    """DiffSynth's ``DiskMap``: ``__getitem__`` fetches ``self.files[i].get_tensor(name)`` from handles a method
+    appends (cloned on the CPU only); its wrappers take ``disk_map: DiskMap = None``, keep it on ``self``, and
+    install ``self.disk_map[name]`` with ``load_state_dict(..., assign=True)``, a subclass through the base's
+    attribute: 0 of 3 found (the class was no mapping of weights: the fetch read a handle through an index,
+    and only a ``Mapping`` annotation marked the attribute). A copy into the parameters keeps nothing."""
+    found = _audit(tmp_path, {"disk_map.py": DISK_MAP, "wrappers.py": WRAPPERS})
+    assert _functions(found) == {"Wrapped.load_from_disk", "WrappedFlat.load_flat"}
