@@ -107,6 +107,19 @@ def _block_binds(block: List[ast.stmt], name: str) -> bool:
 _FETCHES = (ast.Call, ast.For, ast.AsyncFor, ast.While, ast.comprehension, ast.Await, ast.Yield, ast.YieldFrom)
 
 
+def _only_fetch_binds(loop: ast.AST, name: str, bound_by: Optional[ast.AST]) -> bool:
+    """Is ``bound_by`` an assignment of ``name`` from a call (``x = f(...)``, or ``a, x = f(...)``) such that
+    every call to ``f`` in ``loop`` is the value of a statement that binds ``name``?"""
+    if not isinstance(bound_by, ast.Assign) or not isinstance(bound_by.value, ast.Call) \
+            or not any(_target_binds(t, name) for t in bound_by.targets):
+        return False
+    fetch = ast.dump(bound_by.value.func)
+    bound_values = {id(stmt.value) for stmt in ast.walk(loop)
+                    if isinstance(stmt, ast.Assign) and any(_target_binds(t, name) for t in stmt.targets)}
+    return all(id(node) in bound_values for node in ast.walk(loop)
+               if isinstance(node, ast.Call) and ast.dump(node.func) == fetch)
+
+
 class LoopLifetimes:
     """Answers "is this name read past its step?" for the loops of one function (parents built once)."""
 
@@ -143,17 +156,22 @@ class LoopLifetimes:
                 return use if isinstance(use.ctx, ast.Load) and not self._inside(use, loop) else None
         return None
 
-    def returned_fresh(self, name: str, loop: ast.AST, use: ast.Name) -> bool:
+    def returned_fresh(self, name: str, loop: ast.AST, use: ast.Name, bound_by: Optional[ast.AST] = None) -> bool:
         """Is ``use`` (a read after ``loop``) the value of a ``return`` reached with nothing fetched since
         the last iteration, which rebinds ``name`` on every path? Then it holds the last iteration's value
         while it is still the loader's current one (``for key in keys: res = {...}`` then ``return res``):
         no call, loop, ``await`` or ``yield`` between the loop's end and the read, and no ``with`` around
         the loop that closes before it (its exit is a call). For a loop over a getter's keys only: a loop
-        over the weights iterator resumes it once more to find its end (the caller checks that)."""
+        over the weights iterator resumes it once more to find its end (the caller checks that).
+        A binding on some paths only counts when ``bound_by`` (the statement that bound the fetched value)
+        is the only way the loop fetches: every call in the loop to the function it called binds ``name``
+        (sd-scripts: ``for pi in range(n): if pi == local: unet = _load_target_model(...)``, returned after
+        the loop), so nothing was fetched since the value it holds."""
         parent = self.parent.get(id(use), (None, None))[0]
         while parent is not None and not isinstance(parent, ast.stmt):
             parent = self.parent.get(id(parent), (None, None))[0]
-        if not isinstance(parent, ast.Return) or not _block_binds(getattr(loop, "body", []), name):
+        if not isinstance(parent, ast.Return) or not (_block_binds(getattr(loop, "body", []), name)
+                                                      or _only_fetch_binds(loop, name, bound_by)):
             return False
         start, stop = _end(loop), _position(use)
         for node in ast.walk(self.function):

@@ -321,7 +321,7 @@ class StoreRules:
             after = None if later is not None else lifetimes.read_after(name, loop)
             use = later or after
             if use is None or (after is not None and step not in self._stream_steps
-                               and lifetimes.returned_fresh(name, loop, after)):
+                               and lifetimes.returned_fresh(name, loop, after, stmt)):
                 continue  # the last iteration's value, returned before anything fetches again
             when = "by a later iteration" if later is not None else "after the loop"
             self.report("OWN105", stmt, val, f"variable read {when}",

@@ -1354,3 +1354,36 @@ def test_a_lazy_mapping_over_a_list_of_handles_read_by_wrappers_typed_with_its_c
     and only a ``Mapping`` annotation marked the attribute). A copy into the parameters keeps nothing."""
     found = _audit(tmp_path, {"disk_map.py": DISK_MAP, "wrappers.py": WRAPPERS})
     assert _functions(found) == {"Wrapped.load_from_disk", "WrappedFlat.load_flat"}
+
+
+# -- a loop whose only fetch binds the name returned after it (sd-scripts, round 13) -----------------------
+ONLY_FETCH_BINDS = '''
+from safetensors.torch import load_file
+
+
+def load_for_this_rank(paths, rank):
+    for i, path in enumerate(paths):
+        if i == rank:
+            sd = load_file(path)
+        print("waited", i)
+    return sd
+
+
+def load_for_this_rank_and_peek(paths, rank):
+    for i, path in enumerate(paths):
+        if i == rank:
+            sd = load_file(path)
+        else:
+            peek = load_file(path)
+            print(len(peek))
+    return sd
+'''
+
+
+def test_a_value_bound_by_the_loops_only_fetch_and_returned_after_it_is_fresh(tmp_path: Path):
+    """sd-scripts' ``load_target_model``: ``for pi in range(n): if pi == local: (..., unet, ...) =
+    _load_target_model(...)`` then ``return ..., unet, ...``: an OWN105, though every fetch of the loop binds the
+    names returned, so nothing was fetched since. A loop that also fetches without binding them keeps it."""
+    found = _audit(tmp_path, {"ranks.py": ONLY_FETCH_BINDS})
+    assert _functions(found) == {"load_for_this_rank_and_peek"}
+    assert {code for code, _, _ in found} == {"OWN105"}
