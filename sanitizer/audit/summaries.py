@@ -203,20 +203,11 @@ class ModuleAnalysis:
     def constructed_class(self, flow: Flow, name: str) -> Optional[Tuple["ModuleAnalysis", ClassInfo]]:
         """The class that ``name(...)`` constructs: one of this module, one imported from another audited
         module, or ``cls(...)`` in a classmethod (the class it is defined in)."""
-        cls = self.index.classes.get(name)
-        if cls is not None:
-            return self, cls
-        if name == "cls":
+        if name == "cls" and name not in self.index.classes:
             own = flow.info.enclosing_class
             first = flow.info.params[0].arg if flow.info.params else None
             return (self, own) if own is not None and first == "cls" else None
-        found = self._import_target(name)
-        if found is not None:
-            other, original = found
-            other_cls = other.index.classes.get(original)
-            if other_cls is not None:
-                return other, other_cls
-        return None
+        return self.base_class(name)
 
     def is_module_class(self, cls: ClassInfo, depth: int = 0) -> bool:
         """Is ``cls`` a ``torch.nn.Module`` (a base spelt ``nn.Module``, ``torch.nn.LayerNorm``, ``Module``, or
@@ -233,19 +224,20 @@ class ModuleAnalysis:
             short = base.rpartition(".")[2]
             if short.endswith("Tensor") and short not in self.index.classes and self._import_target(short) is None:
                 return True  # (a base the audit cannot read, named as a tensor subclass: `QBytesTensor`)
-            short = base.rpartition(".")[2]
-            local = self.index.classes.get(short)
-            if local is not None and local is not cls:
-                if self.is_module_class(local, depth + 1):
-                    return True
-                continue
-            found = self._import_target(short)
-            if found is not None:
-                other, original = found
-                other_cls = other.index.classes.get(original)
-                if other_cls is not None and other.is_module_class(other_cls, depth + 1):
-                    return True
+            found = self.base_class(short, cls)
+            if found is not None and found[0].is_module_class(found[1], depth + 1):
+                return True
         return False
+
+    def base_class(self, name: str, of: Optional[ClassInfo] = None) -> Optional[Tuple["ModuleAnalysis", ClassInfo]]:
+        """The audited class a base (or constructor) spelt ``name`` names: one of this module (not ``of`` itself:
+        ``class Linear(Linear)`` derives from an imported ``Linear``), else one imported from an audited module."""
+        local = self.index.classes.get(name)
+        if local is not None and local is not of:
+            return self, local
+        found = self._import_target(name) if name else None
+        other_cls = found[0].index.classes.get(found[1]) if found is not None else None
+        return (found[0], other_cls) if other_cls is not None else None
 
     def is_plain_class(self, cls: ClassInfo, depth: int = 0) -> bool:
         """Is ``cls`` a plain object: every base ``object`` or ``ABC`` (or none), or a class of the audited code
@@ -256,15 +248,8 @@ class ModuleAnalysis:
         for base in cls.bases:
             if base in _PLAIN_BASES:
                 continue
-            short = base.rpartition(".")[2]
-            local = self.index.classes.get(short)
-            if local is not None and local is not cls:
-                if not self.is_plain_class(local, depth + 1):
-                    return False
-                continue
-            found = self._import_target(short) if short else None
-            other_cls = found[0].index.classes.get(found[1]) if found is not None else None
-            if other_cls is None or not found[0].is_plain_class(other_cls, depth + 1):
+            found = self.base_class(base.rpartition(".")[2], cls)
+            if found is None or not found[0].is_plain_class(found[1], depth + 1):
                 return False
         return True
 

@@ -206,8 +206,6 @@ def constructed_locals(fn: ast.AST) -> Dict[str, str]:
     return {name: cls for name, cls in bound.items() if cls is not None}
 
 
-
-
 def _blocks_of(fn: ast.AST) -> Dict[int, Tuple[list, int]]:
     """Every statement of ``fn`` (nested functions and classes excluded), by id: the statement list it is in
     and its place there."""
