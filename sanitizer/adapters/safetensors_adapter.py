@@ -307,8 +307,10 @@ class EmulatedSafeOpen:
         ring_bytes = state.options.safetensors_ring
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes > ring_bytes:
-            raise ValueError(f"{self._label}: tensor '{name}' ({nbytes} bytes) does not fit the emulation ring "
-                             f"of safetensors_ring={ring_bytes} bytes; raise the option to >= the largest tensor")
+            # A ring smaller than a tensor is a setting's mistake, not the program's: the program gets its
+            # tensor as safetensors returns it (owned), and the summary says so, with the option to raise.
+            _note_oversized(self._label, name, nbytes, ring_bytes)
+            return tensor
         _TURNS.lend()
         with self._lock:
             self._closed = False
@@ -516,6 +518,21 @@ def _note_unchecked(entry: str, out: Any) -> None:
         first = {"loader": NAME, "entry": entry, "why": _UNCHECKED_WHY,
                  "first_at": (to_records(capture_site(4)[:1]) or [None])[0]}
         records.tally_event("unchecked_load", entry, first, count=1, tensors=len(tensors), bytes=nbytes)
+    except Exception:  # a count for the summary is never worth an error in the program's load
+        pass
+
+
+def _note_oversized(label: str, name: str, nbytes: int, ring_bytes: int) -> None:
+    """Count a tensor too large for the emulation ring, handed over unlent: the summary says "N loads not
+    checked (... larger than safetensors_ring=...)" with the largest one's size, so the user knows what to
+    raise the option to, and the program runs on as without the sanitizer."""
+    try:
+        entry = f"{NAME}.safe_open (tensors larger than safetensors_ring={ring_bytes})"
+        first = {"loader": NAME, "entry": entry, "first_at": (to_records(capture_site(4)[:1]) or [None])[0],
+                 "why": f"owned tensors as safetensors returns them, never lent from the emulation ring: "
+                        f"'{name}' of {label} alone is {nbytes} bytes; raise safetensors_ring to at least "
+                        f"the largest tensor"}
+        records.tally_event("unchecked_load", entry, first, count=1, tensors=1, bytes=nbytes)
     except Exception:  # a count for the summary is never worth an error in the program's load
         pass
 

@@ -249,6 +249,42 @@ def test_enable_in_code_with_safetensors_ring_lends_from_the_ring(ckpt_files):
     assert proc.stdout.split() == ["True", "True"], proc.stdout
 
 
+def test_a_tensor_larger_than_the_ring_is_handed_over_owned_and_counted(ckpt_files):
+    """``safetensors_ring`` smaller than a tensor raised ValueError out of the program's own ``get_tensor``:
+    a setting's mistake broke a correct program. Now the tensor comes back as safetensors returns it (owned,
+    the same values), the ones that fit are still lent, and the summary names the option to raise."""
+    paths, _ = ckpt_files
+    code = textwrap.dedent(f"""
+        import torch, sanitizer
+        from safetensors import safe_open
+        with safe_open({paths[0]!r}, framework="pt") as f:
+            got = {{}}
+            for k in f.keys():
+                t = f.get_tensor(k)
+                got[k] = (t.float().sum().item(), sanitizer.is_borrowed(t))
+            part = f.get_slice("layers.0.k")[:2]
+            got["slice"] = (part.float().sum().item(), sanitizer.is_borrowed(part))
+        for k in sorted(got):
+            print(k, got[k][0], got[k][1])
+        if sanitizer.enabled():
+            from sanitizer.reporting.report import summarize
+            print(summarize(sanitizer.report())["line"])
+    """)
+    off = run_python(code)
+    # layers.*.q are bf16 32x16 (1024 bytes), layers.*.k float32 (2048 bytes): a 1536-byte ring holds only q
+    on = run_python(code, {"OWNERSHIP_SANITIZE": "1", "OWNERSHIP_SANITIZE_OPTIONS": "safetensors_ring=1536"})
+    assert off.returncode == 0 and on.returncode == 0, on.stderr
+    assert "Traceback" not in on.stderr and "ValueError" not in on.stderr, on.stderr
+    *rows, line = on.stdout.splitlines()
+    sums = lambda out: [row.rsplit(" ", 1)[0] for row in out]
+    assert sums(rows) == sums(off.stdout.splitlines())
+    lent = {row.split()[0]: row.split()[-1] == "True" for row in rows}
+    assert lent == {k: (k.endswith(".q") or k == "slice") for k in lent}, on.stdout  # the slice's 256 bytes fit
+    assert ("3 loads not checked (safetensors.safe_open (tensors larger than safetensors_ring=1536): 3 tensors, "
+            "6.0 KiB; owned tensors as safetensors returns them") in line, line
+    assert "raise safetensors_ring to at least the largest tensor" in line
+
+
 def test_hooks_cost_nothing_when_off():
     proc = run_python("import sys, sanitizer; print('sanitizer.adapters' in sys.modules, "
                       "any(type(f).__name__ == '_PostImportFinder' for f in sys.meta_path))")
