@@ -158,11 +158,12 @@ def _held(leases: Iterable[Lease]) -> List[Lease]:
 class _Waiting:
     """A view still held when the ring reused or freed its bytes, waiting for its consumer's turn."""
 
-    __slots__ = ("owner", "lease", "due", "holder", "at_close")
+    __slots__ = ("owner", "lease", "due", "holder", "at_close", "running")
 
     def __init__(self, owner: "EmulatedSafeOpen", lease: Lease, due: int, holder: Optional[dict],
-                 at_close: bool) -> None:
+                 at_close: bool, running: Optional[Tuple[frozenset, frozenset]] = None) -> None:
         self.owner, self.lease, self.due, self.holder, self.at_close = owner, lease, due, holder, at_close
+        self.running = running  # at a close: the code running it, whose plain locals may be loop variables
 
 
 class _Turns:
@@ -213,8 +214,10 @@ class _Turns:
         it after its consumer's turn. At a close, what holds it is named now, while the code that stored
         it may still run (``load_state_dict``'s dict, before it is returned to a caller's name)."""
         holder = _name_holder(lease) if at_close else None
+        running = _running_code() if at_close else None
         with self.lock:
-            self.waiting.append(_Waiting(owner, lease, self.lends + (1 if at_close else 0), holder, at_close))
+            self.waiting.append(_Waiting(owner, lease, self.lends + (1 if at_close else 0), holder, at_close,
+                                         running))
 
     def settle(self, final: bool = False) -> None:
         """A report or a test's end is about to read the records: decide what has had its turn (``final``:
@@ -223,8 +226,10 @@ class _Turns:
         with self.lock:
             if not self.waiting:
                 return
-            if final:  # a view held at a close with no lend since: only a holder other than a running
-                last = self.lends  # local confirms it (the loop variable left on the last tensor), as in triage
+            last = self.lends  # a view held at a close with no lend since: only a holder other than a local of
+            # the code running then or now confirms it (the loop variable left on the last tensor, a module-level
+            # loop's global included), as triage decides a strict retention
+            if final:
                 self._decide(lambda w: True, evidence=lambda w: w.due > last)
                 return
             limit = self.lends
@@ -232,13 +237,16 @@ class _Turns:
                 lender = threading._active.get(self.lender)  # type: ignore[attr-defined]
                 if lender is not None and lender.is_alive():
                     limit -= 1
-            self._decide(lambda w: w.due < limit or (w.at_close and w.due <= limit + 1))
+            # (unconfirmed ones wait on: a later lend, or the final settle, decides them as triage would)
+            self._decide(lambda w: w.due < limit or (w.at_close and w.due <= limit + 1),
+                         evidence=lambda w: w.due > last, keep_unconfirmed=True)
 
     def _decide(self, due: Callable[[_Waiting], bool],
-                evidence: Optional[Callable[[_Waiting], bool]] = None) -> None:
+                evidence: Optional[Callable[[_Waiting], bool]] = None, keep_unconfirmed: bool = False) -> None:
         """(Under the lock.) Each waiting view that is due: kept if still held (where ``evidence`` says so,
-        by more than a local of the running code), else forgotten; a closed file's kept views are reported
-        at once (an open one reports at its close)."""
+        by more than a local of the code running then or now), else forgotten, or left waiting when
+        ``keep_unconfirmed`` (held, but only by such a local); a closed file's kept views are reported at
+        once (an open one reports at its close)."""
         now = [w for w in self.waiting if due(w)]
         if not now:
             return
@@ -247,10 +255,12 @@ class _Turns:
         for w in now:
             if not (w.lease.alive and _holds(w.lease)):
                 continue
-            if evidence is None or not evidence(w) or _held_past_running(w.lease):
+            if evidence is None or not evidence(w) or _held_past_running(w.lease, w.running):
                 w.owner._record(w.lease, w.holder)
                 if w.owner._closed:
                     closed[id(w.owner)] = w.owner
+            elif keep_unconfirmed:
+                self.waiting.append(w)
         for owner in closed.values():
             owner._report_kept()
 
@@ -495,13 +505,23 @@ def _name_holder(lease: Lease) -> Optional[dict]:
     return name_holder(lease)
 
 
-def _held_past_running(lease: Lease) -> bool:
-    """Held by more than a plain local of the running code (triage's walk; without walks, yes)?"""
+def _held_past_running(lease: Lease, running: Optional[Tuple[frozenset, frozenset]] = None) -> bool:
+    """Held by more than a plain local of the running code, or of ``running`` (the code that ran the close)
+    (triage's walk; without walks, yes)?"""
     if state.options.triage_budget_ms <= 0:
         return True
     from sanitizer.features.triage import held_past_running
 
-    return held_past_running(lease)
+    return held_past_running(lease, running)
+
+
+def _running_code() -> Optional[Tuple[frozenset, frozenset]]:
+    """The code running the close (triage's :func:`running_code`), or None without walks."""
+    if state.options.triage_budget_ms <= 0:
+        return None
+    from sanitizer.features.triage import running_code
+
+    return running_code()
 
 
 _UNCHECKED_WHY = "owned tensors by safetensors' contract (a whole-checkpoint dict): never emulated"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from types import CodeType
-from typing import Any, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 Site = Tuple[Tuple[CodeType, int], ...]
 """A captured stack, innermost frame first, as (code object, instruction offset) pairs."""
@@ -156,6 +156,38 @@ def _shown(site: Site) -> Site:
     kept = tuple((code, lasti) for code, lasti in site
                  if not code.co_filename.startswith(prefixes) or code.co_filename.startswith(user))
     return kept or site[:1]
+
+
+_LOOPS: Dict[CodeType, Tuple[Tuple[int, int], ...]] = {}
+
+
+def loops_of(code: CodeType) -> Tuple[Tuple[int, int], ...]:
+    """The bytecode spans ``(first, last)`` that run once per iteration of a loop of ``code`` (a backward
+    jump's target up to the jump): from the code itself, so a ``-c`` script or a notebook cell, whose source
+    no file holds, is read as well as a module."""
+    spans = _LOOPS.get(code)
+    if spans is None:
+        import dis
+
+        found = []
+        try:
+            for ins in dis.get_instructions(code):
+                # (not a ``yield from``/``await`` send loop's NO_INTERRUPT jump: no iteration of the program's)
+                if "JUMP" in ins.opname and "NO_INTERRUPT" not in ins.opname and isinstance(ins.argval, int) \
+                        and ins.argval <= ins.offset:
+                    found.append((ins.argval, ins.offset))
+        except Exception:  # a code object dis cannot read: no loops known
+            found = []
+        spans = tuple(found)
+        if len(_LOOPS) >= _LINES_MAX:
+            _LOOPS.clear()
+        _LOOPS[code] = spans
+    return spans
+
+
+def in_a_loop(code: CodeType, lasti: int) -> bool:
+    """Does the instruction at ``lasti`` of ``code`` run again at a loop's next iteration?"""
+    return any(first <= lasti <= last for first, last in loops_of(code))
 
 
 _RECORDS: dict = {}  # site -> its frame records: a ring load files the same lend and reuse sites per retention

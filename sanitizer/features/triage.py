@@ -65,7 +65,7 @@ from sanitizer.core import forking
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.core.describe import describe_event, describe_lease
 from sanitizer.core.options import Options
-from sanitizer.core.sites import site_text, to_records
+from sanitizer.core.sites import in_a_loop, site_text, to_records
 from sanitizer.features import aliases as _aliases
 from sanitizer.features import holders as _holders
 from sanitizer.features.holder import Holder
@@ -123,14 +123,19 @@ def _running_code() -> Tuple[frozenset, frozenset]:
 
 def _was_running(h: Holder, p: _Pending) -> bool:
     """Was ``h`` a plain local (or module global) of code running when ``p`` was retired?"""
+    return _ran(h, p.running)
+
+
+def _ran(h: Holder, running: Tuple[frozenset, frozenset]) -> bool:
+    """Was ``h`` a plain local (or module global) of the code in ``running`` (:func:`_running_code`)?"""
     pattern = h.pattern
     if pattern is None:
         return h.transient
     if h.kind in ("frame", "generator") and h.frame_id is not None:
-        return h.frame_id in p.running[0] and not pattern[1]
+        return h.frame_id in running[0] and not pattern[1]
     if h.kind == "global" and len(pattern[1]) == 1:
         root = pattern[0]()
-        return root is not None and id(root) in p.running[1]
+        return root is not None and id(root) in running[1]
     return False
 
 
@@ -885,14 +890,41 @@ def name_holder(lease: Lease) -> Optional[dict]:
         return _holder_record(found[0], (), lease, ())
 
 
-def held_past_running(lease: Lease) -> bool:
+def held_past_running(lease: Lease, running: Optional[Tuple[frozenset, frozenset]] = None) -> bool:
     """Is ``lease``'s view held by something other than a plain local of code running on this thread? What
-    confirms a retention at a final settle with no lend since (a loop variable left on the last tensor is
-    not one); for an adapter deciding its own findings by the same rule (:func:`add_settler`)."""
+    confirms a retention at a final settle with no lend since; for an adapter deciding its own findings by the
+    same rule (:func:`add_settler`). Given ``running`` (:func:`running_code` at the view's retire), an adapter
+    that cannot see a later read (an emulated contract: the view kept its bytes) asks instead: held by
+    anything but a plain local or global of the code running then or now that a loop's body bound (the
+    loop variable left on the last tensor, a module-level loop's included)?"""
     t = _TRIAGE
     with t._lock:
         named = t._walk([lease]).get(lease.lease_id)
-    return bool(named) and any(not h.transient for h in named[0])
+    if not named:
+        return False
+    if running is None:
+        return any(not h.transient for h in named[0])
+    return any(not ((h.transient or _ran(h, running)) and _bound_in_a_loop(h, lease)) for h in named[0])
+
+
+def _bound_in_a_loop(h: Holder, lease: Lease) -> bool:
+    """Did the lend bind ``h`` (a plain local or global of the code running the close) from a loop's body:
+    ``for k in f.keys(): t = f.get_tensor(k)``, ``t`` left on the last tensor? (``kept = f.get_tensor(k)``
+    outside a loop, read after the file's close, is what a strict run reports as a stale use.)"""
+    site = h.site or {}
+    file, function = site.get("file"), str(site.get("function") or "")
+    if not file:
+        return False
+    function = "<module>" if h.kind == "global" else function.rsplit(".", 1)[-1]
+    for code, lasti in lease.site or ():
+        if code.co_filename == file and code.co_name == function:
+            return in_a_loop(code, lasti)
+    return False
+
+
+def running_code() -> Tuple[frozenset, frozenset]:
+    """The code running on this thread now (frame ids, module-globals ids), for :func:`held_past_running`."""
+    return _running_code()
 
 
 def pending_count() -> int:

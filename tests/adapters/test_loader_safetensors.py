@@ -308,3 +308,38 @@ def test_a_consumer_is_named_though_an_earlier_load_taught_the_generators_local(
         assert paths and all("KEPT_BY_CONSUMER" in p for p in paths), paths
     finally:
         KEPT_BY_CONSUMER.clear()
+
+
+@pytest.mark.parametrize("strict", [0, 1])
+def test_a_module_level_loop_variable_left_on_the_last_tensor_is_not_kept_in_either_mode(ckpt, strict):
+    """A script's own loop at module level (``for k in f.keys(): t = f.get_tensor(k)``) leaves the global ``t``
+    on the last tensor when the file closes. The strict mode never called it a retention (a global of the code
+    that ran the close, as a loop variable is); the default mode reported it as an emulated retention, though
+    docs/loaders.md says both modes decide the same views. A module-level list that keeps views is still
+    reported, in both modes, at a report during the run and at exit."""
+    from tests.conftest import run_python
+
+    path, tensors = ckpt
+    code = textwrap.dedent(f"""
+        import sanitizer
+        from safetensors import safe_open
+        keep, kind = [], "retention" if {strict} else "emulated_retention"
+        def found(final):
+            events = sanitizer.report(final=final)["events"]
+            return sum(e.get("count", 1) for e in events if e["kind"] == kind)
+        with safe_open({path!r}, framework="pt") as f:
+            for k in f.keys():
+                t = f.get_tensor(k)
+                t.sum()
+        print(found(False), found(True))
+        with safe_open({path!r}, framework="pt") as f:
+            for i, k in enumerate(f.keys()):
+                t = f.get_tensor(k)
+                if i % 2:
+                    keep.append(t)
+        print(found(True))  # (strict decides the view kept at the close at the next lend or at exit)
+    """)
+    proc = run_python(code, {"OWNERSHIP_SANITIZE": "1",
+                             "OWNERSHIP_SANITIZE_OPTIONS": f"safetensors_ring={RING},safetensors_strict={strict}"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["0", "0", "2"], proc.stdout + proc.stderr

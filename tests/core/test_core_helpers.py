@@ -65,3 +65,42 @@ def test_holder_walk_uses_the_same_rule():
 
     assert holder_paths.internal(holder_paths.internal.__code__)
     assert not holder_paths.internal(probe())
+
+
+def test_in_a_loop_reads_the_bytecode_of_a_function_a_generator_and_a_script():
+    """A lend bound by a loop's body (or its ``for`` header: a generator's ``for name, data in weights``) is
+    rebound at the next iteration; one outside a loop is not. Read from the code, not the source: a ``-c``
+    script or a notebook cell has no file (the emulated safetensors contract's loop-variable rule)."""
+    import sys as _sys
+
+    from sanitizer.core.sites import in_a_loop
+
+    seen = {}
+
+    def here(tag):
+        frame = _sys._getframe(1)
+        seen[tag] = (frame.f_code, frame.f_lasti)
+
+    def consumer(keys):
+        before = here("before")
+        for k in keys:
+            here("body")
+        while len(seen) < 9:
+            here("while")
+            seen[len(seen)] = None
+        [here("comprehension") for _ in keys]
+        here("after")
+
+    def gen(items):
+        for name in items:
+            yield name
+
+    consumer([1, 2])
+    assert {tag: in_a_loop(*seen[tag]) for tag in ("before", "body", "while", "comprehension", "after")} == \
+        {"before": False, "body": True, "while": True, "comprehension": True, "after": False}
+    g = gen(iter([1, 2]))
+    next(g)
+    assert in_a_loop(g.gi_code, g.gi_frame.f_lasti)  # suspended at the yield inside its for loop
+    script = compile("for k in range(2):\n    here('module-body')\nhere('module-after')\n", "<string>", "exec")
+    exec(script, {"here": here})
+    assert in_a_loop(*seen["module-body"]) and not in_a_loop(*seen["module-after"])
