@@ -434,7 +434,21 @@ class EmulatedSafeOpen:
         if not (self._emulate and state.enabled):
             return self._inner.get_tensors()
         keys = self._inner.offset_keys() if hasattr(self._inner, "offset_keys") else self._inner.keys()
-        return {k: self.get_tensor(k) for k in keys}
+        owned = {k: self._inner.get_tensor(k) for k in keys}
+        sizes = [-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in owned.values()
+                 if isinstance(t, torch.Tensor)]
+        # Every view of the dict is live at once: lent from a ring that cannot hold them all (a wrap wastes
+        # less than the largest), the emulation itself would overwrite the dict's first tensors with its
+        # last, and a correct ``load_state_dict(f.get_tensors())`` would read as a retention.
+        need = sum(sizes) + max(sizes, default=0)
+        ring_bytes = state.options.safetensors_ring
+        if need > ring_bytes:
+            _note_owned(f"{NAME}.safe_open.get_tensors (a dict larger than safetensors_ring={ring_bytes})",
+                        f"owned tensors as safetensors returns them, never lent from the emulation ring: "
+                        f"the whole dict of {self._label} is live at once and needs {need} bytes of ring; "
+                        f"raise safetensors_ring to at least that to check it", len(sizes), sum(sizes))
+            return owned
+        return {k: self._lend(k, t) for k, t in owned.items()}
 
     def close(self) -> None:
         """Free the ring: every view still held goes stale (strict) or keeps its bytes where they are (the
@@ -481,8 +495,11 @@ class _EmulatedSlice:
 
     def __getitem__(self, index: Any) -> Any:
         got = self._inner[index]
-        if not isinstance(got, torch.Tensor) or got.is_contiguous() or got.numel() == 0 \
-                or any(st < 0 for st in got.stride()):
+        if isinstance(got, torch.Tensor) and got.numel() == 0:  # no bytes: safetensors' shape and strides
+            lent = self._owner._lend(self._name, got)
+            return lent if lent is got else lent.as_strided(tuple(got.shape), tuple(got.stride()),
+                                                            lent.storage_offset())
+        if not isinstance(got, torch.Tensor) or got.is_contiguous() or any(st < 0 for st in got.stride()):
             return self._owner._lend(self._name, got)
         # the bytes from the slice's first element to its last (strides >= 0: the first is the lowest)
         span = 1 + sum((size - 1) * stride for size, stride in zip(got.shape, got.stride()))
@@ -524,6 +541,7 @@ def _running_code() -> Optional[Tuple[frozenset, frozenset]]:
     return running_code()
 
 
+_ALIGN = 64  # StagingRing's default alignment: each put starts on it
 _UNCHECKED_WHY = "owned tensors by safetensors' contract (a whole-checkpoint dict): never emulated"
 
 
@@ -544,15 +562,19 @@ def _note_unchecked(entry: str, out: Any) -> None:
 
 def _note_oversized(label: str, name: str, nbytes: int, ring_bytes: int) -> None:
     """Count a tensor too large for the emulation ring, handed over unlent: the summary says "N loads not
-    checked (... larger than safetensors_ring=...)" with the largest one's size, so the user knows what to
-    raise the option to, and the program runs on as without the sanitizer."""
+    checked (... larger than safetensors_ring=...)" with the size, so the user knows what to raise the
+    option to, and the program runs on as without the sanitizer."""
+    _note_owned(f"{NAME}.safe_open (tensors larger than safetensors_ring={ring_bytes})",
+                f"owned tensors as safetensors returns them, never lent from the emulation ring: '{name}' of "
+                f"{label} alone is {nbytes} bytes; raise safetensors_ring to at least the largest tensor", 1, nbytes)
+
+
+def _note_owned(entry: str, why: str, tensors: int, nbytes: int) -> None:
+    """Count a load the ring could not emulate, handed over owned (the summary's "loads not checked")."""
     try:
-        entry = f"{NAME}.safe_open (tensors larger than safetensors_ring={ring_bytes})"
-        first = {"loader": NAME, "entry": entry, "first_at": (to_records(capture_site(4)[:1]) or [None])[0],
-                 "why": f"owned tensors as safetensors returns them, never lent from the emulation ring: "
-                        f"'{name}' of {label} alone is {nbytes} bytes; raise safetensors_ring to at least "
-                        f"the largest tensor"}
-        records.tally_event("unchecked_load", entry, first, count=1, tensors=1, bytes=nbytes)
+        first = {"loader": NAME, "entry": entry, "why": why,
+                 "first_at": (to_records(capture_site(5)[:1]) or [None])[0]}
+        records.tally_event("unchecked_load", entry, first, count=1, tensors=tensors, bytes=nbytes)
     except Exception:  # a count for the summary is never worth an error in the program's load
         pass
 

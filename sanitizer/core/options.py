@@ -164,7 +164,9 @@ OPTIONS: Dict[str, Option] = {
                "With OWNERSHIP_SANITIZE=1: serve safetensors safe_open()'s get_tensor, get_slice(...)[...] and "
                "get_tensors() through a StagingRing of this many bytes (emulated borrowing: views reused as the "
                "ring comes round, freed when the file is closed), to test a consumer against the borrowed "
-               "contract. 0: off (safetensors tensors are owned; load_file is never affected).", bounds=COUNT),
+               "contract. A tensor, or a get_tensors() dict, larger than the ring is handed over owned and counted "
+               "in the summary as not checked. 0: off (safetensors tensors are owned; load_file is never "
+               "affected).", bounds=COUNT),
         Option("safetensors_strict", bool, False,
                "With safetensors_ring=N: hold the consumer to the emulated borrowed contract. 0 (default): a "
                "view still held when the ring reuses or frees it keeps its bytes, aliases included, and is reported as an "

@@ -913,11 +913,13 @@ def _bound_in_a_loop(h: Holder, lease: Lease) -> bool:
     outside a loop, read after the file's close, is what a strict run reports as a stale use.)"""
     site = h.site or {}
     file, function = site.get("file"), str(site.get("function") or "")
-    if not file:
+    if h.kind == "global":  # (a ``-c`` script's or a notebook cell's module has no file: its module code)
+        function = "<module>"
+    elif not file:
         return False
-    function = "<module>" if h.kind == "global" else function.rsplit(".", 1)[-1]
+    function = function.rsplit(".", 1)[-1]
     for code, lasti in lease.site or ():
-        if code.co_filename == file and code.co_name == function:
+        if (code.co_filename == file or not file) and code.co_name == function:
             return in_a_loop(code, lasti)
     return False
 
