@@ -301,6 +301,7 @@ class EmulatedSafeOpen:
         self._ring: Optional[StagingRing] = None
         self._closed = False
         self._kept: Dict[Tuple[Optional[str], Optional[str]], _Kept] = {}  # (consumer, stored at) -> what it kept
+        self._unnamed: List[Tuple[Lease, Optional[dict]]] = []  # kept views to name again at the report
         # Views left on memory the ring moved away from before it came round to them: (segment, lease),
         # reported as kept if still held when the ring passes their bytes (or at the close), as if it had
         # not moved.
@@ -389,6 +390,15 @@ class EmulatedSafeOpen:
         # Each view is named by what holds it (a file's views go to norms and linears alike: one
         # holder per file would label the norm weights as the linear's), grouped by consumer.
         holder = holder or _name_holder(lease)
+        if _unnamed(holder) and lease.alive:
+            # (held where Python cannot see yet: a dict or list a comprehension is still building, the
+            # usual ``{k: f.get_tensor(k) for k in f.keys()}``; named again at the report, once it is built)
+            self._unnamed.append((lease, holder))
+            return
+        self._count(lease, holder)
+
+    def _count(self, lease: Lease, holder: Optional[dict]) -> None:
+        """(Under ``_TURNS.lock``.) Add ``lease`` to the group of ``holder``."""
         group = (holder or {}).get("consumer"), site_text((holder or {}).get("stored_at"))
         kept = self._kept.get(group)
         if kept is None:
@@ -402,6 +412,10 @@ class EmulatedSafeOpen:
         """One event per consumer (and place it stored the views) of this file; views decided after an
         earlier report join its event."""
         with _TURNS.lock:
+            unnamed, self._unnamed = self._unnamed, []
+            for lease, first in unnamed:
+                holder = _name_holder(lease) if lease.alive and _holds(lease) else None
+                self._count(lease, first if _unnamed(holder) else holder)
             for kept in self._kept.values():
                 if not kept.count:
                     continue
@@ -511,6 +525,12 @@ class _EmulatedSlice:
 
     def __getattr__(self, name: str) -> Any:  # get_shape, get_dtype
         return getattr(self._inner, name)
+
+
+def _unnamed(holder: Optional[dict]) -> bool:
+    """No holder a person can act on: none found, or only one Python cannot see into (a comprehension's
+    dict or list under construction)."""
+    return holder is None or holder.get("kind") == "unknown"
 
 
 def _name_holder(lease: Lease) -> Optional[dict]:

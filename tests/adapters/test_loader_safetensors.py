@@ -366,3 +366,23 @@ def test_a_one_line_loop_in_a_dash_c_script_is_not_kept_at_exit(ckpt, tmp_path, 
     with open(report) as fh:
         events = json.load(fh)["events"]
     assert [e for e in events if e["kind"] in ("retention", "emulated_retention")] == []
+
+
+def test_a_dict_comprehension_that_keeps_every_view_is_named_once_it_is_built(ckpt, tmp_path):
+    """A blind user's case: ``res = {k: f.get_tensor(k) for k in f.keys()}`` through a small ring was reported
+    as kept by "<held where Python cannot see: a list a comprehension is still building>" (the ring passed
+    its views while the comprehension ran); the strict mode named ``__main__.res[*]``. Such a view is named
+    again at the report, once the dict is built and bound."""
+    from tests.conftest import run_python
+
+    path, tensors = ckpt
+    report = str(tmp_path / "r.json")
+    code = (f"from safetensors import safe_open\nwith safe_open({path!r}, 'pt') as f:\n"
+            f"    res = {{k: f.get_tensor(k) for k in f.keys()}}\nprint(sum(float(v.sum()) for v in res.values()))\n")
+    proc = run_python(code, {"OWNERSHIP_SANITIZE": "1",
+                             "OWNERSHIP_SANITIZE_OPTIONS": f"safetensors_ring={RING},report={report}"})
+    assert proc.returncode == 0, proc.stderr
+    with open(report) as fh:
+        events = [e for e in json.load(fh)["events"] if e["kind"] == "emulated_retention"]
+    assert sum(e["count"] for e in events) == len(tensors), events
+    assert {e["holder"]["consumer"] for e in events} == {"__main__.res[*]"}, [e["holder"] for e in events]
