@@ -67,7 +67,9 @@ def test_a_thread_started_before_enable_that_lends_removes_its_mode_at_its_end()
     lent.wait(10)
     t.join()
     assert seen == [not interception.MODES.lazy_workers]
-    assert _ours_alive() == before
+    # (<=: the loader's mode is gone; a mode an earlier test's thread left, counted in ``before``, may die meanwhile
+    # as that thread's state is freed: CI's full run once counted 1 before and 0 after)
+    assert _ours_alive() <= before
 
 
 @pytest.mark.slow
