@@ -46,6 +46,7 @@ from __future__ import annotations
 import _thread
 import ctypes
 import functools
+import gc
 import itertools
 import operator
 import sys
@@ -434,17 +435,27 @@ def run_in_running_threads(fn: Callable[[], None]) -> bool:
             finally:
                 if my_obj:
                     api.decref(my_obj)
-        for _round in range(_ROUNDS):
-            # Threads with no profile function get ours only as far as the count was raised for them first
-            # (the count may be above the truth for a moment, never below: below, a profiler set meanwhile
-            # in another thread could find the monitoring events off and miss its events).
-            wanted = _count_states(api, me, _with_none)
-            _shift_count(api, me, wanted)
-            _visit(api, me, batch, _with_another, None)
-            given = _visit(api, me, batch, _with_none, wanted)
-            _shift_count(api, me, given - wanted)
-            if given < wanted or wanted == 0:
-                break
+        # No collection during the C-level passes: each step allocates (ctypes values, tuples), and a collection
+        # there runs finalizers, Python code that may let the GIL go at the eval breaker; a thread that ends
+        # then frees its state under the walk, which writes into the freed memory (a segfault on 3.11 in CI's
+        # full run, in a test where the gc ran at nearly every allocation while tqdm's monitor thread lived).
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            for _round in range(_ROUNDS):
+                # Threads with no profile function get ours only as far as the count was raised for them first
+                # (the count may be above the truth for a moment, never below: below, a profiler set meanwhile
+                # in another thread could find the monitoring events off and miss its events).
+                wanted = _count_states(api, me, _with_none)
+                _shift_count(api, me, wanted)
+                _visit(api, me, batch, _with_another, None)
+                given = _visit(api, me, batch, _with_none, wanted)
+                _shift_count(api, me, given - wanted)
+                if given < wanted or wanted == 0:
+                    break
+        finally:
+            if collecting:
+                gc.enable()
         return True
 
 
