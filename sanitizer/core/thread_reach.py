@@ -249,9 +249,12 @@ else:
 
 HERE_AVAILABLE: bool = _api is not None
 """Can a visit be put on the calling thread (:func:`run_here_when`)?"""
-AVAILABLE: bool = HERE_AVAILABLE and (sys.version_info >= (3, 12) or _api is not None and _api.cframe_off is not None)
-"""Can other running threads be visited (:func:`run_in_running_threads`)? 3.12+, and 3.11 where its frame's
-tracing flag was found (:func:`_find_cframe_field`)."""
+AVAILABLE: bool = HERE_AVAILABLE and sys.version_info >= (3, 12)
+"""Can other running threads be visited (:func:`run_in_running_threads`)? 3.12+. Not on 3.11, though its
+frame's tracing flag is found (:func:`_find_cframe_field`): a pass there, writing that flag, crashed the
+process (a segfault in a later garbage collection) in 2 runs of 3 of a program whose threads start and end
+while the gc runs inside ops (``tests/torch_layer/test_user_tooling.py``), and once in CI's full run; 3.12
+never did. A crash is worse than the cost it saved (a 3.11 worker keeps the dispatch mode for its life)."""
 
 
 class _Batch(dict):
