@@ -440,8 +440,8 @@ def run_in_running_threads(fn: Callable[[], None]) -> bool:
                     api.decref(my_obj)
         # No collection during the C-level passes: each step allocates (ctypes values, tuples), and a collection
         # there runs finalizers, Python code that may let the GIL go at the eval breaker; a thread that ends
-        # then frees its state under the walk, which writes into the freed memory (a segfault on 3.11 in CI's
-        # full run, in a test where the gc ran at nearly every allocation while tqdm's monitor thread lived).
+        # then would free its state under the walk. (Added while chasing 3.11's segfault, which it did not
+        # stop: that pass is closed, see AVAILABLE; the hazard it guards holds on 3.12 too.)
         collecting = gc.isenabled()
         gc.disable()
         try:
