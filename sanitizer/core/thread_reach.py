@@ -249,12 +249,10 @@ else:
 
 HERE_AVAILABLE: bool = _api is not None
 """Can a visit be put on the calling thread (:func:`run_here_when`)?"""
-AVAILABLE: bool = HERE_AVAILABLE and sys.version_info >= (3, 12)
-"""Can other running threads be visited (:func:`run_in_running_threads`)? 3.12+. Not on 3.11, though its
-frame's tracing flag is found (:func:`_find_cframe_field`): a pass there, writing that flag, crashed the
-process (a segfault in a later garbage collection) in 2 runs of 3 of a program whose threads start and end
-while the gc runs inside ops (``tests/torch_layer/test_user_tooling.py``), and once in CI's full run; 3.12
-never did. A crash is worse than the cost it saved (a 3.11 worker keeps the dispatch mode for its life)."""
+AVAILABLE: bool = HERE_AVAILABLE and (sys.version_info >= (3, 12) or _api is not None and _api.cframe_off is not None)
+"""Can other running threads be visited (:func:`run_in_running_threads`)? 3.12+, and 3.11 where its frame's
+tracing flag was found (:func:`_find_cframe_field`). (3.11's was closed for a while: a pass's batch that
+died crashed the process there; there batches are now never freed, :func:`_release_settled`.)"""
 
 
 class _Batch(dict):
@@ -268,6 +266,10 @@ class _Batch(dict):
     told, and its owner visits them again."""
 
     def __del__(self) -> None:
+        self.settle()
+
+    def settle(self) -> None:
+        """Give back what the entries left hold, and tell :data:`on_lost` when there were any."""
         decref = _api.decref if _api is not None else None
         lost = bool(self)
         if decref is not None:
@@ -422,7 +424,12 @@ def run_in_running_threads(fn: Callable[[], None]) -> bool:
 
     with _PASSES:  # one pass at a time: each counts the threads it gives a profile function
         _run_in_threads = _once
-        batch = _Batch()
+        if _POOLED:
+            _release_settled(api)
+            batch = _FREE.pop() if _FREE else _Batch()
+            _BATCHES.append(batch)
+        else:
+            batch = _Batch()
         me = api.get_tstate()
         my_func, my_obj = api.read(me)
         # The audit hooks see the change now, on this thread, before any other thread's state is held: one
@@ -441,7 +448,7 @@ def run_in_running_threads(fn: Callable[[], None]) -> bool:
         # No collection during the C-level passes: each step allocates (ctypes values, tuples), and a collection
         # there runs finalizers, Python code that may let the GIL go at the eval breaker; a thread that ends
         # then would free its state under the walk. (Added while chasing 3.11's segfault, which it did not
-        # stop: that pass is closed, see AVAILABLE; the hazard it guards holds on 3.12 too.)
+        # stop: see _release_settled; the hazard it guards holds on every version.)
         collecting = gc.isenabled()
         gc.disable()
         try:
@@ -461,6 +468,48 @@ def run_in_running_threads(fn: Callable[[], None]) -> bool:
                 gc.enable()
         return True
 
+
+def _release_settled(api: _Api) -> None:
+    """Python 3.11: settle the batches no thread state points at any more, and keep them for later passes (at a
+    pass's start, on the passing thread, before its C-level walk).
+
+    On 3.11 a batch must never die: with batches freed when the last visited state let go of them (in that
+    thread's own profile event, or in the clean-up of a thread that ended), a program whose threads start and
+    end while the gc runs inside ops segfaulted in 3 runs of 4 (a corrupted gc list, or the batch's own
+    deallocation); freed here instead, at a pass's start, still 2 runs of 10; kept for good, 0 of 14, and
+    kept and used again (this), 0 of 32. 3.12 never crashed, and keeps batches that die (so a visit taken
+    away by ``threading.setprofile_all_threads`` is redone at once: :data:`on_lost`); here such a visit is
+    redone at the next pass, when its batch settles. The root cause in 3.11 was not found.
+
+    Safe against a stale read: only a pass, which holds ``_PASSES``, points a state at a batch, and a thread
+    only moves its own state away from one, so the set read here can only be larger than the truth: a batch is
+    settled late, never early. Settling gives back the saved profile objects of threads that ended before
+    their visit, and tells :data:`on_lost` when there were any."""
+    if not _BATCHES:
+        return
+    pointed = set(_objs(api, _all_states(api, 0)))
+    kept, settled = [], []
+    for b in _BATCHES:
+        (kept if id(b) in pointed else settled).append(b)
+    if settled:
+        _BATCHES[:] = kept
+        for b in settled:
+            b.settle()
+        _FREE.extend(settled)
+
+
+def _objs(api: _Api, states):  # type: ignore[no-untyped-def]
+    """The states' ``c_profileobj`` values (None for NULL), read lazily."""
+    return map(_VALUE, map(ctypes.c_void_p.from_address, map(operator.add, states, itertools.repeat(api.obj_off))))
+
+
+_POOLED: bool = sys.version_info[:2] == (3, 11)
+"""Batches are kept and used again, never freed (see :func:`_release_settled`)."""
+_BATCHES: List["_Batch"] = []
+"""3.11: every batch some thread state may still point at (see :func:`_release_settled`)."""
+_FREE: List["_Batch"] = []
+"""Settled batches, used again by later passes instead of new ones: a batch never dies while the process
+runs. (At most one batch is pinned per thread state, so these are at most as many as threads ever were.)"""
 
 _PASSES = threading.RLock()
 """One pass at a time. Re-entrant: a lease that dies in a garbage collection run between the C-level steps
