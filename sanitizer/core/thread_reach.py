@@ -488,6 +488,8 @@ def _release_settled(api: _Api) -> None:
     if not _BATCHES:
         return
     pointed = set(_objs(api, _all_states(api, 0)))
+    # (a saved profiler that is itself a visit of ours, which _unwind follows, keeps its batch too)
+    pointed.update(obj for b in _BATCHES for func, obj in b.values() if func == _ON_EVENT_ADDRESS)
     kept, settled = [], []
     for b in _BATCHES:
         (kept if id(b) in pointed else settled).append(b)
