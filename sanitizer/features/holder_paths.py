@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
+from sanitizer.core import thread_reach
 from sanitizer.core.sites import is_internal_file, torch_dir
 from sanitizer.features.holder import Holder
 
@@ -154,9 +155,11 @@ def locals_of(frame: types.FrameType) -> Dict[str, Any]:
     loc = frame.f_locals
     out = dict(loc)
     if _SNAPSHOT_LOCALS and type(loc) is dict and sys.getrefcount(loc) <= 3:
-        # Only the frame and we hold the snapshot (no `d = locals()` in the program): it is a cache,
-        # the fast locals themselves are untouched. 3 = the frame, `loc`, getrefcount's argument.
-        loc.clear()
+        # Only the frame and we hold the snapshot (no `d = locals()` in the program): a cache, unless the
+        # frame's thread is inside a Python trace or profile hook, whose trampoline writes this dict back
+        # into the fast locals when the hook returns (a cleared one would unbind them): cleared only while no
+        # thread is in one. 3 = the frame, `loc`, getrefcount's argument.
+        thread_reach.clear_unless_a_thread_traces(loc)
     return out
 
 

@@ -333,6 +333,31 @@ def test_a_visit_here_waits_for_its_moment_and_keeps_the_threads_profiler():
     assert seen  # the user's profiler got its events meanwhile
 
 
+
+def test_a_profiler_that_asks_for_itself_inside_its_own_callback_is_answered_itself_while_a_visit_waits():
+    """A hook that checks it is still the thread's profiler (``sys.getprofile() is me`` inside its callback, as
+    tools that warn when displaced do) saw our waiting visit instead (a blind user's test, 3.11): the events
+    it gets while a visit waits are passed on with the thread's own profiler in place."""
+    if not thread_reach.HERE_AVAILABLE:
+        pytest.skip("no visits on this interpreter")
+    answers, ran, flag = [], [], [False]
+
+    def prof(frame, event, arg):
+        answers.append(sys.getprofile() is prof)
+
+    sys.setprofile(prof)
+    try:
+        assert thread_reach.run_here_when(lambda: flag[0], lambda: ran.append(sys.getprofile() is prof))
+        answers.clear()
+        _a_python_call()
+        _a_python_call()
+        assert ran == [] and answers and all(answers), answers  # it waits; each event sees the hook itself
+        flag[0] = True
+        _a_python_call()
+        assert ran == [True] and sys.getprofile() is prof and all(answers)
+    finally:
+        sys.setprofile(None)
+
 def _user_profilers_survive(hooked: str, worker_first: bool) -> dict:
     """A ``sys.setprofile`` hook in the ``hooked`` threads ("worker", "main" or "both") across enable, lends, a
     stale lease made by the main thread and one made by a worker (the worker's first when ``worker_first``),
