@@ -555,7 +555,7 @@ def _release_settled(api: _Api) -> None:
     their visit, and tells :data:`on_lost` when there were any."""
     if not _BATCHES:
         return
-    pointed = set(_objs(api, _all_states(api, 0)))
+    pointed = set(_field(_all_states(api, 0), api.obj_off))
     # (a saved profiler that is itself a visit of ours, which _unwind follows, keeps its batch too)
     pointed.update(obj for b in _BATCHES for func, obj in b.values() if func == _ON_EVENT_ADDRESS)
     kept, settled = [], []
@@ -566,11 +566,6 @@ def _release_settled(api: _Api) -> None:
         for b in settled:
             b.settle()
         _FREE.extend(settled)
-
-
-def _objs(api: _Api, states):  # type: ignore[no-untyped-def]
-    """The states' ``c_profileobj`` values (None for NULL), read lazily."""
-    return map(_VALUE, map(ctypes.c_void_p.from_address, map(operator.add, states, itertools.repeat(api.obj_off))))
 
 
 _POOLED: bool = sys.version_info[:2] == (3, 11)
@@ -604,9 +599,10 @@ def _all_states(api: _Api, me: int):  # type: ignore[no-untyped-def]
     return itertools.filterfalse(functools.partial(operator.eq, me), walk)
 
 
-def _funcs(api: _Api, states):  # type: ignore[no-untyped-def]
-    """The states' ``c_profilefunc`` values (None for NULL), read lazily."""
-    return map(_VALUE, map(ctypes.c_void_p.from_address, map(operator.add, states, itertools.repeat(api.func_off))))
+def _field(states, offset: int, ctype=ctypes.c_void_p):  # type: ignore[no-untyped-def]
+    """Each state's field at ``offset`` (a pointer by default, None for NULL), read lazily: C-level while it is
+    consumed."""
+    return map(_VALUE, map(ctype.from_address, map(operator.add, states, itertools.repeat(offset))))
 
 
 def _with_none(funcs):  # type: ignore[no-untyped-def]
@@ -623,7 +619,7 @@ def _with_another(funcs):  # type: ignore[no-untyped-def]
 
 def _count_states(api: _Api, me: int, select) -> int:  # type: ignore[no-untyped-def]
     """How many other thread states ``select`` keeps (one C-level pass)."""
-    return sum(select(_funcs(api, _all_states(api, me))))
+    return sum(select(_field(_all_states(api, me), api.func_off)))
 
 
 def _visit(api: _Api, me: int, batch: _Batch, select, limit: Optional[int]) -> int:  # type: ignore[no-untyped-def]
@@ -632,16 +628,15 @@ def _visit(api: _Api, me: int, batch: _Batch, select, limit: Optional[int]) -> i
     state's reference on the object moves to the batch), takes a reference on the batch for the state, and
     writes ours into the two fields. Returns how many states it visited."""
     s_read, s_keep = itertools.tee(_all_states(api, me), 2)
-    states = itertools.compress(s_keep, select(_funcs(api, s_read)))
+    states = itertools.compress(s_keep, select(_field(s_read, api.func_off)))
     if limit is not None:
         states = itertools.islice(states, max(0, limit))
     flagged = api.cframe_off is not None
     t_key, t_id, t_func, t_obj, t_wf, t_wo, *t_cf = itertools.tee(states, 7 if flagged else 6)
-    objs = map(_VALUE, map(ctypes.c_void_p.from_address, map(operator.add, t_obj, itertools.repeat(api.obj_off))))
     keys = zip(t_key, map(api.get_id, t_id))
     cells = (ctypes.c_void_p(_ON_EVENT_ADDRESS), ctypes.c_void_p(id(batch)), ctypes.c_uint8(255))
     before = len(batch)
-    steps = [map(batch.__setitem__, keys, zip(_funcs(api, t_func), objs)),
+    steps = [map(batch.__setitem__, keys, zip(_field(t_func, api.func_off), _field(t_obj, api.obj_off))),
              map(api.incref, itertools.repeat(id(batch))),
              map(api.write, map(operator.add, t_wf, itertools.repeat(api.func_off)),
                  itertools.repeat(ctypes.addressof(cells[0])), itertools.repeat(_WORD)),
@@ -651,8 +646,7 @@ def _visit(api: _Api, me: int, batch: _Batch, select, limit: Optional[int]) -> i
         # 3.11: the thread's innermost frame starts calling profile functions (``use_tracing = 255``, as
         # _PyThreadState_UpdateTracingState would write for it); a thread inside its own profiler's call is
         # left alone by that call (``tracing`` > 0), which recomputes the flag from the fields on its way out.
-        frames = map(_VALUE, map(ctypes.c_void_p.from_address,
-                                 map(operator.add, t_cf[0], itertools.repeat(api.cframe_off))))
+        frames = _field(t_cf[0], api.cframe_off)
         steps.append(map(api.write, frames, itertools.repeat(ctypes.addressof(cells[2])), itertools.repeat(1)))
     deque(zip(*steps), maxlen=0)
     return len(batch) - before
@@ -700,8 +694,7 @@ def clear_unless_a_thread_traces(snapshot: dict) -> bool:
     api = _api
     if api is None or api.tracing_off is None:
         return False
-    tracing = map(_VALUE, map(ctypes.c_int.from_address,
-                              map(operator.add, _all_states(api, 0), itertools.repeat(api.tracing_off))))
+    tracing = _field(_all_states(api, 0), api.tracing_off, ctypes.c_int)
     # compress pulls its selector (no thread tracing: one C-level pass over the states) and then the dict;
     # dict.clear runs on it only when selected, still inside the same deque step
     cleared = deque(map(dict.clear, itertools.compress(
