@@ -329,8 +329,10 @@ class EmulatedSafeOpen:
                 # Not strict: held views are kept, never retired, so trap mode has nothing to trap and a
                 # window per kept view would only cost mappings (40,000 kept views: the process's map
                 # budget, and 13x the load time): plain memory, whose kept bytes the ring leaves to them.
+                # Not strict, the ring's memory decides nothing either (no held view's bytes ever change):
+                # each tensor is lent where safetensors made it, at the ring's offsets (see in_place.py).
                 self._ring = StagingRing(ring_bytes, device=tensor.device, name=self._label,
-                                         plain_memory=not self._strict())
+                                         plain_memory=not self._strict(), in_place=not self._strict())
                 self._pending = []
             if (self._pending or state.ledger.live_count) and not self._strict():
                 # (nothing pending and no lease alive anywhere: nothing can be held where the put lands, and

@@ -498,6 +498,14 @@ class Ledger:
     def live_count(self) -> int:
         return len(self._live)
 
+    def has_fresh(self, region_id: int) -> bool:
+        """Might a reuse of ``region_id`` find a fresh lease to retire? False only when the region is open and
+        no fresh lease is filed there, pending or indexed (under the lock: a fold moves leases between the
+        two). What a caller may skip on False is the reuse of bytes no fresh lease covers."""
+        with self._lock:
+            region = self._regions.get(region_id)
+            return region is None or region.closed or bool(region.pending) or bool(region.fresh)
+
     @property
     def region_count(self) -> int:
         """Regions registered: open ones, and closed ones whose leases still live."""

@@ -42,7 +42,7 @@ from sanitizer.core.errors import BorrowCorruptedError
 from sanitizer.core.ledger import Lease, Region, ReuseEvent
 from sanitizer.core.sites import capture
 from sanitizer.core.spans import merge, subtract
-from sanitizer.torch_layer.staging import buffer_bytes, poisonable_bytes
+from sanitizer.torch_layer.staging import lease_bytes, poisonable_bytes
 
 
 def _kernels():
@@ -52,8 +52,7 @@ def _kernels():
 
 
 def _lease_bytes(lease: Lease) -> Optional[torch.Tensor]:
-    data = buffer_bytes(lease.region_id)
-    return None if data is None else data[lease.start:lease.end]
+    return lease_bytes(lease)
 
 
 #: A device mismatch found at a synchronisation: (lease, expected hash, where, event, site).

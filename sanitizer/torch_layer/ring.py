@@ -41,6 +41,7 @@ import torch
 from sanitizer.core import forking
 from sanitizer.core.retires_in_flight import WAIT_S
 from sanitizer.torch_layer import runtime
+from sanitizer.torch_layer.in_place import InPlaceBuffer, lendable_as_is
 from sanitizer.torch_layer.sources import Source, prepare
 from sanitizer.torch_layer.staging import StagingBuffer, refuse_stale_source
 from sanitizer.torch_layer.state import state
@@ -70,10 +71,12 @@ class StagingRing:
     """A ring of ``nbytes`` on ``device``; ``put`` returns borrowed views."""
 
     def __init__(self, nbytes: int, device: Any = "cpu", name: Optional[str] = None, *, alignment: int = 64,
-                 quarantine: Optional[int] = None, plain_memory: bool = False):
+                 quarantine: Optional[int] = None, plain_memory: bool = False, in_place: bool = False):
         """``plain_memory``: segments of the plain kind even in trap mode (a ring whose held views are kept,
         never retired: the ``safetensors_ring`` emulation's default contract, where a trap window per kept
-        view only costs mappings and time)."""
+        view only costs mappings and time). ``in_place``: segments that lend an exclusive source tensor
+        where it is, with the ring's bookkeeping and no copy (that same contract: no held view's bytes
+        ever change, so the ring's memory decides nothing; see in_place.py)."""
         if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a positive power of two, got {alignment!r}")
         if quarantine is None:
@@ -83,6 +86,7 @@ class StagingRing:
         self._name = name or "ring"
         self._device = device
         self._plain = plain_memory
+        self._in_place = in_place
         self.segments: List[StagingBuffer] = [self._segment(nbytes, self._name)]
         self.alignment = alignment
         self.quarantine = quarantine
@@ -176,6 +180,10 @@ class StagingRing:
         The source is validated in full first (see :func:`~sanitizer.torch_layer.sources.prepare`), so a
         put that fails leaves every lease, and the ring's position, as they were. Safe from several
         threads (see the module's text)."""
+        if self._in_place and shape is None and dtype is None and isinstance(source, torch.Tensor):
+            nbytes = lendable_as_is(source, self.segments[0].device)
+            if nbytes >= 0:
+                return self._lend_as_is(name, source, nbytes)
         src = prepare(source, shape, dtype)
         nbytes = src.nbytes
         self._check_fits(nbytes)
@@ -186,6 +194,22 @@ class StagingRing:
             if retire is not None:  # the quarantine: the previous tensor's lease ends now
                 self._retire(retire, name)
             view = self.segments[seg].write_prepared(offset, src, name, source_checked=True)
+        except BaseException:
+            self._end(mine, before)
+            raise
+        self._end(mine, None)
+        return view
+
+    def _lend_as_is(self, name: str, tensor: torch.Tensor, nbytes: int) -> torch.Tensor:
+        """:meth:`put` of a tensor an in-place ring lends where it is: the same reservation, reuse and
+        lease, no copy (the tensor is no lease, so no stale source to refuse)."""
+        self._check_fits(nbytes)
+        mine, before, retire = self._reserve(name, nbytes, tensor.element_size())
+        seg, offset, _ = mine.span
+        try:
+            if retire is not None:
+                self._retire(retire, name)
+            view = self.segments[seg].lend_as_is(offset, nbytes, tensor, name)
         except BaseException:
             self._end(mine, before)
             raise
@@ -283,6 +307,8 @@ class StagingRing:
         self.segments[seg].retire(start, end - start, by=by)
 
     def _segment(self, nbytes: int, name: str) -> StagingBuffer:
+        if self._in_place:
+            return InPlaceBuffer(nbytes, device=self._device, name=name)
         if self._plain:
             return StagingBuffer.plain(nbytes, device=self._device, name=name)
         return StagingBuffer(nbytes, device=self._device, name=name)

@@ -113,6 +113,13 @@ def buffer_bytes(region_id: int) -> Optional[torch.Tensor]:
     return None if buf is None else buf._data
 
 
+def lease_bytes(lease: Lease) -> Optional[torch.Tensor]:
+    """The uint8 bytes ``lease``'s views read (what a checksum hashes): its range of its buffer's bytes, or
+    what the buffer's kind says (:meth:`StagingBuffer.bytes_of`); None once the buffer is closed or gone."""
+    buf = runtime.buffer_of(lease.region_id)
+    return None if buf is None or buf._data is None else buf.bytes_of(lease)
+
+
 def poisonable_bytes(region_id: int) -> Optional[torch.Tensor]:
     """The uint8 bytes of ``region_id`` that poison may overwrite: only an open buffer this sanitizer
     allocated itself. An adopted buffer (a loader's memory, a ``borrowed_iterator`` window over a
@@ -289,6 +296,11 @@ class StagingBuffer:
         it lives on when that is the buffer kind's own (None: the buffer's bytes)."""
         view, _ = alias_view(data, self._host, offset, nbytes, shape, dtype)
         return view, None
+
+    def bytes_of(self, lease: Lease) -> Optional[torch.Tensor]:
+        """The bytes ``lease``'s views read: its range of this buffer (an in-place buffer's leases read
+        their own storage, see in_place.py)."""
+        return self._data[lease.start:lease.end]
 
     def _attach(self, lease: Lease, memory: Any) -> None:
         """Remember which memory of its own a lease lives on (see :meth:`_lend_view`)."""

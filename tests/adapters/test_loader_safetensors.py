@@ -386,3 +386,51 @@ def test_a_dict_comprehension_that_keeps_every_view_is_named_once_it_is_built(ck
         events = [e for e in json.load(fh)["events"] if e["kind"] == "emulated_retention"]
     assert sum(e["count"] for e in events) == len(tensors), events
     assert {e["holder"]["consumer"] for e in events} == {"__main__.res[*]"}, [e["holder"] for e in events]
+
+
+def _in_ring(t, ring_segments):
+    """Do ``t``'s bytes lie in one of the ring's segments' memory?"""
+    ptr = t.data_ptr()
+    return any(seg.tensor.data_ptr() <= ptr < seg.tensor.data_ptr() + seg.nbytes for seg in ring_segments)
+
+
+def test_under_safetensors_own_contract_each_tensor_is_lent_where_safetensors_made_it(ckpt, emulation):
+    """No copy into the ring (issue 52: the copy was a whole extra pass over the checkpoint), yet the ring's
+    bookkeeping is the same: each view is a lease at the ring's offsets, reused as the ring comes round, and
+    one still held there is reported kept; a strict ring copies (its bytes must change under a held view)."""
+    path, tensors = ckpt
+    safe_open = emulation(safetensors_ring=2 * RING)
+    with safe_open(path, framework="pt") as f:
+        first = f.get_tensor("layers.0.weight")
+        segments = list(f._ring.segments)
+        lease = sanitizer.lease_of(first)
+        assert lease is not None and (lease.start, lease.end) == (0, RING)  # at the ring's offsets
+        assert sanitizer.is_borrowed(first) and not _in_ring(first, segments)
+        assert first.untyped_storage().nbytes() == RING and torch.equal(first, tensors["layers.0.weight"])
+        # a slice shares the whole tensor's storage: copied into the ring, as before
+        rows = f.get_slice("layers.1.weight")[2:5]
+        assert sanitizer.is_borrowed(rows) and _in_ring(rows, f._ring.segments)
+        assert torch.equal(rows, tensors["layers.1.weight"][2:5])
+        for k in ("layers.2.weight", "layers.3.weight"):  # the ring comes round onto first's offsets
+            assert torch.equal(f.get_tensor(k), tensors[k])
+    assert torch.equal(first, tensors["layers.0.weight"]) and sanitizer.errors() == []
+    events = [e for e in sanitizer.report()["events"] if e["kind"] == "emulated_retention"]
+    assert sum(e["count"] for e in events) == 2, events  # first (at the ring's turn) and rows (at the close)
+    safe_open = emulation(safetensors_strict=1)
+    with safe_open(path, framework="pt") as f:
+        strict = f.get_tensor("layers.0.weight")
+        assert _in_ring(strict, f._ring.segments)
+
+
+def test_a_checksum_hashes_the_bytes_an_in_place_view_reads(ckpt, emulation):
+    """checksum=1 over a view lent in place hashes that view's own bytes (not the ring's unused memory): a
+    correct load verifies clean, and a write through the view is a mismatch at verify()."""
+    path, tensors = ckpt
+    safe_open = emulation(checksum=1)
+    with safe_open(path, framework="pt") as f:
+        view = f.get_tensor("layers.0.weight")
+        assert not _in_ring(view, f._ring.segments)
+        sanitizer.verify(view)  # the bytes it was lent with: clean
+        view[0, 0] += 1  # bytes changed behind the lend
+        with pytest.raises(sanitizer.BorrowCorruptedError):
+            sanitizer.verify(view)
