@@ -158,12 +158,24 @@ def _held(leases: Iterable[Lease]) -> List[Lease]:
 class _Waiting:
     """A view still held when the ring reused or freed its bytes, waiting for its consumer's turn."""
 
-    __slots__ = ("owner", "lease", "due", "holder", "at_close", "running")
+    __slots__ = ("owner", "lease", "due", "holder", "at_close", "running", "looped", "thread")
 
     def __init__(self, owner: "EmulatedSafeOpen", lease: Lease, due: int, holder: Optional[dict],
-                 at_close: bool, running: Optional[Tuple[frozenset, frozenset]] = None) -> None:
+                 at_close: bool, running: Optional[Tuple[frozenset, frozenset]] = None, looped: bool = False) -> None:
         self.owner, self.lease, self.due, self.holder, self.at_close = owner, lease, due, holder, at_close
         self.running = running  # at a close: the code running it, whose plain locals may be loop variables
+        # Held only by such a loop variable (the file's last view, ``t`` of ``for k in f.keys(): t = ...``):
+        # decided only at a close or a settle, and only by a holder beyond it, however many lends come first
+        # (a later file's load does not make the loop's variable a keeper: a blind user's test, issue 52)
+        self.looped = looped
+        # The consumer's thread (the one whose lend or close passed it): its turn is over at that thread's next
+        # lend or close, not another thread's (4 threads each looping over a file: a view another thread's lend
+        # decided was still the loop's variable, before its own thread had rebound it)
+        self.thread = threading.get_ident()
+
+    def turn_over(self, me: int) -> bool:
+        """May ``me``'s lend or close decide it: its own thread's, or its thread ended?"""
+        return self.thread == me or threading._active.get(self.thread) is None  # type: ignore[attr-defined]
 
 
 class _Turns:
@@ -198,26 +210,30 @@ class _Turns:
             self.lends += 1
             self.lender = threading.get_ident()
             if self.waiting:
-                limit = self.lends
-                self._decide(lambda w: w.due < limit)
+                limit, me = self.lends, self.lender
+                self._decide(lambda w: w.due < limit and not w.looped and w.turn_over(me))
 
     def close(self) -> None:
         """A file closes: the consumer had its turn with every tensor lent before (the close runs inside the
         ``next()`` that asks past the file's last tensor, or after the ``with`` block that used them)."""
         with self.lock:
             if self.waiting:
-                limit = self.lends
-                self._decide(lambda w: w.due <= limit)
+                limit, me = self.lends, threading.get_ident()
+                self._decide(lambda w: w.due <= limit and w.turn_over(me), evidence=lambda w: w.looped,
+                             keep_unconfirmed=True)
 
-    def wait(self, owner: "EmulatedSafeOpen", lease: Lease, at_close: bool) -> None:
+    def wait(self, owner: "EmulatedSafeOpen", lease: Lease, at_close: bool, last: bool = False) -> None:
         """``lease`` (disowned: its view keeps its bytes) was held as the ring reused or freed them: decide
         it after its consumer's turn. At a close, what holds it is named now, while the code that stored
         it may still run (``load_state_dict``'s dict, before it is returned to a caller's name)."""
         holder = _name_holder(lease) if at_close else None
         running = _running_code() if at_close else None
+        # ``last``: the file's latest view still held at its close, the one a loop's variable may be left on
+        # (one walk per close: whether anything beyond such a variable holds it)
+        looped = last and running is not None and not _held_past_running(lease, running)
         with self.lock:
             self.waiting.append(_Waiting(owner, lease, self.lends + (1 if at_close else 0), holder, at_close,
-                                         running))
+                                         running, looped))
 
     def settle(self, final: bool = False) -> None:
         """A report or a test's end is about to read the records: decide what has had its turn (``final``:
@@ -230,16 +246,16 @@ class _Turns:
             # the code running then or now confirms it (the loop variable left on the last tensor, a module-level
             # loop's global included), as triage decides a strict retention
             if final:
-                self._decide(lambda w: True, evidence=lambda w: w.due > last)
+                self._decide(lambda w: True, evidence=lambda w: w.due > last or w.looped)
                 return
             limit = self.lends
             if self.lender not in (0, threading.get_ident()):
                 lender = threading._active.get(self.lender)  # type: ignore[attr-defined]
                 if lender is not None and lender.is_alive():
                     limit -= 1
-            # (unconfirmed ones wait on: a later lend, or the final settle, decides them as triage would)
+            # (unconfirmed ones wait on, held only by a loop's variable: a later close or settle decides them)
             self._decide(lambda w: w.due < limit or (w.at_close and w.due <= limit + 1),
-                         evidence=lambda w: w.due > last, keep_unconfirmed=True)
+                         evidence=lambda w: w.due > last or w.looped, keep_unconfirmed=True)
 
     def _decide(self, due: Callable[[_Waiting], bool],
                 evidence: Optional[Callable[[_Waiting], bool]] = None, keep_unconfirmed: bool = False) -> None:
@@ -260,6 +276,7 @@ class _Turns:
                 if w.owner._closed:
                     closed[id(w.owner)] = w.owner
             elif keep_unconfirmed:
+                w.looped = True  # held only by a loop's variable: decided again at a close or a settle, never a lend
                 self.waiting.append(w)
         for owner in closed.values():
             owner._report_kept()
@@ -366,7 +383,7 @@ class EmulatedSafeOpen:
             self._pending.append((segment, lease))
         old.close()
 
-    def _pass_pending(self, segment: Optional[int], start: int, end: int) -> None:
+    def _pass_pending(self, segment: Optional[int], start: int, end: int, latest: int = -1) -> None:
         """(Under the lock.) The ring passes ``[start, end)`` of ``segment`` (None: the close, everything):
         a view left behind there that is still held is a kept one."""
         left = []
@@ -375,16 +392,17 @@ class EmulatedSafeOpen:
                 continue
             if segment is None or (seg == segment and lease.start < end and start < lease.end):
                 if _holds(lease):
-                    _TURNS.wait(self, lease, at_close=segment is None)
+                    _TURNS.wait(self, lease, at_close=segment is None, last=lease.lease_id == latest)
                 continue
             left.append((seg, lease))
         self._pending = left
 
-    def _wait(self, lease: Lease, at_close: bool) -> None:
+    def _wait(self, lease: Lease, at_close: bool, last: bool = False) -> None:
         """Disown ``lease`` (its view, and every alias, owns the memory it is on) and decide after its
-        consumer's turn whether it was kept (:class:`_Turns`)."""
+        consumer's turn whether it was kept (:class:`_Turns`; ``last``: the file's latest view held at its
+        close)."""
         runtime.disown(lease)
-        _TURNS.wait(self, lease, at_close)
+        _TURNS.wait(self, lease, at_close, last)
 
     def _record(self, lease: Lease, holder: Optional[dict] = None) -> None:
         """(Under ``_TURNS.lock``.) Count a view kept past the emulated contract, for its consumer's one
@@ -426,8 +444,9 @@ class EmulatedSafeOpen:
                     "summary": (f"{kept.count} view(s) of {self._label} ({format_bytes(kept.nbytes)}) were still "
                                 f"held by {holder} after their consumer's turn, past the emulation ring's reuse or "
                                 f"free of their bytes: a retention under the emulated borrowed contract, correct "
-                                f"under safetensors' own (each kept its bytes, aliases included: left on the "
-                                f"ring's memory, which the ring gave up to them; safetensors_strict=1 makes it a "
+                                f"under safetensors' own (each kept its bytes, aliases included: left where they "
+                                f"were, safetensors' own memory or the ring's, which the ring gave up to them; "
+                                f"safetensors_strict=1 makes it a "
                                 f"retention, and a read of it a stale-use error)"),
                     "count": kept.count, "nbytes": kept.nbytes, "leases": list(kept.names)}
                 if kept.record is None:
@@ -474,10 +493,12 @@ class EmulatedSafeOpen:
             if ring is not None:
                 if not self._strict() and not ring.buffer.closed:
                     _TURNS.close()
-                    self._pass_pending(None, 0, 0)
-                    for segment in ring.segments:
-                        for lease in _held(segment.leases()):
-                            self._wait(lease, at_close=True)
+                    held = [lease for segment in ring.segments for lease in _held(segment.leases())]
+                    latest = max([lease.lease_id for _, lease in self._pending if lease.alive]
+                                 + [lease.lease_id for lease in held], default=-1)
+                    self._pass_pending(None, 0, 0, latest)
+                    for lease in held:
+                        self._wait(lease, at_close=True, last=lease.lease_id == latest)
                 ring.close()
             self._pending = []
             self._closed = True

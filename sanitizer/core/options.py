@@ -133,7 +133,9 @@ OPTIONS: Dict[str, Option] = {
                "A path with ':' or ',' is quoted in the options string (report='/runs/12:30/r.json')."),
         Option("checksum", bool, False,
                "Hash each lease's bytes at lend (numba kernels, CUDA or CPU) and verify them when a reuse retires "
-               "the lease while it is alive and at sanitizer.verify(): catches writes that bypass the buffer API."),
+               "the lease while it is alive and at sanitizer.verify(): catches writes that bypass the buffer API. "
+               "(The safetensors_ring emulation's default mode retires no held view: it keeps its bytes, unverified "
+               "from then on.)"),
         Option("poison", bool, False,
                "Fill the bytes of every retired lease with poison_byte before the producer writes, so stale reads "
                "through any path (numpy, C extensions) read NaN rather than plausible weights. Only memory the "

@@ -434,3 +434,49 @@ def test_a_checksum_hashes_the_bytes_an_in_place_view_reads(ckpt, emulation):
         view[0, 0] += 1  # bytes changed behind the lend
         with pytest.raises(sanitizer.BorrowCorruptedError):
             sanitizer.verify(view)
+
+
+@pytest.mark.parametrize("threads", [0, 4])
+def test_a_loop_variable_left_on_a_files_last_tensor_is_not_kept_though_later_files_load(ckpt, threads):
+    """A blind user's cases (issue 52): ``for k in f.keys(): t = f.get_tensor(k)`` leaves ``t`` on the file's
+    last tensor; a later file's load (a script's, or 4 threads each loading the file 3 times) decided that view
+    at its lends, with no look at what held it, and reported the loop's variable as a keeper (1 of 1; 9-11 of
+    12 in threads, where another thread's lend also decided a view before its own thread had rebound the
+    variable). A list that keeps views is still counted, exactly."""
+    from tests.conftest import run_python
+
+    path, tensors = ckpt
+    code = textwrap.dedent(f"""
+        import threading, sanitizer
+        from safetensors import safe_open
+        keep = []
+        def load(times):
+            for _ in range(times):
+                with safe_open({path!r}, framework="pt") as f:
+                    for k in f.keys():
+                        t = f.get_tensor(k)
+                        t.clone()
+        if {threads}:
+            workers = [threading.Thread(target=load, args=(3,)) for _ in range({threads})]
+            [w.start() for w in workers]; [w.join() for w in workers]
+        else:
+            with safe_open({path!r}, framework="pt") as f:
+                for k in f.keys():
+                    t = f.get_tensor(k)
+                    t.clone()
+            load(2)  # later files, while the global t is still on the first file's last tensor
+        with safe_open({path!r}, framework="pt") as f:
+            for i, k in enumerate(f.keys()):
+                u = f.get_tensor(k)
+                if i % 2:
+                    keep.append(u)
+        events = sanitizer.report(final=True)["events"]
+        print(sum(e["count"] for e in events if e["kind"] == "emulated_retention"))
+    """)
+    # (threads: a ring of the whole file, so that only the closes pass a held view, as in the user's case; a ring
+    # that comes round inside each thread's loop still reports 0-3 of 48 passed views, held by what the walk
+    # cannot name: docs/limitations.md)
+    ring = RING * (len(tensors) if threads else 1)
+    proc = run_python(code, {"OWNERSHIP_SANITIZE": "1", "OWNERSHIP_SANITIZE_OPTIONS": f"safetensors_ring={ring}"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [str(len(tensors) // 2)], proc.stdout + proc.stderr
