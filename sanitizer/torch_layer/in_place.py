@@ -11,8 +11,9 @@ So a ring of such segments (``StagingRing(..., in_place=True)``) lends the tenso
 that tensor is the only view of a storage of exactly its bytes (``get_tensor``'s result: a fresh storage over
 the file mapping at each call), and files its lease at the ring's offsets as a put would: reuses, retires, the
 consumer's turns, the holder walk, checksums (over the lease's own bytes, :meth:`InPlaceBuffer.bytes_of`) all
-run as they did. Any other source (a slice sharing a larger storage, a tensor already lent, another device) is
-copied into the segment's memory as before. A reuse of bytes no fresh lease covers is skipped: it would retire
+run as they did. Any other source (a tensor already lent, another device) is
+copied into the segment's memory as before, but for a contiguous view into a larger storage (a slice:
+:func:`on_a_storage_of_its_own`). A reuse of bytes no fresh lease covers is skipped: it would retire
 nothing, and in place it writes nothing (the usual ring load, whose consumer copied each view out and dropped
 it). The memory is never poisoned (``owns_memory`` is False: what poison would write there is no view's bytes).
 
@@ -28,6 +29,7 @@ import torch
 from sanitizer.core.ledger import Lease
 from sanitizer.core.sites import capture
 from sanitizer.torch_layer import own_ops, runtime, staging
+from sanitizer.torch_layer.aliasing import alias_view, host_array
 from sanitizer.torch_layer.staging import BORROWED_MARKER, StagingBuffer
 from sanitizer.torch_layer.state import state
 
@@ -45,6 +47,27 @@ def lendable_as_is(tensor: torch.Tensor, device: torch.device) -> int:
     if not nbytes or nbytes != tensor.numel() * tensor.element_size() or state.ledger.lease(storage._cdata):
         return -1
     return nbytes
+
+
+def on_a_storage_of_its_own(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself, or, when it is a contiguous view into a larger storage (``get_slice(k)[...]``: a view of
+    the whole tensor's file mapping), the same bytes under a storage of their own (aliasing them, keeping the
+    larger one alive), which :func:`lendable_as_is` accepts: lent in place, a write through it lands where a
+    write through safetensors' own slice does (a later read of that name sees it, as without the sanitizer)."""
+    if type(tensor) is not torch.Tensor or tensor.requires_grad or not tensor.numel() or not tensor.is_contiguous():
+        return tensor
+    nbytes = tensor.numel() * tensor.element_size()
+    storage = tensor.untyped_storage()
+    if storage.nbytes() == nbytes or state.ledger.lease(storage._cdata) is not None:
+        return tensor  # (its own already, or a lease: lent or copied as it is)
+    flat = own_ops.call(_flat_u8, tensor)
+    view, _ = alias_view(flat, host_array(flat), 0, nbytes, tuple(tensor.shape), tensor.dtype)
+    return view
+
+
+def _flat_u8(t: torch.Tensor) -> torch.Tensor:
+    flat = t.reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
 class InPlaceBuffer(StagingBuffer):
@@ -85,4 +108,4 @@ def _over_storage(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-__all__ = ["InPlaceBuffer", "lendable_as_is"]
+__all__ = ["InPlaceBuffer", "lendable_as_is", "on_a_storage_of_its_own"]
