@@ -51,10 +51,6 @@ def _kernels():
     return cuda_hooks
 
 
-def _lease_bytes(lease: Lease) -> Optional[torch.Tensor]:
-    return lease_bytes(lease)
-
-
 #: A device mismatch found at a synchronisation: (lease, expected hash, where, event, site).
 Report = Tuple[Lease, int, str, Optional[ReuseEvent], Any]
 
@@ -255,7 +251,7 @@ def on_lend(lease: Lease, view: torch.Tensor) -> None:
     """Take the lease's hash (lend hook): the producer has written its bytes by now."""
     if not state.options.checksum:
         return
-    raw = _lease_bytes(lease)
+    raw = lease_bytes(lease)
     if raw is None:
         return
     hooks = _kernels()
@@ -298,7 +294,7 @@ def _check(lease: Lease, where: str, event: Optional[ReuseEvent]) -> bool:
     expected = lease.checksum
     if expected is None:
         return False
-    raw = _lease_bytes(lease)
+    raw = lease_bytes(lease)
     if raw is None:
         return False
     hooks = _kernels()

@@ -11,9 +11,9 @@ So a ring of such segments (``StagingRing(..., in_place=True)``) lends the tenso
 that tensor is the only view of a storage of exactly its bytes (``get_tensor``'s result: a fresh storage over
 the file mapping at each call), and files its lease at the ring's offsets as a put would: reuses, retires, the
 consumer's turns, the holder walk, checksums (over the lease's own bytes, :meth:`InPlaceBuffer.bytes_of`) all
-run as they did. Any other source (a tensor already lent, another device) is
-copied into the segment's memory as before, but for a contiguous view into a larger storage (a slice:
-:func:`on_a_storage_of_its_own`). A reuse of bytes no fresh lease covers is skipped: it would retire
+run as they did. A contiguous view into a larger storage (a slice) is lent in place too, under a storage of
+its own over the same bytes (:func:`lendable`); any other source (a tensor already lent, a strided one, another
+device) is copied into the segment's memory as before. A reuse of bytes no fresh lease covers is skipped: it would retire
 nothing, and in place it writes nothing (the usual ring load, whose consumer copied each view out and dropped
 it). The memory is never poisoned (``owns_memory`` is False: what poison would write there is no view's bytes).
 
@@ -22,7 +22,7 @@ loader's real ring): there the copy is the point.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -30,44 +30,32 @@ from sanitizer.core.ledger import Lease
 from sanitizer.core.sites import capture
 from sanitizer.torch_layer import own_ops, runtime, staging
 from sanitizer.torch_layer.aliasing import alias_view, host_array
+from sanitizer.torch_layer.sources import flat_bytes
 from sanitizer.torch_layer.staging import BORROWED_MARKER, StagingBuffer
 from sanitizer.torch_layer.state import state
 
 
-def lendable_as_is(tensor: torch.Tensor, device: torch.device) -> int:
-    """The bytes of ``tensor`` when it can be lent where it is, else -1: a plain tensor on ``device``, not
-    requiring grad, the only view of a storage of exactly its bytes from the storage's start (contiguous),
-    not a lease already. (Who passes it gives it away: it becomes the lent view.)"""
+def lendable(tensor: torch.Tensor, device: torch.device) -> Optional[Tuple[torch.Tensor, int]]:
+    """``(view, nbytes)`` to lend in place for ``tensor``, or None (the ring copies it): a plain contiguous tensor
+    on ``device``, not requiring grad, with bytes, not a lease already. The view is ``tensor`` itself when it is
+    the only view of a storage of exactly its bytes (``get_tensor``'s result); a view into a larger storage
+    (``get_slice(k)[...]``: a view of the whole tensor's file mapping) gets the same bytes under a storage of
+    their own, aliasing them and keeping the larger one alive: a write through it lands where a write through
+    safetensors' own slice does (a later read of that name sees it, as without the sanitizer). (Who passes it
+    gives it away: it becomes the lent view.)"""
     if type(tensor) is not torch.Tensor or tensor.requires_grad or tensor.device != device:
-        return -1
-    if tensor.storage_offset() or not tensor.is_contiguous():
-        return -1
-    storage = tensor.untyped_storage()
-    nbytes = storage.nbytes()
-    if not nbytes or nbytes != tensor.numel() * tensor.element_size() or state.ledger.lease(storage._cdata):
-        return -1
-    return nbytes
-
-
-def on_a_storage_of_its_own(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` itself, or, when it is a contiguous view into a larger storage (``get_slice(k)[...]``: a view of
-    the whole tensor's file mapping), the same bytes under a storage of their own (aliasing them, keeping the
-    larger one alive), which :func:`lendable_as_is` accepts: lent in place, a write through it lands where a
-    write through safetensors' own slice does (a later read of that name sees it, as without the sanitizer)."""
-    if type(tensor) is not torch.Tensor or tensor.requires_grad or not tensor.numel() or not tensor.is_contiguous():
-        return tensor
+        return None
     nbytes = tensor.numel() * tensor.element_size()
+    if not nbytes or not tensor.is_contiguous():
+        return None
     storage = tensor.untyped_storage()
-    if storage.nbytes() == nbytes or state.ledger.lease(storage._cdata) is not None:
-        return tensor  # (its own already, or a lease: lent or copied as it is)
-    flat = own_ops.call(_flat_u8, tensor)
+    if state.ledger.lease(storage._cdata) is not None:
+        return None
+    if storage.nbytes() == nbytes and not tensor.storage_offset():
+        return tensor, nbytes
+    flat = own_ops.call(flat_bytes, tensor, nbytes)
     view, _ = alias_view(flat, host_array(flat), 0, nbytes, tuple(tensor.shape), tensor.dtype)
-    return view
-
-
-def _flat_u8(t: torch.Tensor) -> torch.Tensor:
-    flat = t.reshape(-1)
-    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+    return view, nbytes
 
 
 class InPlaceBuffer(StagingBuffer):
@@ -79,7 +67,7 @@ class InPlaceBuffer(StagingBuffer):
 
     def lend_as_is(self, offset: int, nbytes: int, tensor: torch.Tensor, name: Optional[str]) -> torch.Tensor:
         """Reuse ``[offset, offset + nbytes)`` as a write does and lend ``tensor`` itself as a lease there
-        (``nbytes`` from :func:`lendable_as_is`): a write without its copy."""
+        (``nbytes`` from :func:`lendable`): a write without its copy."""
         self._live(f"write '{name}' into")
         dtype = tensor.dtype
         if offset < 0 or offset + nbytes > self.nbytes or (self._base + offset) % dtype.itemsize:
@@ -108,4 +96,4 @@ def _over_storage(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-__all__ = ["InPlaceBuffer", "lendable_as_is", "on_a_storage_of_its_own"]
+__all__ = ["InPlaceBuffer", "lendable"]

@@ -41,7 +41,7 @@ import torch
 from sanitizer.core import forking
 from sanitizer.core.retires_in_flight import WAIT_S
 from sanitizer.torch_layer import runtime
-from sanitizer.torch_layer.in_place import InPlaceBuffer, lendable_as_is, on_a_storage_of_its_own
+from sanitizer.torch_layer.in_place import InPlaceBuffer, lendable
 from sanitizer.torch_layer.sources import Source, prepare
 from sanitizer.torch_layer.staging import StagingBuffer, refuse_stale_source
 from sanitizer.torch_layer.state import state
@@ -181,12 +181,9 @@ class StagingRing:
         put that fails leaves every lease, and the ring's position, as they were. Safe from several
         threads (see the module's text)."""
         if self._in_place and shape is None and dtype is None and isinstance(source, torch.Tensor):
-            nbytes = lendable_as_is(source, self.segments[0].device)
-            if nbytes < 0:  # a view into a larger storage (a slice of a file mapping): its bytes under their own
-                source = on_a_storage_of_its_own(source)
-                nbytes = lendable_as_is(source, self.segments[0].device)
-            if nbytes >= 0:
-                return self._lend_as_is(name, source, nbytes)
+            as_is = lendable(source, self.segments[0].device)
+            if as_is is not None:
+                return self._lend_as_is(name, *as_is)
         src = prepare(source, shape, dtype)
         nbytes = src.nbytes
         self._check_fits(nbytes)

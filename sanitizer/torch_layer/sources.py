@@ -102,7 +102,7 @@ def layout(source: Source, shape: Optional[Sequence[int]], dtype: Optional[torch
     raise TypeError(f"cannot write a {type(source).__name__}: expected a tensor, bytes or a readable binary file")
 
 
-def _flat_bytes(source: torch.Tensor, nbytes: int) -> torch.Tensor:
+def flat_bytes(source: torch.Tensor, nbytes: int) -> torch.Tensor:
     """``source``'s bytes as one flat, contiguous uint8 tensor (a view when it already is contiguous)."""
     flat = source.detach().contiguous().reshape(-1)
     if flat.dtype != torch.uint8 and nbytes:
@@ -129,8 +129,8 @@ def prepare(source: Source, shape: Optional[Sequence[int]], dtype: Optional[torc
     if isinstance(source, torch.Tensor):
         if own_ops.plain(source) and source.is_contiguous():
             # Views only, no read (the write checks the source before it copies): out of the mode's sight.
-            return Prepared(shp, dt, nbytes, own_ops.call(_flat_bytes, source, nbytes))
-        return Prepared(shp, dt, nbytes, _flat_bytes(source, nbytes))  # a copy (a read) or a subclass's own ops
+            return Prepared(shp, dt, nbytes, own_ops.call(flat_bytes, source, nbytes))
+        return Prepared(shp, dt, nbytes, flat_bytes(source, nbytes))  # a copy (a read) or a subclass's own ops
     if isinstance(source, (bytes, bytearray, memoryview)) or nbytes == 0:
         return Prepared(shp, dt, nbytes, source if nbytes else b"")
     remaining = _remaining(source)
@@ -235,7 +235,7 @@ def copy_into(dst: torch.Tensor, host: Optional[np.ndarray], offset: int, source
                 _copy(dst, offset, nbytes, source)
             return
     if isinstance(source, torch.Tensor):
-        _copy(dst, offset, nbytes, _flat_bytes(source, nbytes))
+        _copy(dst, offset, nbytes, flat_bytes(source, nbytes))
         return
     if isinstance(source, np.ndarray):
         source = memoryview(source).cast("B")
@@ -253,4 +253,4 @@ def copy_into(dst: torch.Tensor, host: Optional[np.ndarray], offset: int, source
         dst[offset:offset + nbytes].copy_(own_ops.from_numpy(target))
 
 
-__all__ = ["Source", "Prepared", "layout", "prepare", "check_shape", "check_dtype", "check_source_tensor", "copy_into"]
+__all__ = ["Source", "Prepared", "layout", "prepare", "check_shape", "check_dtype", "check_source_tensor", "copy_into", "flat_bytes"]
