@@ -54,10 +54,10 @@ from numba import prange
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from . import hashdef
+from . import hashdef, machine_code
 from .cachedir import kernel_cache
 from .loading import loading
-from .kernel_choice import PARALLEL, KernelChoice
+from .kernel_choice import PARALLEL, PARALLEL_MIN_BYTES, KernelChoice
 
 __all__ = [
     "hash_bytes",
@@ -74,17 +74,6 @@ __all__ = [
 #: gets :data:`CHUNKS_PER_THREAD` items summed into one partial each.
 MIN_CHUNK_WORDS = 1 << 15
 CHUNKS_PER_THREAD = 4
-#: Below this size the serial kernel is used, always. Waking numba's thread
-#: pool is a fork-join: on a busy machine (torch's own pool, other processes)
-#: a descheduled worker stalls the join for one or more scheduler ticks.
-#: Re-measured on the 2-core dev machine (serial / parallel, best and median
-#: of 21 interleaved calls): at its quietest the parallel kernel wins from
-#: 2 MiB (16 MiB 0.21 / 0.11 ms, 32 MiB 0.61 / 0.33 ms), but at load average
-#: 5.5 its median was 3-30 ms at every size from 1 to 128 MiB (serial 0.03-3.5
-#: ms). Below 32 MiB the best gain is under 0.3 ms, not worth a stall (nor a
-#: probe by :class:`~cuda_hooks.kernel_choice.KernelChoice`, which decides
-#: above); a loader's tensors are mostly below and often still in cache.
-PARALLEL_MIN_BYTES = 32 << 20
 #: Words per block (1 KiB): one vectorised fixed-length loop between two prefetch groups.
 BLOCK_WORDS = 128
 #: Prefetch distance in words (4 KiB ahead of the block being hashed).
@@ -302,11 +291,24 @@ def _warm_up() -> None:
     for attempt in range(2):
         bad = [n for n, want in hashdef.GOLDEN.items() if _known_answer(n) != want]
         if not bad:
+            _store_machine_code()
             return
         if attempt == 0:
             _hash_serial.recompile()
             _hash_parallel.recompile()
     raise RuntimeError(f"cuda_hooks CPU hash disagrees with hashdef.GOLDEN for lengths {bad}")
+
+
+def _store_machine_code() -> None:
+    """Leave the serial hash as machine code for later processes, which then start without numba (see
+    machine_code.py): once per machine and key, timed here. A failure only means they start numba too."""
+    t0 = time.perf_counter()
+    try:
+        written = machine_code.store()
+    except Exception:  # (an unwritable cache, NUMBA_DISABLE_JIT, an llvmlite that refuses: numba's kernels serve)
+        return
+    if written is not None:
+        _compile_seconds["cpu_hash_machine_code_store"] = time.perf_counter() - t0
 
 
 def _known_answer(n: int) -> int:

@@ -6,7 +6,7 @@ DRAM), but when the CPUs are oversubscribed a woken worker waits for its
 turn, and the join with it: on the 2-core dev machine at load average 14 a
 32 MiB hash took 47-60 ms in parallel against 0.9-1.1 ms serial, and a
 256 MiB one 60-98 ms against 43-57 ms.  No fixed size threshold serves both
-machines, so for inputs above ``cpu.PARALLEL_MIN_BYTES`` the process measures:
+machines, so for inputs above :data:`PARALLEL_MIN_BYTES` the process measures:
 each kernel's seconds per byte over its last few calls, the cheaper one runs,
 and the other one is tried again now and then (a probe), less often while
 the probes confirm the choice.  The kernels give bit-identical hashes, so
@@ -22,7 +22,20 @@ import threading
 from collections import deque
 from typing import Deque, Dict, Tuple
 
-__all__ = ["KernelChoice", "SERIAL", "PARALLEL", "SAMPLES", "MIN_PROBE_INTERVAL", "MAX_PROBE_INTERVAL"]
+__all__ = ["KernelChoice", "SERIAL", "PARALLEL", "PARALLEL_MIN_BYTES", "SAMPLES", "MIN_PROBE_INTERVAL",
+           "MAX_PROBE_INTERVAL"]
+
+#: Below this size the serial kernel is used, always. Waking numba's thread
+#: pool is a fork-join: on a busy machine (torch's own pool, other processes)
+#: a descheduled worker stalls the join for one or more scheduler ticks.
+#: Re-measured on the 2-core dev machine (serial / parallel, best and median
+#: of 21 interleaved calls): at its quietest the parallel kernel wins from
+#: 2 MiB (16 MiB 0.21 / 0.11 ms, 32 MiB 0.61 / 0.33 ms), but at load average
+#: 5.5 its median was 3-30 ms at every size from 1 to 128 MiB (serial 0.03-3.5
+#: ms). Below 32 MiB the best gain is under 0.3 ms, not worth a stall (nor a
+#: probe by :class:`KernelChoice`, which decides above); the stored machine
+#: code (:mod:`cuda_hooks.machine_code`) runs the serial hash below it; a loader's tensors are mostly below and often still in cache.
+PARALLEL_MIN_BYTES = 32 << 20
 
 SERIAL = "serial"
 PARALLEL = "parallel"

@@ -34,7 +34,7 @@ import torch
 
 from sanitizer.core import forking
 from sanitizer.core.options import Options
-from sanitizer.torch_layer import graph_capture, own_ops, records, runtime
+from sanitizer.torch_layer import graph_capture, records, runtime
 from sanitizer.torch_layer.hooks import RetireOrder, add_enable_hook, add_lend_hook, add_retire_hook
 from sanitizer.torch_layer.stale_use import check_not_stale
 from sanitizer.torch_layer.state import state
@@ -256,7 +256,7 @@ def on_lend(lease: Lease, view: torch.Tensor) -> None:
         return
     hooks = _kernels()
     if not hooks.devices.is_cuda(raw):
-        lease.checksum = hooks.checksum_host(own_ops.as_numpy(raw))  # no tensor checks: ~4 of the ~7 us around the kernel
+        lease.checksum = hooks.checksum_host_tensor(raw)  # no tensor checks: ~4 of the ~7 us around the kernel
         return
     if raw.numel() == 0:
         return  # no byte to change: no device slot, no launch
@@ -300,7 +300,7 @@ def _check(lease: Lease, where: str, event: Optional[ReuseEvent]) -> bool:
     hooks = _kernels()
     site = capture(state.options.stack_depth)
     if isinstance(expected, int):
-        found = hooks.checksum_host(own_ops.as_numpy(raw))
+        found = hooks.checksum_host_tensor(raw)
         if found != expected:
             records.raise_or_record(BorrowCorruptedError(lease, expected, found, where, site, event), lease)
         return False
@@ -467,12 +467,15 @@ def _synchronize_at_exit() -> None:
 
 def _on_enable(options: Options) -> None:
     """``enable(checksum=1)`` in a process already using CUDA: load the kernels on the current device now,
-    so the first lend does not pay for it and no graph captured later can see a module load. And import the
+    so the first lend does not pay for it and no graph captured later can see a module load; on CPU, load the
+    hash numba stored as machine code (``cuda_hooks.machine_code``: ~0.03 s, never numba itself). And import the
     kernels' package (a few ms, no numba) here, in the enabling thread: a worker thread's first lend then only
     loads numba, under cuda_hooks' loading lock, which a fork waits for (a fork during an import of the package
     itself would leave the child its module lock, held forever)."""
     if options.checksum or options.poison:
-        _kernels()
+        hooks = _kernels()
+        if options.checksum:
+            hooks.warm_host()  # the stored CPU hash (~0.03 s, never numba): not inside the first lend
     if not options.checksum or not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return  # (a process not using CUDA yet is left alone: initialising CUDA here would break a later fork)
     device = torch.device("cuda", torch.cuda.current_device())

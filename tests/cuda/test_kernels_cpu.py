@@ -194,7 +194,9 @@ def test_first_hash_keeps_the_programs_torch_thread_count() -> None:
 def test_compile_seconds_reports_both_kernels() -> None:
     cpu.hash_bytes(np.zeros(1, dtype=np.uint8))
     times = cpu.compile_seconds()
-    assert set(times) == {"cpu_hash_serial", "cpu_hash_parallel"}
+    # (and the one-time store of the serial hash as machine code, when this warm-up wrote it)
+    assert {"cpu_hash_serial", "cpu_hash_parallel"} <= set(times) <= {"cpu_hash_serial", "cpu_hash_parallel",
+                                                                    "cpu_hash_machine_code_store"}
     assert all(v >= 0 for v in times.values())
 
 

@@ -134,20 +134,29 @@ def test_quarantine_grows_the_ring_rather_than_reuse_quarantined_bytes():
 
 
 @pytest.mark.slow
-def test_numba_is_imported_only_when_a_check_runs():
+def test_numba_is_imported_only_when_a_check_runs_and_no_machine_code_is_stored(tmp_path):
+    """Off: neither numba nor llvmlite. The first process with checksums (an empty cache) loads numba and
+    stores the serial hash as machine code; the next one hashes with that code and never imports numba."""
     code = (
         "import sys, torch, sanitizer\n"
         "b = sanitizer.StagingBuffer(1024)\n"
         "sanitizer.enable()\n"
-        "w = b.write(0, torch.ones(4), name='w'); b.reuse(0, 16)\n"
-        "print('numba' in sys.modules)\n"
+        "w = b.write(0, torch.arange(16.0), name='w'); b.reuse(0, 16)\n"
+        "print('numba' in sys.modules, 'llvmlite' in sys.modules)\n"
         "sanitizer.enable(checksum=1)\n"
-        "w = b.write(0, torch.ones(4), name='w')\n"
-        "print('numba' in sys.modules)\n"
+        "w = b.write(0, torch.arange(16.0), name='w')\n"
+        "print('numba' in sys.modules, sanitizer.lease_of(w).checksum)\n"
     )
-    proc = run_python(code)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["False", "True"]
+    env = {"NUMBA_CACHE_DIR": str(tmp_path)}
+    first = run_python(code, env)
+    assert first.returncode == 0, first.stderr
+    second = run_python(code, env)
+    assert second.returncode == 0, second.stderr
+    (off1, on1), (off2, on2) = ([line.split() for line in p.stdout.splitlines()] for p in (first, second))
+    assert off1 == off2 == ["False", "False"]
+    assert on1[0] == "True" and on2[0] == "False"
+    assert on1[1] == on2[1]  # the same hash from numba's kernel and from the stored code
+    assert list((tmp_path / "machine_code").glob("cpu_hash-*.json"))
 
 
 def test_leases_that_die_fresh_drop_their_checksum_with_them():
