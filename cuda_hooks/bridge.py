@@ -19,6 +19,7 @@ converted once and cached.  Which tensors are CUDA tensors is asked of
 
 from __future__ import annotations
 
+import ctypes
 import operator
 import os
 import threading
@@ -94,16 +95,31 @@ def warm_host() -> bool:
     return _stored_hash() is not None
 
 
+def _hash_stored(code: machine_code.HostHash, address: int, nbytes: int) -> Optional[int]:
+    """The stored code's hash of ``nbytes`` bytes at ``address``. It reads whole words, so bytes at an address
+    that is not a multiple of 8 (a bf16 tensor after a float32 scalar in a safetensors file, a slice at an odd
+    offset) are copied into an aligned buffer of ours first: below 32 MiB that is at most a few ms, where
+    numba's start would be ~0.45 s. None when no aligned buffer could be had (numba's kernels then hash)."""
+    if address % 8 == 0:
+        return code.hash_at(address, nbytes)
+    aligned = np.empty(nbytes, dtype=np.uint8)
+    to = aligned.ctypes.data
+    if to % 8:
+        return None
+    ctypes.memmove(to, address, nbytes)
+    return code.hash_at(to, nbytes)
+
+
 def _hash_host(buf: np.ndarray) -> int:
-    """hashdef's hash of a host byte array: the stored serial code where it serves (a valid, 8-byte-aligned
-    array below the size where the parallel kernel may pay), numba's kernels otherwise (which refuse an
-    invalid array with a ValueError naming it, and store the code for the next process)."""
+    """hashdef's hash of a host byte array: the stored serial code where it serves (a valid array below the
+    size where the parallel kernel may pay), numba's kernels otherwise (which refuse an invalid array with a
+    ValueError naming it, and store the code for the next process)."""
     if buf.size < PARALLEL_MIN_BYTES and buf.dtype == np.uint8 and buf.ndim == 1 and buf.flags.c_contiguous:
         code = _stored_hash()
         if code is not None:
-            address = buf.ctypes.data
-            if address % 8 == 0:
-                return code.hash_at(address, buf.size)
+            found = _hash_stored(code, buf.ctypes.data, buf.size)
+            if found is not None:
+                return found
     return _cpu().hash_bytes(buf)
 
 
@@ -371,9 +387,9 @@ def checksum_host_tensor(raw: torch.Tensor) -> int:
     if nbytes < PARALLEL_MIN_BYTES:
         code = _stored_hash()
         if code is not None:
-            address = _data_ptr(raw)
-            if address % 8 == 0:
-                return code.hash_at(address, nbytes)
+            found = _hash_stored(code, _data_ptr(raw), nbytes)
+            if found is not None:
+                return found
     return _cpu().hash_bytes(_as_numpy(raw))
 
 

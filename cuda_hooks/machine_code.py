@@ -25,7 +25,9 @@ The call: numba's native calling convention is ``int32 status = f(ret *, excinfo
 success; the kernel has no path that fails (no bounds check, no division by a variable, no allocation),
 and a non-zero status would still be refused (``MachineCodeFailed``). ctypes releases the GIL around the
 call, as numba's ``nogil=True`` kernels do. Only the serial kernel is stored: the parallel one runs on
-numba's thread pool, so an input that wants it imports numba (:mod:`cuda_hooks.bridge` decides).
+numba's thread pool, so an input that wants it imports numba (:mod:`cuda_hooks.bridge` decides, and copies
+bytes at an address that is not a multiple of 8 into an aligned buffer of its own first: the code reads whole
+words).
 Importing this module imports neither numba nor llvmlite.
 """
 
