@@ -350,3 +350,25 @@ def test_a_fork_while_another_thread_loads_the_kernels_leaves_a_child_that_can_h
     proc = run_python(code, timeout=90)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip() == "0", proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_a_damaged_cache_entry_is_compiled_again_not_raised(tmp_path) -> None:
+    """A truncated numba cache file raised out of every later first hash (a blind user's test); now the
+    kernel's cache starts afresh and the hash is the same."""
+    code = (
+        "import numpy as np\n"
+        "from cuda_hooks import cpu\n"
+        "print(cpu.hash_bytes(np.arange(4096, dtype=np.uint8)))\n"
+    )
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    first = run_python(code, env)
+    assert first.returncode == 0, first.stderr
+    damaged = list(tmp_path.rglob("*.nbc")) + list(tmp_path.rglob("*.nbi"))[:1]  # data, and one kernel's index
+    assert len(damaged) >= 3
+    for f in damaged:
+        f.write_bytes(f.read_bytes()[:100])
+    for _ in range(2):  # the second run loads the entry the first one saved again
+        again = run_python(code, env)
+        assert again.returncode == 0, again.stderr
+        assert again.stdout == first.stdout
