@@ -95,11 +95,17 @@ def warm_host() -> bool:
     return _stored_hash() is not None
 
 
-def _hash_stored(code: machine_code.HostHash, address: int, nbytes: int) -> Optional[int]:
-    """The stored code's hash of ``nbytes`` bytes at ``address``. It reads whole words, so bytes at an address
-    that is not a multiple of 8 (a bf16 tensor after a float32 scalar in a safetensors file, a slice at an odd
-    offset) are copied into an aligned buffer of ours first: below 32 MiB that is at most a few ms, where
-    numba's start would be ~0.45 s. None when no aligned buffer could be had (numba's kernels then hash)."""
+def _hash_stored(address: int, nbytes: int) -> Optional[int]:
+    """The stored code's hash of ``nbytes`` bytes at ``address``, or None where numba's kernels hash instead:
+    no code stored, or an input of :data:`PARALLEL_MIN_BYTES` or more (the parallel kernel may pay). The code
+    reads whole words, so bytes at an address that is not a multiple of 8 (a bf16 tensor after a float32 scalar
+    in a safetensors file, a slice at an odd offset) are copied into an aligned buffer of ours first: below 32
+    MiB that is at most a few ms, where numba's start would be ~0.45 s."""
+    if nbytes >= PARALLEL_MIN_BYTES:
+        return None
+    code = _stored_hash()
+    if code is None:
+        return None
     if address % 8 == 0:
         return code.hash_at(address, nbytes)
     aligned = np.empty(nbytes, dtype=np.uint8)
@@ -111,15 +117,13 @@ def _hash_stored(code: machine_code.HostHash, address: int, nbytes: int) -> Opti
 
 
 def _hash_host(buf: np.ndarray) -> int:
-    """hashdef's hash of a host byte array: the stored serial code where it serves (a valid array below the
-    size where the parallel kernel may pay), numba's kernels otherwise (which refuse an invalid array with a
-    ValueError naming it, and store the code for the next process)."""
-    if buf.size < PARALLEL_MIN_BYTES and buf.dtype == np.uint8 and buf.ndim == 1 and buf.flags.c_contiguous:
-        code = _stored_hash()
-        if code is not None:
-            found = _hash_stored(code, buf.ctypes.data, buf.size)
-            if found is not None:
-                return found
+    """hashdef's hash of a host byte array: the stored serial code where it serves (:func:`_hash_stored`),
+    numba's kernels otherwise (which refuse an invalid array with a ValueError naming it, and store the code
+    for the next process)."""
+    if buf.dtype == np.uint8 and buf.ndim == 1 and buf.flags.c_contiguous:
+        found = _hash_stored(buf.ctypes.data, buf.size)
+        if found is not None:
+            return found
     return _cpu().hash_bytes(buf)
 
 
@@ -383,14 +387,8 @@ def checksum_host_tensor(raw: torch.Tensor) -> int:
     contiguous 1-D uint8 CPU tensor (the sanitizer's lend and retire hooks). Where the stored code serves, it
     hashes at the tensor's address without a numpy array (~1 us less a lease); otherwise numba's kernels
     hash its numpy view."""
-    nbytes = raw.numel()
-    if nbytes < PARALLEL_MIN_BYTES:
-        code = _stored_hash()
-        if code is not None:
-            found = _hash_stored(code, _data_ptr(raw), nbytes)
-            if found is not None:
-                return found
-    return _cpu().hash_bytes(_as_numpy(raw))
+    found = _hash_stored(_data_ptr(raw), raw.numel())
+    return found if found is not None else _cpu().hash_bytes(_as_numpy(raw))
 
 
 def checksum_into(t: torch.Tensor, out: torch.Tensor, slot: int) -> Optional[Any]:
