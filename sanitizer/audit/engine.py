@@ -8,7 +8,7 @@ import os
 import gc
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Collection, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from sanitizer.audit import suppression
 from sanitizer.audit.discovery import MAPPING, Seed, seed_value, seeds_of, uses_producer
@@ -23,7 +23,7 @@ from sanitizer.audit.settings import Settings
 from sanitizer.audit.sources import TOO_DEEP_TO_FOLLOW, AuditInputError, Source, parse, python_files, read
 from sanitizer.audit.snippets import Snippets
 from sanitizer.audit.summaries import ModuleAnalysis
-from sanitizer.audit.vocabulary import LAZY_MAPPING_TYPE, MAPPING_OF_ANY, PRODUCER_HINT
+from sanitizer.audit.vocabulary import LAZY_MAPPING_TYPE, MAPPING_OF_ANY, PRODUCER_HINT, lazy_mapping_class
 from sanitizer.audit.values import ITER
 
 
@@ -98,9 +98,13 @@ def _inherited(info: FunctionInfo, seeds_by_fn: Dict[int, List[Seed]]) -> List[S
     return out
 
 
-def _binds_lazy_mapping(info: FunctionInfo) -> bool:
+def _binds_lazy_mapping(info: FunctionInfo, mappings: Collection[str] = ()) -> bool:
     """Does ``info`` bind a local annotated ``Mapping[str, Tensor]`` (a lazy mapping of weights when a class
-    of the project reads a loader in its ``__getitem__``: see Flow._lazy_mapping)?"""
+    of the project reads a loader in its ``__getitem__``: see Flow._lazy_mapping), or take a parameter
+    annotated with such a class (``disk_map: DiskMap``: see Flow._lazy_mapping_params)?"""
+    if mappings and any(lazy_mapping_class(annotation_text(a.annotation), mappings)
+                        for a in info.params if a.annotation is not None):
+        return True
     return any(isinstance(sub, ast.AnnAssign) and sub.value is not None and isinstance(sub.target, ast.Name)
                and LAZY_MAPPING_TYPE.match(annotation_text(sub.annotation)) for sub in ast.walk(info.node))
 
@@ -129,7 +133,8 @@ def analyse(source: Source, project: Optional[Project] = None, settings: Optiona
         seeds_by_fn[id(info)] = seeds
         if seeds or (producers and (uses_producer(info, settings) or (handles is not None and handles.reads(info))
                                     or (inferred is not None and calls_typed_producer(info, inferred))
-                                    or (inferred is not None and inferred.mappings and _binds_lazy_mapping(info)))):
+                                    or (inferred is not None and inferred.mappings
+                                        and _binds_lazy_mapping(info, inferred.mappings)))):
             roots.append((0 if any(s.kind == ITER for s in seeds) else 1, info, seeds))
     roots.sort(key=lambda r: r[0])  # iterator consumers first: their chains are the informative ones
     found: Dict[Tuple[str, int, int, str], Finding] = {}

@@ -115,6 +115,7 @@ class Flow(StoreRules, CallRules):
                 self.annotations[arg.arg] = annotation_text(arg.annotation)
         for name, val in seeds.items():
             self.state.env[name] = val
+        self._lazy_mapping_params()
 
     # -- driving ---------------------------------------------------------------------------------------------
     def run(self) -> Outcome:
@@ -169,6 +170,27 @@ class Flow(StoreRules, CallRules):
         return Val(SOURCE, 0, (Link(node.lineno, self.fn, f"`{self.snip(node.target)}` annotated a Mapping (a "
                                                           f"class's `__getitem__` may read a loader: `{some.qualname}`, "
                                                           f"{some.path}:{some.line})"),), self.fn, mapping=True)
+
+    def _lazy_mapping_params(self) -> None:
+        """``def materialize(model, disk_map: DiskMap)`` (DiffSynth): a parameter annotated with a class of the
+        project whose ``__getitem__`` reads a loader is a mapping of weights, each lookup a tensor valid for
+        the step that made it, as the same class kept on ``self`` is (:class:`~.producers.SelfSources`)."""
+        settings = getattr(self.producer_kind, "__self__", None)
+        inferred = getattr(settings, "inferred", None)
+        if inferred is None or not inferred.mappings:
+            return
+        for arg in self.info.params:
+            if arg.arg in self.state.env or arg.annotation is None:
+                continue
+            cls = V.lazy_mapping_class(annotation_text(arg.annotation), inferred.mappings)
+            if not cls:
+                continue
+            got = inferred.mappings[cls]
+            self.state.env[arg.arg] = Val(SOURCE, 0, (Link(arg.lineno, self.fn, f"`{arg.arg}: {cls}` (a class whose "
+                                                                                 f"`__getitem__` reads a loader: "
+                                                                                 f"`{got.qualname}`, {got.path}:"
+                                                                                 f"{got.line})"),), self.fn,
+                                          mapping=True)
 
     def _st_for(self, node: ast.AST) -> None:
         self.loop(node, self.ev(node.iter))  # type: ignore[attr-defined]

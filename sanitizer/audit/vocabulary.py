@@ -9,6 +9,7 @@ a view (``view``, ``narrow``, slicing, ``t``, ``detach``, ``split`` ...) shares 
 """
 from __future__ import annotations
 
+import ast
 import re
 
 # -- methods and attributes of a tensor ------------------------------------------------------------
@@ -157,6 +158,18 @@ MAPPING_FUNCTION = re.compile(r"load|weight")
 # A local annotated as a read-only mapping of tensors (``Mapping[str, torch.Tensor]``): with a class of the project
 # whose ``__getitem__`` reads a loader, a lazy mapping of weights (see Flow._lazy_mapping)
 LAZY_MAPPING_TYPE = re.compile(r"^(Optional\[)?\s*(typing\.|collections\.abc\.)?Mapping\s*\[\s*str\s*,\s*(torch\.)?Tensor\s*\]")
+_ANNOTATION_WORD = re.compile(r"[A-Za-z_]\w*")
+
+
+def lazy_mapping_class(annotation: str, mappings: "Collection[str]") -> str:
+    """The class of ``mappings`` (the project's classes whose ``__getitem__`` reads a loader) that a parameter's
+    annotation names (``disk_map: DiskMap``, ``Optional[DiskMap]``, ``"lazy.DiskMap"``), or ``""``."""
+    for word in _ANNOTATION_WORD.findall(annotation):
+        if word in mappings:
+            return word
+    return ""
+
+
 MAPPING_ANNOTATION = re.compile(r"^\s*(dict|Dict|Mapping|MutableMapping|OrderedDict|defaultdict|list|List|set|"
                                 r"Set|deque)\b")
 
@@ -189,6 +202,9 @@ def loader_call_kind(name: str, node: "object") -> str:
         return "dict"
     if name == "torch.load":
         for kw in getattr(node, "keywords", ()):
-            if kw.arg == "mmap" and getattr(kw.value, "value", None) is True:
+            # `mmap=True`, or a value the audit cannot know (`mmap=checkpoint_mmap`, `mmap=args.mmap`): the
+            # tensors map the file whenever it is true, so the retention is real in that configuration (a
+            # constant False or None reads the file into memory of its own)
+            if kw.arg == "mmap" and (not isinstance(kw.value, ast.Constant) or bool(kw.value.value)):
                 return "dict"
     return ""

@@ -1387,3 +1387,74 @@ def test_a_value_bound_by_the_loops_only_fetch_and_returned_after_it_is_fresh(tm
     found = _audit(tmp_path, {"ranks.py": ONLY_FETCH_BINDS})
     assert _functions(found) == {"load_for_this_rank_and_peek"}
     assert {code for code, _, _ in found} == {"OWN105"}
+
+
+# -- a lazy mapping class named by a function's parameter annotation (DiffSynth, round 13's miss) ------------
+MATERIALIZE = '''
+import torch
+from disk_map import DiskMap
+
+
+def materialize_root_params(model, disk_map: DiskMap):
+    for name, param in list(model.named_parameters(recurse=False)):
+        if name in disk_map:
+            model.register_parameter(name, torch.nn.Parameter(disk_map[name]))
+    for name, buf in list(model.named_buffers(recurse=False)):
+        if name in disk_map:
+            model.register_buffer(name, disk_map[name])
+
+
+def copy_root_params(model, disk_map: "DiskMap"):
+    for name, param in model.named_parameters(recurse=False):
+        param.data.copy_(disk_map[name])
+
+
+def materialize_unannotated(model, names, lookup):
+    for name in names:
+        model.register_buffer(name, lookup[name])
+'''
+
+
+def test_a_parameter_annotated_with_a_lazy_mapping_class_is_a_mapping_of_weights(tmp_path: Path):
+    """DiffSynth's ``_materialize_root_params_from_disk(model, disk_map: DiskMap)`` registers ``disk_map[name]``
+    as the model's parameters and buffers: missed while only an attribute (``self.disk_map``) or a local
+    annotated ``Mapping[str, Tensor]`` was read as the lazy mapping. A copy into the parameters keeps nothing,
+    and a parameter the annotation says nothing of is not taken for one."""
+    found = _audit(tmp_path, {"disk_map.py": DISK_MAP, "materialize.py": MATERIALIZE})
+    assert _functions(found) == {"materialize_root_params"}
+    assert {line for _, fn, line in found if fn == "materialize_root_params"} == {9, 12}
+
+
+# -- `torch.load(..., mmap=<a setting>)`: borrowed whenever the setting is true (LightX2V, round 12's miss) ---
+MMAP_SETTING = '''
+import torch
+
+
+class Model:
+    def __init__(self, config):
+        self.config = config
+
+    def load_ckpt(self, path, dtype):
+        sd = torch.load(path, map_location="cpu", mmap=self.config.get("checkpoint_mmap", True))
+        return {k: v.to(dtype) for k, v in sd.items()}
+
+    def load_all(self, paths, use_mmap):
+        merged = {}
+        for p in paths:
+            merged.update(torch.load(p, map_location="cpu", mmap=use_mmap))
+        return merged
+
+    def load_all_in_memory(self, paths):
+        merged = {}
+        for p in paths:
+            merged.update(torch.load(p, map_location="cpu", mmap=False))
+        return merged
+'''
+
+
+def test_torch_load_with_mmap_from_a_setting_is_a_borrowing_load(tmp_path: Path):
+    """``torch.load(path, mmap=checkpoint_mmap)`` maps the file whenever the setting is true: LightX2V's
+    ``_load_ckpt`` was missed because only the literal ``mmap=True`` was read as a borrowing load. Several
+    files merged into one dict keep every earlier file's tensors; with ``mmap=False`` they are copies."""
+    found = _audit(tmp_path, {"model.py": MMAP_SETTING})
+    assert _functions(found) == {"Model.load_all"}
