@@ -103,6 +103,7 @@ class Flow(StoreRules, CallRules):
         self._onloaded: Dict[str, ast.AST] = {}  # modules onloaded by the `with align_module_device(m)` the walk is in
         self._inside_handle: Dict[str, ast.AST] = {}  # containers bound inside a `with <handle>`: where
         self._kept_containers: Dict[str, Val] = {}  # local containers a reported store filled (see store_into)
+        self._infer_kept_names: set = set()  # inference only: such containers in the environment (_infer_kept)
         self.state = State()
         self.out = Outcome()
         self.seen: Dict[Tuple[int, int, str], Finding] = {}
@@ -336,7 +337,8 @@ class Flow(StoreRules, CallRules):
             val = self.ev(node.value)
             if val is None and self._kept_containers and type(node.value) is ast.Name:
                 val = self._kept_containers.get(node.value.id)  # type: ignore[attr-defined]
-            if self.infer and val is not None and val.seed is None and self.out.produced is None:
+            if self.infer and val is not None and val.seed is None and self.out.produced is None \
+                    and self._produces(node.value, val):
                 self.out.produced = val  # (before the report below: what it hands on is what it produces)
             if val is not None and val.kind == HOLDER and self._open_handles and val.seed is None:
                 self._returned_past_close(node, val)
@@ -349,6 +351,13 @@ class Flow(StoreRules, CallRules):
                 self.report("OWN101", node, val, f"kept by a new `{val.obj}` the call returns",
                             f"{self._what(val)} is kept by the `{val.obj}` that `{self.info.name}` builds and "
                             f"returns, which outlives the loader's step", f"`{self.snip(node, 60)}`")
+
+    def _produces(self, returned: ast.AST, val: Val) -> bool:
+        """Does returning ``val`` make the function a producer? Always, but for a value read out of a container
+        whose stores were already reported (``_infer_kept``): only that container itself, returned by name."""
+        if not (val.reported and self._infer_kept_names):
+            return True
+        return type(returned) is ast.Name and returned.id in self._infer_kept_names  # type: ignore[attr-defined]
 
     def _st_delete(self, node: ast.Delete) -> None:
         for target in node.targets:
@@ -770,7 +779,8 @@ class Flow(StoreRules, CallRules):
 
     def _ev_yield(self, node: ast.AST) -> Optional[Val]:
         val = self.ev(node.value)  # type: ignore[attr-defined]
-        if self.infer and val is not None and val.seed is None and self.out.produced_yield is None:
+        if self.infer and val is not None and val.seed is None and self.out.produced_yield is None \
+                and not (val.reported and self._infer_kept_names):
             self.out.produced_yield = val
         if val is not None and self.summary_param is not None and val.seed is not None:
             self.out.yields = self.out.yields or val

@@ -88,6 +88,8 @@ class StoreRules:
         if val.kind == SOURCE and not val.mapping:
             self._handle_stored(container, val)
             return
+        if val.reported and val.holds_tensor and self.infer:  # type: ignore[attr-defined]
+            self._infer_kept(container, val, stmt, how)
         if val.reported or not val.holds_tensor:
             return
         root = root_of(container)
@@ -124,6 +126,27 @@ class StoreRules:
                 HOLDER, Link(getattr(stmt, "lineno", 0), self.fn, f"stored in `{self.snip(root.node)}`"),
                 elem=ELEM_PAIR if val.kind == PAIR else ELEM_TENSOR, reported=True,
                 mapping=how in ("subscript", "setdefault", "update", "__setitem__")))  # by name: a dict
+            if self.infer:  # type: ignore[attr-defined]
+                self._infer_kept(container, val, stmt, how)
+
+    def _infer_kept(self, container: ast.AST, val: Val, stmt: ast.AST, how: str) -> None:
+        """Producer inference only: a local container that holds a loader's tensors already reported kept
+        (``raw_sd.update(load_file(shard))`` for every shard) still hands them out, and so does what is
+        built from its items (``sd[key] = SDNQTensor(raw_sd[key], ...)``, InvokeAI's ``sdnq_sd_loader``):
+        returned, it makes its function a producer of a dict, so the caller that installs it with
+        ``load_state_dict(sd, assign=True)`` is found. Marked reported: nothing is judged twice. Only such a
+        container returned by its name makes a producer (``Flow._produces``): not one of a returned tuple's
+        items, nor a generator's yield (mergekit's task results, xtuner's ``(tensors, missing_keys)``)."""
+        root = root_of(container)
+        if root.name is None or root.through_attribute or root.name in self.state.env:
+            return
+        if self.place(root.name)[0] != "local":
+            return
+        self._infer_kept_names.add(root.name)  # type: ignore[attr-defined]
+        self.state.env[root.name] = val.then(  # type: ignore[index]
+            HOLDER, Link(getattr(stmt, "lineno", 0), self.fn, f"stored in `{self.snip(root.node)}`"),
+            elem=ELEM_PAIR if val.kind == PAIR else ELEM_TENSOR, reported=True,
+            mapping=how in ("subscript", "setdefault", "update", "__setitem__"))
 
     def _store_found(self, code: str, stmt: ast.AST, val: Val, pattern: str, message: str, place: str,
                      index: Optional[int]) -> None:

@@ -1458,3 +1458,66 @@ def test_torch_load_with_mmap_from_a_setting_is_a_borrowing_load(tmp_path: Path)
     files merged into one dict keep every earlier file's tensors; with ``mmap=False`` they are copies."""
     found = _audit(tmp_path, {"model.py": MMAP_SETTING})
     assert _functions(found) == {"Model.load_all"}
+
+
+# -- a merged shards' dict regrouped into a new dict and returned (InvokeAI's sdnq_sd_loader, round 14) -----
+SHARDS_REGROUPED = '''
+import torch
+from safetensors.torch import load_file
+
+
+class Packed:
+    def __init__(self, data, scale):
+        self.data, self.scale = data, scale
+
+
+def load_packed(paths):
+    raw = {}
+    for shard in paths:
+        raw.update(load_file(shard))
+    sd = {}
+    for key in raw.keys():
+        if key.endswith(".weight") and key[:-7] + ".scale" in raw:
+            sd[key] = Packed(raw[key], raw[key[:-7] + ".scale"])
+        else:
+            sd[key] = raw[key]
+    return sd
+
+
+def load_packed_with_names(paths):
+    raw = {}
+    for shard in paths:
+        raw.update(load_file(shard))
+    tensors = [raw[k] for k in raw]
+    return tensors, sorted(raw)
+'''
+
+SHARDS_USER = '''
+from loaders import load_packed, load_packed_with_names
+
+
+def install(model, paths):
+    sd = load_packed(paths)
+    model.load_state_dict(sd, assign=True)
+    return model
+
+
+def copy_in(model, paths):
+    model.load_state_dict(load_packed(paths))
+    return model
+
+
+def names_only(model, paths):
+    tensors, names = load_packed_with_names(paths)
+    model.names = names
+'''
+
+
+def test_a_dict_regrouped_from_merged_shards_and_returned_makes_a_producer(tmp_path: Path):
+    """InvokeAI's ``sdnq_sd_loader`` merges every shard's ``load_file`` dict into ``raw`` (reported there), then
+    regroups ``raw``'s tensors into a new ``sd`` (wrapped or as they are) and returns it: it was no producer
+    (the merged dict's reads were not followed once its stores were reported), so the 15 loaders that install
+    its dict with ``load_state_dict(sd, assign=True)`` were missed. Its dict returned by name makes it one; a
+    copying ``load_state_dict`` keeps nothing, and the names of a returned tuple are not taken for tensors."""
+    found = _audit(tmp_path, {"loaders.py": SHARDS_REGROUPED, "user.py": SHARDS_USER})
+    assert _functions(found) == {"load_packed", "load_packed_with_names", "install"}
