@@ -103,6 +103,10 @@ class Flow(StoreRules, CallRules):
         self._onloaded: Dict[str, ast.AST] = {}  # modules onloaded by the `with align_module_device(m)` the walk is in
         self._inside_handle: Dict[str, ast.AST] = {}  # containers bound inside a `with <handle>`: where
         self._kept_containers: Dict[str, Val] = {}  # local containers a reported store filled (see store_into)
+        # objects of the project's classes built around a borrowed tensor in this walk: by class, how to report
+        # the constructor's own stores of it (summaries.ModuleAnalysis._apply; used when the object is returned)
+        self.built_stores: Dict[str, List[Callable[[], None]]] = {}
+        self._nested_filled: set = set()  # locals filled as `x[a][b] = tensor`: their items are containers
         self._infer_kept_names: set = set()  # inference only: such containers in the environment (_infer_kept)
         self.state = State()
         self.out = Outcome()
@@ -344,6 +348,13 @@ class Flow(StoreRules, CallRules):
                 self._returned_past_close(node, val)
             if val is not None and self.summary_param is not None and val.seed is not None:
                 self.out.returns = self.out.returns or val
+            elif val is not None and self.summary_param is None and val.obj and val.step == self.func_step \
+                    and not self.hands_on and self.built_stores.get(val.obj):
+                # `return cls(up=values["up"], ...)` of a class whose `__init__` stores it (`self.up = up`): the
+                # object only passes through here; the line that keeps the view is the constructor's store
+                # (InvokeAI's LoRA layers' `from_state_dict_values`, counted at each layer's `__init__`)
+                for emit in self.built_stores.pop(val.obj):
+                    emit()
             elif val is not None and self.summary_param is None and val.obj and val.step == self.func_step \
                     and not self.hands_on:
                 # `return KVScales(k, v)` around a tensor this call fetched (its step): a bare tensor returned

@@ -248,8 +248,10 @@ class StoreRules:
             return
         base = self.ev(target.value)
         self.ev(target.slice)
+        nested = root_of(target.value).name if type(target.value) is ast.Subscript else None
         if base is not None and base.kind == TENSOR and (_names_a_key(target.slice) or
-                                                         self._read_as_mapping(target)):
+                                                         self._read_as_mapping(target) or
+                                                         (nested is not None and nested in self._nested_filled)):
             # `tensors["scale"] = ...`: a string indexes no tensor, so what a getter declared `=tensor` returned
             # here is a dict of them (a helper that fills one): a store into it, not an in-place write
             base = base.then(HOLDER, mapping=True)
@@ -269,6 +271,11 @@ class StoreRules:
             return  # a copy into a tensor
         if root.name and not root.through_attribute and _read_back_from(stmt, target, root.name):
             return  # `out[k] = out[k].to(device)`: what the container already held, put back (judged where it got in)
+        if nested is not None and val.holds_tensor:
+            # `grouped[stem][leaf] = value`: `grouped` holds containers by name, a tensor in each. Its items
+            # are dicts, so this same store seen again (the loop's second pass) is no write into a tensor
+            # (InvokeAI's LoRA key grouping, read as in-place writes into the file's tensors)
+            self._nested_filled.add(nested)
         self.store_into(target.value, val, stmt, "subscript")
 
     def augassign(self, node: ast.AugAssign) -> None:

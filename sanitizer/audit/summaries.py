@@ -520,9 +520,15 @@ class ModuleAnalysis:
                 result = val.then(ret.kind, link, elem=ret.elem, capture=ret.capture or val.capture, seed=val.seed,
                                   parts=parts, reported=ret.reported or val.reported,
                                   convert=val.convert or ret.convert, mapping=False)
-            if result is None and target.constructor and not module and constructor_result(outcome):
+            if target.constructor and not module and constructor_result(outcome):
                 name = callee.qualname.split(".")[0]
-                result = val.then(HOLDER, Link(node.lineno, flow.fn, f"kept by the new `{name}`"), obj=name)
+                if result is None:
+                    result = val.then(HOLDER, Link(node.lineno, flow.fn, f"kept by the new `{name}`"), obj=name)
+                # where the constructor itself stores the tensor on the new object (`self.up = up`): credited
+                # there if the caller only returns the object (Flow._st_return), as a module's constructor is
+                flow.built_stores.setdefault(name, []).extend(
+                    (lambda f=fact, v=val: self._emit(flow, f.template, v, call_link, callee))
+                    for fact in outcome.into_param if fact.index == 0)
             if result is None and val.kind == ITER and callee.is_generator and outcome.yields is not None:
                 result = val.then(ITER, Link(node.lineno, flow.fn, f"re-yielded by `{callee.name}()`"))
         return result
