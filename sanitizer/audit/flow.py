@@ -814,6 +814,11 @@ class Flow(StoreRules, CallRules):
                 i = index.value
                 if -len(base.parts) <= i < len(base.parts):
                     return base.parts[i]
+            if base.mapping and isinstance(index, ast.Constant) and isinstance(index.value, str) \
+                    and V.NESTED_STATE_KEY.match(index.value):
+                # `ckpt["model"]`, `ckpt["state_dict"]`: a checkpoint's nested dict of the model's weights (the
+                # file's tensors, by name), not one tensor (torchchat's `_load_model_default`)
+                return base.then(HOLDER, Link(node.lineno, self.fn, f"`{self.snip(node, 40)}`"), mapping=True)
             if base.mapping:  # `weights["lm_head.weight"]`: name the tensor, not the dict
                 return replace(element_of(base, Link(node.lineno, self.fn, f"`{self.snip(node, 40)}`")),
                                label=f"`{self.snip(node, 40)}`")

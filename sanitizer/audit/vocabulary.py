@@ -146,6 +146,11 @@ MAPPING_OF_ANY = re.compile(r"^\s*(dict|Dict|Mapping|MutableMapping|OrderedDict)
 # The class names an annotation mentions (``HFCheckpointLoader | None``): a receiver's class, for a method
 # inferred a producer whatever its name
 ANNOTATED_CLASS = re.compile(r"\b([A-Za-z_][\w.]*[A-Z]\w*)\b")
+# The keys a checkpoint nests the model's weights under (``torch.save({"model": model.state_dict(), ...})``,
+# Lightning's ``"state_dict"``, EMA copies): a lookup with one of them in a file's dict is a dict of its tensors.
+# Not ``"state"``/``"param_groups"`` (an optimizer's: copied into the optimizer by its ``load_state_dict``).
+NESTED_STATE_KEY = re.compile(r"^(model|module|state_dict|model_state_dict|params|params_ema|ema|model_ema|"
+                              r"ema_model|net|network|generator|student)$")
 # A parameter named for a whole state dict: ``full_sd``, ``model_state_dict``, ``converted_state_dict``
 STATE_DICT_PARAM = re.compile(r"^(\w+_)?(sd|state_dict|weights|tensors|checkpoint|ckpt)$")
 # A list of (name, tensor) pairs already materialised by the caller (one update bucket).

@@ -1613,3 +1613,39 @@ def test_a_dict_of_dicts_filled_by_key_stem_is_no_write_into_a_tensor(tmp_path: 
     A real write into one of the file's tensors is still found."""
     found = _audit(tmp_path, {"group.py": GROUPED})
     assert {(code, fn) for code, fn, _ in found} == {("OWN120", "zero_first_rows")}
+
+
+# -- a checkpoint's nested state dict, `ckpt["model"]` (torchchat's `_load_model_default`, round 14) ---------
+NESTED_MODEL_KEY = '''
+import torch
+
+
+def load_default(model, path):
+    checkpoint = torch.load(path, mmap=True, weights_only=True)
+    if "model" in checkpoint:
+        checkpoint = checkpoint["model"]
+    checkpoint = {"model." + k: v for k, v in checkpoint.items()}
+    model.load_state_dict(checkpoint, assign=True)
+    return model
+
+
+def load_copied(model, path):
+    checkpoint = torch.load(path, mmap=True, weights_only=True)["state_dict"]
+    model.load_state_dict({k: v for k, v in checkpoint.items()})
+    return model
+
+
+def load_optimizer(optimizer, path):
+    checkpoint = torch.load(path, mmap=True, weights_only=True)
+    for idx, state in checkpoint["state"].items():
+        optimizer.state[idx] = {k: v.clone() for k, v in state.items()}
+'''
+
+
+def test_a_checkpoints_nested_model_dict_is_a_dict_of_its_tensors(tmp_path: Path):
+    """``checkpoint = checkpoint["model"]`` on one path, then ``{"model." + k: v for k, v in
+    checkpoint.items()}`` installed with ``assign=True``: the lookup was taken for one tensor, whose
+    ``.items()`` held nothing, and the retention was missed. A checkpoint's model-state keys name a dict of the
+    file's tensors; a copying ``load_state_dict`` and an optimizer's cloned state keep nothing."""
+    found = _audit(tmp_path, {"load.py": NESTED_MODEL_KEY})
+    assert _functions(found) == {"load_default"}
