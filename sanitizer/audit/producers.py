@@ -360,7 +360,7 @@ def record_method(found: Dict[str, Inferred], info: FunctionInfo, path: str, val
     """A method inferred a producer, by ``Class.method`` whatever its name (True when new)."""
     kind = kind_of_value(val, generator)
     cls = info.cls
-    if kind is None or cls is None or info.name.startswith("__"):
+    if kind is None or cls is None or _dunder(info.name):
         return False
     key = f"{cls.qualname.rpartition('.')[2]}.{info.name}"
     if key in found:
@@ -370,11 +370,17 @@ def record_method(found: Dict[str, Inferred], info: FunctionInfo, path: str, val
     return True
 
 
+def _dunder(name: str) -> bool:
+    """A special method (``__getitem__``, ``__call__``: the protocols above), not a class-private one
+    (``__load_embedding``, called as ``self.__load_embedding(...)`` in its class: OneTrainer's loader mixins)."""
+    return name.startswith("__") and name.endswith("__")
+
+
 def record(found: Dict[str, Inferred], info: FunctionInfo, path: str, val: Val, generator: bool) -> bool:
     """Add ``info`` as a producer of ``val``'s kind (True when that is new or changed)."""
     kind = kind_of_value(val, generator)
     name = info.name
-    if kind is None or name in GENERIC_NAMES or name.startswith("__"):
+    if kind is None or name in GENERIC_NAMES or _dunder(name):
         return False
     mine = Inferred(name, info.qualname, path, info.node.lineno, kind,  # type: ignore[attr-defined]
                     val.convert if kind == "tensor" else "", api_of(val, path))

@@ -295,6 +295,10 @@ class StoreRules:
             slot = self.state.slots.get(target.id)
             if slot is not None and slot.kind in ("container", "tainted") or current is not None:
                 self.store_into(target, val, node, "+=")
+        elif isinstance(target, ast.Name) and isinstance(node.op, ast.BitOr) and val.kind == HOLDER:
+            # `state_dict |= load_file(f)`: a dict merged in place (PEP 584), as `state_dict.update(...)`
+            # (OneTrainer's sub-module loader merges every shard so)
+            self.store_into(target, val, node, "update")
 
     def inplace(self, node: ast.AST, val: Val, how: str, last: str) -> None:
         if val.kind != TENSOR or val.maybe:

@@ -1649,3 +1649,47 @@ def test_a_checkpoints_nested_model_dict_is_a_dict_of_its_tensors(tmp_path: Path
     file's tensors; a copying ``load_state_dict`` and an optimizer's cloned state keep nothing."""
     found = _audit(tmp_path, {"load.py": NESTED_MODEL_KEY})
     assert _functions(found) == {"load_default"}
+
+
+# -- a class-private loader method and a dict merged with `|=` (OneTrainer's loader mixins, round 14) --------
+MIXIN_LOADERS = '''
+import torch
+from safetensors.torch import load_file
+
+
+class EmbeddingLoader:
+    def __load_embedding(self, path):
+        if path.endswith(".pt"):
+            return torch.load(path, weights_only=True)
+        return load_file(path)
+
+    def load_all(self, model, names):
+        for name in names:
+            model.embeddings[name] = self.__load_embedding(name)
+
+    def count_all(self, names):
+        return sum(len(self.__load_embedding(name)) for name in names)
+
+
+class ShardLoader:
+    def load_shards(self, module, files):
+        state_dict = {}
+        for f in files:
+            state_dict |= load_file(f)
+        module.load_state_dict(state_dict)
+
+    def load_one_at_a_time(self, module, files):
+        for f in files:
+            state_dict = {}
+            state_dict |= load_file(f)
+            module.load_state_dict(state_dict)
+'''
+
+
+def test_a_private_loader_method_and_a_dict_merged_with_or_equals(tmp_path: Path):
+    """OneTrainer: ``self.__load_embedding(name)`` returns ``load_file``'s dict, but a name starting with two
+    underscores was skipped as a special method, so storing its dicts on the model was missed; and
+    ``state_dict |= load_file(f)`` merges every shard into one dict (as ``update`` does), which was not read as
+    a store. Counting a file's entries, and a dict that dies with its file's step, keep nothing."""
+    found = _audit(tmp_path, {"mixins.py": MIXIN_LOADERS})
+    assert _functions(found) == {"EmbeddingLoader.load_all", "ShardLoader.load_shards"}
