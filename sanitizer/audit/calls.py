@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from sanitizer.audit import vocabulary as V
 from sanitizer.audit.findings import Link
 from sanitizer.audit.index import dotted, param_default as _param_default
-from sanitizer.audit.targets import _CAMEL, constructed_locals, root_of
+from sanitizer.audit.targets import _CAMEL, constructed_locals, constructed_when, root_of
 from sanitizer.audit.values import (ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR, ELEM_HANDLE_PAIRS, ELEM_DICT, ELEM_PAIR, ELEM_TENSOR, HOLDER,
                                     ITER, PAIR, SOURCE, TENSOR, UNRESOLVED, Val, element_of, handle_of, is_handles)
 
@@ -28,6 +28,8 @@ _SUBMITTERS = frozenset({"submit", "apply_async"})
 _NOT_HOLDERS = frozenset({"Parameter", "Tensor", "Size", "Path", "PurePath", "Event", "Thread", "Lock"})
 
 
+# `load_state_dict`, or a module's own variant of it asked to assign (`load_xlabs_state_dict(sd, assign=True)`)
+_ASSIGNING_LOADER = re.compile(r"^load_(\w+_)?state_dict$")
 # Adapter loaders that assign the given state dict's tensors into the model when asked to load with low memory
 # (the adapter's weights made on the meta device first, then `load_state_dict(..., assign=True)`):
 # transformers' `PreTrainedModel.load_adapter(adapter_state_dict=sd, low_cpu_mem_usage=True)` and peft's
@@ -124,8 +126,9 @@ class CallRules:
                 target = ast.Attribute(value=func.value, attr=attr, ctx=ast.Store())
                 self.attribute_store(ast.copy_location(target, node), args[value], node)
                 return None
-        if meth == "load_state_dict" and args and args[0] is not None and args[0].holds_tensor \
+        if _ASSIGNING_LOADER.match(meth) and args and args[0] is not None and args[0].holds_tensor \
                 and _keyword_is(node, "assign", True):
+            # (a module's own `load_xlabs_state_dict(sd, assign=True)` passes `assign` on to it: InvokeAI)
             # torch.nn.Module.load_state_dict: "assign (bool, optional) - When set to False, the properties
             # of the tensors in the current module are preserved whereas setting it to True preserves
             # properties of the Tensors in the state dict": the module's parameters become those tensors
@@ -193,7 +196,8 @@ class CallRules:
         memo = getattr(self, "_new_objects", None)
         if memo is None:
             memo = self._new_objects = constructed_locals(self.info.node)
-        return expr.id in memo
+        # bound once to a new object, or (rebound later: `model = cast(model)`) still so when the call is made
+        return expr.id in memo or constructed_when(self.info.node, expr.id, getattr(expr, "lineno", 0)) is not None
 
     def _is_module(self, func: ast.AST) -> bool:
         """``torch.add(...)``, ``np.put(...)``: a module's function, not a container's method."""

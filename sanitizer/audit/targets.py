@@ -206,6 +206,44 @@ def constructed_locals(fn: ast.AST) -> Dict[str, str]:
     return {name: cls for name, cls in bound.items() if cls is not None}
 
 
+def constructed_when(fn: ast.AST, name: str, line: int) -> Optional[str]:
+    """The class of the new object ``name`` holds at ``line``: the last binding of ``name`` before that line in
+    the function's own body is ``name = Cls(...)`` (or ``with Cls(...) as name``). A later rebinding does not
+    matter to a call made before it (InvokeAI's loaders build a module, install a file's tensors in it with
+    ``load_state_dict(sd, assign=True)``, then rebind it to a cast copy). Source order, not paths: a binding in
+    a branch counts as the last one when it comes last."""
+    last: Optional[Tuple[int, Optional[ast.AST]]] = None
+
+    def note(at: int, value: Optional[ast.AST]) -> None:
+        nonlocal last
+        if at < line and (last is None or at >= last[0]):
+            last = (at, value)
+
+    stack = list(getattr(fn, "body", []))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            note(node.lineno, node.value)
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)) and isinstance(node.target, ast.Name) \
+                and node.target.id == name:
+            note(node.lineno, getattr(node, "value", None) if isinstance(node, ast.AnnAssign) else None)
+        elif isinstance(node, (ast.With, ast.AsyncWith)):
+            for item in node.items:
+                if isinstance(item.optional_vars, ast.Name) and item.optional_vars.id == name:
+                    note(node.lineno, item.context_expr)
+        elif isinstance(node, (ast.For, ast.AsyncFor)) and isinstance(node.target, ast.Name) and node.target.id == name:
+            note(node.lineno, None)
+        stack.extend(ast.iter_child_nodes(node))
+    if last is None:
+        return None
+    value = last[1]
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id[:1].isupper():
+        return value.func.id
+    return None
+
+
 def _blocks_of(fn: ast.AST) -> Dict[int, Tuple[list, int]]:
     """Every statement of ``fn`` (nested functions and classes excluded), by id: the statement list it is in
     and its place there."""
@@ -270,5 +308,5 @@ def rebound_before_leaving(fn: ast.AST, memo: Dict[int, Dict[int, Tuple[list, in
     return False
 
 
-__all__ = ["Root", "root_of", "is_fresh_container", "constructed_locals", "binding_kind", "subscript_is_tensor",
+__all__ = ["Root", "root_of", "is_fresh_container", "constructed_locals", "constructed_when", "binding_kind", "subscript_is_tensor",
            "method_base_is_tensor", "peel_target", "rebound_before_leaving"]

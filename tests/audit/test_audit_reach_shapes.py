@@ -1693,3 +1693,50 @@ def test_a_private_loader_method_and_a_dict_merged_with_or_equals(tmp_path: Path
     a store. Counting a file's entries, and a dict that dies with its file's step, keep nothing."""
     found = _audit(tmp_path, {"mixins.py": MIXIN_LOADERS})
     assert _functions(found) == {"EmbeddingLoader.load_all", "ShardLoader.load_shards"}
+
+
+# -- a new module made to keep a file, then rebound; a module's own assigning loader (InvokeAI, round 14) -----
+REBOUND_MODULE = '''
+import torch
+from safetensors.torch import load_file
+
+
+class Vae(torch.nn.Module):
+    pass
+
+
+class Loader:
+    def load_vae(self, path, dtype):
+        sd = load_file(path)
+        for k in sd.keys():
+            sd[k] = sd[k].to(dtype)
+        model = Vae()
+        model.load_state_dict(sd, assign=True)
+        model = self._cast(model, dtype)
+        return model
+
+    def load_adapter(self, path):
+        sd = load_file(path)
+        model = Vae()
+        model.load_xlabs_state_dict(sd, assign=True)
+        return model
+
+    def load_vae_copied(self, path, dtype):
+        sd = load_file(path)
+        model = Vae()
+        model.load_state_dict(sd)
+        model = self._cast(model, dtype)
+        return model
+
+    def _cast(self, model, dtype):
+        return model.to(dtype)
+'''
+
+
+def test_a_new_module_rebound_after_its_assigning_load_still_keeps_the_file(tmp_path: Path):
+    """InvokeAI's loaders build a module, install one file's tensors with ``load_state_dict(sd, assign=True)``
+    and then rebind the name (``model = self._cast(model)``): the module was taken for no new object (its name is
+    bound twice), so what it was made to keep was judged as handed on. A module's own variant asked to assign
+    (``load_xlabs_state_dict(sd, assign=True)``) installs them too; a copying load keeps nothing."""
+    found = _audit(tmp_path, {"loaders.py": REBOUND_MODULE})
+    assert _functions(found) == {"Loader.load_vae", "Loader.load_adapter"}
