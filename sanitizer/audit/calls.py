@@ -237,6 +237,11 @@ class CallRules:
             if meth == "keys" and base.mapping:
                 return True, None
             if meth in ("pop", "get", "popitem", "popleft", "__getitem__"):
+                key = node.args[0] if node.args else None
+                if base.mapping and isinstance(key, ast.Constant) and isinstance(key.value, str) \
+                        and V.NESTED_STATE_KEY.match(key.value):
+                    # `ckpt.get("state_dict", ckpt)`: the nested dict of the model's weights (Flow.subscript_value)
+                    return True, base.then(HOLDER, link, mapping=True)
                 return True, element_of(base, link)
             if meth in V.STORE_METHODS:
                 return False, None

@@ -57,6 +57,34 @@ _MISSING = object()
 _REMAPPER = re.compile(r"_?(remap|convert|rename|translate|map|fix|filter|prepare|preprocess|adapt)\w*")
 
 
+_BUILT = "kept by the new `"  # the link ModuleAnalysis._apply puts on an object built around a tensor
+
+
+_CLASS_CALL = re.compile(r"^(\w+\.)*_?[A-Z]\w*$")  # `Patch(...)`, `patches.ModelPatchRaw(...)`: a class named
+
+
+def _handed_names(expr: ast.AST) -> List[str]:
+    """The names whose objects ``return expr`` hands out: the expression itself, the elements of a tuple, list
+    or dict it builds, a call's arguments (``Patch(layers=layers)``), not what is only read from (``w.weight.shape``:
+    the object itself is not returned)."""
+    out: List[str] = []
+    stack = [expr]
+    while stack:
+        node = stack.pop()
+        if type(node) is ast.Name:
+            out.append(node.id)  # type: ignore[attr-defined]
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            stack.extend(node.elts)
+        elif isinstance(node, ast.Dict):
+            stack.extend(v for v in node.values if v is not None)
+        elif isinstance(node, ast.Call) and _CLASS_CALL.match(dotted(node.func) or ""):
+            stack.extend(node.args)  # an object built around them (`len(layers)` returns no object of theirs)
+            stack.extend(kw.value for kw in node.keywords)
+        elif isinstance(node, ast.Starred):
+            stack.append(node.value)
+    return out
+
+
 class Flow(StoreRules, CallRules):
     """One walk of one function: the driver, the statements, branches and loops, and expressions; the
     store rules (OWN101-OWN106, OWN120) are :class:`~sanitizer.audit.stores.StoreRules`, the call rules
@@ -106,6 +134,7 @@ class Flow(StoreRules, CallRules):
         # objects of the project's classes built around a borrowed tensor in this walk: by class, how to report
         # the constructor's own stores of it (summaries.ModuleAnalysis._apply; used when the object is returned)
         self.built_stores: Dict[str, List[Callable[[], None]]] = {}
+        self.built_in: Dict[str, set] = {}  # local containers such objects were stored in: their classes
         self._nested_filled: set = set()  # locals filled as `x[a][b] = tensor`: their items are containers
         self._infer_kept_names: set = set()  # inference only: such containers in the environment (_infer_kept)
         self.state = State()
@@ -356,12 +385,38 @@ class Flow(StoreRules, CallRules):
                 for emit in self.built_stores.pop(val.obj):
                     emit()
             elif val is not None and self.summary_param is None and val.obj and val.step == self.func_step \
-                    and not self.hands_on:
+                    and not self.hands_on and not self._built_inside(val):
                 # `return KVScales(k, v)` around a tensor this call fetched (its step): a bare tensor returned
                 # is handed on, but an object built around it is how a loader keeps it (TGI's get_kv_scales)
                 self.report("OWN101", node, val, f"kept by a new `{val.obj}` the call returns",
                             f"{self._what(val)} is kept by the `{val.obj}` that `{self.info.name}` builds and "
                             f"returns, which outlives the loader's step", f"`{self.snip(node, 60)}`")
+            if self.built_stores and self.summary_param is None and not self.hands_on:
+                self._returned_built(node.value, val)
+
+    def _built_inside(self, val: Val) -> bool:
+        """Is ``val`` (an object) built around objects of the project's classes already built around the tensor
+        (``Patch(layers={k: SetParameter(...)})``)? Their constructors keep it (Flow._returned_built)."""
+        return any(link.text.startswith(_BUILT) and link.text[len(_BUILT):].partition("`")[0] != val.obj
+                   for link in val.chain)
+
+    def _returned_built(self, returned: ast.AST, val: Optional[Val]) -> None:
+        """``layers[key] = SetParameterLayer("scale", sd["scale"])`` ... ``return Patch(layers=layers)``: objects of
+        the project's classes built around this call's tensors and returned inside a container (or an object the
+        audit does not follow) are kept too, by each constructor's own store (InvokeAI's LoRA converters)."""
+        names = _handed_names(returned)
+        for name in names:
+            for cls in sorted(self.built_in.get(name, ())):
+                for emit in self.built_stores.pop(cls, ()):
+                    emit()
+        held = [val] + [self.state.env.get(name) for name in names]
+        for v in held:
+            if v is None or v.step != self.func_step:
+                continue
+            for link in v.chain:
+                if link.function == self.fn and link.text.startswith(_BUILT):
+                    for emit in self.built_stores.pop(link.text[len(_BUILT):].partition("`")[0], ()):
+                        emit()
 
     def _produces(self, returned: ast.AST, val: Val) -> bool:
         """Does returning ``val`` make the function a producer? Always, but for a value read out of a container
@@ -552,12 +607,26 @@ class Flow(StoreRules, CallRules):
             self.state.env.pop(name, None)
         accessor = isinstance(value, _ACCESSORS)
         param = self._alias_param(value) if accessor or type(value) is ast.Name else None
-        self.state.slots[name] = Slot(param is None and is_fresh_container(value), self._loops_t,
-                                      "tainted" if val is not None else binding_kind(value), param,
+        fresh, loops = param is None and is_fresh_container(value), self._loops_t
+        inner = self._fresh_inner(value) if param is None and not fresh else None
+        if inner is not None:  # `stash = buf.setdefault(key, {})`: a container inside a fresh local one
+            fresh, loops = True, inner.loops
+        self.state.slots[name] = Slot(fresh, loops, "tainted" if val is not None else binding_kind(value), param,
                                       accessor and self._alias_self(value))
         if (val is not None and not loop_target and val.holds_tensor and val.step in self.loop_nodes
                 and val.step in self.loops and not val.reported):
             self._kept.setdefault((name, val.step), (stmt, val, getattr(stmt, "lineno", 0)))
+
+    def _fresh_inner(self, value: Optional[ast.AST]) -> Optional[Slot]:
+        """``stash = buf.setdefault(key, {})`` with ``buf`` a fresh local container: ``stash`` is a new container
+        kept inside ``buf``, so it lives as long as ``buf`` does (the slot of ``buf``), and what is stored in it
+        dies with ``buf``'s step, as what is stored in ``buf`` does (timm's BEiT-3 converter gathers q/k/v so)."""
+        if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+                and value.func.attr == "setdefault" and len(value.args) == 2
+                and is_fresh_container(value.args[1]) and type(value.func.value) is ast.Name):
+            return None
+        slot = self.state.slots.get(value.func.value.id)  # type: ignore[attr-defined]
+        return slot if slot is not None and slot.fresh and slot.param is None else None
 
     def _alias_param(self, value: Optional[ast.AST]) -> Optional[int]:
         """``entry = buf.setdefault(k, {})``, ``lst = buf[k]``: an alias of parameter ``buf``'s container."""

@@ -100,6 +100,8 @@ class StoreRules:
         if place == "local":
             slot = self.state.slots[root.name]  # type: ignore[index]
             if slot.fresh and val.step in slot.loops and not root.through_attribute:
+                if val.obj:  # an object built around the tensor, in a container that dies with the step unless
+                    self.built_in.setdefault(root.name, set()).add(val.obj)  # it is returned (Flow._returned_built)
                 held = self.state.env.get(root.name)  # type: ignore[arg-type]
                 if held is None or held.kind != HOLDER:
                     link = Link(getattr(stmt, "lineno", 0), self.fn, f"stored in `{self.snip(root.node)}` (dies with the step)")

@@ -526,9 +526,12 @@ class ModuleAnalysis:
                     result = val.then(HOLDER, Link(node.lineno, flow.fn, f"kept by the new `{name}`"), obj=name)
                 # where the constructor itself stores the tensor on the new object (`self.up = up`): credited
                 # there if the caller only returns the object (Flow._st_return), as a module's constructor is
-                flow.built_stores.setdefault(name, []).extend(
-                    (lambda f=fact, v=val: self._emit(flow, f.template, v, call_link, callee))
-                    for fact in outcome.into_param if fact.index == 0)
+                # (not for an object built around objects already built around it: `Patch(layers=layers)` of
+                # `SetParameter(...)`s, whose constructors keep the tensor: one retention, at its first store)
+                if not any(link.text.startswith("kept by the new `") for link in val.chain):
+                    flow.built_stores.setdefault(name, []).extend(
+                        (lambda f=fact, v=val: self._emit(flow, f.template, v, call_link, callee))
+                        for fact in outcome.into_param if fact.index == 0)
             if result is None and val.kind == ITER and callee.is_generator and outcome.yields is not None:
                 result = val.then(ITER, Link(node.lineno, flow.fn, f"re-yielded by `{callee.name}()`"))
         return result

@@ -1740,3 +1740,84 @@ def test_a_new_module_rebound_after_its_assigning_load_still_keeps_the_file(tmp_
     (``load_xlabs_state_dict(sd, assign=True)``) installs them too; a copying load keeps nothing."""
     found = _audit(tmp_path, {"loaders.py": REBOUND_MODULE})
     assert _functions(found) == {"Loader.load_vae", "Loader.load_adapter"}
+
+
+# -- objects built around a file's tensors, gathered in a container and returned (InvokeAI's converters) -----
+LAYERS_GATHERED = '''
+from typing import Dict
+import torch
+
+
+class SetParameter:
+    def __init__(self, name: str, weight: torch.Tensor):
+        self.name = name
+        self.weight = weight
+
+
+class Patch:
+    def __init__(self, layers):
+        self.layers = layers
+
+
+def patch_from_state_dict(state_dict: Dict[str, torch.Tensor]):
+    layers = {}
+    for key, value in state_dict.items():
+        layers[key] = SetParameter("scale", value)
+    return Patch(layers=layers)
+
+
+def count_layers(state_dict: Dict[str, torch.Tensor]):
+    layers = {}
+    for key, value in state_dict.items():
+        layers[key] = SetParameter("scale", value)
+    return len(layers)
+'''
+
+
+def test_objects_built_around_tensors_and_returned_in_a_container_are_credited_to_their_constructor(tmp_path: Path):
+    """``layers[key] = SetParameterLayer("scale", sd["scale"])`` ... ``return ModelPatchRaw(layers=layers)``: the
+    objects outlive the call inside what it returns, so their constructor's store keeps the file's tensors
+    (missed: the container held them only for the step, and the wrapper was not followed). Counted and dropped,
+    they keep nothing."""
+    found = _audit(tmp_path, {"patches.py": LAYERS_GATHERED})
+    assert {(fn, line) for _, fn, line in found} == {("SetParameter.__init__", 9)}
+
+
+# -- `ckpt.get("state_dict", ckpt)` cached on self; a fresh container's setdefault inner dict (round 14) -------
+CACHED_NESTED = '''
+import torch
+from safetensors.torch import load_file
+
+
+class ModelOnDisk:
+    def __init__(self):
+        self._cache = {}
+
+    def load_state_dict(self, path):
+        if path in self._cache:
+            return self._cache[path]
+        checkpoint = load_file(path)
+        state_dict = checkpoint.get("state_dict", checkpoint)
+        self._cache[path] = state_dict
+        return state_dict
+
+
+def fuse_qkv(state_dict: dict):
+    state_dict = state_dict.get("model", state_dict)
+    out, buf = {}, {}
+    for k, v in state_dict.items():
+        stash = buf.setdefault(k.rsplit(".", 1)[0], {})
+        stash[k.rsplit(".", 1)[1]] = v
+        if len(stash) == 3:
+            out[k] = torch.cat([stash["q"], stash["k"], stash["v"]])
+    return out
+'''
+
+
+def test_a_nested_dict_read_with_get_and_a_setdefault_container_inside_a_fresh_one(tmp_path: Path):
+    """InvokeAI's ``ModelOnDisk.load_state_dict`` caches ``checkpoint.get("state_dict", checkpoint)`` on ``self``:
+    the lookup was read as one tensor, so the dict it is (one of the file's, or the file's itself) was not
+    followed to the cache. Reading it so exposed timm's BEiT-3 converter: ``stash = buf.setdefault(key, {})``
+    with ``buf`` a local dict that dies with the call is no container outliving the step."""
+    found = _audit(tmp_path, {"disk.py": CACHED_NESTED})
+    assert _functions(found) == {"ModelOnDisk.load_state_dict"}
