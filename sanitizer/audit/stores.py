@@ -94,7 +94,7 @@ class StoreRules:
             return
         root = root_of(container)
         held_by = self.state.env.get(root.name) if root.name and not root.through_attribute else None
-        if held_by is not None and held_by.mapping and held_by.step == val.step:
+        if held_by is not None and held_by.mapping and held_by.step == val.step and not _two_files(held_by, val):
             return  # `weights[q_name] = qkv[:q]`: into the step's own dict of weights, which dies with the step
         place, index = self.place(root.name)
         if place == "local":
@@ -271,7 +271,8 @@ class StoreRules:
             kind = "container"
         if subscript_is_tensor(target, kind, self.annotations.get(root.name or "", "")):
             return  # a copy into a tensor
-        if root.name and not root.through_attribute and _read_back_from(stmt, target, root.name):
+        if root.name and not root.through_attribute and (_read_back_from(stmt, target, root.name)
+                                                         or self._put_back_in_loop(stmt, target, root.name)):
             return  # `out[k] = out[k].to(device)`: what the container already held, put back (judged where it got in)
         if nested is not None and val.holds_tensor:
             # `grouped[stem][leaf] = value`: `grouped` holds containers by name, a tensor in each. Its items
@@ -279,6 +280,30 @@ class StoreRules:
             # (InvokeAI's LoRA key grouping, read as in-place writes into the file's tensors)
             self._nested_filled.add(nested)
         self.store_into(target.value, val, stmt, "subscript")
+
+    def _put_back_in_loop(self, stmt: ast.AST, target: ast.Subscript, name: str) -> bool:
+        """``for k, v in tensors.items(): tensors[k] = v.to(torch.bfloat16)``: each entry converted and put back
+        into the dict it was read from (nunchaku's ``to_diffusers``), as ``name[k] = name[k].to(...)`` is."""
+        if not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1 or stmt.targets[0] is not target:
+            return False
+        node = stmt.value
+        while isinstance(node, (ast.Call, ast.Attribute, ast.Subscript)):
+            node = node.func.value if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) else \
+                (node.value if isinstance(node, (ast.Attribute, ast.Subscript)) else None)
+            if node is None:
+                return False
+        if type(node) is not ast.Name:
+            return False
+        for step in self.loops:  # type: ignore[attr-defined]  (the loops the statement is in)
+            loop = self.loop_nodes.get(step)  # type: ignore[attr-defined]
+            it, tgt = getattr(loop, "iter", None), getattr(loop, "target", None)
+            if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute) and it.func.attr in ("items", "values")
+                    and type(it.func.value) is ast.Name and it.func.value.id == name):
+                continue
+            value_target = tgt.elts[-1] if isinstance(tgt, ast.Tuple) and it.func.attr == "items" and tgt.elts else tgt
+            if type(value_target) is ast.Name and value_target.id == node.id:  # type: ignore[attr-defined]
+                return True
+        return False
 
     def augassign(self, node: ast.AugAssign) -> None:
         val = self.ev(node.value)
@@ -363,6 +388,17 @@ class StoreRules:
             self.report("OWN105", stmt, val, f"variable read {when}",
                         f"`{name}` keeps {self._what(val)} past its step: it is read {when} (line {use.lineno}), "
                         f"when the loader has moved on", f"`{name}` read {when} at line {use.lineno}")
+
+
+def _two_files(held_by: Val, val: Val) -> bool:
+    """Is ``val`` another file's whole dict merged into ``held_by``, one file's dict (``state_dict =
+    load(first); state_dict.update(load(second))``, nunchaku's ``merge_safetensors``)? The first file's tensors
+    are then kept past the second file's fetch, in the merged dict: not the step's own dict any more."""
+    if not (val.kind == HOLDER and val.mapping and val.chain and held_by.chain):
+        return False
+    first, other = held_by.chain[0], val.chain[0]
+    return first.text.startswith("returned by") and other.text.startswith("returned by") and \
+        (first.line, first.function, first.path) != (other.line, other.function, other.path)
 
 
 def _read_back_from(stmt: ast.AST, target: ast.Subscript, name: str) -> bool:

@@ -75,6 +75,9 @@ def _builds_container(value: ast.AST) -> bool:
             # the module": a new dict each call (the module keeps none of it), so storing into it stores
             # into nothing the module holds (mistral-inference's LoRA merge, loaded back without assign)
             return True
+        if isinstance(value.func, ast.Attribute) and value.func.attr == "copy" and not value.args \
+                and not value.keywords:
+            return True  # `processed = lora_dict.copy()`: a shallow copy is a new container, as `dict(lora_dict)` is
         last = name.rpartition(".")[2]
         return bool(_CAMEL.match(last)) and last not in ("Parameter", "Tensor")
     return False

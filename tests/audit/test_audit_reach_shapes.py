@@ -1821,3 +1821,57 @@ def test_a_nested_dict_read_with_get_and_a_setdefault_container_inside_a_fresh_o
     with ``buf`` a local dict that dies with the call is no container outliving the step."""
     found = _audit(tmp_path, {"disk.py": CACHED_NESTED})
     assert _functions(found) == {"ModelOnDisk.load_state_dict"}
+
+
+# -- two files' dicts merged; a dict's entries converted in place of themselves; a shallow copy (round 15) -----
+TWO_FILES = '''
+import torch
+from safetensors.torch import load_file
+
+
+def merge_split(folder):
+    unquantized = load_file(folder + "/unquantized_layers.safetensors")
+    blocks = load_file(folder + "/transformer_blocks.safetensors")
+    state_dict = unquantized
+    state_dict.update(blocks)
+    return state_dict
+
+
+def fuse_qkv_in_place(path):
+    state_dict = load_file(path)
+    state_dict.update({"qkv": torch.cat([state_dict["q"], state_dict["k"], state_dict["v"]])})
+    return state_dict
+
+
+def strip_prefix(tensors):
+    for key in [k for k in tensors if k.startswith("lora_unet_")]:
+        tensors[key[len("lora_unet_"):]] = tensors.pop(key)
+    return tensors
+
+
+def to_bf16(path):
+    tensors = strip_prefix(load_file(path))
+    for k, v in tensors.items():
+        if v.dtype != torch.bfloat16:
+            tensors[k] = v.to(torch.bfloat16)
+    return tensors
+
+
+def split_linear1(lora: dict[str, torch.Tensor], block: str):
+    processed = lora.copy()
+    for key in list(lora):
+        if key.endswith("linear2.lora_A.weight"):
+            processed[block + ".proj_out.lora_A.weight"] = lora[key]
+            processed.pop(key, None)
+    return processed
+'''
+
+
+def test_two_files_merged_and_one_files_dict_rewritten(tmp_path: Path):
+    """nunchaku's ``merge_safetensors``: ``state_dict = load(first); state_dict.update(load(second))`` keeps the
+    first file's tensors past the second's fetch, in the dict it returns (missed: a store into the step's own
+    dict of weights was taken to die with it). One file's dict with a copy added to it, its entries converted and
+    put back (``tensors[k] = v.to(bf16)`` over ``tensors.items()``, nunchaku's ``to_diffusers``) or re-keyed into
+    a shallow copy (``lora.copy()``, ``preprocess_single_blocks_lora``) hands one file's tensors on."""
+    found = _audit(tmp_path, {"merge.py": TWO_FILES})
+    assert _functions(found) == {"merge_split"}
