@@ -400,9 +400,15 @@ class CallRules:
                 self.next_file_fetched(node)  # (`mmap=False` asks for a copy in memory: not the next borrowed file)
             origin = getattr(configured, "origin", "")
             text = f"returned by `{self.snip(node, 40)}`" + (f" (a producer: {origin})" if origin else "")
-            return Val(TENSOR if configured == "tensor" else HOLDER, step, (Link(node.lineno, self.fn, text),),
+            made = Val(TENSOR if configured == "tensor" else HOLDER, step, (Link(node.lineno, self.fn, text),),
                        self.fn, label=f"`{self.snip(node, 40)}`", convert=getattr(configured, "convert", ""),
                        mapping=configured == "dict")
+            parts = getattr(configured, "parts", ())
+            if configured in ("dict", "holder") and parts:  # `model, sd, meta = cls._build_model(path)`: `sd` only
+                made = made.then(mapping=False, parts=tuple(
+                    None if not k else made.then(TENSOR if k == "tensor" else HOLDER, mapping=k == "dict")
+                    for k in parts))
+            return made
         if configured == "source":  # a helper inferred to return a loader's handle (`self._get_handle(f)`)
             origin = getattr(configured, "origin", "")
             return Val(SOURCE, 0, (Link(node.lineno, self.fn, f"opened by `{self.snip(node, 40)}`"

@@ -54,11 +54,13 @@ class Produced(str):
 
     convert: str
     origin: str
+    parts: Tuple[str, ...]  # a returned tuple's elements' kinds ("" for one that holds no tensor)
 
-    def __new__(cls, kind: str, convert: str = "", origin: str = "") -> "Produced":
+    def __new__(cls, kind: str, convert: str = "", origin: str = "", parts: Tuple[str, ...] = ()) -> "Produced":
         made = super().__new__(cls, kind)
         made.convert = convert
         made.origin = origin
+        made.parts = parts
         return made
 
 
@@ -73,6 +75,9 @@ class Inferred:
     kind: str
     convert: str
     api: str  # the loader API it reaches (and where), through its helpers
+    # what each element of the tuple it returns is (`return model, state_dict, metadata`: ("", "dict", "")):
+    # unpacked, only those elements are borrowed (nunchaku's `transformer, sd, meta = cls._build_model(path)`)
+    parts: Tuple[str, ...] = ()
 
     def describe(self) -> str:
         conv = f", applies `{self.convert}`" if self.convert else ""
@@ -99,14 +104,14 @@ class InferredProducers:
         if found is None:
             return None
         return Produced(found.kind, found.convert, f"`{found.qualname}` ({found.path}:{found.line}), "
-                                                     f"reaching {found.api}")
+                                                     f"reaching {found.api}", found.parts)
 
     def kind_of_method(self, cls: str, meth: str) -> Optional[Produced]:
         found = self.by_method.get(f"{cls}.{meth}")
         if found is None:
             return None
         return Produced(found.kind, found.convert, f"`{found.qualname}` ({found.path}:{found.line}), "
-                                                     f"reaching {found.api}")
+                                                     f"reaching {found.api}", found.parts)
 
     def mentioned_in(self, text: str) -> bool:
         """Does the module's text name any inferred producer (a cheap pre-check before its functions are
@@ -366,8 +371,15 @@ def record_method(found: Dict[str, Inferred], info: FunctionInfo, path: str, val
     if key in found:
         return False
     found[key] = Inferred(info.name, info.qualname, path, info.node.lineno, kind,  # type: ignore[attr-defined]
-                          val.convert if kind == "tensor" else "", api_of(val, path))
+                          val.convert if kind == "tensor" else "", api_of(val, path), parts_of(val, generator))
     return True
+
+
+def parts_of(val: Val, generator: bool) -> Tuple[str, ...]:
+    """The kinds of a returned tuple's elements (``return model, state_dict``: ("", "dict")), or ()."""
+    if generator or val.kind != HOLDER or val.parts is None:
+        return ()
+    return tuple((kind_of_value(p, False) or "") if p is not None else "" for p in val.parts)
 
 
 def _dunder(name: str) -> bool:
@@ -383,7 +395,7 @@ def record(found: Dict[str, Inferred], info: FunctionInfo, path: str, val: Val, 
     if kind is None or name in GENERIC_NAMES or _dunder(name):
         return False
     mine = Inferred(name, info.qualname, path, info.node.lineno, kind,  # type: ignore[attr-defined]
-                    val.convert if kind == "tensor" else "", api_of(val, path))
+                    val.convert if kind == "tensor" else "", api_of(val, path), parts_of(val, generator))
     old = found.get(name)
     if old is not None and (old.path, old.line) != (mine.path, mine.line):
         rank = ("tensor", "dict", "iterator", "dicts", "holder", "source")

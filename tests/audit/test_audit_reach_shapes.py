@@ -1875,3 +1875,42 @@ def test_two_files_merged_and_one_files_dict_rewritten(tmp_path: Path):
     a shallow copy (``lora.copy()``, ``preprocess_single_blocks_lora``) hands one file's tensors on."""
     found = _audit(tmp_path, {"merge.py": TWO_FILES})
     assert _functions(found) == {"merge_split"}
+
+
+# -- a loader returning a tuple (model, state dict, metadata), unpacked by its caller (nunchaku, round 15) ------
+TUPLE_LOADER = '''
+import torch
+from safetensors.torch import load_file
+
+
+class Loader:
+    @classmethod
+    def _build_model(cls, path):
+        state_dict = load_file(path)
+        transformer = cls()
+        metadata = {"format": "pt"}
+        return transformer, state_dict, metadata
+
+    @classmethod
+    def from_pretrained(cls, path):
+        transformer, state_dict, metadata = cls._build_model(path)
+        transformer._unquantized_part_sd = state_dict
+        transformer.name = metadata["format"]
+        return transformer
+
+    @classmethod
+    def from_pretrained_copied(cls, path):
+        transformer, state_dict, metadata = cls._build_model(path)
+        transformer.load_state_dict(state_dict)
+        transformer.config = metadata
+        return transformer
+'''
+
+
+def test_a_loader_returning_a_tuple_borrows_only_its_tensor_elements(tmp_path: Path):
+    """nunchaku's ``transformer, model_state_dict, metadata = cls._build_model(path)``: the inferred producer's
+    tuple was one holder, so every element unpacked from it was read as a tensor, and ``transformer._sd =
+    state_dict`` as an attribute set on a tensor (nothing kept). What each element of the returned tuple is
+    is now inferred too: the dict kept on the model is found, the metadata and the model are not borrowed."""
+    found = _audit(tmp_path, {"loader.py": TUPLE_LOADER})
+    assert _functions(found) == {"Loader.from_pretrained"}
