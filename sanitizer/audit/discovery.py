@@ -137,6 +137,11 @@ def _mapping_names(info: FunctionInfo) -> Dict[str, str]:
 # gradients, optimizer state, activations (`kv_caches`, `register_kv_caches`, a trainer's `buffers`).
 # `meta_args` (ColossalAI's tracer): tensors on the meta device, which hold no bytes to borrow.
 _OTHER_STATE = re.compile(r"(^|_)(kv|caches?|buffers?|bufs|grads?|gradients?|optim\w*|activations?|meta)(_|$)")
+# Words that name a model's inputs and outputs, not its weights: a policy's `batch: dict[str, Tensor]` of
+# observations (lerobot's `predict_action_chunk(self, batch)`), `inputs`, `outputs`, `labels`. Read from the
+# parameter's name only (a function named for its inputs may still be handed a checkpoint's weights).
+_DATA = re.compile(r"(^|_)(batch|batches|obs|observations?|inputs?|outputs?|targets?|labels?|logits|"
+                   r"hidden_states|features?|samples?)(_|$)")
 # A union that mixes tensors with plain settings (`dict[str, torch.Tensor | int | torch.dtype | torch.device]`,
 # GPTQModel's test cases): a bundle of arguments, not a checkpoint's tensors by name (LitGPT's
 # `dict[str, torch.Tensor | NotYetLoadedTensor]` mixes tensors with a lazy tensor only).
@@ -159,7 +164,7 @@ def _holds_other_state(param: str, function: str) -> bool:
     ``set_buffers(buffers)``)? Such a dict is read by name as a dict of weights is, but its tensors are
     no loader's: they are not borrowed. The function's name counts only when it does not also say it
     loads something (``load_kv_cache_scales(weights)`` reads a checkpoint)."""
-    if _OTHER_STATE.search(param.lower()):
+    if _OTHER_STATE.search(param.lower()) or _DATA.search(param.lower()):
         return True
     low = function.lower()
     if _OUTPUT_PATH.search(low) and "load" not in low and "import" not in low:
