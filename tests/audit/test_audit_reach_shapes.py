@@ -1914,3 +1914,33 @@ def test_a_loader_returning_a_tuple_borrows_only_its_tensor_elements(tmp_path: P
     is now inferred too: the dict kept on the model is found, the metadata and the model are not borrowed."""
     found = _audit(tmp_path, {"loader.py": TUPLE_LOADER})
     assert _functions(found) == {"Loader.from_pretrained"}
+
+
+# -- a policy's batch of observations is no dict of weights (lerobot, round 15's false alarm) ----------------
+POLICY_BATCH = '''
+from typing import Dict
+from torch import Tensor
+
+
+def _task_signature(batch):
+    return tuple(sorted(batch))
+
+
+class Policy:
+    def predict_action_chunk(self, batch: Dict[str, Tensor]):
+        self._task_key = _task_signature(batch)
+        self._last_image = batch["observation.image"]
+        return batch["action"]
+
+    def load_weights(self, weights: Dict[str, Tensor]):
+        self.head = weights["head.weight"]
+'''
+
+
+def test_a_policys_batch_of_observations_is_no_dict_of_weights(tmp_path: Path):
+    """lerobot's ``predict_action_chunk(self, batch: dict[str, Tensor])``: a model's inputs, read by name as a
+    dict of weights is, and flagged where it keeps them (a rollout's last observation). A parameter named for
+    a model's inputs or outputs (``batch``, ``inputs``, ``observations``, ``labels``) holds no loader's tensors;
+    a dict of weights by that annotation is still one."""
+    found = _audit(tmp_path, {"policy.py": POLICY_BATCH})
+    assert _functions(found) == {"Policy.load_weights"}
