@@ -136,7 +136,9 @@ def _mapping_names(info: FunctionInfo) -> Dict[str, str]:
 # Words that name tensors a program owns and keeps by name, not a checkpoint's: KV caches, buffers,
 # gradients, optimizer state, activations (`kv_caches`, `register_kv_caches`, a trainer's `buffers`).
 # `meta_args` (ColossalAI's tracer): tensors on the meta device, which hold no bytes to borrow.
-_OTHER_STATE = re.compile(r"(^|_)(kv|caches?|buffers?|bufs|grads?|gradients?|optim\w*|activations?|meta)(_|$)")
+# `pinned_state_dict` (Open-Sora's checkpoint gathering): page-locked host buffers the program allocated to
+# gather into before a save, written with `.copy_()`, never a loader's.
+_OTHER_STATE = re.compile(r"(^|_)(kv|caches?|buffers?|bufs|grads?|gradients?|optim\w*|activations?|meta|pinned)(_|$)")
 # Words that name a model's inputs and outputs, not its weights: a policy's `batch: dict[str, Tensor]` of
 # observations (lerobot's `predict_action_chunk(self, batch)`), `inputs`, `outputs`, `labels`. Read from the
 # parameter's name only (a function named for its inputs may still be handed a checkpoint's weights).

@@ -1944,3 +1944,28 @@ def test_a_policys_batch_of_observations_is_no_dict_of_weights(tmp_path: Path):
     a dict of weights by that annotation is still one."""
     found = _audit(tmp_path, {"policy.py": POLICY_BATCH})
     assert _functions(found) == {"Policy.load_weights"}
+
+
+# -- pinned host buffers the program gathers into (Open-Sora, round 16's false alarm) -------------------------
+PINNED = '''
+import torch
+
+
+def master_weights_gathering(model, pinned_state_dict: dict) -> None:
+    for name, param in model.named_parameters():
+        pinned_state_dict[name].copy_(param.detach())
+
+
+def scale_weights(state_dict: dict, factor: float) -> None:
+    for name in list(state_dict):
+        state_dict[name].mul_(factor)
+'''
+
+
+def test_pinned_host_buffers_are_the_programs_own(tmp_path: Path):
+    """Open-Sora gathers a model's parameters into ``pinned_state_dict`` (page-locked buffers it allocated for an
+    async save) with ``.copy_()``: a bare ``dict`` named for a state dict, in a function named for weights, was
+    read as a dict of weights and the copy as an in-place write into a loader's buffer. A state dict scaled in
+    place is still one."""
+    found = _audit(tmp_path, {"ckpt.py": PINNED})
+    assert {(code, fn) for code, fn, _ in found} == {("OWN120", "scale_weights")}
