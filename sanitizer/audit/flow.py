@@ -30,7 +30,7 @@ from sanitizer.audit.calls import CallRules
 from sanitizer.audit.findings import Finding, Link
 from sanitizer.audit.index import FunctionInfo, annotation_text, dotted
 from sanitizer.audit.snippets import Snippets
-from sanitizer.audit.stores import StoreRules
+from sanitizer.audit.stores import StoreRules, two_files
 from sanitizer.audit.targets import binding_kind, is_fresh_container, rebound_before_leaving, root_of
 from sanitizer.audit.values import (ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR, ELEM_PAIR, ELEM_TENSOR, HOLDER,
                                     ITER, PAIR, SOURCE, TENSOR, UNRESOLVED, IntoParam, Outcome, Slot, State, Val,
@@ -135,7 +135,8 @@ class Flow(StoreRules, CallRules):
         # the constructor's own stores of it (summaries.ModuleAnalysis._apply; used when the object is returned)
         self.built_stores: Dict[str, List[Callable[[], None]]] = {}
         self.built_in: Dict[str, set] = {}  # local containers such objects were stored in: their classes
-        self._nested_filled: set = set()  # locals filled as `x[a][b] = tensor`: their items are containers
+        self._nested_filled: set = set()
+        self._returning = False  # evaluating a `return`'s value (Flow._read_after_next_file)  # locals filled as `x[a][b] = tensor`: their items are containers
         self._infer_kept_names: set = set()  # inference only: such containers in the environment (_infer_kept)
         self.state = State()
         self.out = Outcome()
@@ -329,6 +330,8 @@ class Flow(StoreRules, CallRules):
 
     def _read_after_next_file(self, node: ast.Name) -> None:
         stmt, val, ended = self._stale.pop(node.id)
+        if self._returning and val.obj and self.built_stores.get(val.obj):
+            return  # an object built around the tensors, returned: its constructor's store is the finding (once)
         if isinstance(ended, (ast.With, ast.AsyncWith)):
             self.report("OWN101", stmt, val, "container of a handle's tensors read past its close",
                         f"{self._what(val)} is kept in `{node.id}` past the close of its handle (the `with` at "
@@ -367,7 +370,11 @@ class Flow(StoreRules, CallRules):
 
     def _st_return(self, node: ast.Return) -> None:
         if node.value is not None:
-            val = self.ev(node.value)
+            self._returning = True
+            try:
+                val = self.ev(node.value)
+            finally:
+                self._returning = False
             if val is None and self._kept_containers and type(node.value) is ast.Name:
                 val = self._kept_containers.get(node.value.id)  # type: ignore[attr-defined]
             if self.infer and val is not None and val.seed is None and self.out.produced is None \
@@ -824,7 +831,14 @@ class Flow(StoreRules, CallRules):
     def _ev_dict(self, node: ast.Dict) -> Optional[Val]:
         for k in node.keys:
             self.ev(k)
-        return self.literal(node, node.values)
+        got: List[Optional[Val]] = []
+        made = self.literal(node, node.values, got)
+        spread = [v for k, v in zip(node.keys, got) if k is None and v is not None and v.kind == HOLDER and v.mapping]
+        for first, second in zip(spread, spread[1:]):  # `{**load_file(a), **load_file(b)}`
+            if two_files(first, second):
+                self.files_merged(node, first, second, "the dict built here")
+                break
+        return made
 
     def _ev_binop(self, node: ast.BinOp) -> Optional[Val]:
         left, right = self.ev(node.left), self.ev(node.right)
@@ -904,8 +918,9 @@ class Flow(StoreRules, CallRules):
             return base  # a dict or list of handles (``self._handles[filename]``): one handle
         return None
 
-    def literal(self, node: ast.AST, elts: Sequence[Optional[ast.AST]]) -> Optional[Val]:
-        vals: List[Optional[Val]] = []
+    def literal(self, node: ast.AST, elts: Sequence[Optional[ast.AST]],
+                got: Optional[List[Optional[Val]]] = None) -> Optional[Val]:
+        vals: List[Optional[Val]] = [] if got is None else got  # (`got`: the caller's, to see each element)
         for elt in elts:
             if isinstance(elt, ast.Starred):
                 inner = self.ev(elt.value)

@@ -94,7 +94,10 @@ class StoreRules:
             return
         root = root_of(container)
         held_by = self.state.env.get(root.name) if root.name and not root.through_attribute else None
-        if held_by is not None and held_by.mapping and held_by.step == val.step and not _two_files(held_by, val):
+        if held_by is not None and two_files(held_by, val) and how == "update":
+            self.files_merged(stmt, held_by, val, f"`{self.snip(root.node)}`")
+            return
+        if held_by is not None and held_by.mapping and held_by.step == val.step:
             return  # `weights[q_name] = qkv[:q]`: into the step's own dict of weights, which dies with the step
         place, index = self.place(root.name)
         if place == "local":
@@ -281,6 +284,14 @@ class StoreRules:
             self._nested_filled.add(nested)
         self.store_into(target.value, val, stmt, "subscript")
 
+    def files_merged(self, node: ast.AST, first: Val, second: Val, into: str) -> None:
+        """One file's whole dict merged with another's (``merged = load(a); merged.update(load(b))``,
+        ``{**base, **patch}``): the first file's tensors are kept past the second file's fetch, in the merged
+        dict (nunchaku's ``merge_safetensors``). Named by the file kept, not the one merged in."""
+        self.report("OWN101", node, first, "whole-file dict kept past the next file's fetch",
+                    f"{self._what(first)} is kept in {into} while {self._what(second)} is fetched and merged into "
+                    f"it: the first file's tensors outlive the next file's fetch", f"`{self.snip(node, 60)}`")
+
     def _put_back_in_loop(self, stmt: ast.AST, target: ast.Subscript, name: str) -> bool:
         """``for k, v in tensors.items(): tensors[k] = v.to(torch.bfloat16)``: each entry converted and put back
         into the dict it was read from (nunchaku's ``to_diffusers``), as ``name[k] = name[k].to(...)`` is."""
@@ -390,7 +401,7 @@ class StoreRules:
                         f"when the loader has moved on", f"`{name}` read {when} at line {use.lineno}")
 
 
-def _two_files(held_by: Val, val: Val) -> bool:
+def two_files(held_by: Val, val: Val) -> bool:
     """Is ``val`` another file's whole dict merged into ``held_by``, one file's dict (``state_dict =
     load(first); state_dict.update(load(second))``, nunchaku's ``merge_safetensors``)? The first file's tensors
     are then kept past the second file's fetch, in the merged dict: not the step's own dict any more."""
@@ -398,7 +409,7 @@ def _two_files(held_by: Val, val: Val) -> bool:
         return False
     first, other = held_by.chain[0], val.chain[0]
     return first.text.startswith("returned by") and other.text.startswith("returned by") and \
-        (first.line, first.function, first.path) != (other.line, other.function, other.path)
+        (first.line, first.function, first.path, first.text) != (other.line, other.function, other.path, other.text)
 
 
 def _read_back_from(stmt: ast.AST, target: ast.Subscript, name: str) -> bool:
@@ -424,4 +435,4 @@ def _names_a_key(index: ast.AST) -> bool:
     return isinstance(index, ast.JoinedStr) or (isinstance(index, ast.Constant) and isinstance(index.value, str))
 
 
-__all__ = ["StoreRules"]
+__all__ = ["StoreRules", "two_files"]

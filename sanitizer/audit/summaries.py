@@ -530,7 +530,7 @@ class ModuleAnalysis:
                 # `SetParameter(...)`s, whose constructors keep the tensor: one retention, at its first store)
                 if not any(link.text.startswith("kept by the new `") for link in val.chain):
                     flow.built_stores.setdefault(name, []).extend(
-                        (lambda f=fact, v=val: self._emit(flow, f.template, v, call_link, callee))
+                        (lambda f=fact, v=val, at=call_link: self._emit(flow, f.template, v, at, callee))
                         for fact in outcome.into_param if fact.index == 0)
             if result is None and val.kind == ITER and callee.is_generator and outcome.yields is not None:
                 result = val.then(ITER, Link(node.lineno, flow.fn, f"re-yielded by `{callee.name}()`"))

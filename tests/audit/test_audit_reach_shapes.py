@@ -1969,3 +1969,69 @@ def test_pinned_host_buffers_are_the_programs_own(tmp_path: Path):
     place is still one."""
     found = _audit(tmp_path, {"ckpt.py": PINNED})
     assert {(code, fn) for code, fn, _ in found} == {("OWN120", "scale_weights")}
+
+
+# -- a blind user's shapes (round 16): two files merged as a user writes it; one finding per retention ------
+USER_MERGES = '''
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+
+def spread_inline(p1, p2):
+    return {**load_file(p1), **load_file(p2)}
+
+
+def spread_names(p1, p2):
+    base = load_file(p1)
+    patch = load_file(p2)
+    return {**base, **patch}
+
+
+def copied_then_updated(p1, p2):
+    base = load_file(p1)
+    patch = load_file(p2)
+    merged = dict(base)
+    merged.update(patch)
+    return merged
+
+
+def one_file_extended(p1):
+    sd = load_file(p1)
+    return {**sd, "extra": sd["w"] * 2}
+
+
+class Parts:
+    def __init__(self, qweight, scales):
+        self.qweight = qweight
+        self.scales = scales
+
+
+class Bundle:
+    def __init__(self, layers):
+        self.layers = layers
+
+
+def read_one(path, n):
+    with safe_open(path, framework="pt") as f:
+        part = Parts(f.get_tensor(n + ".q"), f.get_tensor(n + ".s"))
+    return Bundle({n: part})
+'''
+
+
+def test_a_blind_users_merges_and_one_finding_for_an_object_returned_past_its_files_close(tmp_path: Path):
+    """Written from docs/audit.md alone by a user who had not read the rules: ``{**load_file(a),
+    **load_file(b)}``, ``{**base, **patch}`` and ``dict(base)`` then ``.update(patch)`` were missed (only a
+    merge into the first file's own dict was seen); each is now named by the file kept, the first. An object
+    built inside a ``with safe_open`` and returned wrapped was reported twice (its constructor's stores and a
+    read past the close): once now, at the constructor, each argument named as the parameter it is."""
+    result_paths = tmp_path / "user.py"
+    result_paths.write_text(textwrap.dedent(USER_MERGES))
+    result = audit_paths([str(result_paths)])
+    got = {(f.code, f.function, f.line) for f in result.findings}
+    assert got == {("OWN101", "spread_inline", 7), ("OWN101", "spread_names", 13),
+                   ("OWN101", "copied_then_updated", 20), ("OWN102", "Parts.__init__", 31),
+                   ("OWN102", "Parts.__init__", 32)}
+    merged = next(f for f in result.findings if f.function == "spread_names")
+    assert merged.message.startswith("`load_file(p1)` is kept in")
+    texts = {f.line: " ".join(link.text for link in f.chain) for f in result.findings if f.function == "Parts.__init__"}
+    assert "as `qweight`" in texts[31] and "as `scales`" in texts[32]
