@@ -17,7 +17,7 @@ from sanitizer.audit import vocabulary as V
 from sanitizer.audit.findings import Link
 from sanitizer.audit.index import dotted, param_default as _param_default
 from sanitizer.audit.targets import _CAMEL, constructed_locals, constructed_when, root_of
-from sanitizer.audit.values import (ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR, ELEM_HANDLE_PAIRS, ELEM_DICT, ELEM_PAIR, ELEM_TENSOR, HOLDER,
+from sanitizer.audit.values import (BUILT, ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR, ELEM_HANDLE_PAIRS, ELEM_DICT, ELEM_PAIR, ELEM_TENSOR, HOLDER,
                                     ITER, PAIR, SOURCE, TENSOR, UNRESOLVED, Val, element_of, handle_of, is_handles)
 
 _MAPPING_COPIES = frozenset({"dict", "OrderedDict", "defaultdict"})  # of a dict: its tensors, by name
@@ -638,7 +638,7 @@ class CallRules:
                     if v is not None and v.kind == TENSOR and not v.reported), None)
         if got is None:
             return None
-        return got.then(HOLDER, Link(node.lineno, self.fn, f"kept by the new `{last}` (a class the audit does not "
+        return got.then(HOLDER, Link(node.lineno, self.fn, f"{BUILT}{last}` (a class the audit does not "
                                                            f"read)"), elem=ELEM_TENSOR)
 
     def materialise(self, node: ast.AST, it: Val, how: str) -> Val:

@@ -34,7 +34,7 @@ from sanitizer.audit.stores import StoreRules, two_files
 from sanitizer.audit.targets import binding_kind, is_fresh_container, rebound_before_leaving, root_of
 from sanitizer.audit.values import (ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR, ELEM_PAIR, ELEM_TENSOR, HOLDER,
                                     ITER, PAIR, SOURCE, TENSOR, UNRESOLVED, IntoParam, Outcome, Slot, State, Val,
-                                    element_of, handle_of, handles_holding, is_handles)
+                                    built_class, element_of, handle_of, handles_holding, is_handles)
 
 _ACCESSORS = (ast.Attribute, ast.Subscript, ast.Call)  # values that may alias a container of a parameter/self
 _MATERIALISING_COMPS = {ast.ListComp: "list comprehension", ast.SetComp: "set comprehension",
@@ -57,7 +57,6 @@ _MISSING = object()
 _REMAPPER = re.compile(r"_?(remap|convert|rename|translate|map|fix|filter|prepare|preprocess|adapt)\w*")
 
 
-_BUILT = "kept by the new `"  # the link ModuleAnalysis._apply puts on an object built around a tensor
 
 
 _CLASS_CALL = re.compile(r"^(\w+\.)*_?[A-Z]\w*$")  # `Patch(...)`, `patches.ModelPatchRaw(...)`: a class named
@@ -404,8 +403,7 @@ class Flow(StoreRules, CallRules):
     def _built_inside(self, val: Val) -> bool:
         """Is ``val`` (an object) built around objects of the project's classes already built around the tensor
         (``Patch(layers={k: SetParameter(...)})``)? Their constructors keep it (Flow._returned_built)."""
-        return any(link.text.startswith(_BUILT) and link.text[len(_BUILT):].partition("`")[0] != val.obj
-                   for link in val.chain)
+        return any(built_class(link.text) not in ("", val.obj) for link in val.chain)
 
     def _returned_built(self, returned: ast.AST, val: Optional[Val]) -> None:
         """``layers[key] = SetParameterLayer("scale", sd["scale"])`` ... ``return Patch(layers=layers)``: objects of
@@ -421,8 +419,8 @@ class Flow(StoreRules, CallRules):
             if v is None or v.step != self.func_step:
                 continue
             for link in v.chain:
-                if link.function == self.fn and link.text.startswith(_BUILT):
-                    for emit in self.built_stores.pop(link.text[len(_BUILT):].partition("`")[0], ()):
+                if link.function == self.fn and built_class(link.text):
+                    for emit in self.built_stores.pop(built_class(link.text), ()):
                         emit()
 
     def _produces(self, returned: ast.AST, val: Val) -> bool:

@@ -34,7 +34,7 @@ from sanitizer.audit.project import Project
 from sanitizer.audit.settings import Settings
 from sanitizer.audit.snippets import Snippets
 from sanitizer.audit.targets import root_of
-from sanitizer.audit.values import HOLDER, ITER, SOURCE, TENSOR, Val
+from sanitizer.audit.values import BUILT, HOLDER, ITER, SOURCE, TENSOR, Val, built_class
 
 MAX_DEPTH = 3
 MAX_OVERRIDES = 16  # overrides of one method a ``self.`` call is followed into (a deep hierarchy: the nearest)
@@ -460,7 +460,7 @@ class ModuleAnalysis:
             val = flow.ev(expr) if not isinstance(expr, ast.Name) else flow.state.env.get(expr.id)
             if val is not None and val.holds_tensor:
                 name = built[1].qualname
-                return val.then(HOLDER, Link(node.lineno, flow.fn, f"kept by the new `{name}` (a dataclass)"), obj=name)
+                return val.then(HOLDER, Link(node.lineno, flow.fn, f"{BUILT}{name}` (a dataclass)"), obj=name)
         return UNRESOLVED
 
     def _apply(self, flow: Flow, node: ast.Call, target: Callee) -> Optional[Val]:
@@ -523,12 +523,12 @@ class ModuleAnalysis:
             if target.constructor and not module and constructor_result(outcome):
                 name = callee.qualname.split(".")[0]
                 if result is None:
-                    result = val.then(HOLDER, Link(node.lineno, flow.fn, f"kept by the new `{name}`"), obj=name)
+                    result = val.then(HOLDER, Link(node.lineno, flow.fn, f"{BUILT}{name}`"), obj=name)
                 # where the constructor itself stores the tensor on the new object (`self.up = up`): credited
                 # there if the caller only returns the object (Flow._st_return), as a module's constructor is
                 # (not for an object built around objects already built around it: `Patch(layers=layers)` of
                 # `SetParameter(...)`s, whose constructors keep the tensor: one retention, at its first store)
-                if not any(link.text.startswith("kept by the new `") for link in val.chain):
+                if not any(built_class(link.text) for link in val.chain):
                     flow.built_stores.setdefault(name, []).extend(
                         (lambda f=fact, v=val, at=call_link: self._emit(flow, f.template, v, at, callee))
                         for fact in outcome.into_param if fact.index == 0)

@@ -23,6 +23,15 @@ from sanitizer.audit.findings import Finding, Link
 
 ITER, PAIR, TENSOR, HOLDER, SOURCE = "iter", "pair", "tensor", "holder", "source"
 
+# How a chain says an object was built around the value (`kept by the new `Cls``): the constructor rules read
+# it back (the class, and whether the value is already inside such an object).
+BUILT = "kept by the new `"
+
+
+def built_class(text: str) -> str:
+    """The class a ``BUILT`` link names (``""`` for any other link)."""
+    return text[len(BUILT):].partition("`")[0] if text.startswith(BUILT) else ""
+
 # What one item of an ITER (or one element of a HOLDER) is.
 ELEM_PAIR, ELEM_TENSOR, ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR = "pair", "tensor", "enum-pair", "enum-tensor"
 # A SOURCE whose ``elem`` is one of these is a container of handles, not a handle: a list or dict of them
@@ -182,6 +191,6 @@ class Unresolved:
 
 UNRESOLVED = Unresolved()
 
-__all__ = ["Val", "element_of", "Slot", "State", "IntoParam", "Outcome", "UNRESOLVED", "COMPREHENSIONS", "ITER", "PAIR", "TENSOR", "HOLDER", "SOURCE",
+__all__ = ["BUILT", "built_class", "Val", "element_of", "Slot", "State", "IntoParam", "Outcome", "UNRESOLVED", "COMPREHENSIONS", "ITER", "PAIR", "TENSOR", "HOLDER", "SOURCE",
            "ELEM_PAIR", "ELEM_TENSOR", "ELEM_ENUM_PAIR", "ELEM_ENUM_TENSOR", "ELEM_HANDLES", "ELEM_HANDLE_PAIRS", "ELEM_STREAMS", "ELEM_DICT",
            "is_handles", "handle_of", "handles_holding"]
