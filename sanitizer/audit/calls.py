@@ -199,6 +199,35 @@ class CallRules:
         # bound once to a new object, or (rebound later: `model = cast(model)`) still so when the call is made
         return expr.id in memo or constructed_when(self.info.node, expr.id, getattr(expr, "lineno", 0)) is not None
 
+    def _condition_arg(self, node: ast.Call, found) -> Optional[ast.AST]:  # type: ignore[no-untyped-def]
+        """The argument a call passes for an inferred producer's condition parameter (``found.when``), or None."""
+        for kw in node.keywords:
+            if kw.arg == found.when:
+                return kw.value
+        if 0 <= found.when_position < len(node.args) and not any(isinstance(a, ast.Starred) for a in node.args):
+            return node.args[found.when_position]
+        return None
+
+    def _condition_holds(self, node: ast.Call, found) -> bool:  # type: ignore[no-untyped-def]
+        """Does this call of a producer that borrows only when a parameter is true pass it true (or leave a true
+        default, or pass something the audit cannot know)?"""
+        arg = self._condition_arg(node, found)
+        if arg is None:
+            return found.when_default or any(kw.arg is None for kw in node.keywords)  # (`**kwargs` may set it)
+        return not isinstance(arg, ast.Constant) or bool(arg.value)
+
+    def _borrowed_when(self, node: ast.Call, name: str, builtin: str, found) -> str:  # type: ignore[no-untyped-def]
+        """The parameter of this function a borrowing call depends on: ``torch.load(path, mmap=mmap)`` with
+        ``mmap`` a parameter, or a producer's condition passed on as one (``read(path, mmap=use_mmap)``)."""
+        if builtin == "dict" and name == "torch.load":
+            arg = next((kw.value for kw in node.keywords if kw.arg == "mmap"), None)
+        elif found is not None and found.when:
+            arg = self._condition_arg(node, found)
+        else:
+            return ""
+        params = {a.arg for a in self.info.params}
+        return arg.id if isinstance(arg, ast.Name) and arg.id in params else ""
+
     def _is_module(self, func: ast.AST) -> bool:
         """``torch.add(...)``, ``np.put(...)``: a module's function, not a container's method."""
         root = root_of(func.value) if isinstance(func, ast.Attribute) else None  # type: ignore[attr-defined]
@@ -391,6 +420,9 @@ class CallRules:
         configured = builtin or (self.producer_kind(name) if self.producer_kind is not None else None)
         if configured is None:
             configured = self._typed_receiver_producer(node)
+        found = getattr(configured, "found", None)
+        if found is not None and found.when and not self._condition_holds(node, found):
+            return None  # `read(path)` of `def read(path, mmap=False)`: this call borrows nothing
         if configured in ("tensor", "dict", "holder"):
             # a getter (`weights.get_tensor(n)`, `load_file(path)`, a helper inferred to return one): borrowed,
             # valid for the step that fetched it, as a source's `f.get_tensor(k)` is (the innermost statement
@@ -403,6 +435,9 @@ class CallRules:
             made = Val(TENSOR if configured == "tensor" else HOLDER, step, (Link(node.lineno, self.fn, text),),
                        self.fn, label=f"`{self.snip(node, 40)}`", convert=getattr(configured, "convert", ""),
                        mapping=configured == "dict")
+            when = self._borrowed_when(node, name, builtin, found)
+            if when:
+                made = made.then(when=when)
             parts = getattr(configured, "parts", ())
             if configured in ("dict", "holder") and parts:  # `model, sd, meta = cls._build_model(path)`: `sd` only
                 made = made.then(mapping=False, parts=tuple(

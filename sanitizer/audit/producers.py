@@ -55,12 +55,15 @@ class Produced(str):
     convert: str
     origin: str
     parts: Tuple[str, ...]  # a returned tuple's elements' kinds ("" for one that holds no tensor)
+    found: Optional["Inferred"]  # the inferred producer itself (its `when`: borrowed only if a parameter is true)
 
-    def __new__(cls, kind: str, convert: str = "", origin: str = "", parts: Tuple[str, ...] = ()) -> "Produced":
+    def __new__(cls, kind: str, convert: str = "", origin: str = "", parts: Tuple[str, ...] = (),
+                found: Optional["Inferred"] = None) -> "Produced":
         made = super().__new__(cls, kind)
         made.convert = convert
         made.origin = origin
         made.parts = parts
+        made.found = found
         return made
 
 
@@ -78,10 +81,17 @@ class Inferred:
     # what each element of the tuple it returns is (`return model, state_dict, metadata`: ("", "dict", "")):
     # unpacked, only those elements are borrowed (nunchaku's `transformer, sd, meta = cls._build_model(path)`)
     parts: Tuple[str, ...] = ()
+    # borrowed only when this parameter is true (`def read(path, mmap=False): return torch.load(path, mmap=mmap)`):
+    # its name, its position among the call's arguments (-1: keyword only) and whether its default is true
+    when: str = ""
+    when_position: int = -1
+    when_default: bool = True
 
     def describe(self) -> str:
         conv = f", applies `{self.convert}`" if self.convert else ""
-        return f"{self.name}={self.kind} ({self.path}:{self.line} `{self.qualname}`{conv}; reaches {self.api})"
+        cond = f", when `{self.when}` is true" if self.when else ""
+        return (f"{self.name}={self.kind} ({self.path}:{self.line} `{self.qualname}`{conv}{cond}; "
+                f"reaches {self.api})")
 
 
 @dataclass
@@ -104,14 +114,14 @@ class InferredProducers:
         if found is None:
             return None
         return Produced(found.kind, found.convert, f"`{found.qualname}` ({found.path}:{found.line}), "
-                                                     f"reaching {found.api}", found.parts)
+                                                     f"reaching {found.api}", found.parts, found)
 
     def kind_of_method(self, cls: str, meth: str) -> Optional[Produced]:
         found = self.by_method.get(f"{cls}.{meth}")
         if found is None:
             return None
         return Produced(found.kind, found.convert, f"`{found.qualname}` ({found.path}:{found.line}), "
-                                                     f"reaching {found.api}", found.parts)
+                                                     f"reaching {found.api}", found.parts, found)
 
     def mentioned_in(self, text: str) -> bool:
         """Does the module's text name any inferred producer (a cheap pre-check before its functions are
@@ -371,7 +381,8 @@ def record_method(found: Dict[str, Inferred], info: FunctionInfo, path: str, val
     if key in found:
         return False
     found[key] = Inferred(info.name, info.qualname, path, info.node.lineno, kind,  # type: ignore[attr-defined]
-                          val.convert if kind == "tensor" else "", api_of(val, path), parts_of(val, generator))
+                          val.convert if kind == "tensor" else "", api_of(val, path), parts_of(val, generator),
+                          *condition_of(info, val))
     return True
 
 
@@ -380,6 +391,25 @@ def parts_of(val: Val, generator: bool) -> Tuple[str, ...]:
     if generator or val.kind != HOLDER or val.parts is None:
         return ()
     return tuple((kind_of_value(p, False) or "") if p is not None else "" for p in val.parts)
+
+
+def condition_of(info: FunctionInfo, val: Val) -> Tuple[str, int, bool]:
+    """(name, position among a call's arguments, default) of the parameter ``val`` is borrowed under
+    (``Val.when``), or ("", -1, True): a call that passes it false, or leaves a false default, gets no borrowed
+    tensor (``def read(path, mmap=False): return torch.load(path, mmap=mmap)``; a blind user's false alarm)."""
+    if not val.when:
+        return "", -1, True
+    args = info.node.args  # type: ignore[attr-defined]
+    positional = list(args.posonlyargs) + list(args.args)
+    defaults = dict(zip([a.arg for a in positional[len(positional) - len(args.defaults):]], args.defaults))
+    defaults.update({a.arg: d for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None})
+    default = defaults.get(val.when)
+    truthy = not isinstance(default, ast.Constant) or bool(default.value)
+    names = [a.arg for a in positional]
+    position = names.index(val.when) if val.when in names else -1
+    if position >= 0 and info.is_method:
+        position -= 1  # `self`/`cls` is not among a call's arguments
+    return val.when, position, truthy
 
 
 def _dunder(name: str) -> bool:
@@ -395,7 +425,8 @@ def record(found: Dict[str, Inferred], info: FunctionInfo, path: str, val: Val, 
     if kind is None or name in GENERIC_NAMES or _dunder(name):
         return False
     mine = Inferred(name, info.qualname, path, info.node.lineno, kind,  # type: ignore[attr-defined]
-                    val.convert if kind == "tensor" else "", api_of(val, path), parts_of(val, generator))
+                    val.convert if kind == "tensor" else "", api_of(val, path), parts_of(val, generator),
+                    *condition_of(info, val))
     old = found.get(name)
     if old is not None and (old.path, old.line) != (mine.path, mine.line):
         rank = ("tensor", "dict", "iterator", "dicts", "holder", "source")

@@ -66,6 +66,9 @@ class Val:
     convert: str = ""  # the chain passed a conversion that copies unless it is a no-op (``.to(dtype)``)
     obj: str = ""  # HOLDER only: the class of the object just built around the tensor (``KVScales(k, v)``)
     stream: Optional["Val"] = None  # a container of streams (ELEM_STREAMS) only: one of its streams
+    # borrowed only when the function's parameter of this name is true (`torch.load(path, mmap=mmap)`): what a
+    # producer inferred from it hands out depends on what each call passes (producers.Inferred.when)
+    when: str = ""
 
     def then(self, kind: Optional[str] = None, link: Optional[Link] = None, **changes) -> "Val":
         """This value after one more step of the chain (a view, a store, a call). A copy of the fields,

@@ -2035,3 +2035,46 @@ def test_a_blind_users_merges_and_one_finding_for_an_object_returned_past_its_fi
     assert merged.message.startswith("`load_file(p1)` is kept in")
     texts = {f.line: " ".join(link.text for link in f.chain) for f in result.findings if f.function == "Parts.__init__"}
     assert "as `qweight`" in texts[31] and "as `scales`" in texts[32]
+
+
+# -- a producer that borrows only when its caller asks (a blind user's false alarm, round 16) ----------------
+MMAP_PARAMETER = '''
+import torch
+
+
+def read_ckpt(path, mmap=False):
+    return torch.load(path, mmap=mmap, weights_only=True)
+
+
+def read_default_on(path, use_mmap=True):
+    return read_ckpt(path, mmap=use_mmap)
+
+
+class A:
+    def lazy(self, p):
+        self.x = read_ckpt(p, mmap=True)["x"]
+
+    def lazy_positional(self, p):
+        self.w = read_ckpt(p, True)["w"]
+
+    def eager(self, p):
+        self.y = read_ckpt(p)["y"]
+
+    def eager_said(self, p):
+        self.z = read_ckpt(p, mmap=False)["z"]
+
+    def through_a_default_on(self, p):
+        self.v = read_default_on(p)["v"]
+
+    def through_a_default_off(self, p):
+        self.u = read_default_on(p, use_mmap=False)["u"]
+'''
+
+
+def test_a_producer_that_borrows_only_when_a_parameter_is_true_is_judged_per_call(tmp_path: Path):
+    """``def read_ckpt(path, mmap=False): return torch.load(path, mmap=mmap)`` borrows only when a call passes
+    ``mmap`` true: it was one producer of a dict for every call, so ``read_ckpt(p)["y"]`` kept on ``self`` was a
+    false alarm (a blind user's, from docs/audit.md). Each call is judged by what it passes (keyword or
+    position), else by the default, through a wrapper that passes its own parameter on."""
+    found = _audit(tmp_path, {"ckpt.py": MMAP_PARAMETER})
+    assert _functions(found) == {"A.lazy", "A.lazy_positional", "A.through_a_default_on"}
