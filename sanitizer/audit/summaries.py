@@ -120,10 +120,13 @@ class ModuleAnalysis:
                 or self._typed_object_method(flow, base.id, func.attr)
         if isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super" and cls:
             for b in cls.bases:
-                other = index.classes.get(b.rpartition(".")[2])
-                m = index.method(other, func.attr) if other is not None else None
-                if m is not None:
-                    return Callee(m, 0 if m.is_static else 1, False)
+                # a base of this module, or one imported from another audited module (InvokeAI's LoRA layers'
+                # `super().__init__(alpha, bias)` into `LoRALayerBase.__init__`, whose `self.bias = bias` keeps it)
+                owner = self.base_class(b.rpartition(".")[2], cls)
+                found = owner[0].find_method(owner[1], func.attr, set()) if owner is not None else None
+                if found is not None:
+                    m, where = found
+                    return Callee(m, 0 if m.is_static else 1, False, where if where is not self else None)
         return None
 
     def _typed_object_method(self, flow: Flow, name: str, attr: str) -> Optional[Callee]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 import re
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from sanitizer.audit import vocabulary as V
 from sanitizer.audit.index import dotted
@@ -247,25 +247,28 @@ def constructed_when(fn: ast.AST, name: str, line: int) -> Optional[str]:
     return None
 
 
-def _blocks_of(fn: ast.AST) -> Dict[int, Tuple[list, int]]:
+def _blocks_of(fn: ast.AST, owners: Optional[Dict[int, ast.AST]] = None) -> Dict[int, Tuple[list, int]]:
     """Every statement of ``fn`` (nested functions and classes excluded), by id: the statement list it is in
-    and its place there."""
+    and its place there; and, in ``owners``, each statement list's statement (by the list's id: an ``except``
+    clause's is its ``try``)."""
     where: Dict[int, Tuple[list, int]] = {}
-    stack = [fn]
+    stack: List[Tuple[ast.AST, Optional[ast.AST]]] = [(fn, None)]
     while stack:
-        node = stack.pop()
+        node, owner = stack.pop()
         for field in ("body", "orelse", "finalbody"):
             block = getattr(node, field, None)
             if isinstance(block, list):
+                if owners is not None:
+                    owners[id(block)] = owner if owner is not None else node
                 for i, stmt in enumerate(block):
                     if isinstance(stmt, ast.stmt):
                         where[id(stmt)] = (block, i)
                         if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
-                            stack.append(stmt)
+                            stack.append((stmt, None))
         for handler in getattr(node, "handlers", ()) or ():
-            stack.append(handler)
+            stack.append((handler, node))
         for case in getattr(node, "cases", ()) or ():
-            stack.append(case)
+            stack.append((case, node))
     return where
 
 
@@ -286,28 +289,37 @@ def rebound_before_leaving(fn: ast.AST, memo: Dict[int, Dict[int, Tuple[list, in
     replaced before the step ends (LightX2V's quantizing loaders: ``self.weight = w.to(torch.float32)``, then
     ``self.weight, self.scale = quantize(self.weight)``), and the later store is judged on its own."""
     where = memo.get(id(fn))
-    if where is None:
-        where = memo[id(fn)] = _blocks_of(fn)
+    owners = memo.get(-id(fn))
+    if where is None or owners is None:
+        owners = {}
+        where = memo[id(fn)] = _blocks_of(fn, owners)
+        memo[-id(fn)] = owners  # type: ignore[assignment]
     found = where.get(id(stmt))
-    if found is None:
-        return False
-    block, index = found
     key = _shape(target)
-    for later in block[index + 1:]:
-        if isinstance(later, (ast.Assign, ast.Delete)):
-            targets = list(later.targets)
-        elif isinstance(later, ast.AnnAssign) and later.value is not None:
-            targets = [later.target]
-        else:
-            targets = []  # (an augmented assignment writes into what is there: no rebinding)
-        while targets:
-            t = targets.pop()
-            if isinstance(t, (ast.Tuple, ast.List)):
-                targets.extend(t.elts)
-            elif isinstance(t, ast.Attribute) and _shape(t) == key:
-                return True
-        if any(isinstance(n, _LEAVES) for n in ast.walk(later)):
+    while found is not None:
+        block, index = found
+        for later in block[index + 1:]:
+            if isinstance(later, (ast.Assign, ast.Delete)):
+                targets = list(later.targets)
+            elif isinstance(later, ast.AnnAssign) and later.value is not None:
+                targets = [later.target]
+            else:
+                targets = []  # (an augmented assignment writes into what is there: no rebinding)
+            while targets:
+                t = targets.pop()
+                if isinstance(t, (ast.Tuple, ast.List)):
+                    targets.extend(t.elts)
+                elif isinstance(t, ast.Attribute) and _shape(t) == key:
+                    return True
+            if any(isinstance(n, _LEAVES) for n in ast.walk(later)):
+                return False
+        # the block ends: go on after the `if`/`with`/`try` it belongs to (LightX2V's `_apply_weights` stores
+        # `self.original_weight_dict` under an `if` and deletes it at the function's end); not past a loop,
+        # whose next iteration runs its earlier statements first
+        owner = owners.get(id(block))  # type: ignore[union-attr]
+        if not isinstance(owner, (ast.If, ast.With, ast.AsyncWith, ast.Try)):
             return False
+        found = where.get(id(owner))
     return False
 
 

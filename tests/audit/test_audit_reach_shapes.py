@@ -2078,3 +2078,55 @@ def test_a_producer_that_borrows_only_when_a_parameter_is_true_is_judged_per_cal
     position), else by the default, through a wrapper that passes its own parameter on."""
     found = _audit(tmp_path, {"ckpt.py": MMAP_PARAMETER})
     assert _functions(found) == {"A.lazy", "A.lazy_positional", "A.through_a_default_on"}
+
+
+# -- a base constructor in another module reached through super(); an attribute deleted before leaving -------
+LAYER_BASE = '''
+import torch
+
+
+class LayerBase:
+    def __init__(self, alpha, bias):
+        self.alpha = alpha
+        self.bias = bias
+
+
+class Model:
+    def apply_weights(self, weight_dict=None):
+        if weight_dict is not None:
+            self.original_weight_dict = weight_dict
+        self.pre.load(self.original_weight_dict)
+        del self.original_weight_dict
+'''
+
+LAYER_FULL = '''
+from typing import Dict, Optional
+import torch
+from layer_base import LayerBase, Model
+
+
+class FullLayer(LayerBase):
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+        super().__init__(alpha=None, bias=bias)
+        self.weight = torch.nn.Parameter(weight)
+
+    @classmethod
+    def from_values(cls, values: Dict[str, torch.Tensor]):
+        return cls(weight=values["diff"], bias=values.get("diff_b", None))
+
+
+class QuantModel(Model):
+    def apply_weights(self, weight_dict: Dict[str, torch.Tensor] = None):
+        scale = weight_dict["scale"]
+        super().apply_weights(weight_dict)
+        return scale.shape
+'''
+
+
+def test_a_base_constructor_in_another_module_and_an_attribute_deleted_before_leaving(tmp_path: Path):
+    """InvokeAI's ``FullLayer.__init__`` hands ``bias`` to ``super().__init__``, whose ``self.bias = bias`` (in
+    ``lora_layer_base.py``) keeps it: the base was followed only in the same module, so the store was reported
+    at the ``super()`` call. LightX2V's ``_apply_weights`` keeps the dict on ``self`` under an ``if`` and deletes it
+    at the end of the call: nothing outlives the call (a false alarm once the base was followed)."""
+    found = _audit(tmp_path, {"layer_base.py": LAYER_BASE, "layers.py": LAYER_FULL})
+    assert {(fn, line) for _, fn, line in found} == {("LayerBase.__init__", 8), ("FullLayer.__init__", 10)}
