@@ -55,11 +55,8 @@ _MISSING = object()
 # An unknown function named for turning one dict of weights into another (its keys renamed or filtered):
 # ``_remap_adapter_state_dict_for_load``, ``convert_peft_adapter_state_dict``, ``rename_keys``
 _REMAPPER = re.compile(r"_?(remap|convert|rename|translate|map|fix|filter|prepare|preprocess|adapt)\w*")
-
-
-
-
-_CLASS_CALL = re.compile(r"^(\w+\.)*_?[A-Z]\w*$")  # `Patch(...)`, `patches.ModelPatchRaw(...)`: a class named
+# A call spelt as a class (`Patch(...)`, `patches.ModelPatchRaw(...)`): an object built around its arguments
+_CLASS_CALL = re.compile(r"^(\w+\.)*_?[A-Z]\w*$")
 
 
 def _handed_names(expr: ast.AST) -> List[str]:
@@ -134,8 +131,8 @@ class Flow(StoreRules, CallRules):
         # the constructor's own stores of it (summaries.ModuleAnalysis._apply; used when the object is returned)
         self.built_stores: Dict[str, List[Callable[[], None]]] = {}
         self.built_in: Dict[str, set] = {}  # local containers such objects were stored in: their classes
-        self._nested_filled: set = set()
-        self._returning = False  # evaluating a `return`'s value (Flow._read_after_next_file)  # locals filled as `x[a][b] = tensor`: their items are containers
+        self._nested_filled: set = set()  # locals filled as `x[a][b] = tensor`: their items are containers
+        self._returning = False  # evaluating a `return`'s value (Flow._read_after_next_file)
         self._infer_kept_names: set = set()  # inference only: such containers in the environment (_infer_kept)
         self.state = State()
         self.out = Outcome()
