@@ -199,6 +199,11 @@ class CallRules:
         # bound once to a new object, or (rebound later: `model = cast(model)`) still so when the call is made
         return expr.id in memo or constructed_when(self.info.node, expr.id, getattr(expr, "lineno", 0)) is not None
 
+    def inferred_producers(self):  # type: ignore[no-untyped-def]
+        """The project's inferred producers (:class:`~.producers.InferredProducers`) the walk was given, through
+        the settings whose ``producer_kind`` it holds, or None."""
+        return getattr(getattr(self.producer_kind, "__self__", None), "inferred", None)
+
     def _condition_arg(self, node: ast.Call, found) -> Optional[ast.AST]:  # type: ignore[no-untyped-def]
         """The argument a call passes for an inferred producer's condition parameter (``found.when``), or None."""
         for kw in node.keywords:
@@ -611,8 +616,7 @@ class CallRules:
         if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)):
             return None
         ann = self.annotations.get(func.value.id)
-        settings = getattr(self.producer_kind, "__self__", None)
-        inferred = getattr(settings, "inferred", None)
+        inferred = self.inferred_producers()
         if not ann or inferred is None or not inferred.by_method:
             return None
         for cls in V.ANNOTATED_CLASS.findall(ann):

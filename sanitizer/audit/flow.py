@@ -193,8 +193,7 @@ class Flow(StoreRules, CallRules):
         something the audit cannot read, in a project where a class's ``__getitem__`` reads a loader (a lazy
         ``Mapping`` of weights, :func:`~sanitizer.audit.producers.record_mapping`): a mapping of weights,
         each lookup a tensor valid for the step that made it, as for a ``Mapping``-annotated attribute."""
-        settings = getattr(self.producer_kind, "__self__", None)
-        inferred = getattr(settings, "inferred", None)
+        inferred = self.inferred_producers()
         if inferred is None or not inferred.mappings or not V.LAZY_MAPPING_TYPE.match(annotation_text(node.annotation)):
             return None
         some = next(iter(inferred.mappings.values()))
@@ -206,8 +205,7 @@ class Flow(StoreRules, CallRules):
         """``def materialize(model, disk_map: DiskMap)`` (DiffSynth): a parameter annotated with a class of the
         project whose ``__getitem__`` reads a loader is a mapping of weights, each lookup a tensor valid for
         the step that made it, as the same class kept on ``self`` is (:class:`~.producers.SelfSources`)."""
-        settings = getattr(self.producer_kind, "__self__", None)
-        inferred = getattr(settings, "inferred", None)
+        inferred = self.inferred_producers()
         if inferred is None or not inferred.mappings:
             return
         for arg in self.info.params:

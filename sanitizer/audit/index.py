@@ -421,19 +421,24 @@ def _statements(body: List[ast.stmt]) -> Iterator[ast.stmt]:
         stack.extend(reversed(inner))
 
 
+def param_defaults(info: "FunctionInfo") -> Dict[str, ast.expr]:
+    """Every parameter of ``info`` that has a default, by name, with its default expression."""
+    args = getattr(info.node, "args", None)
+    if args is None:
+        return {}
+    positional = list(args.posonlyargs) + list(args.args)
+    out = {a.arg: d for a, d in zip(positional[len(positional) - len(args.defaults):], args.defaults)}
+    out.update({a.arg: d for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None})
+    return out
+
+
 def param_default(info: "FunctionInfo", name: str) -> Optional[ast.expr]:
     """The default of parameter ``name`` of ``info`` when it names a function (``convert=to_default``):
     what a call through the parameter runs unless the caller passes another (None otherwise)."""
-    args = getattr(info.node, "args", None)
-    if args is None:
-        return None
-    positional = list(args.posonlyargs) + list(args.args)
-    pairs = list(zip(positional[len(positional) - len(args.defaults):], args.defaults)) + \
-        [(a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None]
-    for arg, default in pairs:
-        if arg.arg == name and isinstance(default, (ast.Name, ast.Attribute)) and not (
-                isinstance(default, ast.Name) and default.id in ("None", "True", "False")):
-            return default
+    default = param_defaults(info).get(name)
+    if isinstance(default, (ast.Name, ast.Attribute)) and not (
+            isinstance(default, ast.Name) and default.id in ("None", "True", "False")):
+        return default
     return None
 
 

@@ -35,7 +35,7 @@ from typing import Callable, Collection, Dict, List, Optional, Tuple
 
 from sanitizer.audit import vocabulary as V
 from sanitizer.audit.findings import Link
-from sanitizer.audit.index import ClassInfo, FunctionInfo, ModuleIndex, annotation_text, dotted
+from sanitizer.audit.index import ClassInfo, FunctionInfo, ModuleIndex, annotation_text, dotted, param_defaults
 from sanitizer.audit.values import HOLDER, ITER, PAIR, SOURCE, TENSOR, Val
 
 MAX_ROUNDS = 8
@@ -399,13 +399,10 @@ def condition_of(info: FunctionInfo, val: Val) -> Tuple[str, int, bool]:
     tensor (``def read(path, mmap=False): return torch.load(path, mmap=mmap)``; a blind user's false alarm)."""
     if not val.when:
         return "", -1, True
-    args = info.node.args  # type: ignore[attr-defined]
-    positional = list(args.posonlyargs) + list(args.args)
-    defaults = dict(zip([a.arg for a in positional[len(positional) - len(args.defaults):]], args.defaults))
-    defaults.update({a.arg: d for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None})
-    default = defaults.get(val.when)
+    default = param_defaults(info).get(val.when)
     truthy = not isinstance(default, ast.Constant) or bool(default.value)
-    names = [a.arg for a in positional]
+    args = info.node.args  # type: ignore[attr-defined]
+    names = [a.arg for a in list(args.posonlyargs) + list(args.args)]
     position = names.index(val.when) if val.when in names else -1
     if position >= 0 and info.is_method:
         position -= 1  # `self`/`cls` is not among a call's arguments
