@@ -608,25 +608,50 @@ class Flow(StoreRules, CallRules):
         accessor = isinstance(value, _ACCESSORS)
         param = self._alias_param(value) if accessor or type(value) is ast.Name else None
         fresh, loops = param is None and is_fresh_container(value), self._loops_t
-        inner = self._fresh_inner(value) if param is None and not fresh else None
+        inner = self._fresh_inner(value, name) if param is None and not fresh else None
+        inside = None
         if inner is not None:  # `stash = buf.setdefault(key, {})`: a container inside a fresh local one
-            fresh, loops = True, inner.loops
+            fresh, loops, inside = True, inner[1].loops, inner[1].inside or inner[0]
+            if type(value) is ast.Subscript:  # walked into an inner dict: none of the outer one's tensors
+                self.state.env.pop(name, None)
         self.state.slots[name] = Slot(fresh, loops, "tainted" if val is not None else binding_kind(value), param,
-                                      accessor and self._alias_self(value))
+                                      accessor and self._alias_self(value), inside)
         if (val is not None and not loop_target and val.holds_tensor and val.step in self.loop_nodes
                 and val.step in self.loops and not val.reported):
             self._kept.setdefault((name, val.step), (stmt, val, getattr(stmt, "lineno", 0)))
 
-    def _fresh_inner(self, value: Optional[ast.AST]) -> Optional[Slot]:
+    def _nesting_names(self) -> frozenset:
+        """Names this function stores new containers into (``node[part] = {}``): nested dicts it builds, so
+        ``node = node[part]`` walks into one of those containers, not to an element that is a tensor."""
+        try:
+            return self._nesting_cached
+        except AttributeError:
+            self._nesting_cached: frozenset = frozenset(
+                t.value.id for n in ast.walk(self.info.node) if isinstance(n, ast.Assign)  # type: ignore[union-attr]
+                and is_fresh_container(n.value) for t in n.targets
+                if isinstance(t, ast.Subscript) and type(t.value) is ast.Name)  # type: ignore[attr-defined]
+            return self._nesting_cached
+
+    def _fresh_inner(self, value: Optional[ast.AST], name: str) -> Optional[Tuple[str, Slot]]:
         """``stash = buf.setdefault(key, {})`` with ``buf`` a fresh local container: ``stash`` is a new container
-        kept inside ``buf``, so it lives as long as ``buf`` does (the slot of ``buf``), and what is stored in it
-        dies with ``buf``'s step, as what is stored in ``buf`` does (timm's BEiT-3 converter gathers q/k/v so)."""
-        if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
-                and value.func.attr == "setdefault" and len(value.args) == 2
-                and is_fresh_container(value.args[1]) and type(value.func.value) is ast.Name):
+        kept inside ``buf``, so it lives as long as ``buf`` does (the name and slot of ``buf``), and what is
+        stored in it dies with ``buf``'s step, as what is stored in ``buf`` does (timm's BEiT-3 converter gathers
+        q/k/v so). The same for ``node = out`` and ``node = node[part]``, the walk into a nested fresh dict that
+        ``unflatten_dict`` helpers make (lerobot's): ``node[leaf] = v`` stores into ``out``."""
+        if type(value) is ast.Name:  # `node = out`: the same fresh container under a second name
+            base: Optional[ast.AST] = value
+        elif type(value) is ast.Subscript and type(value.value) is ast.Name and value.value.id == name \
+                and name in self._nesting_names():
+            # `node = node[part]` walking a nested fresh dict (`unflatten_dict`): an inner container of it
+            base = value.value
+        elif (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+              and value.func.attr == "setdefault" and len(value.args) == 2
+              and is_fresh_container(value.args[1]) and type(value.func.value) is ast.Name):
+            base = value.func.value
+        else:
             return None
-        slot = self.state.slots.get(value.func.value.id)  # type: ignore[attr-defined]
-        return slot if slot is not None and slot.fresh and slot.param is None else None
+        slot = self.state.slots.get(base.id)  # type: ignore[attr-defined]
+        return (base.id, slot) if slot is not None and slot.fresh and slot.param is None else None  # type: ignore[attr-defined]
 
     def _alias_param(self, value: Optional[ast.AST]) -> Optional[int]:
         """``entry = buf.setdefault(k, {})``, ``lst = buf[k]``: an alias of parameter ``buf``'s container."""

@@ -110,6 +110,9 @@ class StoreRules:
                     link = Link(getattr(stmt, "lineno", 0), self.fn, f"stored in `{self.snip(root.node)}` (dies with the step)")
                     self.state.env[root.name] = val.then(HOLDER, link, elem=ELEM_PAIR if val.kind == PAIR
                                                          else ELEM_TENSOR)  # type: ignore[index]
+                outer = self.state.env.get(slot.inside) if slot.inside else None
+                if slot.inside and (outer is None or outer.kind != HOLDER):  # `node[leaf] = v`, `node` inside `out`
+                    self.state.env[slot.inside] = self.state.env[root.name]  # type: ignore[index]
                 if val.kind == HOLDER and val.chain and val.chain[0].text.startswith("returned by") \
                         and not root.through_attribute:
                     self._parked.setdefault(root.name, (stmt, val))  # type: ignore[attr-defined]

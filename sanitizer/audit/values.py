@@ -137,6 +137,9 @@ class Slot:
     kind: str = "unknown"  # 'container', 'tensor' or 'unknown' (for subscript stores)
     param: Optional[int] = None  # a parameter, or an alias of a parameter's container: its index
     self_alias: bool = False  # bound from an attribute of self
+    # the fresh local container this one is, or is kept inside (`node = out`, `node = node[part]`,
+    # `stash = buf.setdefault(k, {})`): what is stored here is held by that one too
+    inside: Optional[str] = None
 
 
 @dataclass

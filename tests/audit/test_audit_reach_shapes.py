@@ -2130,3 +2130,73 @@ def test_a_base_constructor_in_another_module_and_an_attribute_deleted_before_le
     at the end of the call: nothing outlives the call (a false alarm once the base was followed)."""
     found = _audit(tmp_path, {"layer_base.py": LAYER_BASE, "layers.py": LAYER_FULL})
     assert {(fn, line) for _, fn, line in found} == {("LayerBase.__init__", 8), ("FullLayer.__init__", 10)}
+
+
+# -- a walk into a nested fresh dict: `node = out` then `node = node[part]` (lerobot's unflatten_dict) -------
+NESTED_WALK = '''
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+
+def nest(flat: dict, sep: str = "/") -> dict:
+    out = {}
+    for key, value in flat.items():
+        parts = key.split(sep)
+        node = out
+        for part in parts[:-1]:
+            if part not in node:
+                node[part] = {}
+            node = node[part]
+        node[parts[-1]] = value
+    return out
+
+
+def load_nested(path):
+    return nest(load_file(path))
+
+
+def gather_nested(path):
+    out = {}
+    with safe_open(path, "pt") as f:
+        for key in f.keys():
+            node = out
+            for part in key.split(".")[:-1]:
+                if part not in node:
+                    node[part] = {}
+                node = node[part]
+            node[key.split(".")[-1]] = f.get_tensor(key)
+    return out
+
+
+def renamed(path, lora_path):
+    base = load_file(path)
+    scale = base["scale"].clone()
+    lora = load_file(lora_path)
+    fresh = {}
+    for k, v in lora.items():
+        fresh[k.replace("lora.", "")] = v
+    lora = fresh
+    for k in list(lora):
+        lora[k] = lora[k] * scale
+    return lora
+
+
+def first_of_list(path):
+    got = []
+    with safe_open(path, "pt") as f:
+        for key in f.keys():
+            got.append(f.get_tensor(key))
+    got = got[0]
+    return got
+'''
+
+
+def test_a_walk_into_a_nested_fresh_dict_stores_into_that_dict(tmp_path: Path):
+    """``node = out`` and ``node = node[part]`` (a name that the function also fills with new dicts) walk into
+    the fresh dict ``out``: re-nesting one file's dict and returning it hands it on (lerobot's
+    ``unflatten_dict`` was a false alarm: the store was taken to go into a container of unknown life), while
+    the same walk storing per-tensor fetches is a gather across fetches, as a flat one is. A name bound to a
+    fresh dict (``lora = fresh``) is that dict: nunchaku's LoRA converter. ``got = got[0]`` over a list of
+    tensors is no walk (nothing stores new containers into ``got``): its element is still a fetched tensor."""
+    found = _audit(tmp_path, {"nested.py": NESTED_WALK})
+    assert _functions(found) == {"gather_nested", "first_of_list"}
