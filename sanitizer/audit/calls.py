@@ -420,9 +420,11 @@ class CallRules:
         if V.SOURCE_FACTORIES.search(name):
             return Val(SOURCE, 0, (Link(node.lineno, self.fn, f"opened by `{self.snip(node, 40)}`"),), self.fn)
         builtin = V.loader_call_kind(name, node)
-        if builtin and (self._own_method(node) or self._method_of_a_value(node)):
+        if builtin and (self._own_method(node) or self._method_of_a_value(node) or self._defined_here(node)):
             builtin = ""  # `self.load_file(fn)`: the class's own method of that name, not safetensors'
         configured = builtin or (self.producer_kind(name) if self.producer_kind is not None else None)
+        if configured is not None and self._function_called_as_a_method(node, configured):
+            configured = None
         if configured is None:
             configured = self._typed_receiver_producer(node)
         found = getattr(configured, "found", None)
@@ -535,6 +537,33 @@ class CallRules:
         if name in self.module_aliases:
             return False
         return name in self.state.slots or any(a.arg == name for a in self.info.params)
+
+    def _function_called_as_a_method(self, node: ast.Call, configured: object) -> bool:
+        """``model.load_state_dict(sd)`` where the producer inferred under that name is a plain function (DiffSynth's
+        ``load_state_dict(path)`` loader): a method of the value ``model``, not that function. A call through a
+        module (``utils.load_state_dict(p)``) still is; so is any name a method was inferred under."""
+        found = getattr(configured, "found", None)
+        if found is None or not isinstance(node.func, ast.Attribute):
+            return False
+        qualname = found.qualname
+        if "." in qualname and qualname.rsplit(".", 2)[-2] != "<locals>":
+            return False  # a method's: matched by its name on any receiver (a getter object's)
+        root = root_of(node.func.value)
+        if root.name is None:
+            return not isinstance(node.func.value, ast.Call)  # `self.x.load(...)`, `a[0].load(...)`
+        return root.name == self.self_name() or root.name in self.state.slots \
+            or any(a.arg == root.name for a in self.info.params)
+
+    def _defined_here(self, node: ast.Call) -> bool:
+        """``load_file(path)`` that names a function of the audited tree (coqui TTS's ``managers.load_file``, a
+        json / ``torch.load`` reader defined beside its callers): the engine's own, judged by its body (an
+        inferred producer when that body calls safetensors), not taken for safetensors' by its name. A name
+        imported from safetensors resolves to nothing audited, so it stays the loader's API."""
+        if not isinstance(node.func, ast.Name):
+            return False
+        summaries = getattr(self.resolve_call, "__self__", None)
+        callee = getattr(summaries, "callee", None)
+        return callee is not None and callee(self, node) is not None
 
     def _own_method(self, node: ast.Call) -> bool:
         """``self.load_file(...)`` / ``cls.load_file(...)`` where the enclosing class defines that method."""

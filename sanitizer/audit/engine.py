@@ -114,7 +114,7 @@ def analyse(source: Source, project: Optional[Project] = None, settings: Optiona
     """Every finding in one parsed module (before suppression and selection), and its consumers. A
     function whose walk overflows the recursion limit is put in ``skipped`` when it is given, and the
     module's other functions are still walked (without it, the RecursionError is raised)."""
-    index = build_index(source.path, source.tree)
+    index = build_index(source.path, source.tree, source.text)
     snippets = Snippets(source.text)
     analysis = ModuleAnalysis(source.path, index, snippets, project, settings)
     inferred = settings.inferred if settings is not None else None

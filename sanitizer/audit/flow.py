@@ -318,7 +318,7 @@ class Flow(StoreRules, CallRules):
         are past their step now ("valid until the next file"); a later read of that container keeps them."""
         for name, (stmt, val) in list(self._parked.items()):
             held = self.state.env.get(name)
-            if held is not None and held.kind == HOLDER:
+            if held is not None and held.kind in (HOLDER, TENSOR):
                 self._stale[name] = (stmt, val, call)
         self._parked.clear()
 
@@ -450,14 +450,26 @@ class Flow(StoreRules, CallRules):
     def branches(self, blocks: Sequence[Sequence[ast.stmt]]) -> None:
         start = self.state
         ends: List[State] = []
+        # what a file's fetch left parked, or past its step, on any one path is so after the join: the `else`
+        # that binds the name otherwise (`emb = load_file(a)["emb"]` if cached, else encoded) clears it only
+        # on its own path
+        parked, stale = dict(self._parked), dict(self._stale)
+        parked_ends: Dict[str, Tuple[ast.AST, Val]] = {}
+        stale_ends: Dict[str, Tuple[ast.AST, Val, ast.AST]] = {}
         for body in blocks:
             self.state = start.copy()
+            self._parked, self._stale = dict(parked), dict(stale)
             self.block(body)
             ends.append(self.state)
+            for name, entry in self._parked.items():
+                parked_ends.setdefault(name, entry)
+            for name, gone in self._stale.items():
+                stale_ends.setdefault(name, gone)
         merged = ends[0]
         for other in ends[1:]:
             merged.join(other)
         self.state = merged
+        self._parked, self._stale = parked_ends, stale_ends
 
     def loop(self, node: ast.AST, it: Optional[Val]) -> None:
         step_id = id(node)
@@ -525,6 +537,11 @@ class Flow(StoreRules, CallRules):
             elif self._inside_handle:
                 self._inside_handle.pop(target.id, None)
             self.bind_name(target.id, val, value, stmt, loop_target)
+            if (val is not None and val.kind == TENSOR and not val.reported and not loop_target and val.chain
+                    and val.chain[0].text.startswith("returned by") and val.step == self.func_step):
+                # `emb = load_file(a)["emb"]`: one file's tensor, valid until the next file is fetched; read
+                # after `lat = load_file(b)["lat"]` (CogVideo's datasets return both), it is read past its step
+                self._parked.setdefault(target.id, (stmt, val))
         elif isinstance(target, (ast.Tuple, ast.List)):
             parts = self.unpack(val, len(target.elts))
             # `gate_rows, up_rows = [], []`: each name is bound to its own element (a fresh container)

@@ -5,6 +5,7 @@ global names. Nothing here evaluates code."""
 from __future__ import annotations
 
 import ast
+import re
 import weakref
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Set, Tuple
@@ -318,7 +319,9 @@ def _function_choices(value: ast.expr) -> List[ast.expr]:
     return []
 
 
-def build_index(path: str, tree: ast.Module) -> ModuleIndex:
+def build_index(path: str, tree: ast.Module, text: Optional[str] = None) -> ModuleIndex:
+    """The module's functions, classes and imports (``text``, its source, spares a walk: see
+    :func:`_canonical_loader_calls`)."""
     index = ModuleIndex(path, tree)
     for stmt in tree.body:
         if isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
@@ -339,7 +342,7 @@ def build_index(path: str, tree: ast.Module) -> ModuleIndex:
                 elif isinstance(stmt, ast.ImportFrom):
                     index.star_imports.append((stmt.module or "", stmt.level))
 
-    _canonical_loader_calls(index, tree)
+    _canonical_loader_calls(index, tree, text)
     _visit(index, tree.body, "", None, None)
     return index
 
@@ -347,25 +350,51 @@ def build_index(path: str, tree: ast.Module) -> ModuleIndex:
 _LOADER_PACKAGES = ("safetensors", "fastsafetensors", "runai_model_streamer", "instanttensor", "torch")
 
 
-def _canonical_loader_calls(index: ModuleIndex, tree: ast.Module) -> None:
+# an import from a loader's package indented under a `def` (or a class, an `if`): the only text that asks for
+# the walk over functions below
+_LOCAL_LOADER_IMPORT = re.compile(r"^[ \t]+from[ \t]+(" + "|".join(_LOADER_PACKAGES) + r")\b", re.M)
+
+
+def _canonical_loader_calls(index: ModuleIndex, tree: ast.Module, text: Optional[str] = None) -> None:
     """``from safetensors.torch import load_file as load_safetensors`` (LitGPT): a call to the alias is
     the loader's API, so it is renamed to it in the tree (the call's function only; snippets read the
     source text, so a finding still shows what was written). One walk, only for a module with such an
-    alias."""
+    alias; and one more for a module that imports from a loader's package inside a function."""
     from sanitizer.audit import vocabulary as V  # the words only; it imports nothing of the audit's
+
+    def loader_api(module: str, level: int, original: str) -> str:
+        full = f"{module}.{original}"
+        if level or not module.split(".")[0] in _LOADER_PACKAGES:
+            return ""
+        hit = V.SOURCE_FACTORIES.search(full) or V.ITERATOR_FACTORY.search(full) or V.loader_call_kind(full, None)
+        return full if hit else ""
 
     renamed = {}
     for alias, (module, level, original) in index.imports.items():
-        if level or alias == original or not module.split(".")[0] in _LOADER_PACKAGES:
-            continue
-        full = f"{module}.{original}"
-        if V.SOURCE_FACTORIES.search(full) or V.ITERATOR_FACTORY.search(full) or V.loader_call_kind(full, None):
-            renamed[alias] = full
-    if not renamed:
+        if alias != original and loader_api(module, level, original):
+            renamed[alias] = f"{module}.{original}"
+    if renamed:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in renamed:
+                node.func.id = renamed[node.func.id]
+    # the same import made inside a function (`from safetensors.torch import load as st_load` in FastVideo's
+    # `_safetensors_bytes_to_tensor`; a bare `load` there is safetensors', not json's): renamed in that function
+    if text is not None and not _LOCAL_LOADER_IMPORT.search(text):
         return
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in renamed:
-            node.func.id = renamed[node.func.id]
+    for function in ast.walk(tree):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        local = {}
+        for stmt in ast.walk(function):
+            if isinstance(stmt, ast.ImportFrom) and stmt.module:
+                for alias in stmt.names:
+                    full = loader_api(stmt.module, stmt.level, alias.name)
+                    if full:
+                        local[alias.asname or alias.name] = full
+        if local:
+            for node in ast.walk(function):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in local:
+                    node.func.id = local[node.func.id]
 
 
 def _visit(index: ModuleIndex, body: List[ast.stmt], prefix: str, cls: Optional[ClassInfo],

@@ -95,7 +95,7 @@ def infer(sources: Sequence[Source], settings: Optional[Settings] = None,
         for source in sources:
             if not may_define_producer(source.text, table, declared):
                 continue
-            index = build_index(source.path, source.tree)
+            index = build_index(source.path, source.tree, source.text)
             snippets = Snippets(source.text)
             analysis = ModuleAnalysis(source.path, index, snippets, project, now)
             handles = handles_of(index, now)

@@ -113,8 +113,8 @@ class StoreRules:
                 outer = self.state.env.get(slot.inside) if slot.inside else None
                 if slot.inside and (outer is None or outer.kind != HOLDER):  # `node[leaf] = v`, `node` inside `out`
                     self.state.env[slot.inside] = self.state.env[root.name]  # type: ignore[index]
-                if val.kind == HOLDER and val.chain and val.chain[0].text.startswith("returned by") \
-                        and not root.through_attribute:
+                if val.kind in (HOLDER, TENSOR) and val.chain and val.chain[0].text.startswith("returned by") \
+                        and not root.through_attribute:  # a file's dict, or its entries one by one (`c[k] = a[k]`)
                     self._parked.setdefault(root.name, (stmt, val))  # type: ignore[attr-defined]
                 return
         code = "OWN104" if val.capture else ("OWN106" if place == "global" else "OWN101")
@@ -418,12 +418,16 @@ def two_files(held_by: Val, val: Val) -> bool:
 def _read_back_from(stmt: ast.AST, target: ast.Subscript, name: str) -> bool:
     """Is ``stmt`` ``name[k] = name[k].to(device)``: the value read out of the very container it is stored
     back into (ColossalAI's ``gather_state_dict_fast``, ``returned_state_dict[k] = returned_state_dict[k].to(device)``)?
-    The container held that tensor already; whether it may is judged where the tensor got in."""
+    Or re-keyed in it, ``name[new] = name.pop(old)`` (CogVideo's ``update_state_dict_inplace``)? The container
+    held that tensor already; whether it may is judged where the tensor got in."""
     if not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1 or stmt.targets[0] is not target:
         return False
     node = stmt.value
     while True:
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr in ("pop", "get", "__getitem__") and isinstance(node.func.value, ast.Name) \
+                    and node.func.value.id == name:
+                return True
             node = node.func.value
         elif isinstance(node, (ast.Attribute, ast.Subscript)):
             if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == name:

@@ -306,7 +306,7 @@ class ModuleAnalysis:
         if self.project is None:
             return None
         other = self.project.module(path, lambda source: ModuleAnalysis(
-            source.path, build_index(source.path, source.tree), Snippets(source.text), self.project, self.settings))
+            source.path, build_index(source.path, source.tree, source.text), Snippets(source.text), self.project, self.settings))
         return other if isinstance(other, ModuleAnalysis) else None
 
     def find_method(self, cls: ClassInfo, name: str, seen: set) -> Optional[Tuple[FunctionInfo, "ModuleAnalysis"]]:
@@ -359,7 +359,7 @@ class ModuleAnalysis:
         if path is None or path == self.path:
             return None
         other = self.project.module(path, lambda source: ModuleAnalysis(
-            source.path, build_index(source.path, source.tree), Snippets(source.text), self.project, self.settings))
+            source.path, build_index(source.path, source.tree, source.text), Snippets(source.text), self.project, self.settings))
         return (other, original) if isinstance(other, ModuleAnalysis) else None
 
     def _star_import_target(self, name: str) -> Optional[Tuple["ModuleAnalysis", str]]:

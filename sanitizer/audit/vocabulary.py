@@ -193,7 +193,7 @@ TENSOR_FACTORY = re.compile(r"^(torch\.)?(empty|zeros|ones|full|rand|randn|arang
 # read into memory of their own: not borrowed).
 _DICT_LOADERS = re.compile(r"(^|\.)(load_file|safe_load_file)$|^(safetensors\.torch|st|safetensors)\.load$")
 # A module that mentions one of these may define a producer of its own (inferred, :mod:`.producers`).
-LOADER_API_HINT = re.compile(r"safe_open|load_file|torch\.load|fastsafe_open|SafeTensorsFileLoader|"
+LOADER_API_HINT = re.compile(r"safe_open|load_file|torch\.load|safetensors\.torch import|fastsafe_open|SafeTensorsFileLoader|"
                              r"SafetensorsStreamer|InstantTensor|instanttensor|copy_files_to_device|"
                              r"ParallelLoader|FastSafeTensorsLoader|stream_files|get_tensors|iterate_weights")
 

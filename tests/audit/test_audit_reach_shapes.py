@@ -2200,3 +2200,125 @@ def test_a_walk_into_a_nested_fresh_dict_stores_into_that_dict(tmp_path: Path):
     tensors is no walk (nothing stores new containers into ``got``): its element is still a fetched tensor."""
     found = _audit(tmp_path, {"nested.py": NESTED_WALK})
     assert _functions(found) == {"gather_nested", "first_of_list"}
+
+
+# -- round 19's first runs: an engine's own `load_file`, entries of two files in one dict, a re-key in place,
+# -- one file's tensor read after the next file, an import inside a function, a module's method by name -----
+ROUND_19_MANAGERS = '''
+import json
+import torch
+
+
+def load_file(path: str):
+    if path.endswith(".json"):
+        with open(path) as f:
+            return json.load(f)
+    return torch.load(path)
+
+
+class Embeddings:
+    def load_from_file(self, path):
+        self.embeddings = load_file(path)
+'''
+
+ROUND_19_SHAPES = '''
+from typing import Any, Dict
+import torch
+from safetensors.torch import load_file
+
+
+def load_state_dict(path):
+    return load_file(path)
+
+
+def merged_by_entries(high_path, low_path, high, low):
+    combined = {}
+    if high:
+        high_sd = load_file(high_path)
+        for key in high_sd:
+            combined["one." + key] = high_sd[key]
+    if low:
+        low_sd = load_file(low_path)
+        for key in low_sd:
+            combined["two." + key] = low_sd[key]
+    return combined
+
+
+def one_file_by_entries(path):
+    renamed = {}
+    sd = load_file(path)
+    for key in sd:
+        renamed["m." + key] = sd[key]
+    return renamed
+
+
+def rekey(state_dict: Dict[str, Any], old: str, new: str) -> Dict[str, Any]:
+    state_dict[new] = state_dict.pop(old)
+
+
+def unwrap(saved: Dict[str, Any]) -> Dict[str, Any]:
+    state_dict = saved
+    if "module" in saved:
+        state_dict = state_dict["module"]
+    return state_dict
+
+
+def convert(path):
+    sd = unwrap(torch.load(path, map_location="cpu", mmap=True))
+    for key in list(sd):
+        rekey(sd, key, key.replace("model.", ""))
+    return sd
+
+
+class Dataset:
+    def __getitem__(self, index):
+        emb_path, lat_path = self.paths[index]
+        if emb_path.exists():
+            emb = load_file(emb_path)["emb"]
+        else:
+            emb = self.encode(index)
+        if lat_path.exists():
+            lat = load_file(lat_path)["lat"]
+        else:
+            lat = self.encode_video(index)
+        return {"emb": emb, "lat": lat}
+
+    def one_each(self, index):
+        emb = load_file(self.paths[index][0])["emb"].clone()
+        lat = load_file(self.paths[index][1])["lat"]
+        return {"emb": emb, "lat": lat}
+
+
+class State:
+    @staticmethod
+    def decode(out, raw):
+        out.latents = _bytes_to_tensor(raw)
+
+    @staticmethod
+    def decode_copy(out, raw):
+        out.latents = _bytes_to_tensor(raw).clone()
+
+
+def _bytes_to_tensor(raw):
+    from safetensors.torch import load as st_load
+    return st_load(raw)["t"]
+
+
+class Trainer:
+    def switch(self, model, lora_path):
+        lora = load_state_dict(lora_path)
+        self.report = model.load_state_dict(lora, strict=False)
+'''
+
+
+def test_round_19_first_run_shapes(tmp_path: Path):
+    """Round 19's first runs, each shape written here for the test: coqui TTS's own ``load_file`` (json or a
+    plain ``torch.load``) was taken for safetensors' by its name (three false alarms); ai-toolkit's Wan LoRA
+    loader copies two files' entries one by one into one dict it returns (missed: only whole dicts were
+    parked until the next file); CogVideo's ``state_dict[new] = state_dict.pop(old)`` re-keys within the
+    caller's dict (a false alarm); its datasets hold one file's tensor, bound under an ``if``, while the next
+    file loads, then return both (missed); FastVideo imports ``safetensors.torch.load`` inside the function
+    that calls it (missed); and ``model.load_state_dict(...)``, a module's method, was matched by name to a
+    loader function of that name (its result taken for a borrowed dict)."""
+    found = _audit(tmp_path, {"managers.py": ROUND_19_MANAGERS, "shapes.py": ROUND_19_SHAPES})
+    assert _functions(found) == {"merged_by_entries", "Dataset.__getitem__", "State.decode"}
