@@ -427,6 +427,8 @@ class CallRules:
             configured = None
         if configured is None:
             configured = self._typed_receiver_producer(node)
+        if configured is None and isinstance(node.func, ast.Name):
+            configured = self._defined_producer(node)
         found = getattr(configured, "found", None)
         if found is not None and found.when and not self._condition_holds(node, found):
             return None  # `read(path)` of `def read(path, mmap=False)`: this call borrows nothing
@@ -537,6 +539,19 @@ class CallRules:
         if name in self.module_aliases:
             return False
         return name in self.state.slots or any(a.arg == name for a in self.info.params)
+
+    def _defined_producer(self, node: ast.Call):  # type: ignore[no-untyped-def]
+        """``load(path)`` resolving to a module-level ``def load`` inferred a producer under that generic name
+        (:attr:`~.producers.InferredProducers.by_definition`), or None."""
+        table = self.inferred_producers()
+        if table is None or not table.by_definition:
+            return None
+        summaries = getattr(self.resolve_call, "__self__", None)
+        callee = summaries.callee(self, node) if summaries is not None else None
+        if callee is None or callee.constructor or callee.info.cls is not None:
+            return None
+        path = callee.analysis.path if callee.analysis is not None else self.path
+        return table.kind_of_definition(path, callee.info.node.lineno)  # type: ignore[attr-defined]
 
     def _function_called_as_a_method(self, node: ast.Call, configured: object) -> bool:
         """``model.load_state_dict(sd)`` where the producer inferred under that name is a plain function (DiffSynth's

@@ -15,7 +15,7 @@ from sanitizer.audit.discovery import MAPPING, Seed, seed_value, seeds_of, uses_
 from sanitizer.audit.findings import Finding
 from sanitizer.audit.flow import Flow
 from sanitizer.audit.index import FunctionInfo, annotation_text, build_index
-from sanitizer.audit.inference import calls_typed_producer, handles_of, infer, infer_paths, may_define_producer
+from sanitizer.audit.inference import calls_defined_producer, calls_typed_producer, handles_of, infer, infer_paths, may_define_producer
 from sanitizer.audit.producers import InferredProducers
 from sanitizer.audit.project import Project
 from sanitizer.audit.selection import RuleSelection, parse_selectors, resolve
@@ -133,6 +133,7 @@ def analyse(source: Source, project: Optional[Project] = None, settings: Optiona
         seeds_by_fn[id(info)] = seeds
         if seeds or (producers and (uses_producer(info, settings) or (handles is not None and handles.reads(info))
                                     or (inferred is not None and calls_typed_producer(info, inferred))
+                                    or (inferred is not None and calls_defined_producer(info, index, inferred))
                                     or (inferred is not None and inferred.mappings
                                         and _binds_lazy_mapping(info, inferred.mappings)))):
             roots.append((0 if any(s.kind == ITER for s in seeds) else 1, info, seeds))

@@ -124,6 +124,11 @@ class Flow(StoreRules, CallRules):
         # by container; once a later whole-file fetch in the step ends their validity, stale until rebound
         self._parked: Dict[str, Tuple[ast.AST, Val]] = {}
         self._stale: Dict[str, Tuple[ast.AST, Val, ast.AST]] = {}
+        # of those, the names bound to a file's dict or tensor itself (`base = load_file(a)`), not containers
+        # it was stored in; their reads past the next file are reported at the end, unless the function
+        # already reports those tensors (a merge of the two files, a container they were stored in)
+        self._named: set = set()
+        self._named_reads: List[Tuple[ast.AST, Val, ast.AST, ast.Name]] = []
         self._onloaded: Dict[str, ast.AST] = {}  # modules onloaded by the `with align_module_device(m)` the walk is in
         self._inside_handle: Dict[str, ast.AST] = {}  # containers bound inside a `with <handle>`: where
         self._kept_containers: Dict[str, Val] = {}  # local containers a reported store filled (see store_into)
@@ -152,7 +157,21 @@ class Flow(StoreRules, CallRules):
     def run(self) -> Outcome:
         self.block(self.info.node.body)  # type: ignore[attr-defined]
         self._kept_variables()
+        self._named_read_late()
         return self.out
+
+    def _named_read_late(self) -> None:
+        """``base = load_file(a)``, then ``lora = load_file(b)``, then ``merge(base, lora)``: ``base`` is read
+        past its step (valid until the next file), reported once, unless a finding of the function already
+        names those tensors (``{**base, **lora}``: the merge; ``kept[k] = base[k]``: the store)."""
+        for stmt, val, ended, node in self._named_reads:
+            origin = val.chain[0] if val.chain else None
+            if any(f.chain and f.chain[0] == origin and f.function == self.fn for f in self.out.findings):
+                continue
+            self.report("OWN101", stmt, val, "whole-file dict kept past the next file's fetch",
+                        f"{self._what(val)} is bound to `{node.id}` while `{self.snip(ended, 40)}` (line "
+                        f"{getattr(ended, 'lineno', 0)}) fetches the next file, and read after it (line "
+                        f"{node.lineno})", f"`{self.snip(stmt, 60)}`")
 
     def block(self, stmts: Sequence[ast.stmt]) -> None:
         for stmt in stmts:
@@ -326,6 +345,9 @@ class Flow(StoreRules, CallRules):
         stmt, val, ended = self._stale.pop(node.id)
         if self._returning and val.obj and self.built_stores.get(val.obj):
             return  # an object built around the tensors, returned: its constructor's store is the finding (once)
+        if node.id in self._named:
+            self._named_reads.append((stmt, val, ended, node))
+            return
         if isinstance(ended, (ast.With, ast.AsyncWith)):
             self.report("OWN101", stmt, val, "container of a handle's tensors read past its close",
                         f"{self._what(val)} is kept in `{node.id}` past the close of its handle (the `with` at "
@@ -532,16 +554,20 @@ class Flow(StoreRules, CallRules):
                 self._parked.pop(target.id, None)
             if self._stale:
                 self._stale.pop(target.id, None)
+            self._named.discard(target.id)
             if self._open_handles and val is not None and val.kind == HOLDER:
                 self._inside_handle[target.id] = stmt
             elif self._inside_handle:
                 self._inside_handle.pop(target.id, None)
             self.bind_name(target.id, val, value, stmt, loop_target)
-            if (val is not None and val.kind == TENSOR and not val.reported and not loop_target and val.chain
-                    and val.chain[0].text.startswith("returned by") and val.step == self.func_step):
-                # `emb = load_file(a)["emb"]`: one file's tensor, valid until the next file is fetched; read
-                # after `lat = load_file(b)["lat"]` (CogVideo's datasets return both), it is read past its step
+            if (val is not None and val.kind in (TENSOR, HOLDER) and not val.reported and not loop_target
+                    and val.chain and val.chain[0].text.startswith("returned by") and val.step == self.func_step
+                    and target.id in self.state.env):
+                # `emb = load_file(a)["emb"]`, `base = load_file(a)`: one file's tensor or dict, valid until
+                # the next file is fetched; read after `lat = load_file(b)["lat"]` (CogVideo's datasets return
+                # both; mistral-finetune's LoRA merge reads the base), it is read past its step
                 self._parked.setdefault(target.id, (stmt, val))
+                self._named.add(target.id)
         elif isinstance(target, (ast.Tuple, ast.List)):
             parts = self.unpack(val, len(target.elts))
             # `gate_rows, up_rows = [], []`: each name is bound to its own element (a fresh container)

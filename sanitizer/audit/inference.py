@@ -11,8 +11,8 @@ from typing import Dict, Optional, Sequence
 from sanitizer.audit import vocabulary as V
 from sanitizer.audit.flow import Flow
 from sanitizer.audit.index import annotation_text, build_index
-from sanitizer.audit.producers import (MAX_ROUNDS, InferredProducers, SelfSources, candidate, record, record_iterable,
-                                       record_mapping, record_method)
+from sanitizer.audit.producers import (MAX_ROUNDS, InferredProducers, SelfSources, candidate, record,
+                                       record_definition, record_iterable, record_mapping, record_method)
 from sanitizer.audit.project import Project
 from sanitizer.audit.settings import Settings
 from sanitizer.audit.snippets import Snippets
@@ -64,6 +64,18 @@ def calls_producer(name: str, settings: Settings) -> bool:
                 or V.loader_call_kind(name, None) or settings.is_producer(name))
 
 
+def calls_defined_producer(info, index, table: InferredProducers) -> bool:  # type: ignore[no-untyped-def]
+    """Does ``info`` call, by its bare name, a module-level function of its own module inferred a producer
+    under a generic name (``model_checkpoint = load(path)`` with ``def load(filename)`` above it)?"""
+    if not table.by_definition:
+        return False
+    for name in info.calls:
+        defined = index.top_functions.get(name)
+        if defined is not None and (index.path, defined.node.lineno) in table.by_definition:
+            return True
+    return False
+
+
 def calls_typed_producer(info, table: InferredProducers) -> bool:  # type: ignore[no-untyped-def]
     """Does ``info`` call a method inferred a producer on a parameter annotated with its class
     (``checkpoint_loader.load(key)``, ``checkpoint_loader: HFCheckpointLoader``)?"""
@@ -102,7 +114,7 @@ def infer(sources: Sequence[Source], settings: Optional[Settings] = None,
             analysis.handles = handles
             for info in index.functions:
                 if not candidate(info, lambda c: calls_producer(c, now), handles or _NO_HANDLES) \
-                        and not calls_typed_producer(info, table):
+                        and not calls_typed_producer(info, table) and not calls_defined_producer(info, index, table):
                     continue
                 flow = Flow(source.path, info, {}, index.globals, snippets, analysis.resolve,
                             module_aliases=index.module_aliases, producer_kind=now.producer_kind)
@@ -125,6 +137,8 @@ def infer(sources: Sequence[Source], settings: Optional[Settings] = None,
                     if record(table.by_name, info, source.path, val, generator):
                         changed = True
                         table._mention = None
+                    if record_definition(table.by_definition, info, source.path, val, generator):
+                        changed = True
                     if record_method(table.by_method, info, source.path, val, generator):
                         changed = True
         if project is not None:

@@ -106,11 +106,21 @@ class InferredProducers:
     # every method inferred a producer, by ``Class.method`` (generic names too: ``HFCheckpointLoader.load``),
     # for a call on a receiver whose class an annotation names (``checkpoint_loader: HFCheckpointLoader``)
     by_method: Dict[str, Inferred] = field(default_factory=dict)
+    # module-level functions whose names every module and object has (`def load(path)`): never matched by
+    # name, only a call that resolves to that very definition, by (path, line) (mistral-finetune's `load`)
+    by_definition: Dict[Tuple[str, int], Inferred] = field(default_factory=dict)
     _mention: Optional["re.Pattern[str]"] = None
 
     def kind_of(self, call_name: str) -> Optional[Produced]:
         last = call_name.rpartition(".")[2]
         found = self.by_name.get(last)
+        if found is None:
+            return None
+        return Produced(found.kind, found.convert, f"`{found.qualname}` ({found.path}:{found.line}), "
+                                                     f"reaching {found.api}", found.parts, found)
+
+    def kind_of_definition(self, path: str, line: int) -> Optional[Produced]:
+        found = self.by_definition.get((path, line))
         if found is None:
             return None
         return Produced(found.kind, found.convert, f"`{found.qualname}` ({found.path}:{found.line}), "
@@ -138,6 +148,8 @@ class InferredProducers:
 
     def describe(self) -> List[str]:
         return [p.describe() for _, p in sorted(self.by_name.items())] + [
+            f"{p.describe()}; matched only where a call resolves to it (a generic name)"
+            for _, p in sorted(self.by_definition.items())] + [
             f"{name}[...]=tensor ({p.path}:{p.line} `{p.qualname}`; a mapping of weights, reaches {p.api})"
             for name, p in sorted(self.mappings.items())]
 
@@ -415,6 +427,24 @@ def _dunder(name: str) -> bool:
     return name.startswith("__") and name.endswith("__")
 
 
+def record_definition(found: Dict[Tuple[str, int], Inferred], info: FunctionInfo, path: str, val: Val,
+                      generator: bool) -> bool:
+    """A module-level function with a generic name (``def load(filename)``: ``load_file`` or ``torch.load``)
+    inferred a producer by its definition (True when new or changed): matched only by calls that resolve to it."""
+    kind = kind_of_value(val, generator)
+    if kind is None or info.cls is not None or info.parent is not None or info.name not in GENERIC_NAMES \
+            or _dunder(info.name):
+        return False
+    mine = Inferred(info.name, info.qualname, path, info.node.lineno, kind,  # type: ignore[attr-defined]
+                    val.convert if kind == "tensor" else "", api_of(val, path), parts_of(val, generator),
+                    *condition_of(info, val))
+    key = (path, info.node.lineno)  # type: ignore[attr-defined]
+    if found.get(key) == mine:
+        return False
+    found[key] = mine
+    return True
+
+
 def record(found: Dict[str, Inferred], info: FunctionInfo, path: str, val: Val, generator: bool) -> bool:
     """Add ``info`` as a producer of ``val``'s kind (True when that is new or changed)."""
     kind = kind_of_value(val, generator)
@@ -436,5 +466,5 @@ def record(found: Dict[str, Inferred], info: FunctionInfo, path: str, val: Val, 
 
 
 __all__ = ["Produced", "Inferred", "InferredProducers", "SelfSources", "GENERIC_NAMES", "MAX_ROUNDS",
-           "kind_of_value", "api_of", "candidate", "record", "record_mapping", "record_iterable", "record_method",
-           "MAPPING_API"]
+           "kind_of_value", "api_of", "candidate", "record", "record_definition", "record_mapping", "record_iterable",
+           "record_method", "MAPPING_API"]

@@ -2322,3 +2322,58 @@ def test_round_19_first_run_shapes(tmp_path: Path):
     loader function of that name (its result taken for a borrowed dict)."""
     found = _audit(tmp_path, {"managers.py": ROUND_19_MANAGERS, "shapes.py": ROUND_19_SHAPES})
     assert _functions(found) == {"merged_by_entries", "Dataset.__getitem__", "State.decode"}
+
+
+# -- a file's dict bound to a name and read after the next file, through a loader with a generic name --------
+NAMED_FILE_DICTS = '''
+import safetensors.torch
+import torch
+
+
+def load(filename: str):
+    if filename.endswith(".safetensors"):
+        return safetensors.torch.load_file(filename)
+    return torch.load(filename)
+
+
+def merge(base, lora, scale):
+    for key in lora:
+        base[key.replace("lora.", "")] = base[key.replace("lora.", "")] + scale * lora[key]
+
+
+def merge_and_save(base_path, lora_path, out):
+    base = load(base_path)
+    lora = load(lora_path)
+    merge(base, lora, 2.0)
+    safetensors.torch.save_file(base, out)
+
+
+def spread(base_path, lora_path):
+    base = load(base_path)
+    lora = load(lora_path)
+    return {**base, **lora}
+
+
+def one_at_a_time(base_path, lora_path, model):
+    base = load(base_path)
+    model.load_state_dict(base)
+    lora = load(lora_path)
+    model.load_state_dict(lora, strict=False)
+
+
+def base_copied_first(base_path, lora_path):
+    base = {k: v.clone() for k, v in load(base_path).items()}
+    lora = load(lora_path)
+    return {**base, **lora}
+'''
+
+
+def test_a_file_dict_read_after_the_next_file_through_a_generically_named_loader(tmp_path: Path):
+    """mistral-finetune's LoRA merge: ``model_checkpoint = load(a)``, ``lora = load(b)``, then the base is read
+    (merged into and saved). ``def load(filename)`` was never inferred a producer (a name every object has):
+    it is now, matched only where a call resolves to that definition. A file's dict bound to a name and read
+    after the next file's load is reported once (not again where a merge of the two already is); a dict read
+    before the next load, or copied, keeps nothing."""
+    found = _audit(tmp_path, {"merge_lora.py": NAMED_FILE_DICTS})
+    assert _functions(found) == {"merge_and_save", "spread"}
+    assert len([f for f in found if f[1] == "spread"]) == 1
