@@ -137,6 +137,16 @@ class CallRules:
                                    ctx=ast.Store(), lineno=node.lineno)  # no columns: named by ast.unparse
             self.attribute_store(target, args[0], node, for_life=self._new_module(func.value))
             return None
+        if isinstance(func, ast.Name) and _ASSIGNING_LOADER.match(func.id) and len(args) >= 2 \
+                and args[1] is not None and args[1].holds_tensor and _keyword_is(node, "assign", True) \
+                and (self.resolve_call is None or self.resolve_call(self, node) is UNRESOLVED):
+            # `load_fp8_state_dict(model, sd, assign=True)`, a function the audit was not given that takes the
+            # module first and passes `assign` on to its `load_state_dict` (SimpleTuner's FP8 loader): the
+            # module's parameters become the dict's tensors, as for the method
+            target = ast.Attribute(value=node.args[0], attr="<parameters: load_state_dict(assign=True)>",
+                                   ctx=ast.Store(), lineno=node.lineno)
+            self.attribute_store(target, args[1], node, for_life=self._new_module(node.args[0]))
+            return None
         if meth == "load_state_dict" and args and args[0] is not None and args[0].holds_tensor \
                 and self._torch_optimizer(func):
             # torch.optim.Optimizer.load_state_dict: `_process_value_according_to_param_policy` returns the
@@ -594,7 +604,11 @@ class CallRules:
         as the project's own (``from .utils import ...``, peft itself) nor defined in this module?"""
         index = getattr(getattr(self.resolve_call, "__self__", None), "index", None)
         imported = index.imports.get(name) if index is not None else None
-        return imported is not None and imported[1] == 0
+        if imported is None:  # `from peft import set_peft_model_state_dict` inside the function (SimpleTuner)
+            return any(isinstance(stmt, ast.ImportFrom) and not stmt.level and stmt.module
+                       and any((a.asname or a.name) == name for a in stmt.names)
+                       for stmt in ast.walk(self.info.node))  # type: ignore[attr-defined]
+        return imported[1] == 0
 
     def _closure_called(self, node: ast.Call, name: str) -> None:
         """``load(model)`` where ``load`` is a closure this function defines over its weights (diffusers'

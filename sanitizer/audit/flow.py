@@ -322,6 +322,11 @@ class Flow(StoreRules, CallRules):
         if fname in V.PURE_BUILTINS or V.NON_TENSOR_CALLS.search(fname) or (
                 V.NAME_RETURNING.search(fname) and not remapper):
             return None
+        summaries = getattr(self.resolve_call, "__self__", None)
+        if summaries is not None and summaries.callee(self, call) is not None:
+            # an audited function: its summary said what it returns (SimpleTuner's `convert_ltx2_audio_vae(sd)`
+            # returns the module it installed `sd` into, with assign=True, reported there), not a guess by name
+            return None
         for arg in list(call.args) + [k.value for k in call.keywords]:
             if type(arg) is not ast.Name or (arg.id != name and not remapper):  # type: ignore[attr-defined]
                 continue
