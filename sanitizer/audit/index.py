@@ -8,7 +8,7 @@ import ast
 import re
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Set, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 FunctionNode = (ast.FunctionDef, ast.AsyncFunctionDef)
 
@@ -355,6 +355,33 @@ _LOADER_PACKAGES = ("safetensors", "fastsafetensors", "runai_model_streamer", "i
 _LOCAL_LOADER_IMPORT = re.compile(r"^[ \t]+from[ \t]+(" + "|".join(_LOADER_PACKAGES) + r")\b", re.M)
 
 
+# `self._safe_open = safe_open`: a loader's API kept on the object, called later as `self._safe_open(path)`
+_ATTR_LOADER = re.compile(r"^[ \t]+self\.\w+[ \t]*=[ \t]*[\w.]*(safe_open|load_file|SafeTensorsFileLoader)[ \t]*$", re.M)
+
+
+def _loader_attributes(tree: ast.Module, is_api: "Callable[[str], bool]") -> None:
+    """``self._safe_open = safe_open`` in a method (onnxruntime-genai's ModeloptModel keeps the function it
+    imported inside ``__init__``), then ``self._safe_open(path)`` in another: each such call of the class is
+    renamed to the API it holds, as an import alias is (below)."""
+    for cls in ast.walk(tree):
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        held: Dict[str, str] = {}
+        for node in ast.walk(cls):
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.value, (ast.Name, ast.Attribute)):
+                target = node.targets[0]
+                api = dotted(node.value)
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) \
+                        and target.value.id == "self" and api and is_api(api):
+                    held[target.attr] = api
+        if not held:
+            continue
+        for node in ast.walk(cls):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in held \
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "self":
+                node.func = ast.copy_location(ast.Name(id=held[node.func.attr], ctx=ast.Load()), node.func)
+
+
 def _canonical_loader_calls(index: ModuleIndex, tree: ast.Module, text: Optional[str] = None) -> None:
     """``from safetensors.torch import load_file as load_safetensors`` (LitGPT): a call to the alias is
     the loader's API, so it is renamed to it in the tree (the call's function only; snippets read the
@@ -369,6 +396,9 @@ def _canonical_loader_calls(index: ModuleIndex, tree: ast.Module, text: Optional
         hit = V.SOURCE_FACTORIES.search(full) or V.ITERATOR_FACTORY.search(full) or V.loader_call_kind(full, None)
         return full if hit else ""
 
+    def loader_api_name(name: str) -> bool:
+        return bool(V.SOURCE_FACTORIES.search(name) or V.loader_call_kind(name, None))
+
     renamed = {}
     for alias, (module, level, original) in index.imports.items():
         if alias != original and loader_api(module, level, original):
@@ -377,6 +407,8 @@ def _canonical_loader_calls(index: ModuleIndex, tree: ast.Module, text: Optional
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in renamed:
                 node.func.id = renamed[node.func.id]
+    if text is None or _ATTR_LOADER.search(text):
+        _loader_attributes(tree, loader_api_name)
     # the same import made inside a function (`from safetensors.torch import load as st_load` in FastVideo's
     # `_safetensors_bytes_to_tensor`; a bare `load` there is safetensors', not json's): renamed in that function
     if text is not None and not _LOCAL_LOADER_IMPORT.search(text):

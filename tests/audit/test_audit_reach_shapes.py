@@ -2460,3 +2460,37 @@ def test_round_20_first_run_shapes(tmp_path: Path):
     assert _functions(found) == {"gather", "convert_vocoder"}
     found = _audit(tmp_path, {"unseen.py": ROUND_20_UNSEEN_LOADERS})
     assert _functions(found) == {"build", "LoraMixin.load_lora_into_transformer"}
+
+
+# -- a loader's API kept on the object and called through the attribute (onnxruntime-genai, round 20) --------
+API_ON_SELF = '''
+import os
+
+
+class Exporter:
+    def __init__(self, path):
+        from safetensors import safe_open
+
+        self._safe_open = safe_open
+        self._path = path
+        self._handles = {}
+        self.embedding = Holder()
+        self.embedding.weight = self._get("embed.weight")
+        self.norm_shape = self._get("norm.weight").shape
+
+    def _get(self, name):
+        handle = self._handles.get(name)
+        if handle is None:
+            handle = self._safe_open(os.path.join(self._path, "model.safetensors"), framework="pt")
+            self._handles[name] = handle
+        return handle.get_tensor(name)
+'''
+
+
+def test_a_loader_api_kept_on_the_object_is_that_api(tmp_path: Path):
+    """onnxruntime-genai's ModeloptModel imports ``safe_open`` inside ``__init__``, keeps it as
+    ``self._safe_open`` and opens files with ``self._safe_open(path)`` in its getter ``_get``: a call through an
+    attribute bound to a loader's API is that API, so ``_get`` is a producer and the stores of its tensors on
+    the object are found (a shape of one only is no retention)."""
+    found = _audit(tmp_path, {"exporter.py": API_ON_SELF})
+    assert {(fn, line) for _, fn, line in found} == {("Exporter.__init__", 13)}
