@@ -17,6 +17,7 @@ from sanitizer.audit.sources import AuditInputError, Source, read
 
 CACHE_SIZE = 48
 _CLASS = re.compile(rb"^[ \t]*class[ \t]+(\w+)[ \t]*\(([^)]*)\)", re.M)
+_METHOD = re.compile(rb"^[ \t]+(?:async[ \t]+)?def[ \t]+(\w+)[ \t]*\([ \t\n]*self\b", re.M)
 
 
 def _dotted(path: str) -> Tuple[str, ...]:
@@ -38,6 +39,7 @@ class Project:
         self._cache: "OrderedDict[str, object]" = OrderedDict()
         self.texts: Dict[str, str] = {}  # path -> source text of every module read (for suppression comments)
         self._subclasses: Optional[Dict[str, List[Tuple[str, str]]]] = None
+        self._methods: Optional[Dict[str, List[str]]] = None
         self._reexports: Dict[Tuple[str, str], Optional[str]] = {}  # (package, "def f"/"class C") -> file
 
     def subclasses(self, name: str) -> List[Tuple[str, str]]:
@@ -61,6 +63,23 @@ class Project:
                         found.setdefault(short, []).append((path, m.group(1).decode("ascii", "replace")))
             self._subclasses = found
         return self._subclasses.get(name, [])
+
+    def method_files(self, name: str) -> List[str]:
+        """The audited files that define a method ``name`` (an indented ``def name(self``), each once per
+        definition: where ``obj.name(...)`` on an object of no known class may be defined. Read once from
+        the files' bytes, as :meth:`subclasses` is."""
+        if self._methods is None:
+            found: Dict[str, List[str]] = {}
+            for path in self._abs.values():
+                try:
+                    with open(path, "rb") as fh:
+                        raw = fh.read()
+                except OSError:
+                    continue
+                for m in _METHOD.finditer(raw):
+                    found.setdefault(m.group(1).decode("ascii", "replace"), []).append(path)
+            self._methods = found
+        return self._methods.get(name, [])
 
     def locate(self, importer: str, module: str, level: int) -> Optional[str]:
         """The audited file that ``from <level dots><module> import ...`` in ``importer`` names, if any."""

@@ -19,6 +19,7 @@ Summaries nest up to :data:`MAX_DEPTH` calls deep; recursion gets an empty summa
 from __future__ import annotations
 
 import ast
+import os
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
@@ -38,6 +39,18 @@ from sanitizer.audit.values import BUILT, HOLDER, ITER, SOURCE, TENSOR, Val, bui
 
 MAX_DEPTH = 3
 MAX_OVERRIDES = 16  # overrides of one method a ``self.`` call is followed into (a deep hierarchy: the nearest)
+
+
+# Methods every module, tensor or container has (torch.nn.Module's, torch.Tensor's, dict's), never taken for
+# the one audited class's method of that name on an object of unknown class (:meth:`ModuleAnalysis._only_method`)
+_SHARED_METHODS = frozenset({
+    "load_state_dict", "state_dict", "named_parameters", "named_buffers", "named_modules", "named_children",
+    "register_buffer", "register_parameter", "register_module", "add_module", "get_submodule", "get_parameter",
+    "set_submodule", "requires_grad_", "zero_grad", "share_memory", "type_as", "new_empty", "new_zeros",
+    "new_ones", "new_full", "copy_", "add_", "mul_", "data_ptr", "untyped_storage", "from_pretrained",
+    "save_pretrained", "to_empty", "set_default", "load_weights", "get_input_embeddings", "get_output_embeddings",
+    "set_input_embeddings", "set_output_embeddings", "_load_from_state_dict",
+})
 
 
 @dataclass(frozen=True)
@@ -117,7 +130,7 @@ class ModuleAnalysis:
                     return Callee(m, 0, False)
                 return None
             return self._module_function(base.id, func.attr) or self._imported_class_method(base.id, func.attr) \
-                or self._typed_object_method(flow, base.id, func.attr)
+                or self._typed_object_method(flow, base.id, func.attr) or self._only_method(flow, base.id, func.attr)
         if isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super" and cls:
             for b in cls.bases:
                 # a base of this module, or one imported from another audited module (InvokeAI's LoRA layers'
@@ -128,6 +141,28 @@ class ModuleAnalysis:
                     m, where = found
                     return Callee(m, 0 if m.is_static else 1, False, where if where is not self else None)
         return None
+
+    def _only_method(self, flow: Flow, name: str, attr: str) -> Optional[Callee]:
+        """``patcher.add_patches(loaded, strength)`` on a local or parameter of no class the function states
+        (``patcher = model.clone()``): when one audited class alone defines a method of that name, and the
+        name is the project's own (two words or more, none of a module's, a tensor's or a container's own
+        methods), it is that method (Fooocus's ``ModelPatcher.add_patches``, which keeps the LoRA patches)."""
+        if self.project is None or attr in _SHARED_METHODS or "_" not in attr.strip("_") or attr.startswith("_") \
+                or name in self.index.globals or not (name in flow.state.slots
+                                                      or any(a.arg == name for a in flow.info.params)):
+            return None
+        files = self.project.method_files(attr)
+        if len(files) != 1:
+            return None
+        where = self if os.path.normpath(os.path.abspath(files[0])) == os.path.normpath(os.path.abspath(self.path)) \
+            else self._analysis_of(files[0])
+        if where is None:
+            return None
+        owners = [c for c in where.index.all_classes if attr in c.methods]
+        if len(owners) != 1:
+            return None
+        m = owners[0].methods[attr]
+        return Callee(m, 0 if m.is_static else 1, False, where if where is not self else None)
 
     def _typed_object_method(self, flow: Flow, name: str, attr: str) -> Optional[Callee]:
         """``writer.save_tensor(n, t)`` on an object whose class the function states: a parameter annotated

@@ -2494,3 +2494,53 @@ def test_a_loader_api_kept_on_the_object_is_that_api(tmp_path: Path):
     the object are found (a shape of one only is no retention)."""
     found = _audit(tmp_path, {"exporter.py": API_ON_SELF})
     assert {(fn, line) for _, fn, line in found} == {("Exporter.__init__", 13)}
+
+
+# -- a method of the one audited class that defines it, on an object of no known class (Fooocus, round 21) -----
+ONLY_METHOD = '''
+from safetensors.torch import load_file
+
+
+def load_lora_for_models(model, path, strength):
+    lora = load_file(path)
+    patcher = model.clone()
+    patcher.add_patches(lora, strength)
+    return patcher
+
+
+def copied_lora_for_models(model, path, strength):
+    lora = {k: v.clone() for k, v in load_file(path).items()}
+    patcher = model.clone()
+    patcher.add_patches(lora, strength)
+    return patcher
+
+
+def state_of(model, path):
+    sd = load_file(path)
+    model.load_state_dict(sd)
+    return model
+
+
+class ModelPatcher:
+    def __init__(self, model):
+        self.model = model
+        self.patches = {}
+
+    def add_patches(self, patches, strength):
+        for k in patches:
+            self.patches.setdefault(k, []).append((strength, patches[k]))
+        return list(patches)
+
+    def load_state_dict(self, sd, assign=False):
+        self.kept = sd
+'''
+
+
+def test_a_method_only_one_audited_class_defines_is_that_method(tmp_path: Path):
+    """Fooocus's ``new_modelpatcher = model.clone(); new_modelpatcher.add_patches(loaded, strength)``: the
+    receiver's class is not known, but one audited class alone defines ``add_patches`` (a name of the
+    project's own): its store of the LoRA tensors in ``self.patches`` is found. A method every module has
+    (``load_state_dict``) is never taken for the audited class's method of that name."""
+    found = _audit(tmp_path, {"patcher.py": ONLY_METHOD})
+    assert _functions(found) == {"ModelPatcher.add_patches"}
+    assert all(line == 32 for _, fn, line in found)
