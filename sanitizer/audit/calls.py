@@ -447,7 +447,7 @@ class CallRules:
             # valid for the step that fetched it, as a source's `f.get_tensor(k)` is (the innermost statement
             # loop's iteration, else the call); a conversion the getter applies is kept for OWN107
             step = next((x for x in reversed(self.loops) if x not in self._comp_steps), self.func_step)
-            if configured == "dict" and self._parked and not _keyword_is(node, "mmap", False):
+            if configured in ("dict", "holder") and self._parked and not _keyword_is(node, "mmap", False):
                 self.next_file_fetched(node)  # (`mmap=False` asks for a copy in memory: not the next borrowed file)
             origin = getattr(configured, "origin", "")
             text = f"returned by `{self.snip(node, 40)}`" + (f" (a producer: {origin})" if origin else "")

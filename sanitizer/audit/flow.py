@@ -488,6 +488,8 @@ class Flow(StoreRules, CallRules):
             self._parked, self._stale = dict(parked), dict(stale)
             self.block(body)
             ends.append(self.state)
+            if body and isinstance(body[-1], (ast.Return, ast.Raise, ast.Continue, ast.Break)):
+                continue  # (`return self.load_weights(file)` fetched the next file on a path that ends there)
             for name, entry in self._parked.items():
                 parked_ends.setdefault(name, entry)
             for name, gone in self._stale.items():
@@ -660,7 +662,7 @@ class Flow(StoreRules, CallRules):
         inside = None
         if inner is not None:  # `stash = buf.setdefault(key, {})`: a container inside a fresh local one
             fresh, loops, inside = True, inner[1].loops, inner[1].inside or inner[0]
-            if type(value) is ast.Subscript:  # walked into an inner dict: none of the outer one's tensors
+            if type(value) is not ast.Name:  # walked into an inner dict: none of the outer one's tensors
                 self.state.env.pop(name, None)
         self.state.slots[name] = Slot(fresh, loops, "tainted" if val is not None else binding_kind(value), param,
                                       accessor and self._alias_self(value), inside)
@@ -674,10 +676,13 @@ class Flow(StoreRules, CallRules):
         try:
             return self._nesting_cached
         except AttributeError:
+            assigns = [n for n in ast.walk(self.info.node) if isinstance(n, ast.Assign)]  # type: ignore[union-attr]
+            made = {t.id for n in assigns if is_fresh_container(n.value) for t in n.targets if type(t) is ast.Name}
+            # `node[part] = {}`, or `child = {}` then `node[part] = child` (OLMo's unflatten_dict)
             self._nesting_cached: frozenset = frozenset(
-                t.value.id for n in ast.walk(self.info.node) if isinstance(n, ast.Assign)  # type: ignore[union-attr]
-                and is_fresh_container(n.value) for t in n.targets
-                if isinstance(t, ast.Subscript) and type(t.value) is ast.Name)  # type: ignore[attr-defined]
+                t.value.id for n in assigns
+                if is_fresh_container(n.value) or (type(n.value) is ast.Name and n.value.id in made)
+                for t in n.targets if isinstance(t, ast.Subscript) and type(t.value) is ast.Name)
             return self._nesting_cached
 
     def _fresh_inner(self, value: Optional[ast.AST], name: str) -> Optional[Tuple[str, Slot]]:
@@ -688,10 +693,13 @@ class Flow(StoreRules, CallRules):
         ``unflatten_dict`` helpers make (lerobot's): ``node[leaf] = v`` stores into ``out``."""
         if type(value) is ast.Name:  # `node = out`: the same fresh container under a second name
             base: Optional[ast.AST] = value
-        elif type(value) is ast.Subscript and type(value.value) is ast.Name and value.value.id == name \
-                and name in self._nesting_names():
+        elif type(value) is ast.Subscript and type(value.value) is ast.Name \
+                and value.value.id in self._nesting_names():
             # `node = node[part]` walking a nested fresh dict (`unflatten_dict`): an inner container of it
             base = value.value
+        elif (type(value) is ast.Call and isinstance(value.func, ast.Attribute) and value.func.attr == "get"
+              and type(value.func.value) is ast.Name and value.func.value.id in self._nesting_names()):
+            base = value.func.value  # `child = node.get(part)` (then `if child is None: child = {}`)
         elif (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
               and value.func.attr == "setdefault" and len(value.args) == 2
               and is_fresh_container(value.args[1]) and type(value.func.value) is ast.Name):

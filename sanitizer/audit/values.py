@@ -166,7 +166,7 @@ class State:
                 self.slots[name] = Slot(mine.fresh and slot.fresh, tuple(x for x in mine.loops if x in slot.loops),
                                         mine.kind if mine.kind == slot.kind else "unknown",
                                         mine.param if mine.param is not None else slot.param,
-                                        mine.self_alias or slot.self_alias)
+                                        mine.self_alias or slot.self_alias, mine.inside or slot.inside)
 
 
 @dataclass

@@ -2544,3 +2544,61 @@ def test_a_method_only_one_audited_class_defines_is_that_method(tmp_path: Path):
     found = _audit(tmp_path, {"patcher.py": ONLY_METHOD})
     assert _functions(found) == {"ModelPatcher.add_patches"}
     assert all(line == 32 for _, fn, line in found)
+
+
+# -- round 22: a nested walk through `child = node.get(k)`, a producer of a container as the next file's fetch,
+# -- and a fetch on a path that returns ---------------------------------------------------------------------
+ROUND_22 = '''
+import torch
+from safetensors.torch import load_file
+
+
+def unflatten(d):
+    result = {}
+    for key, value in d.items():
+        node = result
+        for k in key.split(".")[:-1]:
+            child = node.get(k)
+            if child is None:
+                child = {}
+                node[k] = child
+            node = child
+        node[key.split(".")[-1]] = value
+    return result
+
+
+def file_to_state_dict(path):
+    return unflatten(load_file(path))
+
+
+def load_checkpoint(model_path, optim_path):
+    model_state = file_to_state_dict(model_path)
+    optim_state = file_to_state_dict(optim_path)
+    return model_state, optim_state
+
+
+def restore(optim: torch.optim.Optimizer, path):
+    optim.load_state_dict(file_to_state_dict(path))
+
+
+def load_weights(self, path, retry=False):
+    sd = load_file(path)
+    kept = {}
+    for k, v in sd.items():
+        kept[k.replace("lora.", "")] = v
+    if not retry and "missing" in kept:
+        return load_weights(self, path, retry=True)
+    self.copy_in(kept)
+    return None
+'''
+
+
+def test_round_22_first_run_shapes(tmp_path: Path):
+    """OLMo's ``unflatten_dict`` walks its nested fresh dict through ``child = node.get(k)``, ``child = {}``,
+    ``node[k] = child``, ``node = child``: it was a false alarm, and as it reported the file's tensors there,
+    the optimizer's keeping downstream (``optim.load_state_dict(...)``) was missed. A producer returning such
+    a container (a ``holder``) fetches the next file as a dict producer does: the first file's, bound to a name
+    and returned after it, is kept. A fetch on a path that returns (``return load_weights(...)``, the retry) is
+    no next file for what the other path reads."""
+    found = _audit(tmp_path, {"olmo_like.py": ROUND_22})
+    assert _functions(found) == {"load_checkpoint", "restore"}
