@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from sanitizer.audit import vocabulary as V
 from sanitizer.audit.findings import Link
-from sanitizer.audit.index import dotted, param_default as _param_default
+from sanitizer.audit.index import dotted, param_default as _param_default, param_defaults
 from sanitizer.audit.targets import _CAMEL, constructed_locals, constructed_when, root_of
 from sanitizer.audit.values import (BUILT, ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR, ELEM_HANDLE_PAIRS, ELEM_DICT, ELEM_PAIR, ELEM_TENSOR, HOLDER,
                                     ITER, PAIR, SOURCE, TENSOR, UNRESOLVED, Val, element_of, handle_of, is_handles)
@@ -35,7 +35,10 @@ _ASSIGNING_LOADER = re.compile(r"^load_(\w+_)?state_dict$")
 # transformers' `PreTrainedModel.load_adapter(adapter_state_dict=sd, low_cpu_mem_usage=True)` and peft's
 # `set_peft_model_state_dict(model, sd, low_cpu_mem_usage=True)` ("Create empty adapter weights on meta
 # device before loading the saved weights"): the state dict argument, by keyword or position.
-_ADAPTER_LOADERS = {"load_adapter": ("adapter_state_dict", None)}
+_ADAPTER_LOADERS = {"load_adapter": ("adapter_state_dict", None),
+                    # diffusers' `PeftAdapterMixin.load_lora_adapter(pretrained_model_name_or_path_or_dict, ...,
+                    # low_cpu_mem_usage=...)`, which hands it to peft's `set_peft_model_state_dict` (OmniGen2)
+                    "load_lora_adapter": ("pretrained_model_name_or_path_or_dict", 0)}
 
 # Methods that make their argument a part of the object they are called on, with the index of that argument
 # (and of the name it is kept under: None for a fixed name). torch.nn.Module.add_module: "Add a child module to
@@ -127,7 +130,7 @@ class CallRules:
                 self.attribute_store(ast.copy_location(target, node), args[value], node)
                 return None
         if _ASSIGNING_LOADER.match(meth) and args and args[0] is not None and args[0].holds_tensor \
-                and _keyword_is(node, "assign", True):
+                and self._assign_asked(node):
             # (a module's own `load_xlabs_state_dict(sd, assign=True)` passes `assign` on to it: InvokeAI)
             # torch.nn.Module.load_state_dict: "assign (bool, optional) - When set to False, the properties
             # of the tensors in the current module are preserved whereas setting it to True preserves
@@ -138,7 +141,7 @@ class CallRules:
             self.attribute_store(target, args[0], node, for_life=self._new_module(func.value))
             return None
         if isinstance(func, ast.Name) and _ASSIGNING_LOADER.match(func.id) and len(args) >= 2 \
-                and args[1] is not None and args[1].holds_tensor and _keyword_is(node, "assign", True) \
+                and args[1] is not None and args[1].holds_tensor and self._assign_asked(node) \
                 and (self.resolve_call is None or self.resolve_call(self, node) is UNRESOLVED):
             # `load_fp8_state_dict(model, sd, assign=True)`, a function the audit was not given that takes the
             # module first and passes `assign` on to its `load_state_dict` (SimpleTuner's FP8 loader): the
@@ -549,6 +552,23 @@ class CallRules:
         if name in self.module_aliases:
             return False
         return name in self.state.slots or any(a.arg == name for a in self.info.params)
+
+    def _assign_asked(self, node: ast.Call) -> bool:
+        """``assign=True``, or a value the audit cannot know (``assign=assign`` with the function's own parameter
+        defaulting to true, Step1X-Edit's ``load_state_dict(model, path, assign=True)`` helpers; ``assign=cfg.x``):
+        the module keeps the dict's tensors whenever it is true, as ``torch.load(mmap=<var>)`` borrows. A
+        parameter defaulting to false, or a constant false, asks for a copy."""
+        for kw in node.keywords:
+            if kw.arg != "assign":
+                continue
+            value = kw.value
+            if isinstance(value, ast.Constant):
+                return bool(value.value)
+            if isinstance(value, ast.Name) and any(a.arg == value.id for a in self.info.params):
+                default = param_defaults(self.info).get(value.id)
+                return default is None or not isinstance(default, ast.Constant) or bool(default.value)
+            return True
+        return False
 
     def _defined_producer(self, node: ast.Call):  # type: ignore[no-untyped-def]
         """``load(path)`` resolving to a module-level ``def load`` inferred a producer under that generic name

@@ -2602,3 +2602,41 @@ def test_round_22_first_run_shapes(tmp_path: Path):
     no next file for what the other path reads."""
     found = _audit(tmp_path, {"olmo_like.py": ROUND_22})
     assert _functions(found) == {"load_checkpoint", "restore"}
+
+
+# -- round 23: `assign=assign` under the function's own parameter; diffusers' `load_lora_adapter` -----------
+ROUND_23 = '''
+from safetensors.torch import load_file
+
+
+def load_state_dict(model, ckpt_path, device="cuda", strict=False, assign=True):
+    state_dict = load_file(ckpt_path, device)
+    missing, unexpected = model.load_state_dict(state_dict, strict=strict, assign=assign)
+    return model
+
+
+def load_copied(model, ckpt_path, assign=False):
+    state_dict = load_file(ckpt_path)
+    model.load_state_dict(state_dict, assign=assign)
+    return model
+
+
+class LoraMixin:
+    def load_lora_weights(self, path, low_cpu_mem_usage=False):
+        state_dict = load_file(path)
+        self.transformer.load_lora_adapter(state_dict, adapter_name="default", low_cpu_mem_usage=low_cpu_mem_usage)
+
+    def load_lora_eager(self, path):
+        state_dict = load_file(path)
+        self.transformer.load_lora_adapter(state_dict, adapter_name="default")
+'''
+
+
+def test_round_23_first_run_shapes(tmp_path: Path):
+    """Step1X-Edit's ``load_state_dict(model, path, ..., assign=True)`` passes ``assign=assign`` on: its own
+    parameter, true by default, so the module keeps the file whenever it is (as ``torch.load(mmap=<var>)``
+    borrows; a parameter false by default asks for a copy). OmniGen2 hands its LoRA dict to diffusers'
+    ``load_lora_adapter(sd, low_cpu_mem_usage=...)``, which assigns it into the adapter when asked, as
+    transformers' ``load_adapter`` does."""
+    found = _audit(tmp_path, {"step1x_like.py": ROUND_23})
+    assert _functions(found) == {"load_state_dict", "LoraMixin.load_lora_weights"}
