@@ -440,7 +440,7 @@ class CallRules:
             configured = None
         if configured is None:
             configured = self._typed_receiver_producer(node)
-        if configured is None and isinstance(node.func, ast.Name):
+        if configured is None and isinstance(node.func, (ast.Name, ast.Attribute)):
             configured = self._defined_producer(node)
         found = getattr(configured, "found", None)
         if found is not None and found.when and not self._condition_holds(node, found):
@@ -574,9 +574,24 @@ class CallRules:
         """``load(path)`` resolving to a module-level ``def load`` inferred a producer under that generic name
         (:attr:`~.producers.InferredProducers.by_definition`), or None."""
         table = self.inferred_producers()
-        if table is None or not table.by_definition:
+        if table is None:
             return None
         summaries = getattr(self.resolve_call, "__self__", None)
+        if isinstance(node.func, ast.Name) and (node.func.id in self.state.slots
+                                                or any(a.arg == node.func.id for a in self.info.params)):
+            return None  # `def s3(self, p, load): load(p)`: the parameter, not the module's function
+        if isinstance(node.func, ast.Name) and summaries is not None:
+            imported = summaries.index.imports.get(node.func.id)
+            if imported is not None and imported[2] != node.func.id and self.producer_kind is not None:
+                got = self.producer_kind(imported[2])  # `from .helpers import read_shard as rs`: `rs(p)`
+                if got is not None:
+                    return got
+        if not table.by_definition:
+            return None
+        if isinstance(node.func, ast.Attribute) and not (isinstance(node.func.value, ast.Name) and (
+                node.func.value.id in self.module_aliases or summaries is not None
+                and node.func.value.id in summaries.index.imports)):
+            return None  # only `helpers.load(p)` through a module, never `obj.load(p)`
         callee = summaries.callee(self, node) if summaries is not None else None
         if callee is None or callee.constructor or callee.info.cls is not None:
             return None
@@ -693,9 +708,20 @@ class CallRules:
         func = node.func
         if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)):
             return None
-        ann = self.annotations.get(func.value.id)
         inferred = self.inferred_producers()
-        if not ann or inferred is None or not inferred.by_method:
+        if inferred is None or not inferred.by_method:
+            return None
+        cls = self.info.enclosing_class
+        if cls is not None and func.value.id == self.self_name():
+            # `self.get("emb")`: the class's own method inferred a producer, whatever its name (a method
+            # named `get` is never matched by name alone), or a base's of this module
+            for owner in [cls.qualname.rpartition(".")[2]] + [b.rpartition(".")[2] for b in cls.bases]:
+                got = inferred.kind_of_method(owner, func.attr)
+                if got is not None:
+                    return got
+            return None
+        ann = self.annotations.get(func.value.id)
+        if not ann:
             return None
         for cls in V.ANNOTATED_CLASS.findall(ann):
             got = inferred.kind_of_method(cls.rpartition(".")[2], func.attr)

@@ -363,9 +363,9 @@ def _loader_attributes(tree: ast.Module, is_api: "Callable[[str], bool]") -> Non
     """``self._safe_open = safe_open`` in a method (onnxruntime-genai's ModeloptModel keeps the function it
     imported inside ``__init__``), then ``self._safe_open(path)`` in another: each such call of the class is
     renamed to the API it holds, as an import alias is (below)."""
-    for cls in ast.walk(tree):
-        if not isinstance(cls, ast.ClassDef):
-            continue
+    classes = [c for c in ast.walk(tree) if isinstance(c, ast.ClassDef)]
+    held_by: Dict[str, Dict[str, str]] = {}
+    for cls in classes:
         held: Dict[str, str] = {}
         for node in ast.walk(cls):
             if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.value, (ast.Name, ast.Attribute)):
@@ -374,6 +374,19 @@ def _loader_attributes(tree: ast.Module, is_api: "Callable[[str], bool]") -> Non
                 if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) \
                         and target.value.id == "self" and api and is_api(api):
                     held[target.attr] = api
+        held_by[cls.name] = held
+    for _ in range(len(classes)):  # what a base of this module keeps on `self`, its subclasses' `self` has too
+        grew = False
+        for cls in classes:
+            for base in cls.bases:
+                for attr, api in held_by.get(dotted(base).rpartition(".")[2], {}).items():
+                    if attr not in held_by[cls.name]:
+                        held_by[cls.name][attr] = api
+                        grew = True
+        if not grew:
+            break
+    for cls in classes:
+        held = held_by[cls.name]
         if not held:
             continue
         for node in ast.walk(cls):

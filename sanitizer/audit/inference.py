@@ -65,14 +65,20 @@ def calls_producer(name: str, settings: Settings) -> bool:
 
 
 def calls_defined_producer(info, index, table: InferredProducers) -> bool:  # type: ignore[no-untyped-def]
-    """Does ``info`` call, by its bare name, a module-level function of its own module inferred a producer
-    under a generic name (``model_checkpoint = load(path)`` with ``def load(filename)`` above it)?"""
-    if not table.by_definition:
-        return False
+    """Does ``info`` call a module-level function inferred a producer under a generic name (``model_checkpoint =
+    load(path)`` with ``def load(filename)`` above it, or imported: ``from helpers import load``, ``helpers.load``),
+    or an inferred producer under an import alias (``from .helpers import read_shard as rs``)?"""
+    generic = {p.name for p in table.by_definition.values()}
     for name in info.calls:
         defined = index.top_functions.get(name)
         if defined is not None and (index.path, defined.node.lineno) in table.by_definition:
             return True
+        imported = index.imports.get(name)
+        if imported is not None and (imported[2] in generic or (imported[2] != name and imported[2] in table.by_name)):
+            return True  # `from helpers import load`, `from .helpers import read_shard as rs`
+        receiver, _, last = name.rpartition(".")
+        if receiver and last in generic and (receiver in index.imports or receiver in index.module_aliases):
+            return True  # `helpers.load(p)`
     return False
 
 
@@ -81,6 +87,14 @@ def calls_typed_producer(info, table: InferredProducers) -> bool:  # type: ignor
     (``checkpoint_loader.load(key)``, ``checkpoint_loader: HFCheckpointLoader``)?"""
     if not table.by_method:
         return False
+    cls = info.enclosing_class
+    if cls is not None and info.is_method and info.params:  # `self.get("emb")` of the class's own producer
+        me = info.params[0].arg
+        owners = [cls.qualname.rpartition(".")[2]] + [b.rpartition(".")[2] for b in cls.bases]
+        for call in info.calls:
+            receiver, _, meth = call.rpartition(".")
+            if receiver == me and any(f"{o}.{meth}" in table.by_method for o in owners):
+                return True
     typed = {}
     for arg in info.params:
         if arg.annotation is not None:
@@ -139,6 +153,7 @@ def infer(sources: Sequence[Source], settings: Optional[Settings] = None,
                         table._mention = None
                     if record_definition(table.by_definition, info, source.path, val, generator):
                         changed = True
+                        table._generic_mention = None
                     if record_method(table.by_method, info, source.path, val, generator):
                         changed = True
         if project is not None:

@@ -29,6 +29,7 @@ producer inferred so far, are parsed for it: a 300,000-line tree of model files 
 from __future__ import annotations
 
 import ast
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Dict, List, Optional, Tuple
@@ -110,6 +111,7 @@ class InferredProducers:
     # name, only a call that resolves to that very definition, by (path, line) (mistral-finetune's `load`)
     by_definition: Dict[Tuple[str, int], Inferred] = field(default_factory=dict)
     _mention: Optional["re.Pattern[str]"] = None
+    _generic_mention: Optional["re.Pattern[str]"] = None
 
     def kind_of(self, call_name: str) -> Optional[Produced]:
         last = call_name.rpartition(".")[2]
@@ -140,6 +142,14 @@ class InferredProducers:
             return True  # a class of its may keep a mapping of weights (:class:`SelfSources`)
         if self.by_method and any(key.partition(".")[0] in text for key in self.by_method):
             return True  # it names a class with a producer method (a parameter annotated with it)
+        if self.by_definition:
+            if self._generic_mention is None:  # imported by name, or called through its module's name
+                names = "|".join(sorted({re.escape(p.name) for p in self.by_definition.values()}))
+                stems = "|".join(sorted({re.escape(os.path.splitext(os.path.basename(p.path))[0])
+                                         for p in self.by_definition.values()}))
+                self._generic_mention = re.compile(rf"\bimport\b[^\n]*\b({names})\b|\b({stems})\.({names})\s*\(")
+            if self._generic_mention.search(text):
+                return True
         if not self.by_name:
             return False
         if self._mention is None:

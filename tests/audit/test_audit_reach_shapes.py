@@ -2640,3 +2640,80 @@ def test_round_23_first_run_shapes(tmp_path: Path):
     transformers' ``load_adapter`` does."""
     found = _audit(tmp_path, {"step1x_like.py": ROUND_23})
     assert _functions(found) == {"load_state_dict", "LoraMixin.load_lora_weights"}
+
+
+# -- a blind user's probes (stop 69): a generic-named producer imported or called through its module, an import
+# -- alias of an inferred producer, a class's own producer method named `get`, a loader kept on `self` by a base
+BLIND_HELPERS = '''
+from safetensors.torch import load_file
+
+
+def load(filename):
+    return load_file(filename)
+
+
+def read_shard(filename):
+    return load_file(filename)
+'''
+
+BLIND_USERS = '''
+import helpers
+from helpers import load
+from helpers import read_shard as rs
+from safetensors import safe_open
+
+
+class A:
+    def imported(self, p):
+        self.w = load(p)
+
+    def through_module(self, p):
+        self.w = helpers.load(p)
+
+    def aliased(self, p):
+        self.w = rs(p)
+
+    def shadowed(self, p, load):
+        self.w = load(p)
+
+
+class W:
+    def __init__(self, path):
+        self.f = safe_open(path, framework="pt")
+
+    def get(self, name):
+        return self.f.get_tensor(name)
+
+    def setup(self):
+        self.emb = self.get("emb")
+
+    def shape(self):
+        return self.get("emb").shape
+
+
+def other(cfg, model):
+    model.x = cfg.get("x")
+
+
+class Base:
+    def __init__(self, path):
+        self._open = safe_open
+        self.path = path
+
+
+class Sub(Base):
+    def read(self):
+        with self._open(self.path, framework="pt") as f:
+            self.x = f.get_tensor("x")
+'''
+
+
+def test_a_blind_users_probes_of_generic_names_aliases_and_bases(tmp_path: Path):
+    """Probes a helper wrote from docs/audit.md alone: a module-level ``def load(filename)`` producer imported
+    by name or called as ``helpers.load(p)`` was never matched (only in its own module); ``from helpers
+    import read_shard as rs`` hid the producer behind its alias; ``self.get("emb")`` of the class's own
+    producer method named ``get`` was not followed; a loader kept on ``self`` by a base's ``__init__`` was
+    unknown in a subclass. A parameter named ``load`` is not the module's function, and ``cfg.get`` is not
+    ``W.get``."""
+    found = _audit(tmp_path, {"helpers.py": BLIND_HELPERS, "users.py": BLIND_USERS})
+    assert _functions(found) == {"A.imported", "A.through_module", "A.aliased", "W.setup", "Sub.read"}
