@@ -168,7 +168,8 @@ class Flow(StoreRules, CallRules):
             origin = val.chain[0] if val.chain else None
             if any(f.chain and f.chain[0] == origin and f.function == self.fn for f in self.out.findings):
                 continue
-            self.report("OWN101", stmt, val, "whole-file dict kept past the next file's fetch",
+            what = "a file's tensor" if val.kind == TENSOR else "whole-file dict"
+            self.report("OWN101", stmt, val, f"{what} kept past the next file's fetch",
                         f"{self._what(val)} is bound to `{node.id}` while `{self.snip(ended, 40)}` (line "
                         f"{getattr(ended, 'lineno', 0)}) fetches the next file, and read after it (line "
                         f"{node.lineno})", f"`{self.snip(stmt, 60)}`")
@@ -358,7 +359,7 @@ class Flow(StoreRules, CallRules):
                         f"{self._what(val)} is kept in `{node.id}` past the close of its handle (the `with` at "
                         f"line {ended.lineno}), and read after it (line {node.lineno})", f"`{self.snip(stmt, 60)}`")
             return
-        self.report("OWN101", stmt, val, "whole-file dict kept past the next file's fetch",
+        self.report("OWN101", stmt, val, "a file's tensors kept past the next file's fetch",
                     f"{self._what(val)} is kept in `{node.id}` while `{self.snip(ended, 40)}` (line "
                     f"{getattr(ended, 'lineno', 0)}) fetches the next file, and read after it (line {node.lineno})",
                     f"`{self.snip(stmt, 60)}`")
