@@ -47,39 +47,37 @@ class Project:
         bases: where an override of a method called through ``self.`` may live. Read once from the files'
         bytes (a pattern, not a parse: a method call on ``self`` that needs it must not parse every file)."""
         if self._subclasses is None:
-            found: Dict[str, List[Tuple[str, str]]] = {}
-            for path in self._abs.values():
-                try:
-                    with open(path, "rb") as fh:
-                        raw = fh.read()
-                except OSError:
-                    continue
-                for m in _CLASS.finditer(raw):
-                    for base in m.group(2).split(b","):
-                        base = base.strip()
-                        if not base or b"=" in base:  # metaclass=..., a keyword
-                            continue
-                        short = base.rsplit(b".", 1)[-1].split(b"[", 1)[0].decode("ascii", "replace")
-                        found.setdefault(short, []).append((path, m.group(1).decode("ascii", "replace")))
-            self._subclasses = found
-        return self._subclasses.get(name, [])
+            self._scan()
+        return self._subclasses.get(name, [])  # type: ignore[union-attr]
 
     def method_files(self, name: str) -> List[str]:
         """The audited files that define a method ``name`` (an indented ``def name(self``), each once per
         definition: where ``obj.name(...)`` on an object of no known class may be defined. Read once from
-        the files' bytes, as :meth:`subclasses` is."""
+        the files' bytes, with :meth:`subclasses`."""
         if self._methods is None:
-            found: Dict[str, List[str]] = {}
-            for path in self._abs.values():
-                try:
-                    with open(path, "rb") as fh:
-                        raw = fh.read()
-                except OSError:
-                    continue
-                for m in _METHOD.finditer(raw):
-                    found.setdefault(m.group(1).decode("ascii", "replace"), []).append(path)
-            self._methods = found
-        return self._methods.get(name, [])
+            self._scan()
+        return self._methods.get(name, [])  # type: ignore[union-attr]
+
+    def _scan(self) -> None:
+        """One read of every audited file's bytes for both patterns (classes' bases, methods' names)."""
+        subclasses: Dict[str, List[Tuple[str, str]]] = {}
+        methods: Dict[str, List[str]] = {}
+        for path in self._abs.values():
+            try:
+                with open(path, "rb") as fh:
+                    raw = fh.read()
+            except OSError:
+                continue
+            for m in _CLASS.finditer(raw):
+                for base in m.group(2).split(b","):
+                    base = base.strip()
+                    if not base or b"=" in base:  # metaclass=..., a keyword
+                        continue
+                    short = base.rsplit(b".", 1)[-1].split(b"[", 1)[0].decode("ascii", "replace")
+                    subclasses.setdefault(short, []).append((path, m.group(1).decode("ascii", "replace")))
+            for m in _METHOD.finditer(raw):
+                methods.setdefault(m.group(1).decode("ascii", "replace"), []).append(path)
+        self._subclasses, self._methods = subclasses, methods
 
     def locate(self, importer: str, module: str, level: int) -> Optional[str]:
         """The audited file that ``from <level dots><module> import ...`` in ``importer`` names, if any."""
