@@ -203,7 +203,11 @@ class CallRules:
         ``torch.nn.Module``'s ``load_state_dict`` takes ``assign``, so the object is a module, and a module
         keeps its parameters for its own life, which is the model's, whatever the function then does with it
         (mistral-inference's ``from_folder`` returns it): what it is made to keep is kept, as a module's
-        constructor's stores are (see ``ModuleAnalysis.is_module_class``)."""
+        constructor's stores are (see ``ModuleAnalysis.is_module_class``). So is a module held by such a new
+        object (``pipe = Text2ImagePipeline(...)``, ``pipe.dit.load_state_dict(sd, assign=True)``, then ``return
+        pipe``: cosmos-predict2's pipelines): the module keeps the file, not a container the object dies with."""
+        while isinstance(expr, ast.Attribute):
+            expr = expr.value
         if not isinstance(expr, ast.Name):
             return False
         memo = getattr(self, "_new_objects", None)

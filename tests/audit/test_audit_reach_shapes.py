@@ -2717,3 +2717,45 @@ def test_a_blind_users_probes_of_generic_names_aliases_and_bases(tmp_path: Path)
     ``W.get``."""
     found = _audit(tmp_path, {"helpers.py": BLIND_HELPERS, "users.py": BLIND_USERS})
     assert _functions(found) == {"A.imported", "A.through_module", "A.aliased", "W.setup", "Sub.read"}
+
+
+# -- round 25: a module held by a new object the function builds and returns, loaded with assign=True --------
+ROUND_25 = '''
+from safetensors.torch import load as st_load
+
+
+def load_state_dict(file_path):
+    with open(file_path, "rb") as f:
+        return st_load(f.read())
+
+
+class Pipeline:
+    def __init__(self, device):
+        self.device = device
+        self.dit = None
+
+    @staticmethod
+    def from_config(config, dit_path):
+        pipe = Pipeline(device="cuda")
+        pipe.dit = build_dit(config)
+        state_dict = load_state_dict(dit_path)
+        compatible = {k.replace("net.", ""): v for k, v in state_dict.items()}
+        pipe.dit.load_state_dict(compatible, strict=False, assign=True)
+        return pipe
+
+    @staticmethod
+    def from_config_copied(config, dit_path):
+        pipe = Pipeline(device="cuda")
+        pipe.dit = build_dit(config)
+        pipe.dit.load_state_dict(load_state_dict(dit_path), strict=False)
+        return pipe
+'''
+
+
+def test_a_module_of_a_new_object_keeps_what_it_is_assigned(tmp_path: Path):
+    """cosmos-predict2's pipelines build ``pipe = Text2ImagePipeline(...)``, load the DiT's file into
+    ``pipe.dit`` with ``assign=True`` and return ``pipe``: the store was taken into a new object the function
+    hands on (a container), so nothing was reported and ``from_config`` became an inferred producer. The module
+    keeps the file for its life, as a new module assigned directly does; without ``assign`` it copies."""
+    found = _audit(tmp_path, {"pipeline.py": ROUND_25})
+    assert _functions(found) == {"Pipeline.from_config"}
