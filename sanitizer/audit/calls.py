@@ -555,7 +555,7 @@ class CallRules:
         name = func.value.id
         if name in self.module_aliases:
             return False
-        return name in self.state.slots or any(a.arg == name for a in self.info.params)
+        return self._local_or_param(name)
 
     def _assign_asked(self, node: ast.Call) -> bool:
         """``assign=True``, or a value the audit cannot know (``assign=assign`` with the function's own parameter
@@ -574,15 +574,22 @@ class CallRules:
             return True
         return False
 
+    def _summaries(self):  # type: ignore[no-untyped-def]
+        """The module's summaries (:class:`~.summaries.ModuleAnalysis`) the walk resolves calls through, or None."""
+        return getattr(self.resolve_call, "__self__", None)
+
+    def _local_or_param(self, name: str) -> bool:
+        """Is ``name`` a local this function binds or one of its parameters (a value, not a module's name)?"""
+        return name in self.state.slots or any(a.arg == name for a in self.info.params)
+
     def _defined_producer(self, node: ast.Call):  # type: ignore[no-untyped-def]
         """``load(path)`` resolving to a module-level ``def load`` inferred a producer under that generic name
         (:attr:`~.producers.InferredProducers.by_definition`), or None."""
         table = self.inferred_producers()
         if table is None:
             return None
-        summaries = getattr(self.resolve_call, "__self__", None)
-        if isinstance(node.func, ast.Name) and (node.func.id in self.state.slots
-                                                or any(a.arg == node.func.id for a in self.info.params)):
+        summaries = self._summaries()
+        if isinstance(node.func, ast.Name) and self._local_or_param(node.func.id):
             return None  # `def s3(self, p, load): load(p)`: the parameter, not the module's function
         if isinstance(node.func, ast.Name) and summaries is not None:
             imported = summaries.index.imports.get(node.func.id)
@@ -615,8 +622,7 @@ class CallRules:
         root = root_of(node.func.value)
         if root.name is None:
             return not isinstance(node.func.value, ast.Call)  # `self.x.load(...)`, `a[0].load(...)`
-        return root.name == self.self_name() or root.name in self.state.slots \
-            or any(a.arg == root.name for a in self.info.params)
+        return root.name == self.self_name() or self._local_or_param(root.name)
 
     def _defined_here(self, node: ast.Call) -> bool:
         """``load_file(path)`` that names a function of the audited tree (coqui TTS's ``managers.load_file``, a
@@ -625,8 +631,7 @@ class CallRules:
         imported from safetensors resolves to nothing audited, so it stays the loader's API."""
         if not isinstance(node.func, ast.Name):
             return False
-        summaries = getattr(self.resolve_call, "__self__", None)
-        callee = getattr(summaries, "callee", None)
+        callee = getattr(self._summaries(), "callee", None)
         return callee is not None and callee(self, node) is not None
 
     def _own_method(self, node: ast.Call) -> bool:
@@ -641,7 +646,7 @@ class CallRules:
     def _imported_from_library(self, name: str) -> bool:
         """Is ``name`` imported absolutely (``from peft import set_peft_model_state_dict``), not relatively
         as the project's own (``from .utils import ...``, peft itself) nor defined in this module?"""
-        index = getattr(getattr(self.resolve_call, "__self__", None), "index", None)
+        index = getattr(self._summaries(), "index", None)
         imported = index.imports.get(name) if index is not None else None
         if imported is None:  # `from peft import set_peft_model_state_dict` inside the function (SimpleTuner)
             return any(isinstance(stmt, ast.ImportFrom) and not stmt.level and stmt.module

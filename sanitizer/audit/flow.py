@@ -323,7 +323,7 @@ class Flow(StoreRules, CallRules):
         if fname in V.PURE_BUILTINS or V.NON_TENSOR_CALLS.search(fname) or (
                 V.NAME_RETURNING.search(fname) and not remapper):
             return None
-        summaries = getattr(self.resolve_call, "__self__", None)
+        summaries = self._summaries()
         if summaries is not None and summaries.callee(self, call) is not None:
             # an audited function: its summary said what it returns (SimpleTuner's `convert_ltx2_audio_vae(sd)`
             # returns the module it installed `sd` into, with assign=True, reported there), not a guess by name
@@ -486,7 +486,8 @@ class Flow(StoreRules, CallRules):
         stale_ends: Dict[str, Tuple[ast.AST, Val, ast.AST]] = {}
         for body in blocks:
             self.state = start.copy()
-            self._parked, self._stale = dict(parked), dict(stale)
+            if parked or stale or self._parked or self._stale:  # (empty on nearly every branch: no copies then)
+                self._parked, self._stale = dict(parked), dict(stale)
             self.block(body)
             ends.append(self.state)
             if body and isinstance(body[-1], (ast.Return, ast.Raise, ast.Continue, ast.Break)):
