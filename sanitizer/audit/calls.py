@@ -399,6 +399,16 @@ class CallRules:
             if self.resolve_call is not None:
                 self.resolve_call(self, node)  # accelerate's own definition, audited: its stores are found too
             return None
+        if self._library_keeper(node, name) and len(args) >= 2 and args[1] is not None and args[1].holds_tensor:
+            # optimum-quanto, quantize.py: "def requantize(model, state_dict, quantization_map, device=None)":
+            # each quantized module is rebuilt from the state dict's own `_data`/`_scale` tensors and made its
+            # parameter with `.to(device)` (the tensors themselves when already there); the rest goes through
+            # `model.load_state_dict(state_dict, strict=False)`. The model keeps the file's tensors.
+            kept = args[1].then(args[1].kind, link, convert=args[1].convert or "to(device)")
+            target = ast.Attribute(value=node.args[0], attr="<parameters: requantize>", ctx=ast.Store(),
+                                   lineno=node.lineno)
+            self.attribute_store(target, kept, node, for_life=self._new_module(node.args[0]))
+            return None
         if last == "swap_tensors" and len(args) >= 2 and len(node.args) >= 2:
             # torch.utils.swap_tensors(t1, t2): "This function swaps the content of the two Tensor objects"
             # (their storages too): the other object, kept wherever it lives, now holds the borrowed bytes
@@ -439,6 +449,9 @@ class CallRules:
         builtin = V.loader_call_kind(name, node)
         if builtin and (self._own_method(node) or self._method_of_a_value(node) or self._defined_here(node)):
             builtin = ""  # `self.load_file(fn)`: the class's own method of that name, not safetensors'
+        library_method = not builtin and self._library_method(node)
+        if library_method:
+            builtin = "dict"  # `pipe.lora_state_dict(path)` of a diffusers pipeline the audit was not given
         configured = builtin or (self.producer_kind(name) if self.producer_kind is not None else None)
         if configured is not None and self._function_called_as_a_method(node, configured):
             configured = None
@@ -465,6 +478,11 @@ class CallRules:
             if when:
                 made = made.then(when=when)
             parts = getattr(configured, "parts", ())
+            if builtin == "dict" and (name in V.LIBRARY_DICT_LOADERS and _keyword_is(node, "return_metadata", True)
+                                      or library_method):
+                # `sd, metadata = load_torch_file(p, return_metadata=True)`, `sd, alphas = pipe.lora_state_dict(p)`:
+                # unpacked, the dict comes first and the rest holds no tensor; whole, it is the dict
+                return made.then(parts=(made,))
             if configured in ("dict", "holder") and parts:  # `model, sd, meta = cls._build_model(path)`: `sd` only
                 made = made.then(mapping=False, parts=tuple(
                     None if not k else made.then(TENSOR if k == "tensor" else HOLDER, mapping=k == "dict")
@@ -545,6 +563,33 @@ class CallRules:
                                                  f"(low_cpu_mem_usage)>", ctx=ast.Store(), lineno=node.lineno)
         self.attribute_store(target, sd, node)
         return True
+
+    def _library_keeper(self, node: ast.Call, name: str) -> bool:
+        """``requantize(model, sd, qmap)`` imported from optimum-quanto (or called through it): a library function
+        the audit was not given that makes the model (its first argument) hold the state dict's tensors."""
+        if not node.args:
+            return False
+        if name in ("optimum.quanto.requantize", "quanto.requantize"):
+            return True
+        if not (isinstance(node.func, ast.Name) and node.func.id == "requantize"):
+            return False
+        index = getattr(self._summaries(), "index", None)
+        imported = index.imports.get("requantize") if index is not None else None
+        if imported is None:
+            return any(isinstance(stmt, ast.ImportFrom) and (stmt.module or "").startswith(("optimum.quanto", "quanto"))
+                       and any((a.asname or a.name) == "requantize" for a in stmt.names)
+                       for stmt in ast.walk(self.info.node))  # type: ignore[attr-defined]
+        return imported[0].startswith(("optimum.quanto", "quanto")) and imported[1] == 0
+
+    def _library_method(self, node: ast.Call) -> bool:
+        """``self.lora_state_dict(path)``, ``pipe.lora_state_dict(path)``: a library's loader method
+        (:data:`~.vocabulary.LIBRARY_DICT_METHODS`) that no audited class defines (diffusers' LoRA mixins,
+        inherited by the engine's pipeline), so it returns the file's dict as the library's does."""
+        func = node.func
+        if not (isinstance(func, ast.Attribute) and func.attr in V.LIBRARY_DICT_METHODS) or self._own_method(node):
+            return False
+        project = getattr(self._summaries(), "project", None)
+        return project is None or not project.defines_method(func.attr)
 
     def _method_of_a_value(self, node: ast.Call) -> bool:
         """``media_io.load_file(path)`` on a parameter or local (lmdeploy's media readers): a method of that

@@ -284,7 +284,8 @@ def uses_producer(info: FunctionInfo, settings: Optional[Settings] = None) -> bo
     """Does the body call a known producer of borrowed tensors (so the flow must look at it)?"""
     return any(V.SOURCE_FACTORIES.search(c) or V.ITERATOR_FACTORY.search(c) or V.loader_call_kind(c, None)
                or c == "torch.load" or (settings is not None and settings.is_producer(c))
-               or c.rpartition(".")[2] in V.ONLOADING_CONTEXTS for c in info.calls)
+               or c.rpartition(".")[2] in V.ONLOADING_CONTEXTS
+               or ("." in c and c.rpartition(".")[2] in V.LIBRARY_DICT_METHODS) for c in info.calls)
 
 
 def seed_value(info: FunctionInfo, seed: Seed) -> Val:

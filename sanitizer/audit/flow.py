@@ -626,6 +626,8 @@ class Flow(StoreRules, CallRules):
             return [None] * n
         if val.parts is not None and len(val.parts) == n:
             return list(val.parts)
+        if val.parts is not None and len(val.parts) == 1 and n > 1:
+            return [val.parts[0]] + [None] * (n - 1)  # a library loader's dict, then what is no tensor (alphas)
         if val.kind == ITER:
             return [val] * n
         if val.kind == PAIR or (val.kind == HOLDER and val.elem in (ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR)):

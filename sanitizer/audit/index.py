@@ -348,11 +348,14 @@ def build_index(path: str, tree: ast.Module, text: Optional[str] = None) -> Modu
 
 
 _LOADER_PACKAGES = ("safetensors", "fastsafetensors", "runai_model_streamer", "instanttensor", "torch")
+# packages whose loaders (vocabulary.LIBRARY_DICT_LOADERS) an engine may import inside a function
+_LIBRARY_PACKAGES = ("comfy", "peft", "diffusers", "transformers", "accelerate", "huggingface_hub", "timm")
 
 
 # an import from a loader's package indented under a `def` (or a class, an `if`): the only text that asks for
 # the walk over functions below
-_LOCAL_LOADER_IMPORT = re.compile(r"^[ \t]+from[ \t]+(" + "|".join(_LOADER_PACKAGES) + r")\b", re.M)
+_LOCAL_LOADER_IMPORT = re.compile(r"^[ \t]+from[ \t]+(" + "|".join(_LOADER_PACKAGES + _LIBRARY_PACKAGES) + r")\b",
+                                  re.M)
 
 
 # `self._safe_open = safe_open`: a loader's API kept on the object, called later as `self._safe_open(path)`
@@ -404,6 +407,8 @@ def _canonical_loader_calls(index: ModuleIndex, tree: ast.Module, text: Optional
 
     def loader_api(module: str, level: int, original: str) -> str:
         full = f"{module}.{original}"
+        if not level and V.library_loader(full):
+            return full  # `from comfy.utils import load_torch_file`: a library's loader, by its full path
         if level or not module.split(".")[0] in _LOADER_PACKAGES:
             return ""
         hit = V.SOURCE_FACTORIES.search(full) or V.ITERATOR_FACTORY.search(full) or V.loader_call_kind(full, None)
@@ -414,7 +419,7 @@ def _canonical_loader_calls(index: ModuleIndex, tree: ast.Module, text: Optional
 
     renamed = {}
     for alias, (module, level, original) in index.imports.items():
-        if alias != original and loader_api(module, level, original):
+        if (alias != original or V.library_loader(f"{module}.{original}")) and loader_api(module, level, original):
             renamed[alias] = f"{module}.{original}"
     if renamed:
         for node in ast.walk(tree):

@@ -11,13 +11,13 @@ from __future__ import annotations
 import os
 import re
 from collections import OrderedDict
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 from sanitizer.audit.sources import AuditInputError, Source, read
 
 CACHE_SIZE = 48
 _CLASS = re.compile(rb"^[ \t]*class[ \t]+(\w+)[ \t]*\(([^)]*)\)", re.M)
-_METHOD = re.compile(rb"^[ \t]+(?:async[ \t]+)?def[ \t]+(\w+)[ \t]*\([ \t\n]*self\b", re.M)
+_METHOD = re.compile(rb"^[ \t]+(?:async[ \t]+)?def[ \t]+(\w+)[ \t]*\([ \t\n]*(self|cls)\b", re.M)
 
 
 def _dotted(path: str) -> Tuple[str, ...]:
@@ -40,6 +40,7 @@ class Project:
         self.texts: Dict[str, str] = {}  # path -> source text of every module read (for suppression comments)
         self._subclasses: Optional[Dict[str, List[Tuple[str, str]]]] = None
         self._methods: Optional[Dict[str, List[str]]] = None
+        self._class_methods: Set[str] = set()  # names of methods taking `cls` (classmethods), any file
         self._reexports: Dict[Tuple[str, str], Optional[str]] = {}  # (package, "def f"/"class C") -> file
 
     def subclasses(self, name: str) -> List[Tuple[str, str]]:
@@ -76,8 +77,18 @@ class Project:
                     short = base.rsplit(b".", 1)[-1].split(b"[", 1)[0].decode("ascii", "replace")
                     subclasses.setdefault(short, []).append((path, m.group(1).decode("ascii", "replace")))
             for m in _METHOD.finditer(raw):
+                if m.group(2) == b"cls":
+                    self._class_methods.add(m.group(1).decode("ascii", "replace"))
+                    continue
                 methods.setdefault(m.group(1).decode("ascii", "replace"), []).append(path)
         self._subclasses, self._methods = subclasses, methods
+
+    def defines_method(self, name: str) -> bool:
+        """Does an audited class define a method ``name`` (taking ``self`` or ``cls``)? Then a call of that name
+        may be the project's own, not a library's method of that name (diffusers' ``lora_state_dict``)."""
+        if self._methods is None:
+            self._scan()
+        return name in self._methods or name in self._class_methods  # type: ignore[operator]
 
     def locate(self, importer: str, module: str, level: int) -> Optional[str]:
         """The audited file that ``from <level dots><module> import ...`` in ``importer`` names, if any."""

@@ -195,12 +195,62 @@ _DICT_LOADERS = re.compile(r"(^|\.)(load_file|safe_load_file)$|^(safetensors\.to
 # A module that mentions one of these may define a producer of its own (inferred, :mod:`.producers`).
 LOADER_API_HINT = re.compile(r"safe_open|load_file|torch\.load|safetensors\.torch import|fastsafe_open|SafeTensorsFileLoader|"
                              r"SafetensorsStreamer|InstantTensor|instanttensor|copy_files_to_device|"
-                             r"ParallelLoader|FastSafeTensorsLoader|stream_files|get_tensors|iterate_weights")
+                             r"ParallelLoader|FastSafeTensorsLoader|stream_files|get_tensors|iterate_weights|"
+                           r"load_torch_file|load_peft_weights|load_state_dict_from_file|lora_state_dict|"
+                           r"(diffusers|transformers|accelerate|timm)[\w.]* import[^\n]*\bload_state_dict\b")
+
+
+# Libraries' functions that load a checkpoint file and return its dict, built on the loaders above (so, by
+# contract, borrowed as theirs are), named by their full import path. A call is matched only through an import
+# of that path (``from comfy.utils import load_torch_file``, ``comfy.utils.load_torch_file(...)``), never by
+# the bare name, and never where the audited tree defines a function of that name.
+LIBRARY_DICT_LOADERS = frozenset({
+    # ComfyUI, comfy/utils.py: "def load_torch_file(ckpt, safe_load=False, device=None,
+    # return_metadata=False)": a ``.safetensors`` file through ``safetensors.safe_open`` / ``load_file``,
+    # returned as ``sd`` (or ``(sd, metadata)`` when asked). Every custom node loads through it.
+    "comfy.utils.load_torch_file",
+    # peft, utils/save_and_load.py: "def load_peft_weights(model_id, device=None, ...) -> dict: A helper
+    # method to load the PEFT weights from the HuggingFace Hub or locally" (``safe_load_file(filename,
+    # device=...)`` for a safetensors adapter)
+    "peft.utils.load_peft_weights", "peft.utils.save_and_load.load_peft_weights", "peft.load_peft_weights",
+    # diffusers, models/model_loading_utils.py: "def load_state_dict(checkpoint_file, ...): Reads a checkpoint
+    # file, returning properly formatted errors if they arise" (``safetensors.torch.load_file(checkpoint_file,
+    # device=...)``, or ``torch.load(..., mmap=True)`` for a .bin file); re-exported by modeling_utils
+    "diffusers.models.model_loading_utils.load_state_dict", "diffusers.models.modeling_utils.load_state_dict",
+    # transformers, modeling_utils.py: "def load_state_dict(checkpoint_file, ..., map_location="cpu",
+    # weights_only=True): Reads a `safetensor` or a `.bin` checkpoint file" (``safe_open`` and ``get_tensor``
+    # of every key; ``torch.load(..., mmap=True)`` for a .bin)
+    "transformers.modeling_utils.load_state_dict",
+    # accelerate, utils/modeling.py: "def load_state_dict(checkpoint_file, device_map=None): Load a checkpoint
+    # from a given file. If the checkpoint is in the safetensors format and a device map is passed, the weights
+    # can be fast-loaded directly on the GPU" (``safe_load_file`` / ``safe_open(...).get_tensor``)
+    "accelerate.utils.load_state_dict", "accelerate.utils.modeling.load_state_dict",
+    # huggingface_hub, serialization/_torch.py: "def load_state_dict_from_file(checkpoint_file, map_location=
+    # None, weights_only=False, mmap=False): Loads a checkpoint file, handling both safetensors and pickle
+    # checkpoint formats" (``safetensors.torch.load_file``)
+    "huggingface_hub.load_state_dict_from_file", "huggingface_hub.serialization.load_state_dict_from_file",
+    # timm, models/_helpers.py ``load_state_dict(checkpoint_path, use_ema=True, device='cpu')``:
+    # ``safetensors.torch.load_file(checkpoint_path, device=device)`` for a .safetensors path, its keys
+    # cleaned into a new dict of the same tensors
+    "timm.models.load_state_dict", "timm.models._helpers.load_state_dict",
+})
+# The same libraries' methods of that contract, matched by name on a receiver the audited tree does not
+# define them for: diffusers' LoRA loader mixins, ``lora_state_dict(pretrained_model_name_or_path_or_dict,
+# **kwargs)`` ("Return state dict for lora weights and the network alphas"), whose ``_fetch_state_dict`` is
+# ``safetensors.torch.load_file(model_file, device="cpu")``: the dict, or ``(state_dict, network_alphas)``.
+LIBRARY_DICT_METHODS = frozenset({"lora_state_dict"})
+
+
+def library_loader(full: str) -> bool:
+    """Is ``full`` (``module.function``, as imported) one of :data:`LIBRARY_DICT_LOADERS`?"""
+    return full in LIBRARY_DICT_LOADERS
 
 
 def loader_call_kind(name: str, node: "object") -> str:
     """What a call to a known loader API returns when it is not a handle (those are ``SOURCE_FACTORIES``):
     ``"dict"`` for the dict loaders above, ``""`` for anything else."""
+    if name in LIBRARY_DICT_LOADERS:
+        return "dict"
     if _DICT_LOADERS.search(name):
         if name.startswith(("self.", "cls.")) and name.count(".") >= 2:
             return ""  # `self.video_loader.load_file(path)`: a method of an object the class holds, not safetensors'

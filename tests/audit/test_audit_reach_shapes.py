@@ -2759,3 +2759,93 @@ def test_a_module_of_a_new_object_keeps_what_it_is_assigned(tmp_path: Path):
     keeps the file for its life, as a new module assigned directly does; without ``assign`` it copies."""
     found = _audit(tmp_path, {"pipeline.py": ROUND_25})
     assert _functions(found) == {"Pipeline.from_config"}
+
+
+# -- libraries' loaders, known by their import path: ComfyUI's `load_torch_file`, peft's `load_peft_weights`,
+# diffusers' / transformers' `load_state_dict(path)`, diffusers' `lora_state_dict`, optimum-quanto's `requantize` --
+LIBRARY_LOADERS = '''
+import comfy.utils
+from comfy.utils import load_torch_file
+from peft.utils import load_peft_weights
+from diffusers.models.model_loading_utils import load_state_dict
+from optimum.quanto import requantize
+
+
+class LoraNode:
+    def __init__(self):
+        self.loaded = {}
+
+    def cache_file(self, path):
+        sd = load_torch_file(path)
+        self.loaded[path] = sd
+
+    def keep_one(self, path):
+        sd = comfy.utils.load_torch_file(path, safe_load=True)
+        self.down = sd["lora_down.weight"]
+
+    def keep_with_metadata(self, path):
+        sd, metadata = load_torch_file(path, return_metadata=True)
+        self.metadata = metadata
+        self.sd = sd
+
+    def keep_adapter(self, path):
+        self.adapter = load_peft_weights(path)
+
+    def assign_file(self, model, path):
+        model.load_state_dict(load_state_dict(path), assign=True)
+        self.model = model
+
+    def quantized(self, model, path, qmap):
+        requantize(model, load_torch_file(path), qmap, device="cpu")
+        self.model = model
+
+    def keep_lora(self, pipe, path):
+        sd, alphas = pipe.lora_state_dict(path)
+        self.alphas = alphas
+        self.lora = sd
+
+    def copy_file(self, model, path):
+        model.load_state_dict(load_torch_file(path))
+
+    def copy_one(self, path):
+        sd = load_torch_file(path)
+        self.down = sd["lora_down.weight"].clone()
+
+    def only_alphas(self, pipe, path):
+        sd, alphas = pipe.lora_state_dict(path)
+        self.alphas = alphas
+        pipe.load_lora_into_unet(sd, alphas, unet=pipe.unet)
+
+    def copy_adapter(self, model, path):
+        model.load_state_dict(load_peft_weights(path), strict=False)
+
+
+def load_torch_file_twin(path):
+    import json
+    return json.load(open(path))
+'''
+
+OWN_LOADERS = '''
+def load_torch_file(path):
+    with open(path) as fh:
+        return fh.read()
+
+
+class Pipe:
+    def lora_state_dict(self, path):
+        return {"path": path}
+
+    def keep_text(self, path):
+        self.text = load_torch_file(path)
+        self.sd = self.lora_state_dict(path)
+'''
+
+
+def test_library_loaders_are_producers_by_their_import_path(tmp_path: Path):
+    found = _functions(_audit(tmp_path, {"lora_node.py": LIBRARY_LOADERS}))
+    assert found == {"LoraNode.cache_file", "LoraNode.keep_one", "LoraNode.keep_with_metadata", "LoraNode.keep_adapter",
+                     "LoraNode.assign_file", "LoraNode.quantized", "LoraNode.keep_lora"}, found
+
+
+def test_a_function_of_the_tree_named_as_a_library_loader_is_its_own(tmp_path: Path):
+    assert _audit(tmp_path, {"own_loaders.py": OWN_LOADERS}) == set()
