@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from sanitizer.audit import vocabulary as V
 from sanitizer.audit.findings import Link
 from sanitizer.audit.index import dotted, param_default as _param_default, param_defaults
-from sanitizer.audit.targets import _CAMEL, constructed_locals, constructed_when, root_of
+from sanitizer.audit.targets import _CAMEL, attribute_classes, constructed_locals, constructed_when, root_of
 from sanitizer.audit.values import (BUILT, ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR, ELEM_HANDLE_PAIRS, ELEM_DICT, ELEM_PAIR, ELEM_TENSOR, HOLDER,
                                     ITER, PAIR, SOURCE, TENSOR, UNRESOLVED, Val, element_of, handle_of, is_handles)
 
@@ -395,7 +395,9 @@ class CallRules:
                 name_arg = node.args[1] if len(node.args) > 1 else None
                 attr = f"<{self.snip(name_arg, 30) if name_arg is not None else 'tensor_name'}>"
                 target = ast.Attribute(value=node.args[0], attr=attr, ctx=ast.Store(), lineno=node.lineno)
-                self.attribute_store(target, kept, node)
+                # (accelerate takes a `torch.nn.Module`: a new one keeps its parameters for its own life, as
+                # with `load_state_dict(assign=True)`, whatever the function then does with it; see _new_module)
+                self.attribute_store(target, kept, node, for_life=self._new_module(node.args[0]))
             if self.resolve_call is not None:
                 self.resolve_call(self, node)  # accelerate's own definition, audited: its stores are found too
             return None
@@ -760,12 +762,20 @@ class CallRules:
         annotation names the class, so its method inferred a producer answers, whatever its name (``load``
         is too common a name to be matched by name alone)."""
         func = node.func
-        if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)):
+        if not isinstance(func, ast.Attribute):
             return None
         inferred = self.inferred_producers()
         if inferred is None or not inferred.by_method:
             return None
         cls = self.info.enclosing_class
+        value = func.value
+        if isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name) and cls is not None \
+                and value.value.id == self.self_name():
+            # `self._safetensors_loader.load(file)` with `__init__(self, safetensors_loader: SafetensorsLoader)`
+            # storing it there (fairseq2's loaders, handed in by a container): the class it is typed with
+            return self._method_of_classes(inferred, attribute_classes(cls, value.attr), func.attr)
+        if not isinstance(value, ast.Name):
+            return None
         if cls is not None and func.value.id == self.self_name():
             # `self.get("emb")`: the class's own method inferred a producer, whatever its name (a method
             # named `get` is never matched by name alone), or a base's of this module
@@ -777,10 +787,25 @@ class CallRules:
         ann = self.annotations.get(func.value.id)
         if not ann:
             return None
-        for cls in V.ANNOTATED_CLASS.findall(ann):
-            got = inferred.kind_of_method(cls.rpartition(".")[2], func.attr)
+        return self._method_of_classes(inferred, [c.rpartition(".")[2] for c in V.ANNOTATED_CLASS.findall(ann)],
+                                       func.attr)
+
+    def _method_of_classes(self, inferred, classes: Sequence[str], meth: str) -> Optional[str]:  # type: ignore[no-untyped-def]
+        """The producer that ``meth`` of one of ``classes`` was inferred to be; failing that, of an audited
+        subclass of one (an abstract ``SafetensorsLoader.load`` whose implementation, ``_HFSafetensorsLoader``,
+        reads the file: the object the annotation promises is one of them)."""
+        for name in classes:
+            got = inferred.kind_of_method(name, meth)
             if got is not None:
                 return got
+        project = getattr(self._summaries(), "project", None)
+        if project is None:
+            return None
+        for name in classes:
+            for _, sub in project.subclasses(name):
+                got = inferred.kind_of_method(sub, meth)
+                if got is not None:
+                    return got
         return None
 
     def _maybe_returned(self, node: ast.Call, name: str, last: str,

@@ -145,7 +145,7 @@ def analyse(source: Source, project: Optional[Project] = None, settings: Optiona
         consumers.append(Consumer(source.path, info.node.lineno, info.qualname, why))  # type: ignore[attr-defined]
         flow = Flow(source.path, info, {s.param: seed_value(info, s) for s in seeds}, index.globals, snippets,
                     analysis.resolve, module_aliases=index.module_aliases, producer_kind=analysis.producer_kind,
-                    hands_on=settings is not None and settings.names_producer(info.name))
+                    hands_on=settings is not None and settings.names_producer(info.name, info.qualname))
         if handles is not None:
             flow.attribute_source = handles.value  # `self.f.get_tensor(n)` with `self.f = safe_open(...)`
         try:

@@ -16,6 +16,7 @@ from sanitizer.audit.producers import (MAX_ROUNDS, InferredProducers, SelfSource
 from sanitizer.audit.project import Project
 from sanitizer.audit.settings import Settings
 from sanitizer.audit.snippets import Snippets
+from sanitizer.audit.targets import attribute_classes
 from sanitizer.audit.sources import AuditInputError, Source, read
 
 
@@ -99,11 +100,16 @@ def calls_typed_producer(info, table: InferredProducers) -> bool:  # type: ignor
     for arg in info.params:
         if arg.annotation is not None:
             typed[arg.arg] = [c.rpartition(".")[2] for c in V.ANNOTATED_CLASS.findall(annotation_text(arg.annotation))]
-    if not typed:
-        return False
+    methods = {key.rpartition(".")[2] for key in table.by_method}
     for call in info.calls:
         receiver, _, meth = call.rpartition(".")
         if receiver in typed and any(f"{c}.{meth}" in table.by_method for c in typed[receiver]):
+            return True
+        if meth in methods and (receiver in typed or cls is not None and info.is_method and info.params and (
+                receiver.partition(".")[0] == info.params[0].arg and receiver.count(".") == 1
+                and attribute_classes(cls, receiver.partition(".")[2]))):
+            # a typed receiver (a parameter, or `self.<attr>` typed where it is stored) whose class may be an
+            # abstract base of the producer's class: walked, and resolved by the flow (Flow._method_of_classes)
             return True
     return False
 

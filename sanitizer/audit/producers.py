@@ -87,6 +87,9 @@ class Inferred:
     when: str = ""
     when_position: int = -1
     when_default: bool = True
+    # a method's class's bases (``SafetensorsLoader`` of ``_HFSafetensorsLoader``): a receiver annotated with
+    # one of them may be an object of this class (an abstract loader, its implementation injected)
+    bases: Tuple[str, ...] = ()
 
     def describe(self) -> str:
         conv = f", applies `{self.convert}`" if self.convert else ""
@@ -140,8 +143,9 @@ class InferredProducers:
         looked at as callers of one)?"""
         if self.mappings and (_MAPPING_WORD.search(text) or any(name in text for name in self.mappings)):
             return True  # a class of its may keep a mapping of weights (:class:`SelfSources`)
-        if self.by_method and any(key.partition(".")[0] in text for key in self.by_method):
-            return True  # it names a class with a producer method (a parameter annotated with it)
+        if self.by_method and any(key.partition(".")[0] in text or any(b in text for b in p.bases)
+                                  for key, p in self.by_method.items()):
+            return True  # it names a class with a producer method, or a base of one (a parameter annotated with it)
         if self.by_definition:
             if self._generic_mention is None:  # imported by name, or called through its module's name
                 names = "|".join(sorted({re.escape(p.name) for p in self.by_definition.values()}))
@@ -329,6 +333,8 @@ def kind_of_value(val: Val, generator: bool) -> Optional[str]:
         return "source"
     if val.kind == HOLDER and val.capture is None and not val.obj:  # (an object built around a fetched
         # tensor and returned is how a loader keeps it: reported at that return, never handed on)
+        if val.parts is not None and all(p is None or p.obj for p in val.parts):
+            return None  # `return (clip_model,)`: a tuple of objects built around the tensors (a ComfyUI node's)
         return "dict" if val.mapping or val.elem == "pair" else "holder"
     if val.kind == PAIR:
         return "holder"
@@ -402,10 +408,16 @@ def record_method(found: Dict[str, Inferred], info: FunctionInfo, path: str, val
     key = f"{cls.qualname.rpartition('.')[2]}.{info.name}"
     if key in found:
         return False
+    bases = tuple(b for b in (b.rpartition(".")[2] for b in cls.bases) if b not in _PLAIN_BASES)
     found[key] = Inferred(info.name, info.qualname, path, info.node.lineno, kind,  # type: ignore[attr-defined]
                           val.convert if kind == "tensor" else "", api_of(val, path), parts_of(val, generator),
-                          *condition_of(info, val))
+                          *condition_of(info, val), bases=bases)
     return True
+
+
+# bases every kind of class has: naming one says nothing about a loader
+_PLAIN_BASES = frozenset({"object", "ABC", "Protocol", "Generic", "Module", "NamedTuple", "Enum", "Exception", "dict",
+                          "Mapping", "MutableMapping", "Iterable", "Iterator", "Dataset", "IterableDataset"})
 
 
 def parts_of(val: Val, generator: bool) -> Tuple[str, ...]:

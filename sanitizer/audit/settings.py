@@ -139,13 +139,16 @@ class Settings:
     def is_producer(self, call_name: str) -> bool:
         return self.producer_kind(call_name) is not None
 
-    def names_producer(self, function_name: str) -> bool:
+    def names_producer(self, function_name: str, qualname: str = "") -> bool:
         """Is a function of this name one of the configured producers' definitions (the last part of a
         pattern, ``weights.get_weights_row`` -> every ``get_weights_row``: TGI's ``Weights`` delegates to
-        its weights loaders' methods of the same name)? What it returns is borrowed by contract."""
+        its weights loaders' methods of the same name)? What it returns is borrowed by contract. An inferred
+        producer is that very definition (its ``qualname``, given): another class's method of the same name
+        (every ComfyUI node's ``loadmodel``) is judged by its own body."""
         if not function_name:
             return False
-        if self.inferred is not None and function_name in self.inferred.by_name:
+        if self.inferred is not None and function_name in self.inferred.by_name and (
+                not qualname or self.inferred.by_name[function_name].qualname == qualname):
             return True  # inferred: hands on what it fetched, as a configured one does
         return any(fnmatch.fnmatchcase(function_name, p.rpartition(".")[2]) for p in self.producers)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from sanitizer.audit import vocabulary as V
-from sanitizer.audit.index import dotted
+from sanitizer.audit.index import annotation_text, dotted
 
 _CAMEL = re.compile(r"^_?[A-Z][A-Za-z0-9]*[a-z][A-Za-z0-9]*$")
 _PEEL_METHODS = frozenset({"setdefault", "get", "__getitem__", "pop", "popleft"})
@@ -207,6 +207,45 @@ def constructed_locals(fn: ast.AST) -> Dict[str, str]:
             note(node.target.id, None)
         stack.extend(ast.iter_child_nodes(node))
     return {name: cls for name, cls in bound.items() if cls is not None}
+
+
+def attribute_classes(cls: "object", attr: str) -> List[str]:
+    """The classes ``self.<attr>`` of class ``cls`` (a :class:`~.index.ClassInfo`) is stated to hold, in any
+    of its methods: ``self.attr = param`` with the parameter annotated (``loader: SafetensorsLoader``, an
+    object handed in: dependency injection), ``self.attr: Cls = ...``, or ``self.attr = Cls(...)``. Read once
+    per class and attribute, kept on the class's record."""
+    cache = cls.__dict__.setdefault("_attribute_classes", {})  # type: ignore[attr-defined]
+    got = cache.get(attr)
+    if got is not None:
+        return got
+    found: List[str] = []
+    for method in getattr(cls, "methods", {}).values():
+        fn = method.node
+        args = fn.args  # type: ignore[attr-defined]
+        params = {a.arg: a.annotation for a in list(args.posonlyargs) + list(args.args) + list(args.kwonlyargs)}
+        me = next(iter(params), "self")
+        for sub in ast.walk(fn):
+            if isinstance(sub, ast.Assign) and len(sub.targets) == 1:
+                target, value, ann = sub.targets[0], sub.value, None
+            elif isinstance(sub, ast.AnnAssign):
+                target, value, ann = sub.target, sub.value, sub.annotation
+            else:
+                continue
+            if not (isinstance(target, ast.Attribute) and target.attr == attr and isinstance(target.value, ast.Name)
+                    and target.value.id == me):
+                continue
+            text = annotation_text(ann) if ann is not None else ""
+            if not text and isinstance(value, ast.Name) and params.get(value.id) is not None:
+                text = annotation_text(params[value.id])
+            if not text and isinstance(value, ast.Call):
+                name = dotted(value.func).rpartition(".")[2]
+                text = name if name[:1].isupper() else ""
+            for word in V.ANNOTATED_CLASS.findall(text):
+                short = word.rpartition(".")[2]
+                if short not in found:
+                    found.append(short)
+    cache[attr] = found
+    return found
 
 
 def constructed_when(fn: ast.AST, name: str, line: int) -> Optional[str]:

@@ -2849,3 +2849,121 @@ def test_library_loaders_are_producers_by_their_import_path(tmp_path: Path):
 
 def test_a_function_of_the_tree_named_as_a_library_loader_is_its_own(tmp_path: Path):
     assert _audit(tmp_path, {"own_loaders.py": OWN_LOADERS}) == set()
+
+
+# -- a loader injected by its abstract base: `self._loader.load(f)` with `__init__(self, loader: FileLoader)`, the
+# producer being the subclass's `load` (fairseq2's checkpoint loaders, built by a dependency container) --------------
+INJECTED_IO = '''
+from abc import ABC, abstractmethod
+from safetensors import safe_open
+
+
+class FileLoader(ABC):
+    @abstractmethod
+    def load(self, path):
+        ...
+
+
+class _SafetensorsFileLoader(FileLoader):
+    def load(self, path):
+        with safe_open(path, framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+'''
+
+INJECTED_USERS = '''
+from injected_io import FileLoader
+
+
+class ShardedLoader:
+    def __init__(self, file_loader: FileLoader) -> None:
+        self._file_loader = file_loader
+
+    def lazy_load(self, files):
+        checkpoint = {}
+        for file in files:
+            shard = self._file_loader.load(file)
+            for key, value in shard.items():
+                checkpoint[key] = value          # every file's tensors, held past the next file
+        yield from checkpoint.items()
+
+    def lazy_load_copied(self, files):
+        for file in files:
+            shard = self._file_loader.load(file)
+            for key, value in shard.items():
+                yield key, value                  # one file at a time
+
+
+def merged(loader: FileLoader, files):
+    out = {}
+    for file in files:
+        out.update(loader.load(file))
+    return out
+
+
+def merged_copies(loader: FileLoader, files):
+    out = {}
+    for file in files:
+        out.update({k: v.clone() for k, v in loader.load(file).items()})
+    return out
+'''
+
+
+def test_a_loader_typed_by_its_abstract_base_is_the_subclass_producer(tmp_path: Path):
+    found = _functions(_audit(tmp_path, {"injected_io.py": INJECTED_IO, "injected_users.py": INJECTED_USERS}))
+    # (the subclass's own `load` gathers a file's fetches and returns them: reported where it gathers)
+    assert found == {"_SafetensorsFileLoader.load", "ShardedLoader.lazy_load", "merged"}, found
+
+
+# -- ComfyUI-style nodes: every node's method is `loadmodel`; a module built in the function and filled with
+# `set_module_tensor_to_device` keeps the file whatever wraps it; another node's `loadmodel` is its own ------------
+COMFY_NODES = '''
+from accelerate import init_empty_weights
+from accelerate.utils import set_module_tensor_to_device
+from comfy.utils import load_torch_file
+
+
+class Encoder:
+    def __init__(self, dtype, device, state_dict):
+        with init_empty_weights():
+            self.model = build_encoder(dtype)
+        for name, _ in self.model.named_parameters():
+            set_module_tensor_to_device(self.model, name, device=device, value=state_dict[name])
+
+
+class Copied:
+    def __init__(self, dtype, device, state_dict):
+        self.model = build_encoder(dtype)
+        self.model.load_state_dict(state_dict)
+
+
+class ModelLoader:
+    def loadmodel(self, path, device, lora_path):
+        sd = load_torch_file(path, safe_load=True)
+        with init_empty_weights():
+            transformer = build_transformer()
+        for name, _ in transformer.named_parameters():
+            set_module_tensor_to_device(transformer, name, device=device, value=sd[name])
+        wrapper = Wrapper()
+        wrapper.diffusion_model = transformer
+        patcher = ModelPatcher(wrapper, device)
+        patcher, _ = apply_lora(patcher, load_torch_file(lora_path))
+        return (patcher,)
+
+
+class EncoderLoader:
+    def loadmodel(self, path, device):
+        sd = load_torch_file(path, safe_load=True)
+        encoder = Encoder(dtype=None, device=device, state_dict=sd)
+        return (encoder,)
+
+
+class CopiedLoader:
+    def loadmodel(self, path, device):
+        sd = load_torch_file(path, safe_load=True)
+        return (Copied(dtype=None, device=device, state_dict=sd),)
+'''
+
+
+def test_a_new_module_filled_by_set_module_tensor_to_device_and_a_same_named_node_method(tmp_path: Path):
+    found = _functions(_audit(tmp_path, {"nodes.py": COMFY_NODES}))
+    assert found == {"ModelLoader.loadmodel", "Encoder.__init__"}, found
