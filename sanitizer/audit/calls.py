@@ -401,16 +401,17 @@ class CallRules:
             if self.resolve_call is not None:
                 self.resolve_call(self, node)  # accelerate's own definition, audited: its stores are found too
             return None
-        if self._library_keeper(node, name) and len(args) >= 2 and args[1] is not None and args[1].holds_tensor:
-            # optimum-quanto, quantize.py: "def requantize(model, state_dict, quantization_map, device=None)":
-            # each quantized module is rebuilt from the state dict's own `_data`/`_scale` tensors and made its
-            # parameter with `.to(device)` (the tensors themselves when already there); the rest goes through
-            # `model.load_state_dict(state_dict, strict=False)`. The model keeps the file's tensors.
-            kept = args[1].then(args[1].kind, link, convert=args[1].convert or "to(device)")
-            target = ast.Attribute(value=node.args[0], attr="<parameters: requantize>", ctx=ast.Store(),
-                                   lineno=node.lineno)
-            self.attribute_store(target, kept, node, for_life=self._new_module(node.args[0]))
-            return None
+        keeper = self._library_keeper(node, name)
+        if keeper is not None:
+            # (see vocabulary.LIBRARY_KEEPERS: the library makes the module keep the tensors it is handed)
+            module_at, tensors_at, keyword, applies = keeper
+            held = kwargs.get(keyword) if keyword in kwargs else (args[tensors_at] if len(args) > tensors_at else None)
+            if held is not None and held.holds_tensor and len(node.args) > module_at:
+                kept = held.then(held.kind, link, convert=held.convert or applies) if applies else held
+                target = ast.Attribute(value=node.args[module_at], attr=f"<kept by {last}()>", ctx=ast.Store(),
+                                       lineno=node.lineno)
+                self.attribute_store(target, kept, node, for_life=self._new_module(node.args[module_at]))
+                return None
         if last == "swap_tensors" and len(args) >= 2 and len(node.args) >= 2:
             # torch.utils.swap_tensors(t1, t2): "This function swaps the content of the two Tensor objects"
             # (their storages too): the other object, kept wherever it lives, now holds the borrowed bytes
@@ -566,22 +567,36 @@ class CallRules:
         self.attribute_store(target, sd, node)
         return True
 
-    def _library_keeper(self, node: ast.Call, name: str) -> bool:
-        """``requantize(model, sd, qmap)`` imported from optimum-quanto (or called through it): a library function
-        the audit was not given that makes the model (its first argument) hold the state dict's tensors."""
-        if not node.args:
-            return False
-        if name in ("optimum.quanto.requantize", "quanto.requantize"):
-            return True
-        if not (isinstance(node.func, ast.Name) and node.func.id == "requantize"):
-            return False
-        index = getattr(self._summaries(), "index", None)
-        imported = index.imports.get("requantize") if index is not None else None
-        if imported is None:
-            return any(isinstance(stmt, ast.ImportFrom) and (stmt.module or "").startswith(("optimum.quanto", "quanto"))
-                       and any((a.asname or a.name) == "requantize" for a in stmt.names)
-                       for stmt in ast.walk(self.info.node))  # type: ignore[attr-defined]
-        return imported[0].startswith(("optimum.quanto", "quanto")) and imported[1] == 0
+    def _library_keeper(self, node: ast.Call, name: str) -> Optional[Tuple[int, int, str, str]]:
+        """``requantize(model, sd, qmap)`` imported from optimum-quanto, ``comfy.sd.load_lora_for_models(...)``
+        called through its module: a library function the audit was not given that makes a module hold the
+        tensors it is handed (:data:`~.vocabulary.LIBRARY_KEEPERS`), by the callee's full import path."""
+        full = self._import_path(node, name)
+        return V.LIBRARY_KEEPERS.get(full) if full else None
+
+    def _import_path(self, node: ast.Call, name: str) -> str:
+        """The full import path of the function a call names, when it is a library's: ``from m import f`` (at
+        module level or in this function) then ``f(...)``, or ``import m`` then ``m.f(...)``; else ``""``."""
+        func = node.func
+        summaries = self._summaries()
+        index = getattr(summaries, "index", None)
+        if isinstance(func, ast.Name):
+            imported = index.imports.get(func.id) if index is not None else None
+            if imported is not None:
+                return f"{imported[0]}.{imported[2]}" if imported[1] == 0 else ""
+            for stmt in ast.walk(self.info.node):  # type: ignore[attr-defined]
+                if isinstance(stmt, ast.ImportFrom) and not stmt.level and stmt.module:
+                    for alias in stmt.names:
+                        if (alias.asname or alias.name) == func.id:
+                            return f"{stmt.module}.{alias.name}"
+            return ""
+        if isinstance(func, ast.Attribute) and "." in name:
+            head, _, rest = name.partition(".")
+            if index is not None and head in index.module_paths:
+                return f"{index.module_paths[head]}.{rest}"  # `import comfy.sd as sd` then `sd.load_lora...`
+            if index is not None and head in index.module_aliases:
+                return name
+        return ""
 
     def _library_method(self, node: ast.Call) -> bool:
         """``self.lora_state_dict(path)``, ``pipe.lora_state_dict(path)``: a library's loader method

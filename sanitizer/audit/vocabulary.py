@@ -241,6 +241,26 @@ LIBRARY_DICT_LOADERS = frozenset({
 LIBRARY_DICT_METHODS = frozenset({"lora_state_dict"})
 
 
+# Libraries' functions that make a module keep the tensors they are handed, by full import path: (the index of
+# the module argument, of the tensors' argument, the argument's keyword name, what the library applies to them).
+LIBRARY_KEEPERS = {
+    # optimum-quanto, quantize.py: "def requantize(model, state_dict, quantization_map, device=None)": each
+    # quantized module is rebuilt around the state dict's own `_data`/`_scale` tensors, made its parameters with
+    # `.to(device)` (the tensors themselves when already there); the rest through `model.load_state_dict(...)`
+    "optimum.quanto.requantize": (0, 1, "state_dict", "to(device)"),
+    "optimum.quanto.quantize.requantize": (0, 1, "state_dict", "to(device)"),
+    # ComfyUI, comfy/sd.py: "def load_lora_for_models(model, clip, lora, strength_model, strength_clip)":
+    # `load_lora(lora, key_map)` keeps the dict's tensors as patches and `new_modelpatcher.add_patches(loaded,
+    # strength_model)` stores them on the returned patcher (a clone of `model`, sharing its patch lists' owner)
+    "comfy.sd.load_lora_for_models": (0, 2, "lora", ""),
+    # diffusers, models/model_loading_utils.py: "def load_model_dict_into_meta(model, state_dict, dtype=None,
+    # ...)": each parameter set with `set_module_tensor_to_device(model, name, device, value=param)` (after a
+    # `.to(dtype)` only when a dtype is given and differs)
+    "diffusers.models.model_loading_utils.load_model_dict_into_meta": (0, 1, "state_dict", "to(dtype)"),
+    "diffusers.models.modeling_utils.load_model_dict_into_meta": (0, 1, "state_dict", "to(dtype)"),
+}
+
+
 def library_loader(full: str) -> bool:
     """Is ``full`` (``module.function``, as imported) one of :data:`LIBRARY_DICT_LOADERS`?"""
     return full in LIBRARY_DICT_LOADERS

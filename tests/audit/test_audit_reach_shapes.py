@@ -2769,6 +2769,8 @@ from comfy.utils import load_torch_file
 from peft.utils import load_peft_weights
 from diffusers.models.model_loading_utils import load_state_dict
 from optimum.quanto import requantize
+import comfy.sd
+from diffusers.models.model_loading_utils import load_model_dict_into_meta
 
 
 class LoraNode:
@@ -2803,6 +2805,14 @@ class LoraNode:
         sd, alphas = pipe.lora_state_dict(path)
         self.alphas = alphas
         self.lora = sd
+
+    def patched(self, model, clip, path):
+        return comfy.sd.load_lora_for_models(model, clip, load_torch_file(path), 1.0, 1.0)
+
+    def meta_loaded(self, path):
+        unet = UNet()
+        load_model_dict_into_meta(unet, load_torch_file(path))
+        return unet
 
     def copy_file(self, model, path):
         model.load_state_dict(load_torch_file(path))
@@ -2844,7 +2854,8 @@ class Pipe:
 def test_library_loaders_are_producers_by_their_import_path(tmp_path: Path):
     found = _functions(_audit(tmp_path, {"lora_node.py": LIBRARY_LOADERS}))
     assert found == {"LoraNode.cache_file", "LoraNode.keep_one", "LoraNode.keep_with_metadata", "LoraNode.keep_adapter",
-                     "LoraNode.assign_file", "LoraNode.quantized", "LoraNode.keep_lora"}, found
+                     "LoraNode.assign_file", "LoraNode.quantized", "LoraNode.keep_lora", "LoraNode.patched",
+                     "LoraNode.meta_loaded"}, found
 
 
 def test_a_function_of_the_tree_named_as_a_library_loader_is_its_own(tmp_path: Path):
