@@ -458,6 +458,8 @@ class CallRules:
         configured = builtin or (self.producer_kind(name) if self.producer_kind is not None else None)
         if configured is not None and self._function_called_as_a_method(node, configured):
             configured = None
+        if configured is not None and not builtin and self._stated_class_answers(node, configured):
+            configured = None  # (its own class's method, no producer, answers: _typed_receiver_producer may)
         if configured is None:
             configured = self._typed_receiver_producer(node)
         if configured is None and isinstance(node.func, (ast.Name, ast.Attribute)):
@@ -804,6 +806,45 @@ class CallRules:
             return None
         return self._method_of_classes(inferred, [c.rpartition(".")[2] for c in V.ANNOTATED_CLASS.findall(ann)],
                                        func.attr)
+
+    def _stated_classes(self, func: ast.Attribute) -> List[str]:
+        """The classes a receiver is stated to be: a parameter's annotation, ``self.<attr>`` stored from an
+        annotated parameter (:func:`~.targets.attribute_classes`), or a local bound once to a new object."""
+        value = func.value
+        cls = self.info.enclosing_class
+        if isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name) and cls is not None \
+                and value.value.id == self.self_name():
+            return attribute_classes(cls, value.attr)
+        if not isinstance(value, ast.Name):
+            return []
+        ann = self.annotations.get(value.id)
+        if ann:
+            return [c.rpartition(".")[2] for c in V.ANNOTATED_CLASS.findall(ann)]
+        memo = getattr(self, "_new_objects", None)
+        if memo is None:
+            memo = self._new_objects = constructed_locals(self.info.node)
+        return [memo[value.id]] if value.id in memo else []
+
+    def _stated_class_answers(self, node: ast.Call, configured: object) -> bool:
+        """``self.node.loadmodel(path)`` with ``node: ModelLoaderNode``, where the producer inferred under the name
+        ``loadmodel`` is another class's (every ComfyUI node has one): the receiver's stated class, audited and
+        defining that method, answers, not the name. A blind user's probe (a node's ``loadmodel`` returning
+        ``(box,)`` taken for a checkpoint loader's)."""
+        found = getattr(configured, "found", None)
+        func = node.func
+        if found is None or not isinstance(func, ast.Attribute) or "." not in found.qualname:
+            return False
+        summaries = self._summaries()
+        if summaries is None:
+            return False
+        producer_class = found.qualname.rsplit(".", 2)[-2]
+        for name in self._stated_classes(func):
+            if name == producer_class:
+                return False
+            got = summaries.constructed_class(self, name)
+            if got is not None and got[0].find_method(got[1], func.attr, set()) is not None:
+                return True
+        return False
 
     def _method_of_classes(self, inferred, classes: Sequence[str], meth: str) -> Optional[str]:  # type: ignore[no-untyped-def]
         """The producer that ``meth`` of one of ``classes`` was inferred to be; failing that, of an audited

@@ -422,6 +422,30 @@ class Flow(StoreRules, CallRules):
                             f"returns, which outlives the loader's step", f"`{self.snip(node, 60)}`")
             if self.built_stores and self.summary_param is None and not self.hands_on:
                 self._returned_built(node.value, val)
+            if val is not None and val.holds_tensor and not val.reported and self.summary_param is None \
+                    and not getattr(self, "infer", False):
+                self._returned_into_cache(node, val)
+
+    def _returned_into_cache(self, node: ast.Return, val: Val) -> None:
+        """``@functools.lru_cache(maxsize=1) def get_tensor(self, name): ... return f.get_tensor(name)``: the
+        cache the decorator keeps (on the function, for the process's life: "Decorator to wrap a function with
+        a memoizing callable that saves up to the maxsize most recent calls") holds what the function returns,
+        past the step that fetched it, and hands it out again on the next call with the same arguments (slime's
+        ``SafetensorReader.get_tensor``). ``functools.cached_property`` keeps it on the object the same way."""
+        for deco in getattr(self.info.node, "decorator_list", ()):
+            name = dotted(deco.func if isinstance(deco, ast.Call) else deco)
+            last = name.rpartition(".")[2]
+            if last in ("lru_cache", "cache") and name in (last, f"functools.{last}"):
+                where = "the function's `@lru_cache`" if last == "lru_cache" else "the function's `@cache`"
+                self.report("OWN106", node, val, f"kept by {where}",
+                            f"{self._what(val)} is returned into {where}, which keeps it past the loader's step "
+                            f"and hands it out again", f"`{self.snip(node, 60)}`")
+                return
+            if last == "cached_property" and name in (last, "functools.cached_property"):
+                self.report("OWN102", node, val, "kept by `@cached_property` on the object",
+                            f"{self._what(val)} is returned into the object's `@cached_property`, which keeps "
+                            f"it past the loader's step", f"`{self.snip(node, 60)}`")
+                return
 
     def _built_inside(self, val: Val) -> bool:
         """Is ``val`` (an object) built around objects of the project's classes already built around the tensor

@@ -62,7 +62,8 @@ def handles_of(index, settings: Optional[Settings]) -> Optional[SelfSources]:  #
 
 def calls_producer(name: str, settings: Settings) -> bool:
     return bool(V.SOURCE_FACTORIES.search(name) or V.ITERATOR_FACTORY.search(name) or name == "torch.load"
-                or V.loader_call_kind(name, None) or settings.is_producer(name))
+                or V.loader_call_kind(name, None) or settings.is_producer(name)
+                or ("." in name and name.rpartition(".")[2] in V.LIBRARY_DICT_METHODS))
 
 
 def calls_defined_producer(info, index, table: InferredProducers) -> bool:  # type: ignore[no-untyped-def]

@@ -161,7 +161,10 @@ class InferredProducers:
         return bool(self._mention.search(text))
 
     def describe(self) -> List[str]:
+        listed = {(p.path, p.line) for p in self.by_name.values()}
         return [p.describe() for _, p in sorted(self.by_name.items())] + [
+            f"{key}: {p.describe()}; matched only on a receiver of that class (or a base it implements: a generic "
+            f"name)" for key, p in sorted(self.by_method.items()) if (p.path, p.line) not in listed] + [
             f"{p.describe()}; matched only where a call resolves to it (a generic name)"
             for _, p in sorted(self.by_definition.items())] + [
             f"{name}[...]=tensor ({p.path}:{p.line} `{p.qualname}`; a mapping of weights, reaches {p.api})"

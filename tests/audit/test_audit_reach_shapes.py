@@ -2978,3 +2978,107 @@ class CopiedLoader:
 def test_a_new_module_filled_by_set_module_tensor_to_device_and_a_same_named_node_method(tmp_path: Path):
     found = _functions(_audit(tmp_path, {"nodes.py": COMFY_NODES}))
     assert found == {"ModelLoader.loadmodel", "Encoder.__init__"}, found
+
+
+# -- a memoizing decorator keeps what the function returns: `@functools.lru_cache(maxsize=1)` on a reader's
+# `get_tensor` (slime's SafetensorReader), `@cached_property` on the object -------------------------------------
+CACHED_GETTERS = '''
+import functools
+from functools import lru_cache, cached_property
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+
+class Reader:
+    def __init__(self, path):
+        self.path = path
+        self._files = {}
+
+    @functools.lru_cache(maxsize=1)
+    def get_tensor(self, name):
+        if name not in self._files:
+            self._files[name] = safe_open(self.path, framework="pt")
+        tensor = self._files[name].get_tensor(name)
+        return tensor
+
+    @functools.lru_cache(maxsize=1)
+    def get_copy(self, name):
+        with safe_open(self.path, framework="pt") as f:
+            return f.get_tensor(name).clone()
+
+    @cached_property
+    def embed(self):
+        return load_file(self.path)["embed"]
+
+    def plain(self, name):
+        with safe_open(self.path, framework="pt") as f:
+            return f.get_tensor(name)
+
+
+@lru_cache()
+def shard(path):
+    return load_file(path)
+
+
+@lru_cache()
+def shard_keys(path):
+    return list(load_file(path).keys())
+'''
+
+
+def test_a_memoizing_decorator_keeps_what_the_function_returns(tmp_path: Path):
+    found = _audit(tmp_path, {"cached.py": CACHED_GETTERS})
+    assert {(code, fn) for code, fn, _ in found} == {("OWN106", "Reader.get_tensor"), ("OWN102", "Reader.embed"),
+                                                    ("OWN106", "shard")}, found
+
+
+# -- a blind user's probes (stop 70): a receiver whose class is stated answers for itself, not another class's
+# producer of the same name; a function returning `pipe.lora_state_dict(...)` is an inferred producer ------------
+STATED_RECEIVERS = '''
+from safetensors.torch import load_file
+
+
+class CheckpointLoader:
+    def loadmodel(self, path):
+        return load_file(path)
+
+
+class Box:
+    def __init__(self, sd):
+        self.sd = sd
+
+
+class NodeLoader:
+    def loadmodel(self, path):
+        return (Box(load_file(path)),)
+
+
+class UsesCheckpoint:
+    def __init__(self, ckpt: CheckpointLoader):
+        self.ckpt = ckpt
+
+    def run(self, path):
+        self.sd = self.ckpt.loadmodel(path)
+
+
+class UsesNode:
+    def __init__(self, node: NodeLoader):
+        self.node = node
+
+    def run(self, path):
+        self.out = self.node.loadmodel(path)
+
+
+def fetch_lora(pipe, path):
+    return pipe.lora_state_dict(path)
+
+
+class LoraCache:
+    def put(self, pipe, path):
+        self.lora = fetch_lora(pipe, path)
+'''
+
+
+def test_a_stated_receiver_answers_for_itself_and_a_lora_state_dict_wrapper_is_a_producer(tmp_path: Path):
+    found = _functions(_audit(tmp_path, {"stated.py": STATED_RECEIVERS}))
+    assert found == {"Box.__init__", "UsesCheckpoint.run", "LoraCache.put"}, found
