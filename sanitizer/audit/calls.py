@@ -573,6 +573,8 @@ class CallRules:
         """``requantize(model, sd, qmap)`` imported from optimum-quanto, ``comfy.sd.load_lora_for_models(...)``
         called through its module: a library function the audit was not given that makes a module hold the
         tensors it is handed (:data:`~.vocabulary.LIBRARY_KEEPERS`), by the callee's full import path."""
+        if name.rpartition(".")[2] not in V.LIBRARY_KEEPER_NAMES:
+            return None  # (most calls: no need to look for the import)
         full = self._import_path(node, name)
         return V.LIBRARY_KEEPERS.get(full) if full else None
 

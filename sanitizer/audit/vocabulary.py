@@ -261,6 +261,9 @@ LIBRARY_KEEPERS = {
 }
 
 
+LIBRARY_KEEPER_NAMES = frozenset(full.rpartition(".")[2] for full in LIBRARY_KEEPERS)
+
+
 def library_loader(full: str) -> bool:
     """Is ``full`` (``module.function``, as imported) one of :data:`LIBRARY_DICT_LOADERS`?"""
     return full in LIBRARY_DICT_LOADERS
