@@ -177,6 +177,9 @@ def _holds_other_state(param: str, function: str) -> bool:
 _DICT_OF_WEIGHTS_NAMES = frozenset({"weight_dict", "weights_dict"})
 
 
+_STATE_DICT_NAMES = frozenset({"state_dict", "sd", "weights_dict", "weight_dict", "tensor_dict"})
+
+
 def _names_weights(param: str) -> bool:
     """A parameter whose own name says it is a dict of weights (``weight_dict``): one whatever its function is
     called (LightX2V's ops take a LoRA file's dict in ``register_diff(weight_dict)`` and ``register_lora``).
@@ -243,7 +246,10 @@ def seeds_of(info: FunctionInfo, settings: Optional[Settings] = None) -> List[Se
             seeds.append(Seed(name, PAIRS, f"(name, tensor) pairs the caller holds for the call, annotated {ann}"))
             continue
         if not ann and name in V.MAPPING_PARAM_NAMES and (
-                V.MAPPING_FUNCTION.search(info.name.lower()) or _names_weights(name)):
+                V.MAPPING_FUNCTION.search(info.name.lower()) or _names_weights(name)
+                or (info.name == "__init__" and name in _STATE_DICT_NAMES)):
+            # (a constructor handed a `state_dict` it reads by name: `To_KV(state_dict)` building its layers
+            # around the dict's tensors, IPAdapter_plus; a module built from a state dict is a loader)
             if mapping is None:
                 mapping = _mapping_names(info)
             if used is None:

@@ -253,6 +253,13 @@ LIBRARY_KEEPERS = {
     # `load_lora(lora, key_map)` keeps the dict's tensors as patches and `new_modelpatcher.add_patches(loaded,
     # strength_model)` stores them on the returned patcher (a clone of `model`, sharing its patch lists' owner)
     "comfy.sd.load_lora_for_models": (0, 2, "lora", ""),
+    # ComfyUI, comfy/utils.py: "def set_attr(obj, attr, value): attrs = attr.split('.') ... setattr(obj,
+    # attrs[-1], value)"; "def set_attr_param(obj, attr, value): return set_attr(obj, attr,
+    # torch.nn.Parameter(value, requires_grad=False))" (the same storage); "def set_attr_buffer(obj, attr,
+    # value): ... obj.register_buffer(name, value, ...)". Not `copy_to_param`, which copies into the parameter.
+    "comfy.utils.set_attr": (0, 2, "value", ""),
+    "comfy.utils.set_attr_param": (0, 2, "value", ""),
+    "comfy.utils.set_attr_buffer": (0, 2, "value", ""),
     # diffusers, models/model_loading_utils.py: "def load_model_dict_into_meta(model, state_dict, dtype=None,
     # ...)": each parameter set with `set_module_tensor_to_device(model, name, device, value=param)` (after a
     # `.to(dtype)` only when a dtype is given and differs)

@@ -3082,3 +3082,56 @@ class LoraCache:
 def test_a_stated_receiver_answers_for_itself_and_a_lora_state_dict_wrapper_is_a_producer(tmp_path: Path):
     found = _functions(_audit(tmp_path, {"stated.py": STATED_RECEIVERS}))
     assert found == {"Box.__init__", "UsesCheckpoint.run", "LoraCache.put"}, found
+
+
+# -- round 30: a constructor handed a `state_dict` it reads by name (IPAdapter_plus's `To_KV(state_dict)`, its
+# dict reaching it through ComfyUI's node graph), and ComfyUI's `set_attr` family, a dotted setattr -----------
+CONSTRUCTED_FROM_A_STATE_DICT = '''
+import torch.nn as nn
+import comfy.utils
+from comfy.utils import set_attr_param
+
+
+class ToKV(nn.Module):
+    def __init__(self, state_dict, scale=1.0):
+        super().__init__()
+        self.to_kvs = nn.ModuleDict()
+        for key, value in state_dict.items():
+            self.to_kvs[key.replace(".", "_")] = nn.Linear(value.shape[1], value.shape[0], bias=False)
+            self.to_kvs[key.replace(".", "_")].weight.data = value
+
+
+class Copying(nn.Module):
+    def __init__(self, state_dict):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.proj.load_state_dict(state_dict)
+
+
+class Names:
+    def __init__(self, state_dict):
+        self.keys = list(state_dict.keys())
+
+
+def inject(model, path):
+    sd = comfy.utils.load_torch_file(path, safe_load=True)
+    for key, value in sd.items():
+        comfy.utils.set_attr(model, key, value)
+
+
+def inject_params(model, path):
+    sd = comfy.utils.load_torch_file(path, safe_load=True)
+    for key, value in sd.items():
+        set_attr_param(model, key, value)
+
+
+def inject_copies(model, path):
+    sd = comfy.utils.load_torch_file(path, safe_load=True)
+    for key, value in sd.items():
+        comfy.utils.copy_to_param(model, key, value)
+'''
+
+
+def test_a_constructor_reading_a_state_dict_and_comfy_set_attr_keep(tmp_path: Path):
+    found = _functions(_audit(tmp_path, {"constructed.py": CONSTRUCTED_FROM_A_STATE_DICT}))
+    assert found == {"ToKV.__init__", "inject", "inject_params"}, found
