@@ -62,6 +62,30 @@ def _keyword_is(node: ast.Call, name: str, value: bool) -> bool:
     return any(k.arg == name and isinstance(k.value, ast.Constant) and k.value.value is value for k in node.keywords)
 
 
+def _dtype_guards(fn: ast.AST) -> Dict[int, set]:
+    """For each call inside the body of an ``if x.dtype != y`` (or ``and``-ed with it) of ``fn``: the set of
+    ``(x, dump(y))`` its tests promise. Read once per function, and only where a ``.to`` needs it."""
+    out: Dict[int, set] = {}
+    for sub in ast.walk(fn):
+        if not isinstance(sub, ast.If):
+            continue
+        tests = sub.test.values if isinstance(sub.test, ast.BoolOp) and isinstance(sub.test.op, ast.And) else [sub.test]
+        promised = set()
+        for t in tests:
+            if isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.NotEq):
+                left, right = t.left, t.comparators[0]
+                for a, b in ((left, right), (right, left)):
+                    if isinstance(a, ast.Attribute) and a.attr == "dtype" and isinstance(a.value, ast.Name):
+                        promised.add((a.value.id, ast.dump(b)))
+        if not promised:
+            continue
+        for stmt in sub.body:
+            for inner in ast.walk(stmt):
+                if isinstance(inner, ast.Call):
+                    out.setdefault(id(inner), set()).update(promised)
+    return out
+
+
 def meth_is_load_from_state_dict(node: ast.Call) -> bool:
     return isinstance(node.func, ast.Attribute) and node.func.attr == "_load_from_state_dict"
 
@@ -271,6 +295,8 @@ class CallRules:
             if meth.endswith("_") and not meth.endswith("__") and meth not in V.METADATA_INPLACE:
                 self.inplace(node, base, f"in-place `.{meth}()`", f"`{self.snip(node, 50)}`")
                 return True, base.then(TENSOR, link)
+            if meth == "to" and self._dtype_differs(node):
+                return True, None  # `if v.dtype != dt: out[k] = v.to(dt)`: under that test the `.to` always copies
             if meth in V.CONVERSION_METHODS and not base.convert:
                 # named by the conversion itself (`.to(weights.dtype)`), not by its whole receiver expression
                 args = ", ".join([self.snip(a, 30) for a in node.args] +
@@ -401,6 +427,20 @@ class CallRules:
             if self.resolve_call is not None:
                 self.resolve_call(self, node)  # accelerate's own definition, audited: its stores are found too
             return None
+        if last in V.LIBRARY_HOLDER_NAMES:
+            held_at = V.LIBRARY_HOLDERS.get(self._import_path(node, name))
+            if held_at is not None and len(args) > held_at and args[held_at] is not None and args[held_at].holds_tensor:
+                return args[held_at].then(HOLDER, link, mapping=False)  # (`comfy.lora.load_lora(lora, key_map)`)
+        if last in V.LIBRARY_KEEPING_METHODS and isinstance(node.func, ast.Attribute) and not self._is_module(node.func):
+            at = V.LIBRARY_KEEPING_METHODS[last]
+            handed = args[at] if len(args) > at else None
+            project = getattr(self._summaries(), "project", None)
+            if handed is not None and handed.holds_tensor and (project is None or not project.defines_method(last)):
+                # `new_modelpatcher.add_patches(loaded, strength)` on ComfyUI's ModelPatcher (not audited)
+                target = ast.Attribute(value=node.func.value, attr=f"<kept by {last}()>", ctx=ast.Store(),
+                                       lineno=node.lineno)
+                self.attribute_store(target, handed, node)
+                return None
         keeper = self._library_keeper(node, name)
         if keeper is not None:
             # (see vocabulary.LIBRARY_KEEPERS: the library makes the module keep the tensors it is handed)
@@ -568,6 +608,22 @@ class CallRules:
                                                  f"(low_cpu_mem_usage)>", ctx=ast.Store(), lineno=node.lineno)
         self.attribute_store(target, sd, node)
         return True
+
+    def _dtype_differs(self, node: ast.Call) -> bool:
+        """Is ``node`` (``value.to(dt)``, ``value.to(dtype=dt)``) inside an ``if`` whose test says
+        ``value.dtype != dt`` (alone or among ``and``-ed tests)? Then the conversion never returns ``value``
+        itself: "If the self Tensor already has the correct torch.dtype and torch.device, then self is
+        returned. Otherwise, the returned tensor is a copy of self" (``torch.Tensor.to``). KJNodes' LoRA resize."""
+        func = node.func
+        if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)):
+            return False
+        target = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "dtype"), None)
+        if target is None:
+            return False
+        guards = getattr(self, "_dtype_guards", None)
+        if guards is None:
+            guards = self._dtype_guards = _dtype_guards(self.info.node)
+        return (func.value.id, ast.dump(target)) in guards.get(id(node), ())
 
     def _library_keeper(self, node: ast.Call, name: str) -> Optional[Tuple[int, int, str, str]]:
         """``requantize(model, sd, qmap)`` imported from optimum-quanto, ``comfy.sd.load_lora_for_models(...)``

@@ -1075,8 +1075,10 @@ class Flow(StoreRules, CallRules):
                 for cond in gen.ifs:
                     self.ev(cond)
             if isinstance(node, ast.DictComp):
-                self.ev(node.key)
+                key = self.ev(node.key)
                 elt = self.ev(node.value)
+                if (elt is None or not elt.holds_tensor) and key is not None and key.kind == HOLDER and key.mapping:
+                    elt = key  # `{executor.submit(load_shard, p): p for p in paths}`: futures of whole files as keys
             else:
                 elt = self.ev(node.elt)  # type: ignore[attr-defined]
         finally:

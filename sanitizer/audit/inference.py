@@ -4,6 +4,7 @@ from one makes them producers, until nothing changes. Kept apart from the audit'
 audit reads each file once more only where a loader's API (or an inferred producer) is named in it."""
 from __future__ import annotations
 
+import ast
 import re
 from dataclasses import replace
 from typing import Dict, Optional, Sequence
@@ -81,6 +82,26 @@ def calls_defined_producer(info, index, table: InferredProducers) -> bool:  # ty
         receiver, _, last = name.rpartition(".")
         if receiver and last in generic and (receiver in index.imports or receiver in index.module_aliases):
             return True  # `helpers.load(p)`
+    return hands_a_producer_over(info, table)
+
+
+_HANDED_TO = frozenset({"submit", "apply_async", "map", "imap", "imap_unordered", "starmap", "parallel", "thread_map",
+                        "process_map", "parallel_map"})
+
+
+def hands_a_producer_over(info, table: InferredProducers) -> bool:  # type: ignore[no-untyped-def]
+    """Does ``info`` hand an inferred producer to an executor or a mapper (``executor.submit(_load_shard, path)``,
+    ``pool.map(read_shard, paths)``) rather than call it? The future's ``.result()`` (or the mapper's items)
+    hand out what the producer returns, so the function is walked as a caller of it (MAGI-1's parallel shard
+    loader). Only a function whose calls include such a method is looked into."""
+    if not table.by_name or not any(c.rpartition(".")[2] in _HANDED_TO for c in info.calls):
+        return False
+    for sub in ast.walk(info.node):
+        if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and sub.func.attr in _HANDED_TO \
+                and sub.args and isinstance(sub.args[0], (ast.Name, ast.Attribute)):
+            handed = sub.args[0].id if isinstance(sub.args[0], ast.Name) else sub.args[0].attr
+            if handed in table.by_name:
+                return True
     return False
 
 

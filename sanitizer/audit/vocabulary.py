@@ -269,6 +269,16 @@ LIBRARY_KEEPERS = {
 
 
 LIBRARY_KEEPER_NAMES = frozenset(full.rpartition(".")[2] for full in LIBRARY_KEEPERS)
+# Libraries' functions whose result holds the tensors of one argument (its index), by full import path: ComfyUI,
+# comfy/lora.py, "def load_lora(lora, to_load, log_missing=True)": each patch is built around the dict's own
+# tensors (`LoRAAdapter(loaded_keys, (mat1, mat2, alpha, mid, ...))`, `("diff", (lora[diff_name],))`).
+LIBRARY_HOLDERS = {"comfy.lora.load_lora": 0}
+LIBRARY_HOLDER_NAMES = frozenset(full.rpartition(".")[2] for full in LIBRARY_HOLDERS)
+# Libraries' methods that keep what they are handed on their receiver, matched by name where no audited class
+# defines a method of that name (the argument's index): ComfyUI's ModelPatcher, comfy/model_patcher.py,
+# "def add_patches(self, patches, strength_patch=1.0, strength_model=1.0)": each patch is appended to
+# `self.patches[key]` (applied to the weights at every load, for the patcher's life).
+LIBRARY_KEEPING_METHODS = {"add_patches": 0}
 
 
 def library_loader(full: str) -> bool:

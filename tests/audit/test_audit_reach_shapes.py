@@ -3135,3 +3135,66 @@ def inject_copies(model, path):
 def test_a_constructor_reading_a_state_dict_and_comfy_set_attr_keep(tmp_path: Path):
     found = _functions(_audit(tmp_path, {"constructed.py": CONSTRUCTED_FROM_A_STATE_DICT}))
     assert found == {"ToKV.__init__", "inject", "inject_params"}, found
+
+
+# -- round 31: a producer handed to an executor (`{executor.submit(_load_shard, p): p ...}`, MAGI-1), ComfyUI's
+# `comfy.lora.load_lora` + `ModelPatcher.add_patches` (KJNodes), and `.to(dt)` under `if v.dtype != dt` -------------
+HANDED_AND_PATCHED = '''
+from concurrent.futures import ThreadPoolExecutor
+import comfy.lora
+import comfy.utils
+from safetensors.torch import load_file
+
+
+def _load_shard(shard_path, names):
+    weights = load_file(shard_path)
+    return {name: weights[name] for name in names}
+
+
+def parallel(shard_map):
+    state_dict = {}
+    with ThreadPoolExecutor() as executor:
+        futures = {executor.submit(_load_shard, p, n): p for p, n in shard_map.items()}
+        for future in futures:
+            state_dict.update(future.result())
+    return state_dict
+
+
+def parallel_listed(shard_map):
+    with ThreadPoolExecutor() as executor:
+        futures = [executor.submit(_load_shard, p, n) for p, n in shard_map.items()]
+        return [f.result() for f in futures]
+
+
+def one_future(executor, path):
+    return executor.submit(_load_shard, path, ["w"]).result()
+
+
+def patch(model, path, key_map, strength):
+    lora = comfy.utils.load_torch_file(path, safe_load=True)
+    loaded = comfy.lora.load_lora(lora, key_map)
+    patcher = model.clone()
+    patcher.add_patches(loaded, strength)
+    return (patcher,)
+
+
+class Converted:
+    def __init__(self):
+        self.cache = {}
+
+    def guarded(self, path, save_dtype):
+        sd = comfy.utils.load_torch_file(path, safe_load=True)
+        for key, value in sd.items():
+            if value.dtype != save_dtype and key.endswith(".weight"):
+                self.cache[key] = value.to(save_dtype)      # always a copy under that test
+
+    def unguarded(self, path, save_dtype):
+        sd = comfy.utils.load_torch_file(path, safe_load=True)
+        for key, value in sd.items():
+            self.cache[key] = value.to(save_dtype)          # the file's tensor itself when already that dtype
+'''
+
+
+def test_an_executor_a_comfy_patcher_and_a_dtype_guarded_conversion(tmp_path: Path):
+    found = _functions(_audit(tmp_path, {"handed.py": HANDED_AND_PATCHED}))
+    assert found == {"parallel", "parallel_listed", "patch", "Converted.unguarded"}, found
