@@ -475,6 +475,9 @@ class Flow(StoreRules, CallRules):
         whose stores were already reported (``_infer_kept``): only that container itself, returned by name."""
         if not (val.reported and self._infer_kept_names):
             return True
+        if type(returned) is ast.Subscript:  # `return cache[shard][name]`: a lookup in such a container
+            root = root_of(returned)
+            return root.name in self._infer_kept_names and not root.through_attribute
         return type(returned) is ast.Name and returned.id in self._infer_kept_names  # type: ignore[attr-defined]
 
     def _st_delete(self, node: ast.Delete) -> None:
@@ -665,6 +668,11 @@ class Flow(StoreRules, CallRules):
 
     def bind_name(self, name: str, val: Optional[Val], value: Optional[ast.AST], stmt: ast.AST,
                   loop_target: bool) -> None:
+        if self._infer_kept_names and val is not None and val.reported and type(value) is ast.Subscript \
+                and not loop_target:
+            root = root_of(value)  # `weight = loaded_files[f][name]`, then `return weight` (Flow._produces)
+            if root.name in self._infer_kept_names and not root.through_attribute:
+                self._infer_kept_names.add(name)
         if self._aliases:
             self._aliases.pop(name, None)
         if self._attrs:

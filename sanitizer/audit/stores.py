@@ -19,6 +19,7 @@ from sanitizer.audit.codes import CODES
 from sanitizer.audit.findings import Finding, Link
 from sanitizer.audit.lifetimes import LoopLifetimes
 from sanitizer.audit.targets import method_base_is_tensor, root_of, subscript_is_tensor
+from sanitizer.audit.index import dotted
 from sanitizer.audit.values import (COMPREHENSIONS, ELEM_PAIR, ELEM_TENSOR, HOLDER, ITER, PAIR, SOURCE, TENSOR, IntoParam,
                                     Val, handles_holding)
 
@@ -136,6 +137,8 @@ class StoreRules:
                 mapping=how in ("subscript", "setdefault", "update", "__setitem__")))  # by name: a dict
             if self.infer:  # type: ignore[attr-defined]
                 self._infer_kept(container, val, stmt, how)
+        elif place == "param" and self.infer and root.name is not None and not root.through_attribute:  # type: ignore[attr-defined]
+            self._infer_kept(container, val.then(reported=True), stmt, how)  # a cache the caller passes in
 
     def _infer_kept(self, container: ast.AST, val: Val, stmt: ast.AST, how: str) -> None:
         """Producer inference only: a local container that holds a loader's tensors already reported kept
@@ -148,8 +151,9 @@ class StoreRules:
         root = root_of(container)
         if root.name is None or root.through_attribute or root.name in self.state.env:
             return
-        if self.place(root.name)[0] != "local":
-            return
+        if self.place(root.name)[0] not in ("local", "param"):
+            return  # (a parameter: a cache the caller passes in, `loaded_files[shard] = load_file(...)`, then
+            # `return loaded_files[shard][name]`: AngelSlim's `_get_source_tensor`, a producer of one tensor)
         self._infer_kept_names.add(root.name)  # type: ignore[attr-defined]
         self.state.env[root.name] = val.then(  # type: ignore[index]
             HOLDER, Link(getattr(stmt, "lineno", 0), self.fn, f"stored in `{self.snip(root.node)}`"),
@@ -187,6 +191,11 @@ class StoreRules:
             return
         root = root_of(target.value)
         place, index = self.place(root.name)
+        if place == "local" and root.name is not None and not for_life and self._module_tensor_slot(target) \
+                and self._built_module(root.name):
+            # `lm_head = nn.Linear(h, v); lm_head.weight.data = tensor`: a module the function builds keeps its
+            # parameters for its own life (as with `load_state_dict(assign=True)`), whatever then holds it
+            for_life = True
         if place == "local" and root.name is not None and not for_life:
             slot = self.state.slots[root.name]
             if slot.fresh and val.step in slot.loops:
@@ -207,6 +216,34 @@ class StoreRules:
             pattern = "attribute alias of a view"
         message = f"{self._what(val)} is stored in the attribute `{text}`, which outlives the loader's step"
         self._store_found(code, stmt, val, pattern, message, place, index)
+
+    def _built_module(self, name: str) -> bool:
+        """Is the local ``name`` bound, once, to a new ``torch.nn`` module (``nn.Linear(h, v)``), or to a new
+        object of an audited class that is one (:meth:`~.summaries.ModuleAnalysis.is_module_class`)? A plain
+        object given a ``weight`` attribute and returned is handed on (onnxruntime-genai's ``TensorModule``)."""
+        memo = getattr(self, "_built_modules", None)
+        if memo is None:
+            found: Dict[str, int] = {}
+            for sub in ast.walk(self.info.node):
+                if isinstance(sub, ast.Assign) and len(sub.targets) == 1 and isinstance(sub.targets[0], ast.Name):
+                    v = sub.value
+                    func = dotted(v.func) if isinstance(v, ast.Call) else ""
+                    ok = func.startswith(("nn.", "torch.nn.")) and func.rpartition(".")[2][:1].isupper()
+                    if not ok and isinstance(v, ast.Call) and isinstance(v.func, ast.Name):
+                        summaries = getattr(self.resolve_call, "__self__", None)  # type: ignore[attr-defined]
+                        got = summaries.constructed_class(self, v.func.id) if summaries is not None else None
+                        ok = got is not None and got[0].is_module_class(got[1])
+                    found[sub.targets[0].id] = found.get(sub.targets[0].id, 0) + (1 if ok else 100)
+            memo = self._built_modules = {n for n, c in found.items() if c == 1}
+        return name in memo
+
+    @staticmethod
+    def _module_tensor_slot(target: ast.Attribute) -> bool:
+        """``m.weight``, ``m.weight.data``, ``m.bias.data``: a module's parameter slot (not any attribute)."""
+        attr = target.attr
+        if attr == "data" and isinstance(target.value, ast.Attribute):
+            attr = target.value.attr
+        return attr in ("weight", "bias")
 
     def _handle_stored(self, container: ast.AST, val: Val) -> None:
         """``key_to_handle[key] = handle``, ``handles.append(safe_open(p))``: a local container now holds a

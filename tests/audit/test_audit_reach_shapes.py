@@ -3198,3 +3198,61 @@ class Converted:
 def test_an_executor_a_comfy_patcher_and_a_dtype_guarded_conversion(tmp_path: Path):
     found = _functions(_audit(tmp_path, {"handed.py": HANDED_AND_PATCHED}))
     assert found == {"parallel", "parallel_listed", "patch", "Converted.unguarded"}, found
+
+
+# -- round 32: a getter caching whole files in a dict its caller passes in, returning one tensor of it (AngelSlim's
+# `_get_source_tensor`), and a `torch.nn` module the function builds and fills (`lm_head.weight.data = t`) -------
+CALLER_CACHE = '''
+import torch.nn as nn
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+
+def get_source_tensor(path, name, shard, loaded_files):
+    if shard not in loaded_files:
+        loaded_files[shard] = load_file(path + shard)
+    weight = loaded_files[shard][name]
+    return weight
+
+
+def copy_layers(path, weight_map):
+    state_dict = {}
+    loaded_files = {}
+    for name, shard in weight_map.items():
+        state_dict[name] = get_source_tensor(path, name, shard, loaded_files)
+    return state_dict
+
+
+def copy_layers_cloned(path, weight_map):
+    state_dict = {}
+    loaded_files = {}
+    for name, shard in weight_map.items():
+        state_dict[name] = get_source_tensor(path, name, shard, loaded_files).clone()
+    return state_dict
+
+
+class Head(nn.Module):
+    def __init__(self, lm_head):
+        super().__init__()
+        self.lm_head = lm_head
+
+    @classmethod
+    def from_file(cls, path, key):
+        lm_head = nn.Linear(4, 4, bias=False)
+        with safe_open(path, framework="pt") as f:
+            tensor = f.get_slice(key)[:, :4]
+        lm_head.weight.data = tensor
+        return cls(lm_head)
+
+    @classmethod
+    def from_file_copied(cls, path, key):
+        lm_head = nn.Linear(4, 4, bias=False)
+        with safe_open(path, framework="pt") as f:
+            lm_head.weight.data.copy_(f.get_slice(key)[:, :4])
+        return cls(lm_head)
+'''
+
+
+def test_a_caller_passed_cache_getter_and_a_built_torch_module(tmp_path: Path):
+    found = _functions(_audit(tmp_path, {"caller_cache.py": CALLER_CACHE}))
+    assert found == {"get_source_tensor", "copy_layers", "Head.from_file"}, found
