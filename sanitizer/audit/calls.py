@@ -768,13 +768,8 @@ class CallRules:
     def _imported_from_library(self, name: str) -> bool:
         """Is ``name`` imported absolutely (``from peft import set_peft_model_state_dict``), not relatively
         as the project's own (``from .utils import ...``, peft itself) nor defined in this module?"""
-        index = getattr(self._summaries(), "index", None)
-        imported = index.imports.get(name) if index is not None else None
-        if imported is None:  # `from peft import set_peft_model_state_dict` inside the function (SimpleTuner)
-            return any(isinstance(stmt, ast.ImportFrom) and not stmt.level and stmt.module
-                       and any((a.asname or a.name) == name for a in stmt.names)
-                       for stmt in ast.walk(self.info.node))  # type: ignore[attr-defined]
-        return imported[1] == 0
+        # (an import inside the function counts: `from peft import set_peft_model_state_dict`, SimpleTuner)
+        return bool(self._import_path(ast.Call(func=ast.Name(id=name, ctx=ast.Load()), args=[], keywords=[]), name))
 
     def _closure_called(self, node: ast.Call, name: str) -> None:
         """``load(model)`` where ``load`` is a closure this function defines over its weights (diffusers'

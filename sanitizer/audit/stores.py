@@ -17,9 +17,9 @@ from typing import Dict, Optional, Sequence, Tuple
 
 from sanitizer.audit.codes import CODES
 from sanitizer.audit.findings import Finding, Link
+from sanitizer.audit.index import dotted
 from sanitizer.audit.lifetimes import LoopLifetimes
 from sanitizer.audit.targets import method_base_is_tensor, root_of, subscript_is_tensor
-from sanitizer.audit.index import dotted
 from sanitizer.audit.values import (COMPREHENSIONS, ELEM_PAIR, ELEM_TENSOR, HOLDER, ITER, PAIR, SOURCE, TENSOR, IntoParam,
                                     Val, handles_holding)
 
