@@ -24,7 +24,7 @@ from sanitizer.audit.sources import AuditInputError, Source, read
 def may_define_producer(text: str, table: InferredProducers, declared: Optional["re.Pattern[str]"] = None) -> bool:
     """Might the module define a producer: does it name a loader API, a producer inferred so far, or (with
     ``declared``, :func:`declared_hint`) a configured getter?"""
-    return bool(V.LOADER_API_HINT.search(text)) or table.mentioned_in(text) or bool(
+    return V.names_loader_api(text) or table.mentioned_in(text) or bool(
         declared is not None and declared.search(text))
 
 

@@ -196,8 +196,16 @@ _DICT_LOADERS = re.compile(r"(^|\.)(load_file|safe_load_file)$|^(safetensors\.to
 LOADER_API_HINT = re.compile(r"safe_open|load_file|torch\.load|safetensors\.torch import|fastsafe_open|SafeTensorsFileLoader|"
                              r"SafetensorsStreamer|InstantTensor|instanttensor|copy_files_to_device|"
                              r"ParallelLoader|FastSafeTensorsLoader|stream_files|get_tensors|iterate_weights|"
-                           r"load_torch_file|load_peft_weights|load_state_dict_from_file|lora_state_dict|"
-                           r"(diffusers|transformers|accelerate|timm)[\w.]* import[^\n]*\bload_state_dict\b")
+                           r"load_torch_file|load_peft_weights|load_state_dict_from_file|lora_state_dict")
+# ... or imports a library's `load_state_dict(path)` (looked for only in a text that names `load_state_dict`: an
+# alternation tried at every character of every module costs more than the rest of the pre-check)
+_LIBRARY_LOADER_IMPORT = re.compile(r"^[ \t]*from[ \t]+(diffusers|transformers|accelerate|timm)[\w.]*[ \t]+import[^\n]*"
+                                    r"\bload_state_dict\b", re.M)
+
+
+def names_loader_api(text: str) -> bool:
+    """Does a module's text name a loader's API or a library's loader (:data:`LOADER_API_HINT`)?"""
+    return bool(LOADER_API_HINT.search(text)) or ("load_state_dict" in text and bool(_LIBRARY_LOADER_IMPORT.search(text)))
 
 
 # Libraries' functions that load a checkpoint file and return its dict, built on the loaders above (so, by
