@@ -153,9 +153,12 @@ def test_engine_ground_truth(manifest: Path, tmp_path: Path):
 
 
 BARE = [p for p in MANIFESTS if _parse(p).bare_miss is not None]
+# A manifest with no settings runs the same audit in both tests: its bare run is the full suite's only (the quick
+# one keeps within its minutes as the corpus grows), and must agree with the first test's KNOWN lists.
+_BARE_PARAMS = [p if _parse(p).settings else pytest.param(p, marks=pytest.mark.slow) for p in BARE]
 
 
-@pytest.mark.parametrize("manifest", BARE, ids=[p.stem for p in BARE])
+@pytest.mark.parametrize("manifest", _BARE_PARAMS, ids=[p.stem for p in BARE])
 def test_engine_ground_truth_without_settings(manifest: Path, tmp_path: Path):
     """The figures with no settings at all, for manifests that record them (issue 50, item 4: what a user
     gets before writing any `[tool.ownsan]`)."""
@@ -207,3 +210,16 @@ def test_tgi_without_settings_infers_its_getters(tmp_path: Path):
     expected = {k for k, (v, _, _) in m.entries.items() if v in ("RETAINS", "INPLACE")}
     print(f"\ntgi without settings: flagged {len(flagged)}, {len(flagged & expected)} of {len(expected)} expected")
     assert flagged == expected
+
+
+def test_a_manifest_without_settings_records_the_same_misses_twice():
+    """With no settings, the KNOWN lists and the `no-settings-*` lines describe one audit: they must agree (so
+    the quick suite, which runs that audit once, checks both)."""
+    for path in BARE:
+        m = _parse(path)
+        if m.settings:
+            continue
+        assert m.bare_miss == m.known_miss, f"{path.name}: no-settings-misses {sorted(m.bare_miss or ())} " \
+                                            f"!= KNOWN-MISS {sorted(m.known_miss)}"
+        assert m.bare_false == m.known_false, f"{path.name}: no-settings-false-alarms {sorted(m.bare_false or ())} " \
+                                              f"!= KNOWN-FALSE-ALARM {sorted(m.known_false)}"
