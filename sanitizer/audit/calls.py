@@ -21,10 +21,8 @@ from sanitizer.audit.values import (BUILT, ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR, ELE
                                     ITER, PAIR, SOURCE, TENSOR, UNRESOLVED, Val, element_of, handle_of, is_handles)
 
 _MAPPING_COPIES = frozenset({"dict", "OrderedDict", "defaultdict"})  # of a dict: its tensors, by name
-# Calls that call the function they are handed with each item of their second argument (``map``, a pool's
-# or an executor's ``map``, fastcore's ``parallel``, tqdm's ``thread_map``), or with it (``submit``)
-_MAPPERS = frozenset({"map", "imap", "imap_unordered", "parallel", "thread_map", "process_map", "parallel_map"})
-_SUBMITTERS = frozenset({"submit", "apply_async"})
+_MAPPERS = V.MAPPERS  # (see vocabulary.MAPPERS: also the pre-check of inference.hands_a_producer_over)
+_SUBMITTERS = V.SUBMITTERS
 _NOT_HOLDERS = frozenset({"Parameter", "Tensor", "Size", "Path", "PurePath", "Event", "Thread", "Lock"})
 
 
@@ -638,24 +636,29 @@ class CallRules:
         """The full import path of the function a call names, when it is a library's: ``from m import f`` (at
         module level or in this function) then ``f(...)``, or ``import m`` then ``m.f(...)``; else ``""``."""
         func = node.func
-        summaries = self._summaries()
-        index = getattr(summaries, "index", None)
+        index = getattr(self._summaries(), "index", None)
         if isinstance(func, ast.Name):
-            imported = index.imports.get(func.id) if index is not None else None
-            if imported is not None:
-                return f"{imported[0]}.{imported[2]}" if imported[1] == 0 else ""
-            for stmt in ast.walk(self.info.node):  # type: ignore[attr-defined]
-                if isinstance(stmt, ast.ImportFrom) and not stmt.level and stmt.module:
-                    for alias in stmt.names:
-                        if (alias.asname or alias.name) == func.id:
-                            return f"{stmt.module}.{alias.name}"
-            return ""
+            return self._name_import_path(func.id)
         if isinstance(func, ast.Attribute) and "." in name:
             head, _, rest = name.partition(".")
             if index is not None and head in index.module_paths:
                 return f"{index.module_paths[head]}.{rest}"  # `import comfy.sd as sd` then `sd.load_lora...`
             if index is not None and head in index.module_aliases:
                 return name
+        return ""
+
+    def _name_import_path(self, name: str) -> str:
+        """``module.original`` of a name imported absolutely, at module level or inside this function, or ``""``
+        (a relative import is the project's own)."""
+        index = getattr(self._summaries(), "index", None)
+        imported = index.imports.get(name) if index is not None else None
+        if imported is not None:
+            return f"{imported[0]}.{imported[2]}" if imported[1] == 0 else ""
+        for stmt in ast.walk(self.info.node):  # type: ignore[attr-defined]
+            if isinstance(stmt, ast.ImportFrom) and not stmt.level and stmt.module:
+                for alias in stmt.names:
+                    if (alias.asname or alias.name) == name:
+                        return f"{stmt.module}.{alias.name}"
         return ""
 
     def _library_method(self, node: ast.Call) -> bool:
@@ -769,7 +772,7 @@ class CallRules:
         """Is ``name`` imported absolutely (``from peft import set_peft_model_state_dict``), not relatively
         as the project's own (``from .utils import ...``, peft itself) nor defined in this module?"""
         # (an import inside the function counts: `from peft import set_peft_model_state_dict`, SimpleTuner)
-        return bool(self._import_path(ast.Call(func=ast.Name(id=name, ctx=ast.Load()), args=[], keywords=[]), name))
+        return bool(self._name_import_path(name))
 
     def _closure_called(self, node: ast.Call, name: str) -> None:
         """``load(model)`` where ``load`` is a closure this function defines over its weights (diffusers'
@@ -839,11 +842,10 @@ class CallRules:
             return None
         cls = self.info.enclosing_class
         value = func.value
-        if isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name) and cls is not None \
-                and value.value.id == self.self_name():
+        if isinstance(value, ast.Attribute):
             # `self._safetensors_loader.load(file)` with `__init__(self, safetensors_loader: SafetensorsLoader)`
             # storing it there (fairseq2's loaders, handed in by a container): the class it is typed with
-            return self._method_of_classes(inferred, attribute_classes(cls, value.attr), func.attr)
+            return self._method_of_classes(inferred, self._stated_classes(func, built=False), func.attr)
         if not isinstance(value, ast.Name):
             return None
         if cls is not None and func.value.id == self.self_name():
@@ -854,15 +856,13 @@ class CallRules:
                 if got is not None:
                     return got
             return None
-        ann = self.annotations.get(func.value.id)
-        if not ann:
-            return None
-        return self._method_of_classes(inferred, [c.rpartition(".")[2] for c in V.ANNOTATED_CLASS.findall(ann)],
-                                       func.attr)
+        classes = self._stated_classes(func, built=False)
+        return self._method_of_classes(inferred, classes, func.attr) if classes else None
 
-    def _stated_classes(self, func: ast.Attribute) -> List[str]:
+    def _stated_classes(self, func: ast.Attribute, built: bool = True) -> List[str]:
         """The classes a receiver is stated to be: a parameter's annotation, ``self.<attr>`` stored from an
-        annotated parameter (:func:`~.targets.attribute_classes`), or a local bound once to a new object."""
+        annotated parameter (:func:`~.targets.attribute_classes`), or (``built``) a local bound once to a new
+        object."""
         value = func.value
         cls = self.info.enclosing_class
         if isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name) and cls is not None \
@@ -873,6 +873,8 @@ class CallRules:
         ann = self.annotations.get(value.id)
         if ann:
             return [c.rpartition(".")[2] for c in V.ANNOTATED_CLASS.findall(ann)]
+        if not built:
+            return []
         memo = getattr(self, "_new_objects", None)
         if memo is None:
             memo = self._new_objects = constructed_locals(self.info.node)

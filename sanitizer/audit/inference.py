@@ -85,8 +85,7 @@ def calls_defined_producer(info, index, table: InferredProducers) -> bool:  # ty
     return hands_a_producer_over(info, table)
 
 
-_HANDED_TO = frozenset({"submit", "apply_async", "map", "imap", "imap_unordered", "starmap", "parallel", "thread_map",
-                        "process_map", "parallel_map"})
+_HANDED_TO = V.MAPPERS | V.SUBMITTERS | {"starmap"}
 
 
 def hands_a_producer_over(info, table: InferredProducers) -> bool:  # type: ignore[no-untyped-def]

@@ -71,6 +71,10 @@ LAZY_WRAPPERS = frozenset({
     "itertools.chain.from_iterable", "chain.from_iterable", "tqdm", "tqdm.tqdm", "tqdm.auto.tqdm",
     "as_completed", "concurrent.futures.as_completed", "futures.as_completed",
 })
+# Calls that call the function they are handed with each item of their second argument (``map``, a pool's or an
+# executor's ``map``, fastcore's ``parallel``, tqdm's ``thread_map``), or with it (``submit``)
+MAPPERS = frozenset({"map", "imap", "imap_unordered", "parallel", "thread_map", "process_map", "parallel_map"})
+SUBMITTERS = frozenset({"submit", "apply_async"})
 PARTIALS = frozenset({"functools.partial", "partial", "functools.partialmethod", "partialmethod"})
 BIND_METHODS = frozenset({"bind", "bind_partial"})
 
