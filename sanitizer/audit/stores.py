@@ -28,6 +28,9 @@ _CONDITIONAL = frozenset({"OWN101", "OWN102", "OWN106"})  # stores that a no-op 
 _VALUE_ARG = {"append": 0, "add": 0, "appendleft": 0, "put": 0, "put_nowait": 0, "push": 0, "extend": 0,
               "extendleft": 0, "update": 0, "insert": 1, "setdefault": 1, "__setitem__": 1}
 
+# How a store puts a value into a container by key: the container is then a dict of tensors by name.
+_BY_NAME = ("subscript", "setdefault", "update", "__setitem__")
+
 
 class StoreRules:
     """Where a tainted value goes, and whether that place outlives its step."""
@@ -109,8 +112,9 @@ class StoreRules:
                 held = self.state.env.get(root.name)  # type: ignore[arg-type]
                 if held is None or held.kind != HOLDER:
                     link = Link(getattr(stmt, "lineno", 0), self.fn, f"stored in `{self.snip(root.node)}` (dies with the step)")
-                    self.state.env[root.name] = val.then(HOLDER, link, elem=ELEM_PAIR if val.kind == PAIR
-                                                         else ELEM_TENSOR)  # type: ignore[index]
+                    self.state.env[root.name] = val.then(  # type: ignore[index]
+                        HOLDER, link, elem=ELEM_PAIR if val.kind == PAIR else ELEM_TENSOR,
+                        mapping=how in _BY_NAME)  # filled by name: a dict (a re-keyed file's dict, returned)
                 outer = self.state.env.get(slot.inside) if slot.inside else None
                 if slot.inside and (outer is None or outer.kind != HOLDER):  # `node[leaf] = v`, `node` inside `out`
                     self.state.env[slot.inside] = self.state.env[root.name]  # type: ignore[index]
@@ -134,7 +138,7 @@ class StoreRules:
             self._kept_containers.setdefault(root.name, val.then(  # type: ignore[attr-defined]
                 HOLDER, Link(getattr(stmt, "lineno", 0), self.fn, f"stored in `{self.snip(root.node)}`"),
                 elem=ELEM_PAIR if val.kind == PAIR else ELEM_TENSOR, reported=True,
-                mapping=how in ("subscript", "setdefault", "update", "__setitem__")))  # by name: a dict
+                mapping=how in _BY_NAME))  # by name: a dict
             if self.infer:  # type: ignore[attr-defined]
                 self._infer_kept(container, val, stmt, how)
         elif place == "param" and self.infer and root.name is not None and not root.through_attribute:  # type: ignore[attr-defined]
@@ -158,7 +162,7 @@ class StoreRules:
         self.state.env[root.name] = val.then(  # type: ignore[index]
             HOLDER, Link(getattr(stmt, "lineno", 0), self.fn, f"stored in `{self.snip(root.node)}`"),
             elem=ELEM_PAIR if val.kind == PAIR else ELEM_TENSOR, reported=True,
-            mapping=how in ("subscript", "setdefault", "update", "__setitem__"))
+            mapping=how in _BY_NAME)
 
     def _store_found(self, code: str, stmt: ast.AST, val: Val, pattern: str, message: str, place: str,
                      index: Optional[int]) -> None:

@@ -196,6 +196,44 @@ def test_show_settings_lists_inferred_producers_and_where_from(tmp_path: Path, c
     assert "read_shard=dict" in lines["read_shard"] and "load_file" in lines["read_shard"]
 
 
+REKEYED = '''
+from safetensors.torch import load_file
+
+
+def load_renamed(path):
+    sd = load_file(path)
+    out = {}
+    for k, v in sd.items():
+        out["model." + k] = v
+    return out
+
+
+def load_listed(path):
+    sd = load_file(path)
+    out = []
+    for v in sd.values():
+        out.append(v)
+    return out
+
+
+class Holder:
+    def take(self, path):
+        self.weights = load_renamed(path)
+'''
+
+
+def test_a_dict_filled_by_name_is_shown_as_a_dict_and_a_list_as_a_holder(tmp_path: Path, capsys):
+    """A loader returning one file's tensors re-keyed into a dict it fills in a loop (``out["model." + k] = v``)
+    hands out tensors by name, as ``read_shard`` does: ``--show-settings`` says ``dict``, not ``holder`` (the
+    word for a tuple or list, as ``load_listed``'s), and a caller keeping its result is found."""
+    paths = _write(tmp_path, {"rekey.py": REKEYED})
+    assert main(["--show-settings", *paths]) == 0
+    lines = {line.strip().split("=")[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    assert "load_renamed=dict" in lines["load_renamed"]
+    assert "load_listed=holder" in lines["load_listed"]
+    assert ("rekey.py", "Holder.take", "OWN102") in _found(tmp_path, {"rekey.py": REKEYED})
+
+
 def test_mmap_torch_load_is_a_dict_producer_and_plain_torch_load_is_not(tmp_path: Path):
     code = '''
     import torch
