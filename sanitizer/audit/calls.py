@@ -715,7 +715,11 @@ class CallRules:
             return None
         summaries = self._summaries()
         if isinstance(node.func, ast.Name) and self._local_or_param(node.func.id):
-            return None  # `def s3(self, p, load): load(p)`: the parameter, not the module's function
+            # `def s3(self, p, load): load(p)`: the parameter, not the module's function; a producer where this
+            # module's callers pass one as it (`_merge_checkpoint_shards(dir, names, _load_safetensors_file)`)
+            if any(a.arg == node.func.id for a in self.info.params):
+                return table.passed_kind(self.path, self.info.qualname, node.func.id)
+            return None
         if isinstance(node.func, ast.Name) and summaries is not None:
             imported = summaries.index.imports.get(node.func.id)
             if imported is not None and imported[2] != node.func.id and self.producer_kind is not None:

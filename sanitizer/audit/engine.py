@@ -134,6 +134,7 @@ def analyse(source: Source, project: Optional[Project] = None, settings: Optiona
         if seeds or (producers and (uses_producer(info, settings) or (handles is not None and handles.reads(info))
                                     or (inferred is not None and calls_typed_producer(info, inferred))
                                     or (inferred is not None and calls_defined_producer(info, index, inferred))
+                                    or (inferred is not None and inferred.passed_into(source.path, info.qualname))
                                     or (inferred is not None and inferred.mappings
                                         and _binds_lazy_mapping(info, inferred.mappings)))):
             roots.append((0 if any(s.kind == ITER for s in seeds) else 1, info, seeds))

@@ -12,6 +12,7 @@ from typing import Dict, Optional, Sequence
 from sanitizer.audit import vocabulary as V
 from sanitizer.audit.flow import Flow
 from sanitizer.audit.index import annotation_text, build_index
+from sanitizer.audit.passed import record_passed
 from sanitizer.audit.producers import (MAX_ROUNDS, InferredProducers, SelfSources, candidate, record,
                                        record_definition, record_iterable, record_mapping, record_method)
 from sanitizer.audit.project import Project
@@ -153,9 +154,12 @@ def infer(sources: Sequence[Source], settings: Optional[Settings] = None,
             analysis = ModuleAnalysis(source.path, index, snippets, project, now)
             handles = handles_of(index, now)
             analysis.handles = handles
+            if record_passed(table, index, source.path, source.text, now.producer_kind):
+                changed = True
             for info in index.functions:
                 if not candidate(info, lambda c: calls_producer(c, now), handles or _NO_HANDLES) \
-                        and not calls_typed_producer(info, table) and not calls_defined_producer(info, index, table):
+                        and not calls_typed_producer(info, table) and not calls_defined_producer(info, index, table) \
+                        and not table.passed_into(source.path, info.qualname):
                     continue
                 flow = Flow(source.path, info, {}, index.globals, snippets, analysis.resolve,
                             module_aliases=index.module_aliases, producer_kind=now.producer_kind)

@@ -113,8 +113,20 @@ class InferredProducers:
     # module-level functions whose names every module and object has (`def load(path)`): never matched by
     # name, only a call that resolves to that very definition, by (path, line) (mistral-finetune's `load`)
     by_definition: Dict[Tuple[str, int], Inferred] = field(default_factory=dict)
+    # a function's parameters that its callers pass a producer as a callable (``shard_loader`` of
+    # ``_merge_checkpoint_shards(dir, names, _load_safetensors_file, ...)``), by (path, qualname), then
+    # parameter: a call of such a parameter is a call of that producer (:mod:`.passed`)
+    passed: Dict[Tuple[str, str], Dict[str, Produced]] = field(default_factory=dict)
     _mention: Optional["re.Pattern[str]"] = None
     _generic_mention: Optional["re.Pattern[str]"] = None
+
+    def passed_into(self, path: str, qualname: str) -> bool:
+        """Is a producer passed into this function as one of its parameters?"""
+        return (path, qualname) in self.passed
+
+    def passed_kind(self, path: str, qualname: str, param: str) -> Optional[Produced]:
+        """What a call of ``param`` in that function returns, when its callers pass a producer as it."""
+        return self.passed.get((path, qualname), {}).get(param)
 
     def kind_of(self, call_name: str) -> Optional[Produced]:
         last = call_name.rpartition(".")[2]

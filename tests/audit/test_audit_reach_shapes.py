@@ -3256,3 +3256,75 @@ class Head(nn.Module):
 def test_a_caller_passed_cache_getter_and_a_built_torch_module(tmp_path: Path):
     found = _functions(_audit(tmp_path, {"caller_cache.py": CALLER_CACHE}))
     assert found == {"get_source_tensor", "copy_layers", "Head.from_file"}, found
+
+
+# -- a loader handed to a helper as a callable: the helper calls it under its parameter's name (round 35) ----
+PASSED_LOADER = '''
+import json
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+
+def _read_safetensors(path):
+    return load_file(path)
+
+
+def _read_json(path):
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def merge_shards(paths, shard_loader):
+    merged = {}
+    for path in paths:
+        merged.update(shard_loader(path))
+    return merged
+
+
+def sum_shards(paths, shard_loader):
+    total = 0.0
+    for path in paths:
+        for tensor in shard_loader(path).values():
+            total += float(tensor.sum())
+    return total
+
+
+def merge_configs(paths, reader):
+    merged = {}
+    for path in paths:
+        merged.update(reader(path))
+    return merged
+
+
+def keep_first(paths, loader):
+    kept = []
+    for path in paths:
+        kept.append(loader(path)["w"])
+    return kept
+
+
+class Loader:
+    def _collect(self, paths, fetch):
+        self.weights = [fetch(p) for p in paths]
+
+    def load(self, paths):
+        self._collect(paths, load_file)
+        return keep_first(paths, torch.load)
+
+
+def load_index(paths):
+    state = merge_shards(paths, _read_safetensors)
+    total = sum_shards(paths, _read_safetensors)
+    config = merge_configs(paths, _read_json)
+    return state, total, config
+'''
+
+
+def test_a_loader_passed_as_a_callable_is_called_under_its_parameters_name(tmp_path: Path):
+    """``merge_shards(paths, _read_safetensors)``: the helper's ``shard_loader(path)`` is a call of the loader its
+    caller passed, so merging every shard's dict keeps them (OWN101), and ``self._collect(paths, load_file)``
+    keeps safetensors' dicts on ``self``. The same helpers passed a json reader, or ``torch.load`` without
+    ``mmap=True``, keep nothing borrowed; one that sums each shard within its step keeps nothing either."""
+    found = _functions(_audit(tmp_path, {"passed_loader.py": PASSED_LOADER}))
+    assert found == {"merge_shards", "Loader._collect"}, found
