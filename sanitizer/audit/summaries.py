@@ -78,6 +78,7 @@ class ModuleAnalysis:
         self._busy: set = set()
         self._partials: Dict[int, Dict[str, List[ast.Call]]] = {}  # a function's `f = partial(g, ...)` bindings
         self._constructed: Dict[int, Dict[str, str]] = {}  # a function's locals bound to a new object, by class
+        self._module_built: Optional[Dict[str, str]] = None  # the module's globals bound once to a new object
         self.depth = 0
 
     def close(self) -> None:
@@ -181,6 +182,14 @@ class ModuleAnalysis:
             built = built_here.get(name)
             if built is not None:
                 classes = [built]
+            elif name in self.index.globals and name not in flow.state.slots \
+                    and not any(a.arg == name for a in flow.info.params):
+                # a module-level instance, bound once where the module is run (`state_dict_cache =
+                # StateDictCache()`, SD.Next's cache of whole files): its class's method, bound to it
+                if self._module_built is None:
+                    self._module_built = constructed_locals(self.index.tree)
+                built = self._module_built.get(name)
+                classes = [built] if built is not None else []
         for cls_name in classes:
             found = self.constructed_class(flow, cls_name)
             if found is None:

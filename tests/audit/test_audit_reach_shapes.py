@@ -3328,3 +3328,42 @@ def test_a_loader_passed_as_a_callable_is_called_under_its_parameters_name(tmp_p
     ``mmap=True``, keep nothing borrowed; one that sums each shard within its step keeps nothing either."""
     found = _functions(_audit(tmp_path, {"passed_loader.py": PASSED_LOADER}))
     assert found == {"merge_shards", "Loader._collect"}, found
+
+
+# -- a module-level instance of an audited class: its method keeps what it is handed (round 36) -------------
+MODULE_INSTANCE = '''
+import safetensors.torch
+
+
+class FileCache:
+    _entries: dict = {}
+
+    def put_file(self, key, value):
+        self._entries[key] = value
+
+    def count(self, key, value):
+        return len(value)
+
+
+file_cache = FileCache()
+
+
+def read_cached(path):
+    sd = safetensors.torch.load_file(path)
+    file_cache.put_file(path, sd)
+    return sd
+
+
+def read_counted(path):
+    sd = safetensors.torch.load_file(path)
+    file_cache.count(path, sd)
+    return sd
+'''
+
+
+def test_a_module_level_instance_reaches_its_class_method(tmp_path: Path):
+    """``file_cache.put_file(path, sd)`` with ``file_cache = FileCache()`` bound once at module level (SD.Next's
+    ``state_dict_cache.set``): the call runs ``FileCache.put_file``, whose store into the instance's dict keeps
+    the file's tensors; its ``count`` only reads them."""
+    found = _functions(_audit(tmp_path, {"cache.py": MODULE_INSTANCE}))
+    assert found == {"FileCache.put_file"}, found
