@@ -891,13 +891,19 @@ class CallRules:
         ``(box,)`` taken for a checkpoint loader's)."""
         found = getattr(configured, "found", None)
         func = node.func
-        if found is None or not isinstance(func, ast.Attribute) or "." not in found.qualname:
+        if found is None or not isinstance(func, ast.Attribute):
             return False
         summaries = self._summaries()
         if summaries is None:
             return False
-        producer_class = found.qualname.rsplit(".", 2)[-2]
-        for name in self._stated_classes(func):
+        # (a module-level function inferred under the name, `load_model(path)` of another file, is never the
+        # method a class's call names: `VisionModel.load_model(folder)`, SD.Next's JoyTag model)
+        producer_class = found.qualname.rsplit(".", 2)[-2] if "." in found.qualname else None
+        stated = self._stated_classes(func)
+        if not stated and isinstance(func.value, ast.Name) and not self._local_or_param(func.value.id) \
+                and func.value.id[:1].isupper() and summaries.constructed_class(self, func.value.id) is not None:
+            stated = [func.value.id]  # `VisionModel.load_model(folder)`: called on the audited class itself
+        for name in stated:
             if name == producer_class:
                 return False
             got = summaries.constructed_class(self, name)

@@ -20,7 +20,7 @@ from sanitizer.audit.findings import Finding, Link
 from sanitizer.audit.index import dotted
 from sanitizer.audit.lifetimes import LoopLifetimes
 from sanitizer.audit.targets import method_base_is_tensor, root_of, subscript_is_tensor
-from sanitizer.audit.values import (COMPREHENSIONS, ELEM_PAIR, ELEM_TENSOR, HOLDER, ITER, PAIR, SOURCE, TENSOR, IntoParam,
+from sanitizer.audit.values import (COMPREHENSIONS, already_kept, ELEM_PAIR, ELEM_TENSOR, HOLDER, ITER, PAIR, SOURCE, TENSOR, IntoParam,
                                     Val, handles_holding)
 
 _CONDITIONAL = frozenset({"OWN101", "OWN102", "OWN106"})  # stores that a no-op conversion makes retentions
@@ -37,6 +37,15 @@ class StoreRules:
 
     def report(self, code: str, node: ast.AST, val: Val, pattern: str, message: str, last: str) -> None:
         if val.reported:
+            return
+        if val.built_at and not already_kept(val, self.out.findings):
+            # an object whose constructor stored the tensor (`self.vec = vec`), kept here past the step: the
+            # keeping statement is that store, reported (once) in place of this one, which keeps nothing new
+            for made in val.built_at:
+                key = (made.line, made.col - 1, made.code)  # type: ignore[attr-defined]
+                if key not in self.seen:
+                    self.seen[key] = made  # type: ignore[assignment]
+                    self.out.findings.append(made)  # type: ignore[arg-type]
             return
         if val.convert and code in _CONDITIONAL:
             code = "OWN107"
@@ -203,6 +212,9 @@ class StoreRules:
         if place == "local" and root.name is not None and not for_life:
             slot = self.state.slots[root.name]
             if slot.fresh and val.step in slot.loops:
+                held = self.state.env.get(root.name)
+                if held is not None and held.kind == HOLDER and held.obj and held.step == val.step:
+                    return  # `embedding.step = data.get("step")` on an object just built around the step's tensors
                 self.state.env[root.name] = val.then(HOLDER, Link(getattr(stmt, "lineno", 0), self.fn,
                                                                   f"stored in `{self.snip(target)}`"))
                 return

@@ -35,7 +35,7 @@ from sanitizer.audit.project import Project
 from sanitizer.audit.settings import Settings
 from sanitizer.audit.snippets import Snippets
 from sanitizer.audit.targets import root_of
-from sanitizer.audit.values import BUILT, HOLDER, ITER, SOURCE, TENSOR, Val, built_class
+from sanitizer.audit.values import BUILT, HOLDER, ITER, SOURCE, TENSOR, Val, already_kept, built_class
 
 MAX_DEPTH = 3
 MAX_OVERRIDES = 16  # overrides of one method a ``self.`` call is followed into (a deep hierarchy: the nearest)
@@ -566,11 +566,16 @@ class ModuleAnalysis:
                     parts = tuple(val.then(p.kind, link, elem=p.elem) if p is not None else None for p in ret.parts)
                 result = val.then(ret.kind, link, elem=ret.elem, capture=ret.capture or val.capture, seed=val.seed,
                                   parts=parts, reported=ret.reported or val.reported,
-                                  convert=val.convert or ret.convert, mapping=False)
+                                  convert=val.convert or ret.convert, mapping=False,
+                                  built_at=tuple(self._finding(flow, made, val, call_link, callee)  # type: ignore[arg-type]
+                                                 for made in ret.built_at))
             if target.constructor and not module and constructor_result(outcome):
                 name = callee.qualname.split(".")[0]
                 if result is None:
-                    result = val.then(HOLDER, Link(node.lineno, flow.fn, f"{BUILT}{name}`"), obj=name)
+                    own = () if any(built_class(link.text) for link in val.chain) or val.reported else tuple(
+                        self._finding(flow, fact.template, val, call_link, callee)
+                        for fact in outcome.into_param if fact.index == 0)
+                    result = val.then(HOLDER, Link(node.lineno, flow.fn, f"{BUILT}{name}`"), obj=name, built_at=own)
                 # where the constructor itself stores the tensor on the new object (`self.up = up`): credited
                 # there if the caller only returns the object (Flow._st_return), as a module's constructor is
                 # (not for an object built around objects already built around it: `Patch(layers=layers)` of
@@ -611,19 +616,31 @@ class ModuleAnalysis:
     def _emit(self, flow: Flow, template: Finding, val: Val, call_link: Link, callee: FunctionInfo) -> None:
         if val.reported:
             return
+        if val.built_at and not already_kept(val, flow.out.findings):
+            # an object its constructor made keep the tensor: that store is the finding (Flow.report)
+            for made in val.built_at:
+                key = (made.line, made.col - 1, made.code)  # type: ignore[attr-defined]
+                if key not in flow.seen:
+                    flow.seen[key] = made  # type: ignore[assignment]
+                    flow.out.findings.append(made)  # type: ignore[arg-type]
+            return
         key = (template.line, template.col - 1, template.code)
         if key in flow.seen:
             return
+        finding = self._finding(flow, template, val, call_link, callee)
+        flow.seen[key] = finding
+        flow.out.findings.append(finding)
+
+    def _finding(self, flow: Flow, template: Finding, val: Val, call_link: Link, callee: FunctionInfo) -> Finding:
+        """A callee's finding as this call reaches it: the caller's chain, the call, then the callee's own."""
         head = val.chain + (call_link,)
         if flow.path != template.path:  # the caller's links are in its own file: say which
             head = tuple(link if link.path else replace(link, path=flow.path) for link in head)
         chain = head + template.chain[1:]
         pattern = template.pattern if "through helper" in template.pattern else \
             f"{template.pattern} (through helper `{callee.name}`)"
-        finding = replace(template, chain=chain, consumer=val.consumer, consumer_path=flow.path, pattern=pattern,
-                          also_from=[])
-        flow.seen[key] = finding
-        flow.out.findings.append(finding)
+        return replace(template, chain=chain, consumer=val.consumer, consumer_path=flow.path, pattern=pattern,
+                       also_from=[])
 
     def _into_param(self, flow: Flow, node: ast.Call, target: Callee, fact: IntoParam, arg_of: Dict[int, ast.AST],
                     val: Val, call_link: Link, callee: FunctionInfo) -> None:

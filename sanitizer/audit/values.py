@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from sanitizer.audit.findings import Finding, Link
 
@@ -69,6 +69,10 @@ class Val:
     # borrowed only when the function's parameter of this name is true (`torch.load(path, mmap=mmap)`): what a
     # producer inferred from it hands out depends on what each call passes (producers.Inferred.when)
     when: str = ""
+    # HOLDER with ``obj`` only: the findings of its constructor's own stores of the tensor (``self.state_dict =
+    # state_dict``), ready to be reported where the object is first kept past the step: the brief credits the
+    # store that keeps the view, and an object stored again keeps nothing new (Forge's ``Embedding.__init__``)
+    built_at: Tuple[object, ...] = ()
 
     def then(self, kind: Optional[str] = None, link: Optional[Link] = None, **changes) -> "Val":
         """This value after one more step of the chain (a view, a store, a call). A copy of the fields,
@@ -82,6 +86,7 @@ class Val:
         fields["parts"] = changes.pop("parts", None)
         # the object built is this value (and its rebindings), not what is made of it
         fields["obj"] = changes.pop("obj", self.obj if kind is None else "")
+        fields["built_at"] = changes.pop("built_at", self.built_at if kind is None else ())
         fields.update(changes)
         return new
 
@@ -197,6 +202,19 @@ class Unresolved:
 
 UNRESOLVED = Unresolved()
 
-__all__ = ["BUILT", "built_class", "Val", "element_of", "Slot", "State", "IntoParam", "Outcome", "UNRESOLVED", "COMPREHENSIONS", "ITER", "PAIR", "TENSOR", "HOLDER", "SOURCE",
+
+def already_kept(val: Val, findings: Sequence[object]) -> bool:
+    """Was the tensor ``val`` came from reported kept already, in this walk (a fetch held past the next one,
+    then wrapped: ``_LinearWeight(lm_head_weight)``)? Then the object built around it adds no keeping
+    statement of its own: the keeper's store stays the finding, beside the first (onnxruntime-genai's MTP head)."""
+    first = val.chain[0] if val.chain else None
+    if first is None:
+        return False
+    own = {(getattr(m, "path", ""), getattr(m, "line", 0), getattr(m, "code", "")) for m in val.built_at}
+    return any(getattr(f, "chain", None) and f.chain[0] == first  # type: ignore[attr-defined]
+               and (getattr(f, "path", ""), getattr(f, "line", 0), getattr(f, "code", "")) not in own
+               for f in findings)
+
+__all__ = ["BUILT", "already_kept", "built_class", "Val", "element_of", "Slot", "State", "IntoParam", "Outcome", "UNRESOLVED", "COMPREHENSIONS", "ITER", "PAIR", "TENSOR", "HOLDER", "SOURCE",
            "ELEM_PAIR", "ELEM_TENSOR", "ELEM_ENUM_PAIR", "ELEM_ENUM_TENSOR", "ELEM_HANDLES", "ELEM_HANDLE_PAIRS", "ELEM_STREAMS", "ELEM_DICT",
            "is_handles", "handle_of", "handles_holding"]

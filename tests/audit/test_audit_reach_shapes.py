@@ -3367,3 +3367,90 @@ def test_a_module_level_instance_reaches_its_class_method(tmp_path: Path):
     the file's tensors; its ``count`` only reads them."""
     found = _functions(_audit(tmp_path, {"cache.py": MODULE_INSTANCE}))
     assert found == {"FileCache.put_file"}, found
+
+
+# -- an object built around a file's tensor in one helper, kept by another: its constructor's store (round 36) --
+BUILT_THEN_KEPT = '''
+import safetensors.torch
+import torch
+
+
+class Embedding:
+    def __init__(self, vec, name):
+        self.vec = vec
+        self.name = name
+
+
+def make_embedding(data, name):
+    vec = next(iter(data.values())).detach()
+    embedding = Embedding(vec, name)
+    embedding.step = data.get("step", None)
+    return embedding
+
+
+class Database:
+    def __init__(self):
+        self.word_embeddings = {}
+
+    def register(self, embedding, name):
+        self.word_embeddings[name] = embedding
+        return embedding
+
+    def load_from_file(self, path, name):
+        data = safetensors.torch.load_file(path)
+        self.register(make_embedding(data, name), name)
+
+    def shape_of_file(self, path, name):
+        data = safetensors.torch.load_file(path)
+        return make_embedding(data, name).vec.shape
+'''
+
+
+def test_an_object_built_in_one_helper_and_kept_by_another_is_its_constructors_store(tmp_path: Path):
+    """``Embedding(vec, name)`` built in ``make_embedding`` and stored by ``Database.register``: the view is kept by
+    the constructor's ``self.vec = vec`` (the brief's keeping statement), and the object stored again keeps
+    nothing new, so the finding is ``Embedding.__init__``'s, not ``register``'s (Forge's textual inversion).
+    The same object used within the step (``shape_of_file``) keeps nothing."""
+    found = _audit(tmp_path, {"emb.py": BUILT_THEN_KEPT})
+    assert _functions(found) == {"Embedding.__init__"}, found
+
+
+# -- a static method called on its own class is that method, not another file's function of the same name --
+CLASS_CALLED = {
+    "vae.py": '''
+from safetensors import safe_open
+
+
+def load_model(path):
+    with safe_open(path, framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+''',
+    "tagger.py": '''
+import torch
+from safetensors.torch import load_file
+
+model = None
+
+
+class VisionModel(torch.nn.Module):
+    @staticmethod
+    def load_model(path):
+        instance = VisionModel()
+        instance.load_state_dict(load_file(path))
+        return instance
+
+
+def load(folder):
+    global model
+    model = VisionModel.load_model(folder)
+''',
+}
+
+
+def test_a_static_method_called_on_its_class_is_not_a_producer_of_the_same_name(tmp_path: Path):
+    """``VisionModel.load_model(folder)`` runs the class's own static method (which copies the file into a new
+    model), not ``vae.load_model``, the producer inferred under that name in another file: storing its result
+    in a global keeps nothing borrowed (SD.Next's JoyTag captioner). ``vae.load_model`` itself is flagged (the
+    dict of a handle's tensors returned from inside its `with`)."""
+    found = _functions(_audit(tmp_path, CLASS_CALLED))
+    assert "load" not in found, found
