@@ -346,7 +346,7 @@ def kind_of_value(val: Val, generator: bool) -> Optional[str]:
         return "iterator"
     if val.kind == SOURCE:
         return "source"
-    if val.kind == HOLDER and val.capture is None and not val.obj:  # (an object built around a fetched
+    if val.kind == HOLDER and val.capture is None and not val.obj and not val.built_at:  # (an object built around a fetched
         # tensor and returned is how a loader keeps it: reported at that return, never handed on)
         if val.parts is not None and all(p is None or p.obj for p in val.parts):
             return None  # `return (clip_model,)`: a tuple of objects built around the tensors (a ComfyUI node's)

@@ -18,6 +18,8 @@ from sanitizer.audit.sources import AuditInputError, Source, read
 CACHE_SIZE = 48
 _CLASS = re.compile(rb"^[ \t]*class[ \t]+(\w+)[ \t]*\(([^)]*)\)", re.M)
 _METHOD = re.compile(rb"^[ \t]+(?:async[ \t]+)?def[ \t]+(\w+)[ \t]*\([ \t\n]*(self|cls)\b", re.M)
+# a static method (no `self`): `@staticmethod` on the line above its `def`
+_STATIC = re.compile(rb"^[ \t]+@staticmethod[ \t]*\r?\n[ \t]+(?:async[ \t]+)?def[ \t]+(\w+)", re.M)
 
 
 def _dotted(path: str) -> Tuple[str, ...]:
@@ -80,6 +82,8 @@ class Project:
                 if m.group(2) == b"cls":
                     self._class_methods.add(m.group(1).decode("ascii", "replace"))
                     continue
+                methods.setdefault(m.group(1).decode("ascii", "replace"), []).append(path)
+            for m in _STATIC.finditer(raw):
                 methods.setdefault(m.group(1).decode("ascii", "replace"), []).append(path)
         self._subclasses, self._methods = subclasses, methods
 

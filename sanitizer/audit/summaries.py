@@ -21,7 +21,7 @@ from __future__ import annotations
 import ast
 import os
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Tuple
+from typing import Collection, Dict, List, Optional, Tuple
 
 from sanitizer.audit import vocabulary as V
 from sanitizer.audit.findings import Finding, Link
@@ -61,6 +61,29 @@ class Callee:
     analysis: Optional["ModuleAnalysis"] = None  # the module that defines it, when another audited one
 
 
+def _registry_loop(fn: ast.AST, name: str, module_globals: Collection[str]) -> bool:
+    """Is ``name`` the target of a loop over a registry: a module-level collection or an attribute
+    (``for supported_type in supported_control_models:``, ``for nettype in l.module_types:``), whose items are
+    the classes (or instances) a call on ``name`` may run the method of?"""
+    for node in ast.walk(fn):
+        if isinstance(node, (ast.For, ast.AsyncFor)) and isinstance(node.target, ast.Name) and node.target.id == name:
+            it = node.iter
+            if isinstance(it, ast.Name) and it.id in module_globals or isinstance(it, ast.Attribute):
+                return True
+    return False
+
+
+def _fits(m: FunctionInfo, skip: int, node: ast.Call) -> bool:
+    """Can ``node``'s arguments bind to ``m``'s parameters (after the ``skip`` it is bound with): no more
+    positional arguments than it takes, no keyword it lacks (unless it takes ``*args``/``**kwargs``)?"""
+    names = [a.arg for a in m.params][skip:]
+    if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
+        return True
+    if len(node.args) > len(names) and m.vararg is None:
+        return False
+    return all(k.arg in names for k in node.keywords) or m.kwarg is not None
+
+
 class ModuleAnalysis:
     """The summaries of one module's functions, computed on demand and memoised."""
 
@@ -79,6 +102,7 @@ class ModuleAnalysis:
         self._partials: Dict[int, Dict[str, List[ast.Call]]] = {}  # a function's `f = partial(g, ...)` bindings
         self._constructed: Dict[int, Dict[str, str]] = {}  # a function's locals bound to a new object, by class
         self._module_built: Optional[Dict[str, str]] = None  # the module's globals bound once to a new object
+        self._also: Dict[int, List[Callee]] = {}  # a call's other possible callees (_only_method), by the call's id
         self.depth = 0
 
     def close(self) -> None:
@@ -131,7 +155,7 @@ class ModuleAnalysis:
                     return Callee(m, 0, False)
                 return None
             return self._module_function(base.id, func.attr) or self._imported_class_method(base.id, func.attr) \
-                or self._typed_object_method(flow, base.id, func.attr) or self._only_method(flow, base.id, func.attr)
+                or self._typed_object_method(flow, base.id, func.attr) or self._only_method(flow, base.id, func.attr, node)
         if isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super" and cls:
             for b in cls.bases:
                 # a base of this module, or one imported from another audited module (InvokeAI's LoRA layers'
@@ -143,27 +167,42 @@ class ModuleAnalysis:
                     return Callee(m, 0 if m.is_static else 1, False, where if where is not self else None)
         return None
 
-    def _only_method(self, flow: Flow, name: str, attr: str) -> Optional[Callee]:
+    def _only_method(self, flow: Flow, name: str, attr: str, node: Optional[ast.Call] = None) -> Optional[Callee]:
         """``patcher.add_patches(loaded, strength)`` on a local or parameter of no class the function states
-        (``patcher = model.clone()``): when one audited class alone defines a method of that name, and the
-        name is the project's own (two words or more, none of a module's, a tensor's or a container's own
-        methods), it is that method (Fooocus's ``ModelPatcher.add_patches``, which keeps the LoRA patches)."""
+        (``patcher = model.clone()``): the audited classes that define a method of that name, when the name is
+        the project's own (two words or more, none of a module's, a tensor's or a container's own methods).
+        One alone is that method (Fooocus's ``ModelPatcher.add_patches``, which keeps the LoRA patches). Several
+        (a registry's classes: ``for supported_type in supported_control_models:
+        supported_type.try_build_from_state_dict(sd, path)``, Forge's ControlNet patchers) are each what the call
+        may run, as a class hierarchy's analysis reads a call through an unknown receiver: the first is
+        returned, the others applied beside it (:meth:`resolve`), each only where the call's arguments fit it."""
         if self.project is None or attr in _SHARED_METHODS or "_" not in attr.strip("_") or attr.startswith("_") \
                 or name in self.index.globals or not (name in flow.state.slots
                                                       or any(a.arg == name for a in flow.info.params)):
             return None
         files = self.project.method_files(attr)
-        if len(files) != 1:
+        if not files or len(files) > MAX_OVERRIDES:
             return None
-        where = self if os.path.normpath(os.path.abspath(files[0])) == os.path.normpath(os.path.abspath(self.path)) \
-            else self._analysis_of(files[0])
-        if where is None:
-            return None
-        owners = [c for c in where.index.all_classes if attr in c.methods]
-        if len(owners) != 1:
-            return None
-        m = owners[0].methods[attr]
-        return Callee(m, 0 if m.is_static else 1, False, where if where is not self else None)
+        found: List[Callee] = []
+        for path in dict.fromkeys(files):
+            where = self if os.path.normpath(os.path.abspath(path)) == os.path.normpath(os.path.abspath(self.path)) \
+                else self._analysis_of(path)
+            if where is None:
+                continue
+            for c in where.index.all_classes:
+                m = c.methods.get(attr)
+                if m is None:
+                    continue
+                callee = Callee(m, 0 if m.is_static else 1, False, where if where is not self else None)
+                if len(files) == 1 or node is None or _fits(m, callee.offset, node):
+                    found.append(callee)
+        if len(files) == 1 and len(found) != 1:
+            return None  # (one file, several classes of it: as before, no guess)
+        if not found or (len(found) > 1 and not _registry_loop(flow.info.node, name, self.index.globals)):
+            return None  # several: only over a registry of classes (a parameter of several classes stays unknown)
+        if node is not None and len(found) > 1:
+            self._also[id(node)] = found[1:MAX_OVERRIDES]
+        return found[0]
 
     def _typed_object_method(self, flow: Flow, name: str, attr: str) -> Optional[Callee]:
         """``writer.save_tensor(n, t)`` on an object whose class the function states: a parameter annotated
@@ -467,8 +506,12 @@ class ModuleAnalysis:
                 return through
             return self._dataclass_result(flow, node)
         result = self._apply(flow, node, target)
-        for other in self.overrides(flow, node, target):  # what an override keeps is kept by this call too
+        also = self._also.pop(id(node), [])  # the other classes' methods a call on an unknown receiver may run
+        for other in self.overrides(flow, node, target) + also:  # what an override keeps is kept by this call too
             got = self._apply(flow, node, other)
+            if result is not None and got is not None and got.built_at and result.kind == got.kind:
+                # objects either class may build: each constructor's store is what keeps the tensor
+                result = result.then(built_at=result.built_at + tuple(b for b in got.built_at if b not in result.built_at))
             result = result if result is not None else got
         return result
 

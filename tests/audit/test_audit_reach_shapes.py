@@ -3454,3 +3454,71 @@ def test_a_static_method_called_on_its_class_is_not_a_producer_of_the_same_name(
     dict of a handle's tensors returned from inside its `with`)."""
     found = _functions(_audit(tmp_path, CLASS_CALLED))
     assert "load" not in found, found
+
+
+# -- a registry of classes: a call on a loop target over it may run each class's method (round 36) ------------
+REGISTRY = {
+    "patchers.py": '''
+class ControlModelPatcher:
+    @staticmethod
+    def try_build_from_state_dict(state_dict, ckpt_path):
+        return None
+
+    def __init__(self, model_patcher=None):
+        self.model_patcher = model_patcher
+
+
+class InpaintPatcher(ControlModelPatcher):
+    @staticmethod
+    def try_build_from_state_dict(state_dict, ckpt_path):
+        if "head.weight" in state_dict:
+            return InpaintPatcher(state_dict, ckpt_path)
+        return None
+
+    def __init__(self, state_dict, filename):
+        super().__init__()
+        self.state_dict = state_dict
+        self.filename = filename
+
+
+class ShapePatcher(ControlModelPatcher):
+    @staticmethod
+    def try_build_from_state_dict(state_dict, ckpt_path):
+        if "shape" in state_dict:
+            return ShapePatcher(state_dict["shape"].shape)
+        return None
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape = shape
+''',
+    "registry.py": '''
+from safetensors.torch import load_file
+
+supported_control_models = []
+
+
+def try_load_supported_control_model(ckpt_path):
+    state_dict = load_file(ckpt_path)
+    for supported_type in supported_control_models:
+        model = supported_type.try_build_from_state_dict(state_dict, ckpt_path)
+        if model is not None:
+            return model
+    return None
+
+
+def probe(ckpt_path, patcher):
+    state_dict = load_file(ckpt_path)
+    return patcher.try_build_from_state_dict(state_dict, ckpt_path) is not None
+''',
+}
+
+
+def test_a_call_over_a_registry_of_classes_runs_each_ones_method(tmp_path: Path):
+    """``for supported_type in supported_control_models: supported_type.try_build_from_state_dict(sd, path)``
+    (Forge's ControlNet patchers, registered at import): the receiver is any of the audited classes defining that
+    static method, so each is followed; the one whose constructor keeps the file's dict (``self.state_dict =
+    state_dict``) is credited, once, when the built object is returned. ``ShapePatcher`` keeps a shape only, and a
+    parameter of no stated class (``probe``'s ``patcher``) is not guessed among several classes."""
+    found = _functions(_audit(tmp_path, REGISTRY))
+    assert found == {"InpaintPatcher.__init__"}, found
