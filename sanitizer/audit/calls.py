@@ -185,7 +185,7 @@ class CallRules:
         if meth in _ADAPTER_LOADERS and isinstance(func, ast.Attribute) or name in _ADAPTER_SETTERS:
             if self._adapter_assigned(node, name, meth, args, kwargs):
                 return None
-        if meth in V.STORE_METHODS and not self._is_module(func):
+        if meth in V.STORE_METHODS and not self._is_module(func) and not self._global_instance_method(node):
             self.container_method(node, meth, args, kwargs)
             if meth != "setdefault":
                 return None
@@ -883,6 +883,17 @@ class CallRules:
         if memo is None:
             memo = self._new_objects = constructed_locals(self.info.node)
         return [memo[value.id]] if value.id in memo else []
+
+    def _global_instance_method(self, node: ast.Call) -> bool:
+        """``state_dict_cache.put(path, sd)`` on a module-level instance of an audited class that defines ``put``:
+        the class's method, followed through its summary, not a container's ``put`` judged by its argument."""
+        func = node.func
+        if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)) \
+                or self._local_or_param(func.value.id):
+            return False
+        summaries = self._summaries()
+        callee = summaries.callee(self, node) if summaries is not None else None
+        return callee is not None and callee.info.cls is not None
 
     def _stated_class_answers(self, node: ast.Call, configured: object) -> bool:
         """``self.node.loadmodel(path)`` with ``node: ModelLoaderNode``, where the producer inferred under the name

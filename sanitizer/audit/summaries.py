@@ -61,6 +61,10 @@ class Callee:
     analysis: Optional["ModuleAnalysis"] = None  # the module that defines it, when another audited one
 
 
+def _is_classmethod(m: FunctionInfo) -> bool:
+    return any(isinstance(d, ast.Name) and d.id == "classmethod" for d in getattr(m.node, "decorator_list", ()))
+
+
 def _registry_loop(fn: ast.AST, name: str, module_globals: Collection[str]) -> bool:
     """Is ``name`` the target of a loop over a registry: a module-level collection or an attribute
     (``for supported_type in supported_control_models:``, ``for nettype in l.module_types:``), whose items are
@@ -151,8 +155,8 @@ class ModuleAnalysis:
             other = index.classes.get(base.id)
             if other is not None:
                 m = index.method(other, func.attr)
-                if m is not None:
-                    return Callee(m, 0, False)
+                if m is not None:  # (a classmethod called on its class binds `cls` itself: one parameter skipped)
+                    return Callee(m, 1 if _is_classmethod(m) else 0, False)
                 return None
             return self._module_function(base.id, func.attr) or self._imported_class_method(base.id, func.attr) \
                 or self._typed_object_method(flow, base.id, func.attr) or self._only_method(flow, base.id, func.attr, node)
@@ -225,10 +229,12 @@ class ModuleAnalysis:
                     and not any(a.arg == name for a in flow.info.params):
                 # a module-level instance, bound once where the module is run (`state_dict_cache =
                 # StateDictCache()`, SD.Next's cache of whole files): its class's method, bound to it
-                if self._module_built is None:
-                    self._module_built = constructed_locals(self.index.tree)
-                built = self._module_built.get(name)
+                built = self.module_instance_class(name)
                 classes = [built] if built is not None else []
+                if built is None:
+                    got = self._imported_instance_method(name, attr)  # `from .cache import state_dict_cache`
+                    if got is not None:
+                        return got
         for cls_name in classes:
             found = self.constructed_class(flow, cls_name)
             if found is None:
@@ -242,6 +248,32 @@ class ModuleAnalysis:
                 return Callee(m, 0, False, m_where if m_where is not self else None)
             return Callee(m, 1, False, m_where if m_where is not self else None)
         return None
+
+    def module_instance_class(self, name: str) -> Optional[str]:
+        """The class of this module's global ``name`` when the module binds it once to a new object of a named
+        class (``state_dict_cache = StateDictCache()``), else None."""
+        if self._module_built is None:
+            self._module_built = constructed_locals(self.index.tree)
+        return self._module_built.get(name)
+
+    def _imported_instance_method(self, name: str, attr: str) -> Optional[Callee]:
+        """``state_dict_cache.set(path, sd)`` with ``from .cache import state_dict_cache``: the instance another
+        audited module binds once at its level, whose class's method the call runs, bound to it."""
+        imp = self.index.imports.get(name)
+        if imp is None or self.project is None:
+            return None
+        module, level, original = imp
+        path = self.project.locate(self.path, module, level)
+        other = self._analysis_of(path) if path is not None and path != self.path else None
+        cls_name = other.module_instance_class(original) if other is not None else None
+        cls = other.index.classes.get(cls_name) if other is not None and cls_name else None
+        if cls is None:
+            return None
+        got = other.find_method(cls, attr, set())  # type: ignore[union-attr]
+        if got is None:
+            return None
+        m, where = got
+        return Callee(m, 0 if m.is_static else 1, False, where if where is not self else None)
 
     def _imported_class_method(self, name: str, attr: str) -> Optional[Callee]:
         """``WeightQBytesTensor.load_from_state_dict(sd, ...)`` with the class imported from another audited
@@ -263,9 +295,7 @@ class ModuleAnalysis:
         if found is None:
             return None
         m, where = found
-        classmethod = any(isinstance(d, ast.Name) and d.id == "classmethod"
-                          for d in getattr(m.node, "decorator_list", ()))
-        return Callee(m, 1 if classmethod else 0, False, where if where is not self else None)
+        return Callee(m, 1 if _is_classmethod(m) else 0, False, where if where is not self else None)
 
     def _module_function(self, name: str, attr: str) -> Optional[Callee]:
         """``convert_weights.meta_to_tune(sd)`` with ``from torchtune.models import convert_weights`` (or
@@ -614,11 +644,13 @@ class ModuleAnalysis:
                                                  for made in ret.built_at))
             if target.constructor and not module and constructor_result(outcome):
                 name = callee.qualname.split(".")[0]
+                own = () if any(built_class(link.text) for link in val.chain) or val.reported else tuple(
+                    self._finding(flow, fact.template, val, call_link, callee)
+                    for fact in outcome.into_param if fact.index == 0)
                 if result is None:
-                    own = () if any(built_class(link.text) for link in val.chain) or val.reported else tuple(
-                        self._finding(flow, fact.template, val, call_link, callee)
-                        for fact in outcome.into_param if fact.index == 0)
                     result = val.then(HOLDER, Link(node.lineno, flow.fn, f"{BUILT}{name}`"), obj=name, built_at=own)
+                elif result.obj == name and own:  # (each argument's own store: `self.hint_bias = hint_bias` too)
+                    result = result.then(built_at=result.built_at + own)
                 # where the constructor itself stores the tensor on the new object (`self.up = up`): credited
                 # there if the caller only returns the object (Flow._st_return), as a module's constructor is
                 # (not for an object built around objects already built around it: `Patch(layers=layers)` of

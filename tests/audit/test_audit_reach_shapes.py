@@ -3522,3 +3522,78 @@ def test_a_call_over_a_registry_of_classes_runs_each_ones_method(tmp_path: Path)
     parameter of no stated class (``probe``'s ``patcher``) is not guessed among several classes."""
     found = _functions(_audit(tmp_path, REGISTRY))
     assert found == {"InpaintPatcher.__init__"}, found
+
+
+# -- a blind user's probes of the round 35-36 rules (stop 71) -------------------------------------------------
+USER_PROBES = {
+    "cache.py": '''
+class StateDictCache:
+    def __init__(self):
+        self._entries = {}
+
+    def put(self, path, sd):
+        self._entries[path] = sd
+
+    def size(self, sd):
+        return len(sd)
+
+
+state_dict_cache = StateDictCache()
+''',
+    "loader.py": '''
+from safetensors.torch import load_file
+
+from cache import state_dict_cache
+
+
+class Patcher:
+    def __init__(self, hint_weight, hint_bias):
+        self.hint_weight = hint_weight
+        self.hint_bias = hint_bias
+
+
+class ScaleTable:
+    scales = {}
+
+    @classmethod
+    def consume(cls, name, tensor):
+        cls.scales[name] = tensor
+
+    @classmethod
+    def peek(cls, name, tensor):
+        return tensor.shape
+
+
+def _build(sd):
+    return Patcher(sd["hint.weight"], sd["hint.bias"])
+
+
+def load_patcher(path):
+    sd = load_file(path)
+    return _build(sd)
+
+
+def load_cached(path):
+    sd = load_file(path)
+    state_dict_cache.put(path, sd)
+    return state_dict_cache.size(sd)
+
+
+def load_scales(path):
+    sd = load_file(path)
+    for name, tensor in sd.items():
+        ScaleTable.consume(name, tensor)
+        ScaleTable.peek(name, tensor)
+''',
+}
+
+
+def test_a_blind_users_probes_of_constructors_instances_and_classmethods(tmp_path: Path):
+    """What stop 71's blind user found: a constructor reached through a helper is credited for each argument it
+    stores (``self.hint_bias`` too, not the first alone); an instance imported from the module that binds it
+    (``from cache import state_dict_cache``) runs its class's method, even one named as a container's (``put``); a classmethod called on its class binds
+    ``cls`` itself, so ``ScaleTable.consume(name, tensor)``'s store into ``cls.scales`` is found (its arguments
+    were bound one place off before). Their reading methods keep nothing."""
+    found = _audit(tmp_path, USER_PROBES)
+    assert {(fn, line) for _, fn, line in found} == {
+        ("Patcher.__init__", 9), ("Patcher.__init__", 10), ("StateDictCache.put", 7), ("ScaleTable.consume", 18)}, found
