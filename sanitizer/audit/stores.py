@@ -38,14 +38,7 @@ class StoreRules:
     def report(self, code: str, node: ast.AST, val: Val, pattern: str, message: str, last: str) -> None:
         if val.reported:
             return
-        if val.built_at and not already_kept(val, self.out.findings):
-            # an object whose constructor stored the tensor (`self.vec = vec`), kept here past the step: the
-            # keeping statement is that store, reported (once) in place of this one, which keeps nothing new
-            for made in val.built_at:
-                key = (made.line, made.col - 1, made.code)  # type: ignore[attr-defined]
-                if key not in self.seen:
-                    self.seen[key] = made  # type: ignore[assignment]
-                    self.out.findings.append(made)  # type: ignore[arg-type]
+        if self.report_built(val):
             return
         if val.convert and code in _CONDITIONAL:
             code = "OWN107"
@@ -63,6 +56,19 @@ class StoreRules:
                           consumer_path=self.path)
         self.seen[key] = finding
         self.out.findings.append(finding)
+
+    def report_built(self, val: Val) -> bool:
+        """An object whose constructor stored the tensor (``self.vec = vec``), kept here past the step: the
+        keeping statement is that store, reported (once) in place of this one, which keeps nothing new (True
+        when so). Not when the tensor was reported kept before it was wrapped (:func:`~.values.already_kept`)."""
+        if not val.built_at or already_kept(val, self.out.findings):
+            return False
+        for made in val.built_at:
+            key = (made.line, made.col - 1, made.code)  # type: ignore[attr-defined]
+            if key not in self.seen:
+                self.seen[key] = made  # type: ignore[assignment]
+                self.out.findings.append(made)  # type: ignore[arg-type]
+        return True
 
     def _into_param(self, index: int, code: str, node: ast.AST, val: Val, pattern: str, message: str,
                     last: str) -> None:

@@ -35,7 +35,7 @@ from sanitizer.audit.project import Project
 from sanitizer.audit.settings import Settings
 from sanitizer.audit.snippets import Snippets
 from sanitizer.audit.targets import root_of
-from sanitizer.audit.values import BUILT, HOLDER, ITER, SOURCE, TENSOR, Val, already_kept, built_class
+from sanitizer.audit.values import BUILT, HOLDER, ITER, SOURCE, TENSOR, Val, built_class
 
 MAX_DEPTH = 3
 MAX_OVERRIDES = 16  # overrides of one method a ``self.`` call is followed into (a deep hierarchy: the nearest)
@@ -256,15 +256,21 @@ class ModuleAnalysis:
             self._module_built = constructed_locals(self.index.tree)
         return self._module_built.get(name)
 
-    def _imported_instance_method(self, name: str, attr: str) -> Optional[Callee]:
-        """``state_dict_cache.set(path, sd)`` with ``from .cache import state_dict_cache``: the instance another
-        audited module binds once at its level, whose class's method the call runs, bound to it."""
+    def _imported_from(self, name: str) -> Tuple[Optional["ModuleAnalysis"], str]:
+        """The other audited module a name is imported from by name (``from .cache import state_dict_cache``),
+        and the name it has there; (None, "") when it is not one."""
         imp = self.index.imports.get(name)
         if imp is None or self.project is None:
-            return None
+            return None, ""
         module, level, original = imp
         path = self.project.locate(self.path, module, level)
         other = self._analysis_of(path) if path is not None and path != self.path else None
+        return other, original
+
+    def _imported_instance_method(self, name: str, attr: str) -> Optional[Callee]:
+        """``state_dict_cache.set(path, sd)`` with ``from .cache import state_dict_cache``: the instance another
+        audited module binds once at its level, whose class's method the call runs, bound to it."""
+        other, original = self._imported_from(name)
         cls_name = other.module_instance_class(original) if other is not None else None
         cls = other.index.classes.get(cls_name) if other is not None and cls_name else None
         if cls is None:
@@ -282,8 +288,7 @@ class ModuleAnalysis:
         if imp is None or self.project is None:
             return None
         module, level, original = imp
-        path = self.project.locate(self.path, module, level)
-        other = self._analysis_of(path) if path is not None and path != self.path else None
+        other, _ = self._imported_from(name)
         cls = other.index.classes.get(original) if other is not None else None
         if cls is None:
             path = self.project.reexported(self.path, module, level, original, kind="class")
@@ -691,13 +696,7 @@ class ModuleAnalysis:
     def _emit(self, flow: Flow, template: Finding, val: Val, call_link: Link, callee: FunctionInfo) -> None:
         if val.reported:
             return
-        if val.built_at and not already_kept(val, flow.out.findings):
-            # an object its constructor made keep the tensor: that store is the finding (Flow.report)
-            for made in val.built_at:
-                key = (made.line, made.col - 1, made.code)  # type: ignore[attr-defined]
-                if key not in flow.seen:
-                    flow.seen[key] = made  # type: ignore[assignment]
-                    flow.out.findings.append(made)  # type: ignore[arg-type]
+        if flow.report_built(val):  # an object its constructor made keep the tensor: that store is the finding
             return
         key = (template.line, template.col - 1, template.code)
         if key in flow.seen:
