@@ -410,7 +410,7 @@ class Flow(StoreRules, CallRules):
                     and not self.hands_on and not val.reported:
                 # an object a helper built around this call's tensors (`model = supported_type.try_build_from_
                 # state_dict(sd, path)`), returned: as below, its constructor's store keeps the view (Forge)
-                self.report("OWN101", node, val, "", "", "")
+                self.report_built(val)
             elif val is not None and self.summary_param is None and val.obj and val.step == self.func_step \
                     and not self.hands_on and self.built_stores.get(val.obj):
                 # `return cls(up=values["up"], ...)` of a class whose `__init__` stores it (`self.up = up`): the
