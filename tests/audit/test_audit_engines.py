@@ -90,7 +90,17 @@ def _tree(m: Manifest, dest: Path) -> Optional[Path]:
     checkout = os.environ.get(f"OWNSAN_ENGINE_TREE_{m.name.upper()}")
     if checkout:
         return Path(checkout)
-    git_dir = Path(os.environ.get("OWNSAN_ENGINE_MIRRORS", "/work/.mirror")) / m.repo.replace("/", "+") / "repo"
+    mirrors = Path(os.environ.get("OWNSAN_ENGINE_MIRRORS", "/work/.mirror"))
+    if m.commit.startswith("pypi:"):
+        name, _, version = m.commit[5:].partition("==")
+        sdist = mirrors / f"pypi+{name}-{version}"
+        if not all((sdist / f).is_file() for f in m.files):
+            return None
+        for name in m.files:
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(sdist / name, dest / name)
+        return dest
+    git_dir = mirrors / m.repo.replace("/", "+") / "repo"
     if not git_dir.is_dir() or shutil.which("git") is None:
         return None
     git = ["git", f"--git-dir={git_dir}"]
@@ -193,7 +203,7 @@ def test_manifests_parse_and_cover_their_verdicts():
     assert MANIFESTS, "no engine manifests"
     for path in MANIFESTS:
         m = _parse(path)
-        assert m.repo and re.fullmatch(r"[0-9a-f]{40}", m.commit) and m.files, path.name
+        assert m.repo and re.fullmatch(r"[0-9a-f]{40}|pypi:[\w.-]+==[\w.]+", m.commit) and m.files, path.name
         verdicts = {v for v, _, _ in m.entries.values()}
         # a tree with no retention at all is a check of precision alone (ms-swift: every dict copied)
         # and a tree with no borrowing loader at all (gpt-neox), of false alarms alone, recorded by a bare run
