@@ -32,7 +32,7 @@ from sanitizer.audit.index import FunctionInfo, annotation_text, dotted
 from sanitizer.audit.snippets import Snippets
 from sanitizer.audit.stores import StoreRules, two_files
 from sanitizer.audit.targets import binding_kind, is_fresh_container, rebound_before_leaving, root_of
-from sanitizer.audit.values import (ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR, ELEM_PAIR, ELEM_TENSOR, HOLDER,
+from sanitizer.audit.values import (ELEM_FIELDS, ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR, ELEM_PAIR, ELEM_TENSOR, HOLDER,
                                     ITER, PAIR, SOURCE, TENSOR, UNRESOLVED, IntoParam, Outcome, Slot, State, Val,
                                     built_class, element_of, handle_of, handles_holding, is_handles)
 
@@ -132,6 +132,10 @@ class Flow(StoreRules, CallRules):
         self._onloaded: Dict[str, ast.AST] = {}  # modules onloaded by the `with align_module_device(m)` the walk is in
         self._inside_handle: Dict[str, ast.AST] = {}  # containers bound inside a `with <handle>`: where
         self._kept_containers: Dict[str, Val] = {}  # local containers a reported store filled (see store_into)
+        self._fresh_fields_cache: Dict[int, set] = {}  # attributes the function gives a new container (Stores._fresh_field)
+        # new objects of this call stored, still holding nothing borrowed, where they outlive the step: by name,
+        # (where, line, place) (Stores.published)
+        self._published: Dict[str, Tuple[str, int, str]] = {}
         # objects of the project's classes built around a borrowed tensor in this walk: by class, how to report
         # the constructor's own stores of it (summaries.ModuleAnalysis._apply; used when the object is returned)
         self.built_stores: Dict[str, List[Callable[[], None]]] = {}
@@ -380,10 +384,15 @@ class Flow(StoreRules, CallRules):
                     f"`{self.snip(node, 60)}`")
 
     def _st_try(self, node: ast.AST) -> None:
+        """The body, then its ``else`` or one of its handlers: alternatives, joined as an ``if``'s arms are (a
+        handler's ``sd = None`` does not undo what the body bound on the path that raised nothing: SD.Next's
+        ``read_state_dict`` returns the file's dict, or None when loading failed)."""
         self.block(node.body)  # type: ignore[attr-defined]
-        for handler in node.handlers:  # type: ignore[attr-defined]
-            self.block(handler.body)
-        self.block(node.orelse)  # type: ignore[attr-defined]
+        handlers = [handler.body for handler in node.handlers]  # type: ignore[attr-defined]
+        if handlers:
+            self.branches([node.orelse] + handlers)  # type: ignore[attr-defined]
+        else:
+            self.block(node.orelse)  # type: ignore[attr-defined]
         self.block(node.finalbody)  # type: ignore[attr-defined]
 
     def _st_match(self, node: ast.AST) -> None:
@@ -628,8 +637,12 @@ class Flow(StoreRules, CallRules):
                 and rebound_before_leaving(self.info.node, self._rebinds, stmt, target)
             if val is not None and (base is None or base.kind != TENSOR) and not replaced:
                 self.attribute_store(target, val, stmt)
+            elif val is None:
+                self.published(target, value, stmt)
             self._remember_attribute(target, val, stmt, reported=not replaced)
         elif isinstance(target, ast.Subscript):
+            if val is None:
+                self.published(target, value, stmt)
             self.subscript_store(target, val, stmt)
         elif isinstance(target, ast.Starred):
             self.assign(target.value, val, value, stmt, loop_target)
@@ -680,6 +693,8 @@ class Flow(StoreRules, CallRules):
                 self._infer_kept_names.add(name)
         if self._aliases:
             self._aliases.pop(name, None)
+        if self._published:
+            self._published.pop(name, None)
         if self._attrs:
             for key in [k for k in self.state.env if k.startswith(name + ".")]:
                 del self.state.env[key]
@@ -741,6 +756,11 @@ class Flow(StoreRules, CallRules):
         elif (type(value) is ast.Call and isinstance(value.func, ast.Attribute) and value.func.attr == "get"
               and type(value.func.value) is ast.Name and value.func.value.id in self._nesting_names()):
             base = value.func.value  # `child = node.get(part)` (then `if child is None: child = {}`)
+        elif (type(value) is ast.Call and isinstance(value.func, ast.Attribute) and value.func.attr == "get"
+              and len(value.args) == 2 and is_fresh_container(value.args[1]) and type(value.func.value) is ast.Name):
+            # `emb_dict = bundle_embeddings.get(emb_name, {})` (then `bundle_embeddings[emb_name] = emb_dict`): a
+            # container of the fresh one, or a new one (A1111's bundled embeddings, gathered from one LoRA file)
+            base = value.func.value
         elif (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
               and value.func.attr == "setdefault" and len(value.args) == 2
               and is_fresh_container(value.args[1]) and type(value.func.value) is ast.Name):
@@ -931,6 +951,11 @@ class Flow(StoreRules, CallRules):
             return None  # a handle's attributes (metadata, names)
         if base.kind == TENSOR and node.attr in V.ALIAS_ATTRIBUTES:
             return base.then(TENSOR, Link(node.lineno, self.fn, f"`.{node.attr}`"))
+        if base.kind == HOLDER and base.field:
+            if node.attr == base.field and base.elem != ELEM_FIELDS:  # `weights.w`: the object's dict of tensors
+                return base.then(HOLDER, Link(node.lineno, self.fn, f"`.{node.attr}`"), field="",
+                                 mapping=base.field_mapping, field_mapping=False)
+            return None  # its other attributes (`weights.sd_module`, `weights.network_key`)
         if base.kind == HOLDER and node.attr in ("args", "kwargs", "arguments"):
             return base
         return None
@@ -1007,6 +1032,8 @@ class Flow(StoreRules, CallRules):
             if isinstance(index, ast.Slice):  # item[:2]: still the (name, tensor) item
                 return base
             return base.then(TENSOR, Link(node.lineno, self.fn, f"`{self.snip(node, 40)}`"), elem=ELEM_TENSOR)
+        if base.kind == HOLDER and base.field:  # a container of objects holding tensors: one object; an object: no item
+            return element_of(base) if base.elem == ELEM_FIELDS else None
         if base.kind == HOLDER:
             if base.parts is not None and isinstance(index, ast.Constant) and isinstance(index.value, int):
                 i = index.value

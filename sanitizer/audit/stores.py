@@ -19,8 +19,8 @@ from sanitizer.audit.codes import CODES
 from sanitizer.audit.findings import Finding, Link
 from sanitizer.audit.index import dotted
 from sanitizer.audit.lifetimes import LoopLifetimes
-from sanitizer.audit.targets import method_base_is_tensor, root_of, subscript_is_tensor
-from sanitizer.audit.values import (COMPREHENSIONS, already_kept, ELEM_PAIR, ELEM_TENSOR, HOLDER, ITER, PAIR, SOURCE, TENSOR, IntoParam,
+from sanitizer.audit.targets import is_fresh_container, method_base_is_tensor, root_of, subscript_is_tensor
+from sanitizer.audit.values import (COMPREHENSIONS, already_kept, ELEM_FIELDS, ELEM_PAIR, ELEM_TENSOR, HOLDER, ITER, PAIR, SOURCE, TENSOR, IntoParam,
                                     Val, handles_holding)
 
 _CONDITIONAL = frozenset({"OWN101", "OWN102", "OWN106"})  # stores that a no-op conversion makes retentions
@@ -65,6 +65,8 @@ class StoreRules:
             return False
         for made in val.built_at:
             key = (made.line, made.col - 1, made.code)  # type: ignore[attr-defined]
+            if made.path != self.path:  # type: ignore[attr-defined]  # (another file's line: keyed by the file too)
+                key = key + (made.path,)  # type: ignore[attr-defined,assignment]
             if key not in self.seen:
                 self.seen[key] = made  # type: ignore[assignment]
                 self.out.findings.append(made)  # type: ignore[arg-type]
@@ -137,6 +139,17 @@ class StoreRules:
                         and not root.through_attribute:  # a file's dict, or its entries one by one (`c[k] = a[k]`)
                     self._parked.setdefault(root.name, (stmt, val))  # type: ignore[attr-defined]
                 return
+            if slot.fresh and val.step in slot.loops and root.through_attribute and not val.capture:
+                field = self._fresh_field(container, root.name)
+                if field is not None:  # `matched[key].w[part] = weight`: into an object the step builds
+                    attr, each = field
+                    held = self.state.env.get(root.name)  # type: ignore[arg-type]
+                    if held is None or held.kind != HOLDER:
+                        link = Link(getattr(stmt, "lineno", 0), self.fn, f"stored in `{self.snip(root.node)}` (dies with the step)")
+                        self.state.env[root.name] = val.then(  # type: ignore[index]
+                            HOLDER, link, elem=ELEM_FIELDS if each else ELEM_TENSOR, mapping=False, field=attr,
+                            field_mapping=how in _BY_NAME, parts=None)
+                    return
         code = "OWN104" if val.capture else ("OWN106" if place == "global" else "OWN101")
         pattern = self._store_pattern(how, root, place, val)
         where = {"self": "an attribute of the object", "global": "a module-level name",
@@ -158,6 +171,30 @@ class StoreRules:
                 self._infer_kept(container, val, stmt, how)
         elif place == "param" and self.infer and root.name is not None and not root.through_attribute:  # type: ignore[attr-defined]
             self._infer_kept(container, val.then(reported=True), stmt, how)  # a cache the caller passes in
+
+    def _fresh_field(self, container: ast.AST, name: str) -> Optional[Tuple[str, bool]]:
+        """``nw.w`` or ``matched[key].w``, where the function gives ``w`` a new container of its own
+        (``NetworkWeights(..., w={}, ...)``, ``nw.w = {}``): the attribute's name, and whether ``name`` is a
+        container of such objects (``matched[key]``) rather than the object. A store into it is a store into
+        an object the step builds, which dies with the step unless the object is kept (what keeps it is
+        judged there: A1111's and SD.Next's LoRA module constructors, handed the ``NetworkWeights``)."""
+        if not isinstance(container, ast.Attribute):
+            return None
+        each = isinstance(container.value, ast.Subscript)
+        holder = container.value.value if each else container.value  # type: ignore[attr-defined]
+        if not (type(holder) is ast.Name and holder.id == name):
+            return None
+        attr = container.attr
+        fresh = self._fresh_fields_cache.get(id(self.info.node))  # type: ignore[attr-defined]
+        if fresh is None:
+            fresh = set()
+            for node in ast.walk(self.info.node):  # type: ignore[attr-defined]
+                if isinstance(node, ast.Call):
+                    fresh.update(k.arg for k in node.keywords if k.arg and is_fresh_container(k.value))
+                elif isinstance(node, ast.Assign) and is_fresh_container(node.value):
+                    fresh.update(t.attr for t in node.targets if isinstance(t, ast.Attribute))
+            self._fresh_fields_cache[id(self.info.node)] = fresh  # type: ignore[attr-defined]
+        return (attr, each) if attr in fresh else None
 
     def _infer_kept(self, container: ast.AST, val: Val, stmt: ast.AST, how: str) -> None:
         """Producer inference only: a local container that holds a loader's tensors already reported kept
@@ -184,6 +221,9 @@ class StoreRules:
         """Report a store, or, inside a helper being summarised, note that it stores into its caller's
         argument (a parameter, or the object ``__init__`` builds) for the caller to report."""
         last = f"`{self.snip(stmt, 60)}`"
+        if self.summary_param is not None and place == "param" and index is not None and index == val.seed \
+                and code != "OWN104":
+            return  # the argument's own tensors put back into it (`weights.w.update({"up": w["B"]})`): nothing new kept
         if self.summary_param is not None and place == "param" and index is not None and index != val.seed:
             self._into_param(index, code, stmt, val, pattern, message, last)
         elif self.summary_param is not None and place == "self" and self.info.name == "__init__":
@@ -221,8 +261,18 @@ class StoreRules:
                 held = self.state.env.get(root.name)
                 if held is not None and held.kind == HOLDER and held.obj and held.step == val.step:
                     return  # `embedding.step = data.get("step")` on an object just built around the step's tensors
-                self.state.env[root.name] = val.then(HOLDER, Link(getattr(stmt, "lineno", 0), self.fn,
-                                                                  f"stored in `{self.snip(target)}`"))
+                published = self._published.get(root.name)  # type: ignore[attr-defined]
+                if published is None:
+                    self.state.env[root.name] = val.then(HOLDER, Link(getattr(stmt, "lineno", 0), self.fn,
+                                                                      f"stored in `{self.snip(target)}`"))
+                    return
+                # the new object was already stored where it outlives the step (`lora_cache[name] = net`, then
+                # `net.bundle_embeddings = bundle_embeddings`): this store puts the tensor there (SD.Next)
+                where, line, place = published
+                message = (f"{self._what(val)} is stored in the attribute `{self.snip(target)}` of the object stored "
+                           f"in `{where}` (line {line}), which outlives the loader's step")
+                self._store_found("OWN106" if place == "global" else "OWN102", stmt, val,
+                                  "attribute of an object already kept past the step", message, place, None)
                 return
         if root.name is not None and root.name in self.state.env and self.state.env[root.name].kind == TENSOR:
             return  # an attribute set on a yielded tensor itself
@@ -238,6 +288,19 @@ class StoreRules:
             pattern = "attribute alias of a view"
         message = f"{self._what(val)} is stored in the attribute `{text}`, which outlives the loader's step"
         self._store_found(code, stmt, val, pattern, message, place, index)
+
+    def published(self, target: ast.AST, value: Optional[ast.AST], stmt: ast.AST) -> None:
+        """``lora_cache[name] = net``, ``self.current = net`` with ``net`` a new object of this call and nothing
+        borrowed in it yet: what is stored in it later is stored where it is kept (:meth:`attribute_store`)."""
+        if type(value) is not ast.Name:
+            return
+        slot = self.state.slots.get(value.id)
+        if slot is None or not slot.fresh or value.id in self.state.env:
+            return
+        root = root_of(target)
+        place = self.place(root.name)[0] if root.name is not None else "free"
+        if place in ("global", "self"):
+            self._published[value.id] = (self.snip(target), getattr(stmt, "lineno", 0), place)  # type: ignore[attr-defined]
 
     def _built_module(self, name: str) -> bool:
         """Is the local ``name`` bound, once, to a new ``torch.nn`` module (``nn.Linear(h, v)``), or to a new

@@ -101,7 +101,7 @@ class ModuleAnalysis:
         self.snippets = snippets
         self.project = project
         self.index = index
-        self._memo: Dict[Tuple[int, int, str, str, bool, bool, bool], Outcome] = {}
+        self._memo: Dict[Tuple[int, int, str, str, bool, bool, bool, str, bool], Outcome] = {}
         self._busy: set = set()
         self._partials: Dict[int, Dict[str, List[ast.Call]]] = {}  # a function's `f = partial(g, ...)` bindings
         self._constructed: Dict[int, Dict[str, str]] = {}  # a function's locals bound to a new object, by class
@@ -164,7 +164,7 @@ class ModuleAnalysis:
             for b in cls.bases:
                 # a base of this module, or one imported from another audited module (InvokeAI's LoRA layers'
                 # `super().__init__(alpha, bias)` into `LoRALayerBase.__init__`, whose `self.bias = bias` keeps it)
-                owner = self.base_class(b.rpartition(".")[2], cls)
+                owner = self.base_class(b, cls)
                 found = owner[0].find_method(owner[1], func.attr, set()) if owner is not None else None
                 if found is not None:
                     m, where = found
@@ -353,12 +353,38 @@ class ModuleAnalysis:
     def base_class(self, name: str, of: Optional[ClassInfo] = None) -> Optional[Tuple["ModuleAnalysis", ClassInfo]]:
         """The audited class a base (or constructor) spelt ``name`` names: one of this module (not ``of`` itself:
         ``class Linear(Linear)`` derives from an imported ``Linear``), else one imported from an audited module."""
+        head, _, name = name.rpartition(".")
         local = self.index.classes.get(name)
         if local is not None and local is not of:
             return self, local
         found = self._import_target(name) if name else None
         other_cls = found[0].index.classes.get(found[1]) if found is not None else None
-        return (found[0], other_cls) if other_cls is not None else None
+        if other_cls is None and head and "." not in head:
+            # `class NetworkModuleHada(network.NetworkModule)` after `import network` (A1111's and SD.Next's LoRA
+            # module types, each in its own file): the class of that audited module
+            other = self._module_named(head)
+            other_cls = other.index.classes.get(name) if other is not None else None
+            found = (other, name) if other_cls is not None else None  # type: ignore[assignment]
+        return (found[0], other_cls) if found is not None and other_cls is not None else None
+
+    def _module_named(self, alias: str) -> Optional["ModuleAnalysis"]:
+        """The analysis of the audited module a module-level ``import network`` (or ``import x.network as
+        network``, ``from pkg import network``) binds to ``alias``."""
+        if self.project is None:
+            return None
+        if alias in self.index.module_aliases:
+            module, level = self.index.module_paths.get(alias, alias), 0
+        elif alias in self.index.imports:
+            pkg, level, original = self.index.imports[alias]
+            module = f"{pkg}.{original}" if pkg else original
+        else:
+            return None
+        path = self.project.locate(self.path, module, level)
+        if path is None or path == self.path:
+            return None
+        other = self.project.module(path, lambda source: ModuleAnalysis(
+            source.path, build_index(source.path, source.tree, source.text), Snippets(source.text), self.project, self.settings))
+        return other if isinstance(other, ModuleAnalysis) else None
 
     def is_plain_class(self, cls: ClassInfo, depth: int = 0) -> bool:
         """Is ``cls`` a plain object: every base ``object`` or ``ABC`` (or none), or a class of the audited code
@@ -503,7 +529,8 @@ class ModuleAnalysis:
 
     # -- summaries -------------------------------------------------------------------------------------------
     def summary(self, callee: FunctionInfo, index: int, seed: Val, depth: int = 0) -> Outcome:
-        key = (id(callee.node), index, seed.kind, seed.elem, seed.capture is not None, seed.mapping, bool(seed.convert))
+        key = (id(callee.node), index, seed.kind, seed.elem, seed.capture is not None, seed.mapping, bool(seed.convert),
+               seed.field, seed.field_mapping)
         done = self._memo.get(key)
         if done is not None:
             return done
@@ -514,7 +541,8 @@ class ModuleAnalysis:
         start = Val(seed.kind, 0 if seed.kind == ITER else id(callee.node),
                     (Link(callee.node.lineno, callee.qualname, f"`{name}` (parameter of `{callee.qualname}`)"),),
                     callee.qualname, elem=seed.elem, capture=seed.capture, seed=index,
-                    parameter=seed.parameter, label=f"`{name}`", mapping=seed.mapping, convert=seed.convert)
+                    parameter=seed.parameter, label=f"`{name}`", mapping=seed.mapping, convert=seed.convert,
+                    field=seed.field, field_mapping=seed.field_mapping)
         self._busy.add(key)
         self.depth += 1
         try:
@@ -643,7 +671,8 @@ class ModuleAnalysis:
                 if ret.parts is not None:  # `return name, w`: keep which element is the tensor
                     parts = tuple(val.then(p.kind, link, elem=p.elem) if p is not None else None for p in ret.parts)
                 result = val.then(ret.kind, link, elem=ret.elem, capture=ret.capture or val.capture, seed=val.seed,
-                                  parts=parts, reported=ret.reported or val.reported,
+                                  parts=parts, reported=ret.reported or val.reported, field=ret.field,
+                                  field_mapping=ret.field_mapping,
                                   convert=val.convert or ret.convert, mapping=False,
                                   built_at=tuple(self._finding(flow, made, val, call_link, callee)  # type: ignore[arg-type]
                                                  for made in ret.built_at))
@@ -699,6 +728,8 @@ class ModuleAnalysis:
         if flow.report_built(val):  # an object its constructor made keep the tensor: that store is the finding
             return
         key = (template.line, template.col - 1, template.code)
+        if template.path != flow.path:  # (a line of another file: keyed by the file too)
+            key = key + (template.path,)  # type: ignore[assignment]
         if key in flow.seen:
             return
         finding = self._finding(flow, template, val, call_link, callee)

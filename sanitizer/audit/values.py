@@ -46,6 +46,10 @@ ELEM_STREAMS = "streams"
 # ``load_state_dict_shards``: a generator yielding each shard's ``load_file`` dict): an item is that file's dict,
 # valid for the iteration that yielded it.
 ELEM_DICT = "dict"
+# A HOLDER whose ``elem`` is this is a container of objects that each hold tensors in their attribute ``field``
+# (A1111's and SD.Next's ``matched_networks[key].w[part] = weight``, a dict of ``NetworkWeights`` namedtuples):
+# an item is one such object; ``(key, object)`` pairs are its ``.items()`` (ELEM_FIELD_PAIRS).
+ELEM_FIELDS, ELEM_FIELD_PAIRS = "fields", "field-pairs"
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,11 @@ class Val:
     # state_dict``), ready to be reported where the object is first kept past the step: the brief credits the
     # store that keeps the view, and an object stored again keeps nothing new (Forge's ``Embedding.__init__``)
     built_at: Tuple[object, ...] = ()
+    # HOLDER only: the tensors are held in this attribute of the object (``weights.w``), not in the object itself
+    # (or, with ``elem`` ELEM_FIELDS, in that attribute of each of the container's objects); ``field_mapping``:
+    # that attribute is a dict filled by name
+    field: str = ""
+    field_mapping: bool = False
 
     def then(self, kind: Optional[str] = None, link: Optional[Link] = None, **changes) -> "Val":
         """This value after one more step of the chain (a view, a store, a call). A copy of the fields,
@@ -87,6 +96,7 @@ class Val:
         # the object built is this value (and its rebindings), not what is made of it
         fields["obj"] = changes.pop("obj", self.obj if kind is None else "")
         fields["built_at"] = changes.pop("built_at", self.built_at if kind is None else ())
+        fields["field"] = changes.pop("field", self.field if kind is None or kind == self.kind else "")
         fields.update(changes)
         return new
 
@@ -98,6 +108,10 @@ class Val:
 def element_of(val: Val, link: Optional[Link] = None) -> Val:
     """One item of an iterator or holder: a pair when the items are pairs, else a tensor."""
     kind = PAIR if val.elem in (ELEM_PAIR,) else TENSOR
+    if val.elem == ELEM_FIELDS and val.kind == HOLDER:  # one object of a container of them
+        return val.then(HOLDER, link, elem=ELEM_TENSOR, field=val.field, mapping=False)
+    if val.elem == ELEM_FIELD_PAIRS and val.kind == HOLDER:  # a `(key, object)` item
+        return val.then(HOLDER, link, parts=(None, val.then(HOLDER, elem=ELEM_TENSOR, field=val.field, mapping=False)))
     if val.elem == ELEM_DICT and val.kind == ITER:
         return val.then(HOLDER, link, elem=ELEM_TENSOR, mapping=True)
     if val.elem in (ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR):
@@ -217,4 +231,5 @@ def already_kept(val: Val, findings: Sequence[object]) -> bool:
 
 __all__ = ["BUILT", "already_kept", "built_class", "Val", "element_of", "Slot", "State", "IntoParam", "Outcome", "UNRESOLVED", "COMPREHENSIONS", "ITER", "PAIR", "TENSOR", "HOLDER", "SOURCE",
            "ELEM_PAIR", "ELEM_TENSOR", "ELEM_ENUM_PAIR", "ELEM_ENUM_TENSOR", "ELEM_HANDLES", "ELEM_HANDLE_PAIRS", "ELEM_STREAMS", "ELEM_DICT",
+           "ELEM_FIELDS", "ELEM_FIELD_PAIRS",
            "is_handles", "handle_of", "handles_holding"]

@@ -3597,3 +3597,173 @@ def test_a_blind_users_probes_of_constructors_instances_and_classmethods(tmp_pat
     found = _audit(tmp_path, USER_PROBES)
     assert {(fn, line) for _, fn, line in found} == {
         ("Patcher.__init__", 9), ("Patcher.__init__", 10), ("StateDictCache.put", 7), ("ScaleTable.consume", 18)}, found
+
+
+# -- round 41 (A1111, SD.Next): an object whose attribute dict holds one LoRA module's tensors, handed through a
+# registry of module types (each in its own file, imported as a module) to constructors that keep them --------
+NETWORK_BASE = '''
+from collections import namedtuple
+
+Weights = namedtuple("Weights", ["key", "w", "layer"])
+
+
+class ModuleKind:
+    def build_module(self, net, weights):
+        return None
+
+
+class AdapterModule:
+    def __init__(self, net, weights):
+        self.net = net
+        self.layer = weights.layer
+        self.bias = weights.w.get("bias")
+        self.scale = weights.w["scale"].item() if "scale" in weights.w else None
+'''
+NETWORK_KEEP = '''
+import network_base as base
+
+
+class KindKeep(base.ModuleKind):
+    def build_module(self, net, weights):
+        if "down" in weights.w:
+            return KeepModule(net, weights)
+        return None
+
+
+class KeepModule(base.AdapterModule):
+    def __init__(self, net, weights):
+        super().__init__(net, weights)
+        self.down = weights.w["down"]
+        self.rank = self.down.shape[0]
+'''
+NETWORK_COPY = '''
+import torch
+import network_base as base
+
+
+class KindCopy(base.ModuleKind):
+    def build_module(self, net, weights):
+        if "a" in weights.w:
+            w = weights.w.copy()
+            weights.w.clear()
+            weights.w.update({"up": w["a"]})
+            return CopyModule(net, weights)
+        return None
+
+
+class CopyModule:
+    def __init__(self, net, weights):
+        self.up = torch.nn.Parameter(weights.w["up"].clone())
+        self.layer = weights.layer
+'''
+NETWORK_LOADER = '''
+from safetensors.torch import load_file
+import network_base as base
+import network_keep
+import network_copy
+
+kinds = [network_copy.KindCopy(), network_keep.KindKeep()]
+
+
+def load_adapter(net, filename):
+    sd = load_file(filename)
+    grouped = {}
+    for full_key, weight in sd.items():
+        layer, _, part = full_key.partition(".")
+        if layer not in grouped:
+            grouped[layer] = base.Weights(key=full_key, w={}, layer=None)
+        grouped[layer].w[part] = weight
+    for layer, weights in grouped.items():
+        module = None
+        for kind in kinds:
+            module = kind.build_module(net, weights)
+            if module is not None:
+                break
+        net.modules[layer] = module
+    return net
+
+
+def count_parts(filename):
+    sd = load_file(filename)
+    grouped = {}
+    for full_key, weight in sd.items():
+        layer, _, part = full_key.partition(".")
+        if layer not in grouped:
+            grouped[layer] = base.Weights(key=full_key, w={}, layer=None)
+        grouped[layer].w[part] = weight
+    return {layer: len(weights.w) for layer, weights in grouped.items()}
+'''
+
+
+def test_an_attribute_dict_of_a_new_object_carries_its_tensors_to_the_constructors_that_keep_them(tmp_path: Path):
+    """``grouped[layer].w[part] = weight`` fills the dict of a namedtuple the step builds: no keep there. The
+    constructors a registry's ``build_module`` runs on it keep ``weights.w[...]`` (in the base class of another
+    module too, reached through ``super().__init__`` on ``base.AdapterModule``); one that copies keeps
+    nothing, and a ``build_module`` that puts the object's own tensors back into it (``weights.w.update``) keeps
+    nothing new. Counting the parts keeps nothing at all."""
+    found = _audit(tmp_path, {"network_base.py": NETWORK_BASE, "network_keep.py": NETWORK_KEEP,
+                              "network_copy.py": NETWORK_COPY, "network_loader.py": NETWORK_LOADER})
+    assert _functions(found) == {"KeepModule.__init__", "AdapterModule.__init__"}, found
+    assert {(c, fn, line) for c, fn, line in found if fn == "AdapterModule.__init__"} == {
+        ("OWN102", "AdapterModule.__init__", 16)}, found  # `self.bias`; not `.layer`, not `.item()`
+    assert {line for _, fn, line in found if fn == "KeepModule.__init__"} == {15}, found
+
+
+# -- round 41 (SD.Next): a loader whose handler binds None, and an object cached before it is filled ---------
+HANDLER_AND_CACHE = '''
+import safetensors.torch
+
+cache = {}
+
+
+def read_dict(path):
+    try:
+        sd = safetensors.torch.load_file(path)
+    except Exception:
+        sd = None
+    return sd
+
+
+class Bundle:
+    def __init__(self, name):
+        self.name = name
+        self.extra = None
+
+
+def load_bundle(name, path):
+    bundle = Bundle(name)
+    cache[name] = bundle
+    sd = read_dict(path)
+    embeddings = {}
+    for key, t in sd.items():
+        embeddings[key] = t
+    bundle.extra = embeddings
+    return bundle
+
+
+def load_bundle_copied(name, path):
+    bundle = Bundle(name)
+    cache[name] = bundle
+    sd = read_dict(path)
+    bundle.extra = {k: t.clone() for k, t in sd.items()}
+    return bundle
+
+
+def load_bundle_uncached(name, path):
+    bundle = Bundle(name)
+    sd = read_dict(path)
+    embeddings = {}
+    for key, t in sd.items():
+        embeddings[key] = t
+    bundle.extra = embeddings
+    return bundle
+'''
+
+
+def test_a_handler_binding_none_does_not_undo_the_body_and_an_object_cached_first_keeps_what_it_gets(tmp_path: Path):
+    """``read_dict`` returns the file's dict on the path that raised nothing (the handler's ``sd = None`` is the
+    other path): a producer. ``load_bundle`` caches the new object (``cache[name] = bundle``) before it gives it
+    the tensors: that later attribute store puts them in the module-level cache. The copy keeps nothing, and an
+    object returned uncached is handed on."""
+    found = _audit(tmp_path, {"bundles.py": HANDLER_AND_CACHE})
+    assert found == {("OWN106", "load_bundle", 28)}, found
