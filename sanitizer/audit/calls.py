@@ -295,6 +295,10 @@ class CallRules:
                 return True, base.then(TENSOR, link)
             if meth == "to" and self._dtype_differs(node):
                 return True, None  # `if v.dtype != dt: out[k] = v.to(dt)`: under that test the `.to` always copies
+            if meth == "to" and any(k.arg == "copy" and isinstance(k.value, ast.Constant) and k.value.value is True
+                                    for k in node.keywords):
+                return True, None  # torch.Tensor.to: "When copy is set, a new Tensor is created even when the
+                # Tensor already matches the desired conversion" (a blind user's round 41 case)
             if meth in V.CONVERSION_METHODS and not base.convert:
                 # named by the conversion itself (`.to(weights.dtype)`), not by its whole receiver expression
                 args = ", ".join([self.snip(a, 30) for a in node.args] +

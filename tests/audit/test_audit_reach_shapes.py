@@ -3767,3 +3767,23 @@ def test_a_handler_binding_none_does_not_undo_the_body_and_an_object_cached_firs
     object returned uncached is handed on."""
     found = _audit(tmp_path, {"bundles.py": HANDLER_AND_CACHE})
     assert found == {("OWN106", "load_bundle", 28)}, found
+
+
+TO_WITH_COPY = '''
+import torch
+from safetensors.torch import load_file
+
+
+class Layer:
+    def __init__(self, path):
+        sd = load_file(path)
+        self.up = sd["up"].to(torch.float32, copy=True)
+        self.down = sd["down"].to(torch.float32)
+'''
+
+
+def test_to_with_copy_true_always_copies(tmp_path: Path):
+    """``Tensor.to(..., copy=True)``: "a new Tensor is created even when the Tensor already matches the desired
+    conversion" (torch's documentation), so it keeps no view; without it, the same `.to` is conditional."""
+    found = _audit(tmp_path, {"layer.py": TO_WITH_COPY})
+    assert found == {("OWN107", "Layer.__init__", 10)}, found
