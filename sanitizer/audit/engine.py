@@ -12,9 +12,9 @@ from typing import Collection, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from sanitizer.audit import suppression
 from sanitizer.audit.discovery import MAPPING, Seed, seed_value, seeds_of, uses_producer
-from sanitizer.audit.findings import Finding
+from sanitizer.audit.findings import Finding, Link
 from sanitizer.audit.flow import Flow
-from sanitizer.audit.index import FunctionInfo, annotation_text, build_index
+from sanitizer.audit.index import FunctionInfo, ModuleIndex, annotation_text, build_index
 from sanitizer.audit.inference import calls_defined_producer, calls_typed_producer, handles_of, infer, infer_paths, may_define_producer
 from sanitizer.audit.producers import InferredProducers
 from sanitizer.audit.project import Project
@@ -24,7 +24,7 @@ from sanitizer.audit.sources import TOO_DEEP_TO_FOLLOW, AuditInputError, Source,
 from sanitizer.audit.snippets import Snippets
 from sanitizer.audit.summaries import ModuleAnalysis
 from sanitizer.audit.vocabulary import LAZY_MAPPING_TYPE, MAPPING_OF_ANY, PRODUCER_HINT, lazy_mapping_class
-from sanitizer.audit.values import ITER
+from sanitizer.audit.values import ITER, Val
 
 
 @dataclass(frozen=True)
@@ -141,14 +141,64 @@ def analyse(source: Source, project: Optional[Project] = None, settings: Optiona
     roots.sort(key=lambda r: r[0])  # iterator consumers first: their chains are the informative ones
     found: Dict[Tuple[str, int, int, str], Finding] = {}
     consumers: List[Consumer] = []
+    _walk_roots(source, index, snippets, analysis, settings, handles, roots, found, consumers, skipped)
+    kept = {cls: attrs for cls, attrs in analysis.self_kept.items() if cls in _classes(index)}
+    if kept:  # the class's other methods, reading what one of them was found keeping on `self` (a second pass)
+        again = [(1, info, seeds_by_fn[id(info)]) for info in index.functions
+                 if _reads_kept(info, _kept_of(info, kept, index))]
+        _walk_roots(source, index, snippets, analysis, settings, handles, again, found, consumers, skipped, kept)
+    consumers.sort(key=lambda c: c.line)
+    return sorted(found.values(), key=lambda f: (f.line, f.col, f.code)), consumers
+
+
+def _kept_of(info: FunctionInfo, kept: Dict[str, Dict[str, Tuple[Val, int, str]]],
+             index: ModuleIndex) -> Dict[str, Tuple[Val, int, str]]:
+    """The attributes of ``info``'s class (or of its bases of this module) that a method was found keeping a
+    borrowed value in."""
+    cls = info.enclosing_class
+    out: Dict[str, Tuple[Val, int, str]] = {}
+    seen = 0
+    while cls is not None and seen < 8:
+        for attr, got in kept.get(cls.qualname, {}).items():
+            out.setdefault(attr, got)
+        base = next((index.classes.get(b.rpartition(".")[2]) for b in cls.bases
+                     if index.classes.get(b.rpartition(".")[2]) is not None), None)
+        cls, seen = (base if base is not cls else None), seen + 1
+    return out
+
+
+def _reads_kept(info: FunctionInfo, attrs: Dict[str, Tuple[Val, int, str]]) -> bool:
+    """Does ``info`` read ``self.<attr>`` for one of ``attrs`` (and is it not the method that kept it)?"""
+    if not attrs or not info.params:
+        return False
+    me = info.params[0].arg
+    return any(isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load) and type(n.value) is ast.Name
+               and n.value.id == me and n.attr in attrs and attrs[n.attr][2] != info.qualname
+               for n in ast.walk(info.node))
+
+
+def _walk_roots(source: Source, index: ModuleIndex, snippets: Snippets, analysis: ModuleAnalysis,
+                settings: Optional[Settings], handles, roots, found: Dict[Tuple[str, int, int, str], Finding],
+                consumers: List[Consumer], skipped: Optional[List[Skipped]],
+                reading: Optional[Dict[str, Dict[str, Tuple[Val, int, str]]]] = None) -> None:
+    """Walk each root function, merging its findings into ``found`` (the walks note, in ``analysis.self_kept``,
+    the attributes of ``self`` the methods store a borrowed value in); with ``reading``, read those attributes as
+    that value (``self.weights`` in ``to_train`` after ``__init__``'s ``self.weights = weights``: what the
+    method puts in a new holder, a module's parameter, another object, is kept anew; put on ``self`` again,
+    it keeps nothing new)."""
     for _, info, seeds in roots:
-        why = "; ".join(s.why for s in seeds) or "calls a known producer"
-        consumers.append(Consumer(source.path, info.node.lineno, info.qualname, why))  # type: ignore[attr-defined]
+        attrs = _kept_of(info, reading, index) if reading is not None else {}
+        if reading is None or not any(c.function == info.qualname for c in consumers):
+            why = "; ".join(s.why for s in seeds) or ("calls a known producer" if reading is None else
+                                                      "reads what its class keeps on `self`")
+            consumers.append(Consumer(source.path, info.node.lineno, info.qualname, why))  # type: ignore[attr-defined]
         flow = Flow(source.path, info, {s.param: seed_value(info, s) for s in seeds}, index.globals, snippets,
                     analysis.resolve, module_aliases=index.module_aliases, producer_kind=analysis.producer_kind,
                     hands_on=settings is not None and settings.names_producer(info.name, info.qualname))
         if handles is not None:
             flow.attribute_source = handles.value  # `self.f.get_tensor(n)` with `self.f = safe_open(...)`
+        if attrs:
+            flow.attribute_source = _kept_reader(attrs, flow.attribute_source)
         try:
             outcome = flow.run()
         except RecursionError:
@@ -162,12 +212,55 @@ def analyse(source: Source, project: Optional[Project] = None, settings: Optiona
             skipped.append(Skipped(source.path, internal_error(exc), info.node.lineno, info.qualname))  # type: ignore
             continue
         for finding in outcome.findings:
+            if reading is not None and not _kept_anew(finding, info):
+                continue
             if finding.key in found:
                 found[finding.key].merge(finding)
             else:
                 found[finding.key] = finding
-    consumers.sort(key=lambda c: c.line)
-    return sorted(found.values(), key=lambda f: (f.line, f.col, f.code)), consumers
+
+
+def _kept_anew(finding: Finding, info: FunctionInfo) -> bool:
+    """In the second pass, what a method does with a value its class keeps on ``self`` is a new keep only where
+    it puts it in another holder: an object a constructor or helper builds or fills (credited there: ComfyUI's
+    adapters' ``to_train()`` into ``LohaDiff.__init__``'s ``nn.Parameter``s), or an attribute of another object
+    held by ``self`` (``self.model.w = self.weights[k]``). Handed to the caller's ``destination`` dict, written
+    into in place, or re-filed on ``self``, it is the same hold, already reported where it began (LightX2V's
+    weight templates' ``state_dict``/``load_state_dict``, a web UI's re-sorted embeddings)."""
+    if not any(" (kept at line " in link.text for link in finding.chain):
+        return False
+    if finding.function != info.qualname:
+        return True
+    if finding.code not in ("OWN102", "OWN107"):
+        return False
+    me = info.params[0].arg if info.params else None
+    for stmt in ast.walk(info.node):
+        if isinstance(stmt, ast.stmt) and getattr(stmt, "lineno", 0) == finding.line \
+                and isinstance(stmt, (ast.Assign, ast.AnnAssign)):
+            target = stmt.targets[0] if isinstance(stmt, ast.Assign) else stmt.target
+            depth = 0
+            while isinstance(target, (ast.Attribute, ast.Subscript)):
+                depth += isinstance(target, ast.Attribute)
+                target = target.value
+            return type(target) is ast.Name and target.id == me and depth >= 2
+    return False
+
+
+def _classes(index: ModuleIndex) -> set:
+    return {c.qualname for c in index.all_classes}
+
+
+def _kept_reader(attrs: Dict[str, Tuple[Val, int, str]], other):
+    """The flow's hook for ``self.<attr>``: what another method kept there, else ``other``'s answer."""
+    def value(flow, node: ast.Attribute) -> Optional[Val]:
+        got = attrs.get(node.attr)
+        if got is None or got[2] == flow.info.qualname:
+            return other(flow, node) if other is not None else None
+        val, line, method = got
+        return val.then(link=Link(node.lineno, flow.fn, f"`self.{node.attr}` (kept at line {line} by `{method}`)"),
+                        step=flow.func_step, self_kept=True, reported=False, maybe=False, consumer=flow.fn,
+                        label=f"`self.{node.attr}`")
+    return value
 
 
 def _audit_one(source: Source, codes: set, result: AuditResult, project: Optional[Project] = None,

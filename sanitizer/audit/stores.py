@@ -32,6 +32,21 @@ _VALUE_ARG = {"append": 0, "add": 0, "appendleft": 0, "put": 0, "put_nowait": 0,
 _BY_NAME = ("subscript", "setdefault", "update", "__setitem__")
 
 
+def _attribute_depth(stmt: ast.AST) -> int:
+    """How many attributes lie between the root and the place ``stmt`` stores into: 1 for ``self.w = t``,
+    ``self.w[k] = t``, ``self.parts.append(t)``; 2 for ``self.model.w = t`` (another object, held by ``self``)."""
+    target: Optional[ast.AST] = None
+    if isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+        target = stmt.targets[0] if isinstance(stmt, ast.Assign) else stmt.target
+    elif isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Attribute):
+        target = stmt.value.func.value
+    depth = 0
+    while isinstance(target, (ast.Attribute, ast.Subscript)):
+        depth += isinstance(target, ast.Attribute)
+        target = target.value
+    return depth if target is not None else 99
+
+
 class StoreRules:
     """Where a tainted value goes, and whether that place outlives its step."""
 
@@ -221,6 +236,10 @@ class StoreRules:
         """Report a store, or, inside a helper being summarised, note that it stores into its caller's
         argument (a parameter, or the object ``__init__`` builds) for the caller to report."""
         last = f"`{self.snip(stmt, 60)}`"
+        if place == "self" and val.self_kept and _attribute_depth(stmt) <= 1:
+            return  # what another method kept on this object, put on it again: nothing new kept
+        if place == "self":
+            self._note_self_kept(stmt, val)
         if self.summary_param is not None and place == "param" and index is not None and index == val.seed \
                 and code != "OWN104":
             return  # the argument's own tensors put back into it (`weights.w.update({"up": w["B"]})`): nothing new kept
@@ -288,6 +307,28 @@ class StoreRules:
             pattern = "attribute alias of a view"
         message = f"{self._what(val)} is stored in the attribute `{text}`, which outlives the loader's step"
         self._store_found(code, stmt, val, pattern, message, place, index)
+
+    def _note_self_kept(self, stmt: ast.AST, val: Val) -> None:
+        """``self.weights = weights`` (or ``self.cache[k] = t``, ``self.parts.append(t)``) found keeping: the
+        attribute, for the class's other methods, which read it as what it holds (:mod:`.engine`)."""
+        target: Optional[ast.AST] = None
+        if isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            target = stmt.targets[0] if isinstance(stmt, ast.Assign) else stmt.target
+        elif isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Attribute):
+            target = stmt.value.func.value  # `self.parts.append(t)`
+        whole = isinstance(target, ast.Attribute)
+        while isinstance(target, ast.Subscript):
+            target = target.value
+        if not (isinstance(target, ast.Attribute) and type(target.value) is ast.Name
+                and target.value.id == self.self_name()):
+            return
+        held = val if whole and val.kind in (TENSOR, HOLDER) else val.then(
+            HOLDER, elem=ELEM_PAIR if val.kind == PAIR else ELEM_TENSOR, mapping=not whole and isinstance(stmt, ast.Assign))
+        sink = getattr(getattr(self.resolve_call, "__self__", None), "self_kept", None)  # type: ignore[attr-defined]
+        cls = self.info.enclosing_class  # type: ignore[attr-defined]
+        if sink is not None and cls is not None:
+            sink.setdefault(cls.qualname, {}).setdefault(
+                target.attr, (held.then(seed=None), getattr(stmt, "lineno", 0), self.info.qualname))  # type: ignore[attr-defined]
 
     def published(self, target: ast.AST, value: Optional[ast.AST], stmt: ast.AST) -> None:
         """``lora_cache[name] = net``, ``self.current = net`` with ``net`` a new object of this call and nothing

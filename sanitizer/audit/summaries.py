@@ -107,6 +107,9 @@ class ModuleAnalysis:
         self._constructed: Dict[int, Dict[str, str]] = {}  # a function's locals bound to a new object, by class
         self._module_built: Optional[Dict[str, str]] = None  # the module's globals bound once to a new object
         self._also: Dict[int, List[Callee]] = {}  # a call's other possible callees (_only_method), by the call's id
+        # the attributes of ``self`` a method of this module's classes stores a borrowed value in: by class, then
+        # attribute, (value, line, method) (Stores._note_self_kept; read by engine.analyse's second pass)
+        self.self_kept: Dict[str, Dict[str, Tuple[object, int, str]]] = {}
         self.depth = 0
 
     def close(self) -> None:

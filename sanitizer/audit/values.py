@@ -82,6 +82,9 @@ class Val:
     # that attribute is a dict filled by name
     field: str = ""
     field_mapping: bool = False
+    # read from an attribute of ``self`` that another method of the class was found keeping it in (``self.weights``
+    # after ``__init__``'s ``self.weights = weights``): put again on the same object, it keeps nothing new
+    self_kept: bool = False
 
     def then(self, kind: Optional[str] = None, link: Optional[Link] = None, **changes) -> "Val":
         """This value after one more step of the chain (a view, a store, a call). A copy of the fields,

@@ -3787,3 +3787,57 @@ def test_to_with_copy_true_always_copies(tmp_path: Path):
     conversion" (torch's documentation), so it keeps no view; without it, the same `.to` is conditional."""
     found = _audit(tmp_path, {"layer.py": TO_WITH_COPY})
     assert found == {("OWN107", "Layer.__init__", 10)}, found
+
+
+# -- round 41 (ComfyUI): what a constructor keeps on self, handed by a later method to a new holder ----------
+KEPT_ON_SELF = '''
+import torch
+from safetensors.torch import load_file
+
+
+class TrainDiff(torch.nn.Module):
+    def __init__(self, weights):
+        super().__init__()
+        blocks, scale = weights
+        self.blocks = torch.nn.Parameter(blocks)
+        self.scale = torch.nn.Parameter(scale.clone())
+
+
+class Adapter:
+    def __init__(self, weights):
+        self.weights = weights
+        self.target = None
+
+    def to_train(self):
+        return TrainDiff(self.weights)
+
+    def install(self):
+        self.target.weight = self.weights[0]
+
+    def refile(self):
+        self.backup = self.weights
+        return self.weights
+
+    def state_dict(self, destination):
+        destination["blocks"] = self.weights[0]
+        return destination
+
+    def scaled(self):
+        return TrainDiff((self.weights[0].clone(), self.weights[1]))
+
+    @classmethod
+    def load(cls, path):
+        sd = load_file(path)
+        return cls((sd["blocks"], sd["scale"]))
+'''
+
+
+def test_what_a_constructor_keeps_on_self_is_kept_anew_in_another_holder(tmp_path: Path):
+    """``__init__`` keeps the file's tensors on ``self.weights`` (found there, reached from ``load``). Another
+    method that hands them to a new module's ``nn.Parameter`` (``to_train``: credited at the constructor's store) or
+    sets them on another object held by ``self`` (``install``) keeps them anew; filing them on ``self`` again,
+    returning them, or handing them to the caller's ``destination`` dict keeps nothing new, and a clone keeps
+    nothing at all (``scaled``)."""
+    found = _audit(tmp_path, {"adapter.py": KEPT_ON_SELF})
+    assert found == {("OWN102", "Adapter.__init__", 16), ("OWN102", "TrainDiff.__init__", 10),
+                     ("OWN102", "Adapter.install", 23)}, found
