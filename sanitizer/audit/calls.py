@@ -143,6 +143,14 @@ class CallRules:
             target = ast.Attribute(value=func.value, attr=self.snip(node.args[0], 30).strip("'\""), ctx=ast.Store())
             self.attribute_store(ast.copy_location(target, node), args[1], node)
             return None
+        if meth == "set_" and isinstance(func, ast.Attribute) and len(args) == 1 and args[0] is not None \
+                and args[0].kind == TENSOR and len(node.args) == 1 and not node.keywords:
+            # torch.Tensor.set_(source): "Sets the underlying storage, size, and strides. If source is a tensor,
+            # self tensor will share the same storage": the receiver (a module's parameter) now holds the view
+            # (sd3.5's `load_into`, `obj.set_(ckpt.get_tensor(key))`)
+            target = ast.Attribute(value=func.value, attr="<storage: set_()>", ctx=ast.Store(), lineno=node.lineno)
+            self.attribute_store(target, args[0], node)
+            return None
         if meth in _MODULE_SETTERS and isinstance(func, ast.Attribute):
             value, key = _MODULE_SETTERS[meth]
             if len(args) > value and args[value] is not None and args[value].holds_tensor:
@@ -186,6 +194,9 @@ class CallRules:
             if self._adapter_assigned(node, name, meth, args, kwargs):
                 return None
         if meth in V.STORE_METHODS and not self._is_module(func) and not self._global_instance_method(node):
+            if meth in ("append", "add", "appendleft") and len(node.args) == 1 and args[0] is None \
+                    and isinstance(func, ast.Attribute):
+                self.published(func.value, node.args[0], node)  # `loaded_networks.append(net)`, filled after
             self.container_method(node, meth, args, kwargs)
             if meth != "setdefault":
                 return None
@@ -320,6 +331,8 @@ class CallRules:
                 return True, None
             if meth in ("pop", "get", "popitem", "popleft", "__getitem__"):
                 key = node.args[0] if node.args else None
+                if isinstance(key, ast.Constant) and isinstance(key.value, str) and V.COUNTER_KEY.match(key.value):
+                    return True, None  # `ckpt.get("step", 0)`: a training counter, not a weight
                 if base.mapping and isinstance(key, ast.Constant) and isinstance(key.value, str) \
                         and V.NESTED_STATE_KEY.match(key.value):
                     # `ckpt.get("state_dict", ckpt)`: the nested dict of the model's weights (Flow.subscript_value)

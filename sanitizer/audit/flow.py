@@ -954,7 +954,7 @@ class Flow(StoreRules, CallRules):
         if base.kind == HOLDER and base.field:
             if node.attr == base.field and base.elem != ELEM_FIELDS:  # `weights.w`: the object's dict of tensors
                 return base.then(HOLDER, Link(node.lineno, self.fn, f"`.{node.attr}`"), field="",
-                                 mapping=base.field_mapping, field_mapping=False)
+                                 mapping=base.field_mapping, field_mapping=False, label=f"`{self.snip(node, 40)}`")
             return None  # its other attributes (`weights.sd_module`, `weights.network_key`)
         if base.kind == HOLDER and node.attr in ("args", "kwargs", "arguments"):
             return base
@@ -1024,6 +1024,9 @@ class Flow(StoreRules, CallRules):
         if base is None:
             return None
         index = node.slice
+        if base.kind in (TENSOR, HOLDER) and isinstance(index, ast.Constant) and isinstance(index.value, str) \
+                and V.COUNTER_KEY.match(index.value):
+            return None  # `checkpoint["step"]`: a checkpoint's training counter, not a weight (no tensor has string keys)
         if base.kind == TENSOR:
             return base.then(TENSOR, Link(node.lineno, self.fn, f"sliced `{self.snip(node, 40)}`"))
         if base.kind == PAIR:

@@ -164,6 +164,11 @@ class StoreRules:
                         self.state.env[root.name] = val.then(  # type: ignore[index]
                             HOLDER, link, elem=ELEM_FIELDS if each else ELEM_TENSOR, mapping=False, field=attr,
                             field_mapping=how in _BY_NAME, parts=None)
+                    outer = self.state.env.get(slot.inside) if slot.inside and not each else None
+                    if slot.inside and not each and (outer is None or outer.kind != HOLDER):
+                        # `parts = by_key.get(key)` (or a new one stored there), then `parts.tensors.append(t)`:
+                        # `by_key` is a container of such objects
+                        self.state.env[slot.inside] = self.state.env[root.name].then(elem=ELEM_FIELDS)  # type: ignore[index]
                     return
         code = "OWN104" if val.capture else ("OWN106" if place == "global" else "OWN101")
         pattern = self._store_pattern(how, root, place, val)
@@ -208,6 +213,15 @@ class StoreRules:
                     fresh.update(k.arg for k in node.keywords if k.arg and is_fresh_container(k.value))
                 elif isinstance(node, ast.Assign) and is_fresh_container(node.value):
                     fresh.update(t.attr for t in node.targets if isinstance(t, ast.Attribute))
+            summaries = getattr(self.resolve_call, "__self__", None)  # type: ignore[attr-defined]
+            for cls in getattr(getattr(summaries, "index", None), "all_classes", ()):
+                for item in cls.node.body:  # a dataclass's `w: dict = field(default_factory=dict)`: new per object
+                    if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) \
+                            and isinstance(item.value, ast.Call) and dotted(item.value.func).rpartition(".")[2] == "field" \
+                            and any(k.arg == "default_factory" and dotted(k.value) in ("dict", "list", "OrderedDict",
+                                                                                        "collections.OrderedDict")
+                                    for k in item.value.keywords):
+                        fresh.add(item.target.id)
             self._fresh_fields_cache[id(self.info.node)] = fresh  # type: ignore[attr-defined]
         return (attr, each) if attr in fresh else None
 

@@ -74,6 +74,9 @@ def _registry_loop(fn: ast.AST, name: str, module_globals: Collection[str]) -> b
             it = node.iter
             if isinstance(it, ast.Name) and it.id in module_globals or isinstance(it, ast.Attribute):
                 return True
+            if isinstance(it, (ast.Tuple, ast.List)) and it.elts and all(
+                    isinstance(e, ast.Call) and dotted(e.func).rpartition(".")[2][:1].isupper() for e in it.elts):
+                return True  # `for kind in (Ia3Kind(), LoraKind()):`, a registry written in place
     return False
 
 

@@ -155,6 +155,10 @@ ANNOTATED_CLASS = re.compile(r"\b([A-Za-z_][\w.]*[A-Z]\w*)\b")
 # Not ``"state"``/``"param_groups"`` (an optimizer's: copied into the optimizer by its ``load_state_dict``).
 NESTED_STATE_KEY = re.compile(r"^(model|module|state_dict|model_state_dict|params|params_ema|ema|model_ema|"
                               r"ema_model|net|network|generator|student)$")
+# A checkpoint's entry of a training counter (``checkpoint["step"]``, ``ckpt.get("epoch")``): a number, not a
+# weight (Sana's trainers' ``self.step = checkpoint["step"]``)
+COUNTER_KEY = re.compile(r"^(step|steps|global_step|epoch|epochs|iteration|iterations|iter|consumed_samples|"
+                         r"consumed_train_samples|num_updates|update|best_metric|best_score|loss)$")
 # A parameter named for a whole state dict: ``full_sd``, ``model_state_dict``, ``converted_state_dict``
 STATE_DICT_PARAM = re.compile(r"^(\w+_)?(sd|state_dict|weights|tensors|checkpoint|ckpt)$")
 # A list of (name, tensor) pairs already materialised by the caller (one update bucket).

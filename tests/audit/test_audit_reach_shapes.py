@@ -3841,3 +3841,140 @@ def test_what_a_constructor_keeps_on_self_is_kept_anew_in_another_holder(tmp_pat
     found = _audit(tmp_path, {"adapter.py": KEPT_ON_SELF})
     assert found == {("OWN102", "Adapter.__init__", 16), ("OWN102", "TrainDiff.__init__", 10),
                      ("OWN102", "Adapter.install", 23)}, found
+
+
+# -- round 42 (sd3.5, Sana): a parameter made to share a fetched tensor's storage; a checkpoint's counter -------
+SET_AND_COUNTERS = '''
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+
+def load_into(path, model):
+    with safe_open(path, framework="pt") as ckpt:
+        for key in ckpt.keys():
+            obj = model.get_parameter(key)
+            obj.set_(ckpt.get_tensor(key))
+
+
+def load_into_copied(path, model):
+    with safe_open(path, framework="pt") as ckpt:
+        for key in ckpt.keys():
+            model.get_parameter(key).copy_(ckpt.get_tensor(key))
+
+
+class Trainer:
+    def resume(self, path):
+        checkpoint = {"state_dict": load_file(path), "step": 0}
+        self.step = checkpoint["step"]
+        self.epoch = checkpoint.get("epoch", 0)
+        self.model.load_state_dict(checkpoint["state_dict"])
+
+    def resume_kept(self, path):
+        checkpoint = {"state_dict": load_file(path), "step": 0}
+        self.weights = checkpoint["state_dict"]
+'''
+
+
+def test_set_shares_storage_and_a_checkpoint_counter_is_no_weight(tmp_path: Path):
+    """``param.set_(t)``: "self tensor will share the same storage" (torch's documentation), so the model keeps the
+    fetched tensor (sd3.5's ``load_into``); ``copy_`` does not. ``checkpoint["step"]`` and ``.get("epoch")`` are
+    training counters, not weights (Sana's trainers); the nested state dict kept on ``self`` still is."""
+    found = _audit(tmp_path, {"loaders.py": SET_AND_COUNTERS})
+    assert _functions(found) == {"load_into", "Trainer.resume_kept"}, found
+
+
+APPENDED_THEN_FILLED = '''
+from safetensors.torch import load_file
+
+loaded = []
+
+
+class Net:
+    def __init__(self, name):
+        self.name = name
+        self.extra = {}
+
+
+def load_net(name, path):
+    net = Net(name)
+    loaded.append(net)
+    sd = load_file(path)
+    net.extra = {k: v for k, v in sd.items() if k.startswith("emb.")}
+    return net
+
+
+def load_net_copied(name, path):
+    net = Net(name)
+    loaded.append(net)
+    sd = load_file(path)
+    net.extra = {k: v.clone() for k, v in sd.items()}
+    return net
+'''
+
+
+def test_an_object_appended_to_a_global_list_then_filled_keeps_what_it_gets(tmp_path: Path):
+    """As for a store by key: ``loaded.append(net)`` then ``net.extra = ...`` (a blind user's round 41 case)."""
+    found = _audit(tmp_path, {"nets.py": APPENDED_THEN_FILLED})
+    assert found == {("OWN106", "load_net", 17)}, found
+
+
+# -- a blind user's round 41 cases: a dataclass's default_factory, an object fetched back by key, an inline registry
+OBJECT_FETCHED_BACK = '''
+from dataclasses import dataclass, field
+from safetensors.torch import load_file
+
+
+@dataclass
+class Parts:
+    key: str
+    w: dict = field(default_factory=dict)
+
+
+class Scale:
+    def __init__(self, parts):
+        self.scale = parts.w["scale"]
+        self.key = parts.key
+
+
+class ScaleCopy:
+    def __init__(self, parts):
+        self.scale = parts.w["scale"].clone()
+
+
+class ScaleKind:
+    def make_module(self, parts):
+        return Scale(parts) if "scale" in parts.w else None
+
+
+class CopyKind:
+    def make_module(self, parts):
+        return ScaleCopy(parts) if "copy" in parts.w else None
+
+
+def read_adapter(path, net):
+    sd = load_file(path)
+    by_key = {}
+    for full, t in sd.items():
+        key, _, part = full.partition(".")
+        entry = by_key.get(key)
+        if entry is None:
+            entry = Parts(key)
+            by_key[key] = entry
+        entry.w[part] = t
+    for key, entry in by_key.items():
+        for kind in (CopyKind(), ScaleKind()):
+            module = kind.make_module(entry)
+            if module is not None:
+                net.modules[key] = module
+                break
+    return net
+'''
+
+
+def test_a_dataclass_field_object_fetched_back_by_key_and_an_inline_registry(tmp_path: Path):
+    """``w: dict = field(default_factory=dict)`` gives each new ``Parts`` a new dict; ``entry = by_key.get(key)``
+    (or a new one stored there) is an object of ``by_key``; ``for kind in (CopyKind(), ScaleKind()):`` is a registry:
+    the constructor that keeps ``parts.w["scale"]`` is found, the one that clones it and the fill are not."""
+    found = _audit(tmp_path, {"adapters.py": OBJECT_FETCHED_BACK})
+    assert found == {("OWN102", "Scale.__init__", 14)}, found
