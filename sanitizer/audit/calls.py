@@ -17,7 +17,7 @@ from sanitizer.audit import vocabulary as V
 from sanitizer.audit.findings import Link
 from sanitizer.audit.index import dotted, param_default as _param_default, param_defaults
 from sanitizer.audit.targets import _CAMEL, attribute_classes, constructed_locals, constructed_when, root_of
-from sanitizer.audit.values import (BUILT, ELEM_FIELD_PAIRS, ELEM_FIELDS, ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR, ELEM_HANDLE_PAIRS, ELEM_DICT, ELEM_PAIR, ELEM_TENSOR, HOLDER,
+from sanitizer.audit.values import (BUILT, ELEM_FIELD_PAIRS, ELEM_FIELDS, ELEM_NESTED, ELEM_NESTED_PAIRS, ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR, ELEM_HANDLE_PAIRS, ELEM_DICT, ELEM_PAIR, ELEM_TENSOR, HOLDER,
                                     ITER, PAIR, SOURCE, TENSOR, UNRESOLVED, Val, element_of, handle_of, is_handles)
 
 _MAPPING_COPIES = frozenset({"dict", "OrderedDict", "defaultdict"})  # of a dict: its tensors, by name
@@ -323,8 +323,8 @@ class CallRules:
             if base.field and base.elem != ELEM_FIELDS:
                 return True, None  # an object holding tensors in an attribute: its methods are its own
             if meth in ("items",):
-                return True, base.then(HOLDER, elem=ELEM_FIELD_PAIRS if base.elem == ELEM_FIELDS else ELEM_PAIR,
-                                       mapping=False)
+                return True, base.then(HOLDER, elem={ELEM_FIELDS: ELEM_FIELD_PAIRS, ELEM_NESTED: ELEM_NESTED_PAIRS}.get(
+                    base.elem, ELEM_PAIR), mapping=False)
             if meth in ("values", "copy", "__iter__"):
                 return True, base.then(HOLDER, mapping=False)
             if meth == "keys" and base.mapping:

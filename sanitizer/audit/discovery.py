@@ -143,7 +143,9 @@ _OTHER_STATE = re.compile(r"(^|_)(kv|caches?|buffers?|bufs|grads?|gradients?|opt
 # observations (lerobot's `predict_action_chunk(self, batch)`), `inputs`, `outputs`, `labels`. Read from the
 # parameter's name only (a function named for its inputs may still be handed a checkpoint's weights).
 _DATA = re.compile(r"^(\w+_)?(batch|batches|obs|observations?|inputs?|outputs?|targets?|labels?|logits|"
-                   r"hidden_states|features?|samples?)$")  # the last word (`input_weights` is weights)
+                   r"hidden_states|features?|samples?|controls?)$")  # the last word (`input_weights` is weights)
+# (`control: dict[str, list[Tensor]]`: a ControlNet's outputs by block, Advanced-ControlNet's `control_merge_inject`;
+# `input_dict: dict[str, list[Tensor]]` is transformers 5's loaded tensors, collected per key for a conversion)
 # A union that mixes tensors with plain settings (`dict[str, torch.Tensor | int | torch.dtype | torch.device]`,
 # GPTQModel's test cases): a bundle of arguments, not a checkpoint's tensors by name (LitGPT's
 # `dict[str, torch.Tensor | NotYetLoadedTensor]` mixes tensors with a lazy tensor only).

@@ -421,6 +421,13 @@ def _canonical_loader_calls(index: ModuleIndex, tree: ast.Module, text: Optional
     for alias, (module, level, original) in index.imports.items():
         if (alias != original or V.library_loader(f"{module}.{original}")) and loader_api(module, level, original):
             renamed[alias] = f"{module}.{original}"
+    for stmt in tree.body:  # `load_layer_model_state_dict = load_torch_file` at module level (ComfyUI-layerdiffuse)
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name) \
+                and isinstance(stmt.value, ast.Name) and stmt.value.id in index.imports:
+            module, level, original = index.imports[stmt.value.id]
+            full = loader_api(module, level, original)
+            if full:
+                renamed[stmt.targets[0].id] = full
     if renamed:
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in renamed:

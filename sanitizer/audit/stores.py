@@ -20,7 +20,7 @@ from sanitizer.audit.findings import Finding, Link
 from sanitizer.audit.index import dotted
 from sanitizer.audit.lifetimes import LoopLifetimes
 from sanitizer.audit.targets import is_fresh_container, method_base_is_tensor, root_of, subscript_is_tensor
-from sanitizer.audit.values import (COMPREHENSIONS, already_kept, ELEM_FIELDS, ELEM_PAIR, ELEM_TENSOR, HOLDER, ITER, PAIR, SOURCE, TENSOR, IntoParam,
+from sanitizer.audit.values import (COMPREHENSIONS, already_kept, ELEM_FIELDS, ELEM_NESTED, ELEM_PAIR, ELEM_TENSOR, HOLDER, ITER, PAIR, SOURCE, TENSOR, IntoParam,
                                     Val, handles_holding)
 
 _CONDITIONAL = frozenset({"OWN101", "OWN102", "OWN106"})  # stores that a no-op conversion makes retentions
@@ -463,6 +463,9 @@ class StoreRules:
             # (InvokeAI's LoRA key grouping, read as in-place writes into the file's tensors)
             self._nested_filled.add(nested)
         self.store_into(target.value, val, stmt, "subscript")
+        held = self.state.env.get(nested) if nested is not None and val.holds_tensor else None
+        if held is not None and held.kind == HOLDER and held.elem == ELEM_TENSOR and not held.field:
+            self.state.env[nested] = held.then(elem=ELEM_NESTED)  # its items are containers (dicts, lists) of tensors
 
     def files_merged(self, node: ast.AST, first: Val, second: Val, into: str) -> None:
         """One file's whole dict merged with another's (``merged = load(a); merged.update(load(b))``,

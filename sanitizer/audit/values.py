@@ -50,6 +50,9 @@ ELEM_DICT = "dict"
 # (A1111's and SD.Next's ``matched_networks[key].w[part] = weight``, a dict of ``NetworkWeights`` namedtuples):
 # an item is one such object; ``(key, object)`` pairs are its ``.items()`` (ELEM_FIELD_PAIRS).
 ELEM_FIELDS, ELEM_FIELD_PAIRS = "fields", "field-pairs"
+# A HOLDER whose ``elem`` is this holds containers that hold tensors (``patch_dict[key][kind][i] = w``: a dict of
+# dicts of lists): an item is such a container, ``(key, container)`` pairs are its ``.items()`` (ELEM_NESTED_PAIRS).
+ELEM_NESTED, ELEM_NESTED_PAIRS = "nested", "nested-pairs"
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,10 @@ def element_of(val: Val, link: Optional[Link] = None) -> Val:
         return val.then(HOLDER, link, elem=ELEM_TENSOR, field=val.field, mapping=False)
     if val.elem == ELEM_FIELD_PAIRS and val.kind == HOLDER:  # a `(key, object)` item
         return val.then(HOLDER, link, parts=(None, val.then(HOLDER, elem=ELEM_TENSOR, field=val.field, mapping=False)))
+    if val.elem == ELEM_NESTED and val.kind == HOLDER:  # one inner container
+        return val.then(HOLDER, link, elem=ELEM_TENSOR, mapping=False)
+    if val.elem == ELEM_NESTED_PAIRS and val.kind == HOLDER:  # a `(key, inner container)` item
+        return val.then(HOLDER, link, parts=(None, val.then(HOLDER, elem=ELEM_TENSOR, mapping=False)))
     if val.elem == ELEM_DICT and val.kind == ITER:
         return val.then(HOLDER, link, elem=ELEM_TENSOR, mapping=True)
     if val.elem in (ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR):
@@ -234,5 +241,5 @@ def already_kept(val: Val, findings: Sequence[object]) -> bool:
 
 __all__ = ["BUILT", "already_kept", "built_class", "Val", "element_of", "Slot", "State", "IntoParam", "Outcome", "UNRESOLVED", "COMPREHENSIONS", "ITER", "PAIR", "TENSOR", "HOLDER", "SOURCE",
            "ELEM_PAIR", "ELEM_TENSOR", "ELEM_ENUM_PAIR", "ELEM_ENUM_TENSOR", "ELEM_HANDLES", "ELEM_HANDLE_PAIRS", "ELEM_STREAMS", "ELEM_DICT",
-           "ELEM_FIELDS", "ELEM_FIELD_PAIRS",
+           "ELEM_FIELDS", "ELEM_FIELD_PAIRS", "ELEM_NESTED", "ELEM_NESTED_PAIRS",
            "is_handles", "handle_of", "handles_holding"]

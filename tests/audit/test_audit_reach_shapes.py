@@ -3978,3 +3978,60 @@ def test_a_dataclass_field_object_fetched_back_by_key_and_an_inline_registry(tmp
     the constructor that keeps ``parts.w["scale"]`` is found, the one that clones it and the fill are not."""
     found = _audit(tmp_path, {"adapters.py": OBJECT_FETCHED_BACK})
     assert found == {("OWN102", "Scale.__init__", 14)}, found
+
+
+# -- round 43 (ComfyUI-layerdiffuse, Advanced-ControlNet): a module-level alias of a library loader; a dict of
+# dicts of lists of a file's tensors; a dict of lists of tensors is no state dict --------------------------
+LAYER_PATCHES = '''
+from comfy.utils import load_torch_file
+
+load_layer_model = load_torch_file
+
+
+def to_patch_dict(state_dict):
+    grouped = {}
+    for k, w in state_dict.items():
+        key, kind, index = k.split("::")
+        if key not in grouped:
+            grouped[key] = {}
+        if kind not in grouped[key]:
+            grouped[key][kind] = [None] * 4
+        grouped[key][kind][int(index)] = w
+    flat = {}
+    for key, kinds in grouped.items():
+        for kind, weights in kinds.items():
+            flat[key] = (kind, weights)
+    return flat
+
+
+def apply_layer(model, path, strength):
+    patches = to_patch_dict(load_layer_model(path))
+    patched = model.clone()
+    patched.add_patches(patches, strength)
+    return patched
+
+
+def apply_layer_copied(model, path, strength):
+    sd = {k: v.clone() for k, v in load_layer_model(path).items()}
+    patched = model.clone()
+    patched.add_patches(to_patch_dict(sd), strength)
+    return patched
+
+
+def merge_outputs(control: dict[str, list["torch.Tensor"]], scale: float):
+    for key in control:
+        outputs = control[key]
+        for i in range(len(outputs)):
+            outputs[i] *= scale
+    return control
+'''
+
+
+def test_a_loader_alias_a_dict_of_dicts_of_lists_and_a_dict_of_activation_lists(tmp_path: Path):
+    """``load_layer_model = load_torch_file`` at module level is ComfyUI's loader; ``to_patch_dict`` regroups the
+    file's tensors into a dict of dicts of lists and returns their flattening, which ``add_patches`` keeps on the
+    patcher; the clones are kept nothing of. A ``control: dict[str, list[Tensor]]`` parameter (a ControlNet's outputs
+    by block, named for them as ``outputs`` or ``batch`` would be) is not a dict of weights: scaling its tensors in
+    place writes into activations."""
+    found = _audit(tmp_path, {"layers.py": LAYER_PATCHES})
+    assert _functions(found) == {"apply_layer"}, found
