@@ -110,10 +110,12 @@ def _binds_lazy_mapping(info: FunctionInfo, mappings: Collection[str] = ()) -> b
 
 
 def analyse(source: Source, project: Optional[Project] = None, settings: Optional[Settings] = None,
-            skipped: Optional[List[Skipped]] = None) -> Tuple[List[Finding], List[Consumer]]:
+            skipped: Optional[List[Skipped]] = None, only_kept: bool = False) -> Tuple[List[Finding], List[Consumer]]:
     """Every finding in one parsed module (before suppression and selection), and its consumers. A
     function whose walk overflows the recursion limit is put in ``skipped`` when it is given, and the
-    module's other functions are still walked (without it, the RecursionError is raised)."""
+    module's other functions are still walked (without it, the RecursionError is raised). ``only_kept``: only
+    the second pass, over the methods that read what their class keeps on ``self`` and was not read yet (a store
+    noted after this module's own analysis, by a later module's walk through its constructor)."""
     index = build_index(source.path, source.tree, source.text)
     snippets = Snippets(source.text)
     analysis = ModuleAnalysis(source.path, index, snippets, project, settings)
@@ -141,8 +143,13 @@ def analyse(source: Source, project: Optional[Project] = None, settings: Optiona
     roots.sort(key=lambda r: r[0])  # iterator consumers first: their chains are the informative ones
     found: Dict[Tuple[str, int, int, str], Finding] = {}
     consumers: List[Consumer] = []
-    _walk_roots(source, index, snippets, analysis, settings, handles, roots, found, consumers, skipped)
-    kept = {cls: attrs for cls, attrs in analysis.self_kept.items() if cls in _classes(index)}
+    if not only_kept:
+        _walk_roots(source, index, snippets, analysis, settings, handles, roots, found, consumers, skipped)
+    done = project.self_kept_read.setdefault(_key(source.path), set()) if project is not None else set()
+    kept = {cls: {a: got for a, got in attrs.items() if (cls, a) not in done}
+            for cls, attrs in analysis.self_kept.items() if cls in _classes(index)}
+    kept = {cls: attrs for cls, attrs in kept.items() if attrs}
+    done.update((cls, a) for cls, attrs in kept.items() for a in attrs)
     if kept:  # the class's other methods, reading what one of them was found keeping on `self` (a second pass)
         again = [(1, info, seeds_by_fn[id(info)]) for info in index.functions
                  if _reads_kept(info, _kept_of(info, kept, index))]
@@ -246,6 +253,10 @@ def _kept_anew(finding: Finding, info: FunctionInfo) -> bool:
     return False
 
 
+def _key(path: str) -> str:
+    return os.path.normpath(os.path.abspath(path))
+
+
 def _classes(index: ModuleIndex) -> set:
     return {c.qualname for c in index.all_classes}
 
@@ -264,9 +275,11 @@ def _kept_reader(attrs: Dict[str, Tuple[Val, int, str]], other):
 
 
 def _audit_one(source: Source, codes: set, result: AuditResult, project: Optional[Project] = None,
-               settings: Optional[Settings] = None) -> None:
+               settings: Optional[Settings] = None, only_kept: bool = False) -> None:
     skipped: List[Skipped] = []
-    findings, consumers = analyse(source, project, settings, skipped)
+    findings, consumers = analyse(source, project, settings, skipped, only_kept)
+    if only_kept:
+        consumers = []  # (counted by the module's own analysis)
     texts = dict(project.texts) if project is not None else {}
     texts[source.path] = source.text
     kept = suppression.apply(findings, texts)
@@ -275,10 +288,12 @@ def _audit_one(source: Source, codes: set, result: AuditResult, project: Optiona
     result.suppressed += len(findings) - len(kept)
     result.findings.extend(f for f in kept if f.code in codes)
     result.consumers.extend(consumers)
+    result.skipped.extend(skipped)
+    if only_kept:
+        return
     result.files += 1
     result.paths.append(source.path)
     result.lines += source.text.count("\n") + (not source.text.endswith("\n") and bool(source.text))
-    result.skipped.extend(skipped)
 
 
 def reported_codes(select: Optional[Sequence[str]] = None, ignore: Optional[Sequence[str]] = None,
@@ -374,17 +389,41 @@ def _audit_files(files: List[str], codes: set, settings: Optional[Settings] = No
         except RecursionError:  # a safety net: outside any one function's walk (which analyse() catches)
             result.skipped.append(Skipped(path, TOO_DEEP_TO_FOLLOW))
             continue
-        fresh = []
-        for f in result.findings[before:]:  # a helper's statement, found from callers in two modules
-            if f.key in seen:
-                seen[f.key].merge(f)
-            else:
-                seen[f.key] = f
-                fresh.append(f)
-        del result.findings[before:]
-        result.findings.extend(fresh)
+        _merge_new(result, before, seen)
+    # what a later module's walk found a class of an earlier one keeping on `self` (`Adapter(sd["w"])` in
+    # loaders.py, `self.weights = weights` in adapters.py): that module's methods reading it, walked now
+    for path in files:
+        key = _key(path)
+        pending = {(cls, a) for cls, attrs in project.self_kept.get(key, {}).items() for a in attrs}
+        if not pending - project.self_kept_read.get(key, set()):
+            continue
+        try:
+            source = read(path)
+        except AuditInputError:
+            continue
+        before = len(result.findings)
+        try:
+            _audit_one(source, codes, result, project, settings, only_kept=True)
+        except RecursionError:
+            result.skipped.append(Skipped(path, TOO_DEEP_TO_FOLLOW))
+            continue
+        _merge_new(result, before, seen)
     project.close()
     return result
+
+
+def _merge_new(result: AuditResult, before: int, seen: Dict[Tuple[str, int, int, str], Finding]) -> None:
+    """Findings added since ``before`` that an earlier module already reported (a helper's statement, found
+    from callers in two modules) merged into that one."""
+    fresh = []
+    for f in result.findings[before:]:
+        if f.key in seen:
+            seen[f.key].merge(f)
+        else:
+            seen[f.key] = f
+            fresh.append(f)
+    del result.findings[before:]
+    result.findings.extend(fresh)
 
 
 def audit_text(text: str, path: str = "<string>", select: Optional[Sequence[str]] = None,

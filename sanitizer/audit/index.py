@@ -428,6 +428,14 @@ def _canonical_loader_calls(index: ModuleIndex, tree: ast.Module, text: Optional
             full = loader_api(module, level, original)
             if full:
                 renamed[stmt.targets[0].id] = full
+        elif isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name) \
+                and isinstance(stmt.value, ast.Attribute) and dotted(stmt.value).split(".")[0] in index.module_aliases:
+            # `read_any = stt.load_file` after `import safetensors.torch as stt`
+            head, _, rest = dotted(stmt.value).partition(".")
+            module, _, original = f"{index.module_paths.get(head, head)}.{rest}".rpartition(".")
+            full = loader_api(module, 0, original)
+            if full:
+                renamed[stmt.targets[0].id] = full
     if renamed:
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in renamed:

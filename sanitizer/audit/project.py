@@ -40,6 +40,11 @@ class Project:
                 self._by_suffix.setdefault(parts[i:], f)
         self._cache: "OrderedDict[str, object]" = OrderedDict()
         self.texts: Dict[str, str] = {}  # path -> source text of every module read (for suppression comments)
+        # path -> class -> attribute -> (value, line, method): what a method of an audited class was found storing
+        # on `self` (noted by any analysis of that module, whichever module's walk reached the store), and the
+        # (class, attribute) pairs each module's second pass already read (engine.analyse, engine._audit_files)
+        self.self_kept: Dict[str, Dict[str, Dict[str, tuple]]] = {}
+        self.self_kept_read: Dict[str, set] = {}
         self._subclasses: Optional[Dict[str, List[Tuple[str, str]]]] = None
         self._methods: Optional[Dict[str, List[str]]] = None
         self._class_methods: Set[str] = set()  # names of methods taking `cls` (classmethods), any file

@@ -112,7 +112,8 @@ class ModuleAnalysis:
         self._also: Dict[int, List[Callee]] = {}  # a call's other possible callees (_only_method), by the call's id
         # the attributes of ``self`` a method of this module's classes stores a borrowed value in: by class, then
         # attribute, (value, line, method) (Stores._note_self_kept; read by engine.analyse's second pass)
-        self.self_kept: Dict[str, Dict[str, Tuple[object, int, str]]] = {}
+        self.self_kept: Dict[str, Dict[str, Tuple[object, int, str]]] = (
+            project.self_kept.setdefault(os.path.normpath(os.path.abspath(path)), {}) if project is not None else {})
         self.depth = 0
 
     def close(self) -> None:

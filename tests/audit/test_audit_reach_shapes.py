@@ -4035,3 +4035,43 @@ def test_a_loader_alias_a_dict_of_dicts_of_lists_and_a_dict_of_activation_lists(
     place writes into activations."""
     found = _audit(tmp_path, {"layers.py": LAYER_PATCHES})
     assert _functions(found) == {"apply_layer"}, found
+
+
+# -- a blind user's round 42-43 cases: the store on self reached from another module; a module attribute's alias
+ADAPTERS_MODULE = '''
+import torch
+
+
+class TrainDiff(torch.nn.Module):
+    def __init__(self, weights):
+        super().__init__()
+        blocks, scale = weights
+        self.blocks = torch.nn.Parameter(blocks)
+
+
+class Adapter:
+    def __init__(self, weights):
+        self.weights = weights
+
+    def to_train(self):
+        return TrainDiff(self.weights)
+'''
+LOADERS_MODULE = '''
+import safetensors.torch as stt
+from adapters import Adapter
+
+read_any = stt.load_file
+
+
+def load_adapter(path):
+    sd = read_any(path)
+    return Adapter((sd["blocks"], sd["scale"]))
+'''
+
+
+def test_a_store_on_self_reached_from_another_module_and_a_module_attribute_alias(tmp_path: Path):
+    """``Adapter.__init__``'s store is reached only from ``loaders.py``'s walk, audited after ``adapters.py``: the
+    methods reading ``self.weights`` are walked once every module has been (``to_train`` into ``TrainDiff``'s
+    ``nn.Parameter``). ``read_any = stt.load_file`` after ``import safetensors.torch as stt`` is the loader."""
+    found = _audit(tmp_path, {"adapters.py": ADAPTERS_MODULE, "loaders.py": LOADERS_MODULE})
+    assert found == {("OWN102", "Adapter.__init__", 14), ("OWN102", "TrainDiff.__init__", 9)}, found
