@@ -22,6 +22,7 @@ from sanitizer.audit.selection import RuleSelection, parse_selectors, resolve
 from sanitizer.audit.settings import Settings
 from sanitizer.audit.sources import TOO_DEEP_TO_FOLLOW, AuditInputError, Source, parse, python_files, read
 from sanitizer.audit.snippets import Snippets
+from sanitizer.audit.stores import attribute_depth, store_target
 from sanitizer.audit.summaries import ModuleAnalysis
 from sanitizer.audit.vocabulary import LAZY_MAPPING_TYPE, MAPPING_OF_ANY, PRODUCER_HINT, lazy_mapping_class
 from sanitizer.audit.values import ITER, Val
@@ -244,12 +245,8 @@ def _kept_anew(finding: Finding, info: FunctionInfo) -> bool:
     for stmt in ast.walk(info.node):
         if isinstance(stmt, ast.stmt) and getattr(stmt, "lineno", 0) == finding.line \
                 and isinstance(stmt, (ast.Assign, ast.AnnAssign)):
-            target = stmt.targets[0] if isinstance(stmt, ast.Assign) else stmt.target
-            depth = 0
-            while isinstance(target, (ast.Attribute, ast.Subscript)):
-                depth += isinstance(target, ast.Attribute)
-                target = target.value
-            return type(target) is ast.Name and target.id == me and depth >= 2
+            root, depth = attribute_depth(store_target(stmt))
+            return type(root) is ast.Name and root.id == me and depth >= 2
     return False
 
 

@@ -32,19 +32,29 @@ _VALUE_ARG = {"append": 0, "add": 0, "appendleft": 0, "put": 0, "put_nowait": 0,
 _BY_NAME = ("subscript", "setdefault", "update", "__setitem__")
 
 
-def _attribute_depth(stmt: ast.AST) -> int:
-    """How many attributes lie between the root and the place ``stmt`` stores into: 1 for ``self.w = t``,
-    ``self.w[k] = t``, ``self.parts.append(t)``; 2 for ``self.model.w = t`` (another object, held by ``self``)."""
-    target: Optional[ast.AST] = None
+def store_target(stmt: ast.AST) -> Optional[ast.AST]:
+    """The place ``stmt`` stores into: an assignment's (first) target, or the receiver of ``x.append(t)``."""
     if isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-        target = stmt.targets[0] if isinstance(stmt, ast.Assign) else stmt.target
-    elif isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Attribute):
-        target = stmt.value.func.value
+        return stmt.targets[0] if isinstance(stmt, ast.Assign) else stmt.target
+    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Attribute):
+        return stmt.value.func.value
+    return None
+
+
+def attribute_depth(target: Optional[ast.AST]) -> Tuple[Optional[ast.AST], int]:
+    """The root of a stored-into expression and how many attributes lie between them: 1 for ``self.w``,
+    ``self.w[k]``; 2 for ``self.model.w`` (another object, held by ``self``)."""
     depth = 0
     while isinstance(target, (ast.Attribute, ast.Subscript)):
         depth += isinstance(target, ast.Attribute)
         target = target.value
-    return depth if target is not None else 99
+    return target, depth
+
+
+def _attribute_depth(stmt: ast.AST) -> int:
+    """:func:`attribute_depth` of what ``stmt`` stores into (99 when it stores into nothing it can read)."""
+    root, depth = attribute_depth(store_target(stmt))
+    return depth if root is not None else 99
 
 
 class StoreRules:
@@ -325,11 +335,7 @@ class StoreRules:
     def _note_self_kept(self, stmt: ast.AST, val: Val) -> None:
         """``self.weights = weights`` (or ``self.cache[k] = t``, ``self.parts.append(t)``) found keeping: the
         attribute, for the class's other methods, which read it as what it holds (:mod:`.engine`)."""
-        target: Optional[ast.AST] = None
-        if isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-            target = stmt.targets[0] if isinstance(stmt, ast.Assign) else stmt.target
-        elif isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Attribute):
-            target = stmt.value.func.value  # `self.parts.append(t)`
+        target = store_target(stmt)
         whole = isinstance(target, ast.Attribute)
         while isinstance(target, ast.Subscript):
             target = target.value

@@ -387,11 +387,7 @@ class ModuleAnalysis:
         else:
             return None
         path = self.project.locate(self.path, module, level)
-        if path is None or path == self.path:
-            return None
-        other = self.project.module(path, lambda source: ModuleAnalysis(
-            source.path, build_index(source.path, source.tree, source.text), Snippets(source.text), self.project, self.settings))
-        return other if isinstance(other, ModuleAnalysis) else None
+        return self._analysis_of(path) if path is not None and path != self.path else None
 
     def is_plain_class(self, cls: ClassInfo, depth: int = 0) -> bool:
         """Is ``cls`` a plain object: every base ``object`` or ``ABC`` (or none), or a class of the audited code

@@ -3790,17 +3790,18 @@ def test_to_with_copy_true_always_copies(tmp_path: Path):
 
 
 # -- round 41 (ComfyUI): what a constructor keeps on self, handed by a later method to a new holder ----------
-KEPT_ON_SELF = '''
-import torch
-from safetensors.torch import load_file
-
+TRAIN_DIFF = '''
 
 class TrainDiff(torch.nn.Module):
     def __init__(self, weights):
         super().__init__()
         blocks, scale = weights
         self.blocks = torch.nn.Parameter(blocks)
-        self.scale = torch.nn.Parameter(scale.clone())
+'''
+KEPT_ON_SELF = '''
+import torch
+from safetensors.torch import load_file
+''' + TRAIN_DIFF + '''        self.scale = torch.nn.Parameter(scale.clone())
 
 
 class Adapter:
@@ -4040,14 +4041,7 @@ def test_a_loader_alias_a_dict_of_dicts_of_lists_and_a_dict_of_activation_lists(
 # -- a blind user's round 42-43 cases: the store on self reached from another module; a module attribute's alias
 ADAPTERS_MODULE = '''
 import torch
-
-
-class TrainDiff(torch.nn.Module):
-    def __init__(self, weights):
-        super().__init__()
-        blocks, scale = weights
-        self.blocks = torch.nn.Parameter(blocks)
-
+''' + TRAIN_DIFF + '''
 
 class Adapter:
     def __init__(self, weights):
