@@ -31,7 +31,8 @@ from sanitizer.audit.findings import Finding, Link
 from sanitizer.audit.index import FunctionInfo, annotation_text, dotted
 from sanitizer.audit.snippets import Snippets
 from sanitizer.audit.stores import StoreRules, two_files
-from sanitizer.audit.targets import binding_kind, is_fresh_container, rebound_before_leaving, root_of
+from sanitizer.audit.targets import (binding_kind, is_empty_container, is_fresh_container, rebound_before_leaving,
+                                     root_of)
 from sanitizer.audit.values import (ELEM_FIELDS, ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR, ELEM_PAIR, ELEM_TENSOR, HOLDER,
                                     ITER, PAIR, SOURCE, TENSOR, UNRESOLVED, IntoParam, Outcome, Slot, State, Val,
                                     built_class, element_of, handle_of, handles_holding, is_handles)
@@ -643,9 +644,18 @@ class Flow(StoreRules, CallRules):
         elif isinstance(target, ast.Subscript):
             if val is None:
                 self.published(target, value, stmt)
+                self.filled_untainted(target.value)
             self.subscript_store(target, val, stmt)
         elif isinstance(target, ast.Starred):
             self.assign(target.value, val, value, stmt, loop_target)
+
+    def filled_untainted(self, container: ast.AST) -> None:
+        """Something not of the file went into ``container`` (``new_sd[k] = torch.zeros(...)``): a path on
+        which it is not tainted no longer leaves it empty (see :meth:`State.join`)."""
+        if type(container) is ast.Name:
+            slot = self.state.slots.get(container.id)
+            if slot is not None and slot.empty:
+                self.state.slots[container.id] = replace(slot, empty=False)
 
     def _remember_attribute(self, target: ast.Attribute, val: Optional[Val], stmt: ast.AST,
                             reported: bool = True) -> None:
@@ -721,7 +731,8 @@ class Flow(StoreRules, CallRules):
             if type(value) is not ast.Name:  # walked into an inner dict: none of the outer one's tensors
                 self.state.env.pop(name, None)
         self.state.slots[name] = Slot(fresh, loops, "tainted" if val is not None else binding_kind(value), param,
-                                      accessor and self._alias_self(value), inside)
+                                      accessor and self._alias_self(value), inside,
+                                      fresh and inner is None and is_empty_container(value))
         if (val is not None and not loop_target and val.holds_tensor and val.step in self.loop_nodes
                 and val.step in self.loops and not val.reported):
             self._kept.setdefault((name, val.step), (stmt, val, getattr(stmt, "lineno", 0)))

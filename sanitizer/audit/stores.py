@@ -546,6 +546,8 @@ class StoreRules:
         if val is None and meth == "update":
             val = next((v for v in kwargs.values() if v is not None), None)
         if val is None:
+            assert isinstance(node.func, ast.Attribute)
+            self.filled_untainted(node.func.value)
             return
         func = node.func
         assert isinstance(func, ast.Attribute)

@@ -62,6 +62,21 @@ def is_fresh_container(value: Optional[ast.AST]) -> bool:
     return False
 
 
+def is_empty_container(value: Optional[ast.AST]) -> bool:
+    """Does ``value`` build a new container with nothing in it (``{}``, ``[]``, ``dict()``, ``defaultdict(list)``)?"""
+    if isinstance(value, ast.Dict):
+        return not value.keys
+    if isinstance(value, (ast.List, ast.Set, ast.Tuple)):
+        return not value.elts
+    if isinstance(value, ast.Call) and not value.keywords:
+        name = dotted(value.func)
+        if name in ("defaultdict", "collections.defaultdict"):
+            return len(value.args) <= 1  # (its one argument makes missing items, it puts none in)
+        return name in V.CONTAINER_FACTORIES and not value.args and name not in ("copy.deepcopy", "deepcopy",
+                                                                                "copy.copy")
+    return False
+
+
 def _builds_container(value: ast.AST) -> bool:
     if isinstance(value, (ast.List, ast.Dict, ast.Set, ast.Tuple, ast.ListComp, ast.DictComp, ast.SetComp,
                           ast.Lambda)):

@@ -169,6 +169,17 @@ class Slot:
     # the fresh local container this one is, or is kept inside (`node = out`, `node = node[part]`,
     # `stash = buf.setdefault(k, {})`): what is stored here is held by that one too
     inside: Optional[str] = None
+    # bound to an empty new container (`new_sd = {}`, `rows = []`): before anything is stored into it, it holds
+    # nothing at all, so a loop that may run no step leaves no item of it that is not what the loop stored
+    empty: bool = False
+
+
+def _untainted_there(name: str, val: Val, slots: Dict[str, Slot]) -> bool:
+    """Is ``name``, tainted on one path, bound to something else on the path whose ``slots`` these are?"""
+    if "." in name:
+        return True
+    slot = slots.get(name)
+    return slot is not None and not (slot.empty and val.kind == HOLDER)
 
 
 @dataclass
@@ -180,12 +191,15 @@ class State:
         return State(dict(self.env), dict(self.slots))
 
     def join(self, other: "State") -> None:
-        # an attribute's value (``self.weight``, see Flow._remember_attribute) set on one path only is a maybe
+        # an attribute's value (``self.weight``, see Flow._remember_attribute) set on one path only is a maybe;
+        # but a container still empty on the other path (a loop of no step, a branch that stored nothing into
+        # `new_sd = {}`) holds nothing there: each item it has is the file's, certainly (ComfyUI's re-keyed
+        # difference ControlNet, `cd = new_sd[x]; cd += ...`, an in-place write into the file's tensor)
         for name, val in other.env.items():
             if name not in self.env:
-                self.env[name] = replace(val, maybe=True) if name in self.slots or "." in name else val
+                self.env[name] = replace(val, maybe=True) if _untainted_there(name, val, self.slots) else val
         for name, val in list(self.env.items()):
-            if name not in other.env and (name in other.slots or "." in name) and not val.maybe:
+            if name not in other.env and _untainted_there(name, val, other.slots) and not val.maybe:
                 self.env[name] = replace(val, maybe=True)
         for name, slot in other.slots.items():
             mine = self.slots.get(name)
@@ -195,7 +209,8 @@ class State:
                 self.slots[name] = Slot(mine.fresh and slot.fresh, tuple(x for x in mine.loops if x in slot.loops),
                                         mine.kind if mine.kind == slot.kind else "unknown",
                                         mine.param if mine.param is not None else slot.param,
-                                        mine.self_alias or slot.self_alias, mine.inside or slot.inside)
+                                        mine.self_alias or slot.self_alias, mine.inside or slot.inside,
+                                        mine.empty and slot.empty)
 
 
 @dataclass

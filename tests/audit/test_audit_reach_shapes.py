@@ -4069,3 +4069,57 @@ def test_a_store_on_self_reached_from_another_module_and_a_module_attribute_alia
     ``nn.Parameter``). ``read_any = stt.load_file`` after ``import safetensors.torch as stt`` is the loader."""
     found = _audit(tmp_path, {"adapters.py": ADAPTERS_MODULE, "loaders.py": LOADERS_MODULE})
     assert found == {("OWN102", "Adapter.__init__", 14), ("OWN102", "TrainDiff.__init__", 9)}, found
+
+
+# -- round 44: an in-place write into the items of a container that was empty before the loop that filled it
+DIFFERENCE_ADAPTER = '''
+import torch
+import safetensors.torch
+
+
+def merge_difference(path, base_sd, renames):
+    raw = safetensors.torch.load_file(path)
+    if "format.v2" in raw:
+        weights = {}
+        for old, new in renames.items():
+            if old in raw:
+                weights[new] = raw.pop(old)
+        raw = weights
+    for key in raw:
+        if key in base_sd:
+            delta = raw[key]
+            delta += base_sd[key].to(delta.dtype)
+    return raw
+
+
+def merge_difference_owned(path, base_sd, renames):
+    raw = safetensors.torch.load_file(path)
+    weights = {}
+    for old, new in renames.items():
+        if old in raw:
+            weights[new] = raw[old].clone()
+    for key in weights:
+        delta = weights[key]
+        delta += base_sd[key]
+    return weights
+
+
+def scale_with_extras(path, scale):
+    raw = safetensors.torch.load_file(path)
+    weights = {"bias": torch.zeros(8)}
+    for name in raw:
+        if name.endswith(".weight"):
+            weights[name] = raw[name]
+    weights["bias"] += scale
+    return weights
+'''
+
+
+def test_an_in_place_write_into_the_items_of_a_container_filled_from_empty(tmp_path: Path):
+    """``weights = {}`` filled in a loop (on some steps only) with the file's tensors and rebound over the file's
+    dict on one branch: whichever path was taken, each item of ``raw`` is the file's, so ``delta += ...`` writes
+    into the loader's buffer (a "difference" ControlNet made absolute, ComfyUI's and its node packs' shape). A
+    container filled with copies is not; one that held its own tensor before the loop (``weights["bias"]``) is not
+    certainly the file's, and an in-place write is reported only when it is certain."""
+    found = _audit(tmp_path, {"adapters.py": DIFFERENCE_ADAPTER})
+    assert found == {("OWN120", "merge_difference", 17)}, found
