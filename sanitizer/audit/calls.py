@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from sanitizer.audit import vocabulary as V
 from sanitizer.audit.findings import Link
-from sanitizer.audit.index import dotted, param_default as _param_default, param_defaults
+from sanitizer.audit.index import LOADER_PACKAGES, dotted, param_default as _param_default, param_defaults
 from sanitizer.audit.targets import _CAMEL, attribute_classes, constructed_locals, constructed_when, root_of
 from sanitizer.audit.values import (BUILT, ELEM_FIELD_PAIRS, ELEM_FIELDS, ELEM_NESTED, ELEM_NESTED_PAIRS, ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR, ELEM_HANDLE_PAIRS, ELEM_DICT, ELEM_PAIR, ELEM_TENSOR, HOLDER,
                                     ITER, PAIR, SOURCE, TENSOR, UNRESOLVED, Val, element_of, handle_of, is_handles)
@@ -516,7 +516,8 @@ class CallRules:
         configured = builtin or (self.producer_kind(name) if self.producer_kind is not None else None)
         if configured is not None and self._function_called_as_a_method(node, configured):
             configured = None
-        if configured is not None and not builtin and self._stated_class_answers(node, configured):
+        if configured is not None and not builtin and (self._stated_class_answers(node, configured)
+                                                        or self._mostly_no_producer(node, configured)):
             configured = None  # (its own class's method, no producer, answers: _typed_receiver_producer may)
         if configured is None:
             configured = self._typed_receiver_producer(node)
@@ -780,8 +781,22 @@ class CallRules:
         imported from safetensors resolves to nothing audited, so it stays the loader's API."""
         if not isinstance(node.func, ast.Name):
             return False
+        if self._renamed_import(node.func.id):
+            return True
         callee = getattr(self._summaries(), "callee", None)
         return callee is not None and callee(self, node) is not None
+
+    def _renamed_import(self, name: str) -> bool:
+        """``from ..fileio import load as load_file`` (mmcv's json/yaml reader, vendored by comfyui_controlnet_aux):
+        the name is another function renamed, imported from no loader's package, so a call to it is that
+        function, whatever the alias says. (A loader's API renamed, ``from safetensors.torch import load_file as
+        st_load``, was renamed back to the API in the tree before the walk: see index._canonical_loader_calls.)"""
+        index = getattr(self._summaries(), "index", None)
+        imported = index.imports.get(name) if index is not None else None
+        if imported is None:
+            return False
+        module, level, original = imported
+        return original != name and (level > 0 or module.split(".")[0] not in LOADER_PACKAGES)
 
     def _own_method(self, node: ast.Call) -> bool:
         """``self.load_file(...)`` / ``cls.load_file(...)`` where the enclosing class defines that method."""
@@ -941,6 +956,29 @@ class CallRules:
             if got is not None and got[0].find_method(got[1], func.attr, set()) is not None:
                 return True
         return False
+
+    def _mostly_no_producer(self, node: ast.Call, configured: object) -> bool:
+        """``cls().doit(model, clip, ...)`` on a receiver of no stated class, where ``doit`` is the method every
+        node of the pack defines (ComfyUI-Impact-Pack: a hundred of them) and one class's (``LatentReceiver``'s,
+        reading a latent file) was inferred a producer, a class the project never builds: most definitions of
+        the name hand out no tensor, and no object of the producer's class is made here, so the name alone does
+        not make this call that one. A name the audited classes define mostly as producers (TGI's
+        ``weights.get_tensor``, a getter object's one method), or a producer's class the project builds, is
+        still matched by the name."""
+        found = getattr(configured, "found", None)
+        func = node.func
+        if found is None or not isinstance(func, ast.Attribute) or "." not in found.qualname \
+                or (isinstance(func.value, ast.Name) and func.value.id in (self.self_name(), "cls")):
+            return False
+        project = getattr(self._summaries(), "project", None)
+        table = self.inferred_producers()
+        if project is None or table is None or self._stated_classes(func):
+            return False
+        defined = len(project.method_files(func.attr))
+        producing = [key.rpartition(".")[0] for key in table.by_method if key.rpartition(".")[2] == func.attr]
+        # (mergekit's `task.execute()` runs `LoadTensor` tasks among others: a class the project builds, so the
+        # object may be one; the pack's `LatentReceiver` node is built only by ComfyUI's graph)
+        return defined > 2 * max(len(producing), 1) and not any(project.constructed(c) for c in producing)
 
     def _method_of_classes(self, inferred, classes: Sequence[str], meth: str) -> Optional[str]:  # type: ignore[no-untyped-def]
         """The producer that ``meth`` of one of ``classes`` was inferred to be; failing that, of an audited

@@ -347,7 +347,8 @@ def build_index(path: str, tree: ast.Module, text: Optional[str] = None) -> Modu
     return index
 
 
-_LOADER_PACKAGES = ("safetensors", "fastsafetensors", "runai_model_streamer", "instanttensor", "torch")
+LOADER_PACKAGES = ("safetensors", "fastsafetensors", "runai_model_streamer", "instanttensor", "torch")
+_LOADER_PACKAGES = LOADER_PACKAGES
 # packages whose loaders (vocabulary.LIBRARY_DICT_LOADERS) an engine may import inside a function
 _LIBRARY_PACKAGES = ("comfy", "peft", "diffusers", "transformers", "accelerate", "huggingface_hub", "timm")
 

@@ -49,6 +49,7 @@ class Project:
         self._methods: Optional[Dict[str, List[str]]] = None
         self._class_methods: Set[str] = set()  # names of methods taking `cls` (classmethods), any file
         self._reexports: Dict[Tuple[str, str], Optional[str]] = {}  # (package, "def f"/"class C") -> file
+        self._constructed: Dict[str, bool] = {}
 
     def subclasses(self, name: str) -> List[Tuple[str, str]]:
         """(file, class name) of every audited class that names ``name`` (its last dotted part) among its
@@ -65,6 +66,27 @@ class Project:
         if self._methods is None:
             self._scan()
         return self._methods.get(name, [])  # type: ignore[union-attr]
+
+    def constructed(self, cls: str) -> bool:
+        """Is ``cls(`` called anywhere in the audited files (its objects made by the project itself, not only by
+        a framework that holds the class: ComfyUI's graph building a node from ``NODE_CLASS_MAPPINGS``)? Read
+        from the files' bytes once per class asked about (a pattern, not a parse)."""
+        known = self._constructed.get(cls)
+        if known is None:
+            pattern = re.compile(rb"(?<!\w)" + re.escape(cls.encode()) + rb"[ \t]*\(")
+            definition = re.compile(rb"^[ \t]*class[ \t]+" + re.escape(cls.encode()) + rb"\b", re.M)
+            known = False
+            for path in self._abs.values():
+                try:
+                    with open(path, "rb") as fh:
+                        raw = fh.read()
+                except OSError:
+                    continue
+                if any(not definition.match(raw, raw.rfind(b"\n", 0, m.start()) + 1) for m in pattern.finditer(raw)):
+                    known = True
+                    break
+            self._constructed[cls] = known
+        return known
 
     def _scan(self) -> None:
         """One read of every audited file's bytes for both patterns (classes' bases, methods' names)."""

@@ -4123,3 +4123,83 @@ def test_an_in_place_write_into_the_items_of_a_container_filled_from_empty(tmp_p
     certainly the file's, and an in-place write is reported only when it is certain."""
     found = _audit(tmp_path, {"adapters.py": DIFFERENCE_ADAPTER})
     assert found == {("OWN120", "merge_difference", 17)}, found
+
+
+# -- round 44's first run: a json reader renamed `load_file`; a node method every class of a pack defines
+PROJECT_FILEIO = '''
+import json
+
+
+def load(path):
+    with open(path) as fh:
+        return json.load(fh)
+'''
+RENAMED_READERS = '''
+{import_line}
+
+
+def model_urls(path):
+    urls = load_file(path)
+    extra = load_file(path + ".local")
+    urls.update(extra)
+    return urls
+'''
+
+
+def test_a_function_imported_renamed_from_the_project_is_not_the_loader_its_alias_names(tmp_path: Path):
+    """``from .fileio import load as load_file`` (mmcv's json/yaml reader, vendored by comfyui_controlnet_aux)
+    binds the project's ``load``, audited or not (here the module is not given): merging two of its results keeps
+    no tensor. The same text with ``from safetensors.torch import load_file`` merges two files' tensors into the
+    first one's dict."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    renamed = RENAMED_READERS.format(import_line="from .fileio import load as load_file")
+    assert _audit(tmp_path, {"pkg/urls.py": renamed}) == set()
+    assert _audit(tmp_path, {"pkg/fileio.py": PROJECT_FILEIO, "pkg/urls.py": renamed}) == set()
+    loader = RENAMED_READERS.format(import_line="from safetensors.torch import load_file")
+    assert _functions(_audit(tmp_path, {"pkg/urls.py": loader})) == {"model_urls"}
+
+
+NODE_PACK = '''
+import safetensors.torch
+
+NODE_CLASS_MAPPINGS = {{}}
+
+
+class LatentReceiver:
+    def doit(self, path):
+        return (safetensors.torch.load_file(path)["latent"],)
+
+
+class Upscale:
+    def doit(self, image, scale):
+        return (image * scale,)
+
+
+class Crop:
+    def doit(self, image, size):
+        return (image[:, :size],)
+
+
+class Blend:
+    def doit(self, image, other):
+        return (image + other,)
+
+
+def apply_named(image, steps):
+    for name, arg in steps:
+        cls = NODE_CLASS_MAPPINGS[name]
+        image, = cls().doit(image, arg)
+    return image
+{extra}
+'''
+
+
+def test_a_method_name_most_classes_define_as_no_producer_on_a_receiver_of_no_stated_class(tmp_path: Path):
+    """``cls().doit(image, arg)`` with ``cls`` taken from a node registry: four classes define ``doit``, one reads
+    a latent file, and the project never builds that one (ComfyUI's graph does): the call is not taken for it, so
+    ``image``, rebound each step, keeps nothing. Where the project builds the reading class itself
+    (``LatentReceiver().doit(p)``), an object of it may be the receiver, and the name is matched as before."""
+    assert _audit(tmp_path, {"nodes.py": NODE_PACK.format(extra="")}) == set()
+    built = NODE_PACK.format(extra="\n\ndef first_latent(paths):\n    return LatentReceiver().doit(paths[0])[0]\n")
+    assert _functions(_audit(tmp_path, {"nodes.py": built})) == {"apply_named"}
