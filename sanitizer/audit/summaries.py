@@ -167,6 +167,8 @@ class ModuleAnalysis:
                 return None
             return self._module_function(base.id, func.attr) or self._imported_class_method(base.id, func.attr) \
                 or self._typed_object_method(flow, base.id, func.attr) or self._only_method(flow, base.id, func.attr, node)
+        if isinstance(base, ast.Attribute):
+            return self._dotted_module_function(base, func.attr)
         if isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super" and cls:
             for b in cls.bases:
                 # a base of this module, or one imported from another audited module (InvokeAI's LoRA layers'
@@ -322,6 +324,22 @@ class ModuleAnalysis:
             path = self.project.locate(self.path, self.index.module_paths.get(name, name), 0)
         else:
             return None
+        if path is None or path == self.path:
+            return None
+        other = self._analysis_of(path)
+        info = other.index.top_functions.get(attr) if other is not None else None
+        return Callee(info, 0, False, other) if info is not None else None
+
+    def _dotted_module_function(self, base: ast.Attribute, attr: str) -> Optional[Callee]:
+        """``comfy.utils.set_attr_param(model, k, w)`` after ``import comfy.utils``: a function of another audited
+        module, called through its full dotted path (ComfyUI's own modules call each other so)."""
+        if self.project is None:
+            return None
+        module = dotted(base)
+        if not module or module.startswith("?") or module.split(".")[0] not in self.index.module_aliases \
+                or module.split(".")[0] in self.index.module_paths:
+            return None
+        path = self.project.locate(self.path, module, 0)
         if path is None or path == self.path:
             return None
         other = self._analysis_of(path)
@@ -676,7 +694,10 @@ class ModuleAnalysis:
                 result = val.then(ret.kind, link, elem=ret.elem, capture=ret.capture or val.capture, seed=val.seed,
                                   parts=parts, reported=ret.reported or val.reported, field=ret.field,
                                   field_mapping=ret.field_mapping,
-                                  convert=val.convert or ret.convert, mapping=False,
+                                  convert=val.convert or ret.convert,
+                                  # a file's dict re-keyed by the helper into a dict of its own and returned
+                                  # (ComfyUI's `convert_diffusers_mmdit`) is still the step's dict of weights
+                                  mapping=ret.mapping and val.mapping and ret.kind == HOLDER,
                                   built_at=tuple(self._finding(flow, made, val, call_link, callee)  # type: ignore[arg-type]
                                                  for made in ret.built_at))
             if target.constructor and not module and constructor_result(outcome):

@@ -4203,3 +4203,60 @@ def test_a_method_name_most_classes_define_as_no_producer_on_a_receiver_of_no_st
     assert _audit(tmp_path, {"nodes.py": NODE_PACK.format(extra="")}) == set()
     built = NODE_PACK.format(extra="\n\ndef first_latent(paths):\n    return LatentReceiver().doit(paths[0])[0]\n")
     assert _functions(_audit(tmp_path, {"nodes.py": built})) == {"apply_named"}
+
+
+# -- calls through a dotted module path; a file's dict re-keyed by an audited helper is still the step's dict
+PATCH_UTILS = '''
+import torch
+import safetensors.torch
+
+
+def load_torch_file(path):
+    return safetensors.torch.load_file(path)
+
+
+def put_weight(obj, attr, value):
+    setattr(obj, attr, torch.nn.Parameter(value, requires_grad=False))
+
+
+def to_native(sd, prefix):
+    out = {}
+    for k in sd:
+        out[prefix + k.replace("transformer.", "")] = sd[k]
+    return out
+'''
+PATCH_NODES = '''
+import comfy.utils
+
+
+def install(model, path):
+    sd = comfy.utils.load_torch_file(path)
+    for k in sd:
+        comfy.utils.put_weight(model, k, sd[k])
+
+
+def install_owned(model, path):
+    sd = comfy.utils.load_torch_file(path)
+    for k in sd:
+        comfy.utils.put_weight(model, k, sd[k].clone())
+
+
+def load_native(path, build):
+    sd = comfy.utils.load_torch_file(path)
+    new_sd = comfy.utils.to_native(sd, "")
+    for k in sd:
+        new_sd[k] = sd[k]
+    return build(new_sd)
+'''
+
+
+def test_a_call_through_a_dotted_module_path_and_a_dict_re_keyed_by_a_helper(tmp_path: Path):
+    """``comfy.utils.put_weight(model, k, sd[k])`` after ``import comfy.utils`` runs the audited module's
+    function, whose ``setattr`` of an ``nn.Parameter`` on the caller's model keeps the file's tensor, reported at
+    that statement (a copy first keeps nothing; unresolved, the call kept nothing the audit could see). The file's
+    dict re-keyed by ``comfy.utils.to_native`` into a dict of its own is still the step's dict of weights: putting
+    the file's other tensors in beside them keeps nothing past the step (ComfyUI's MMDiT ControlNet loaders)."""
+    (tmp_path / "comfy").mkdir()
+    (tmp_path / "comfy" / "__init__.py").write_text("")
+    found = _audit(tmp_path, {"comfy/utils.py": PATCH_UTILS, "comfy/nodes.py": PATCH_NODES})
+    assert found == {("OWN102", "put_weight", 11)}, found
