@@ -441,7 +441,7 @@ class CallRules:
                 target = ast.Attribute(value=node.args[0], attr=attr, ctx=ast.Store(), lineno=node.lineno)
                 # (accelerate takes a `torch.nn.Module`: a new one keeps its parameters for its own life, as
                 # with `load_state_dict(assign=True)`, whatever the function then does with it; see _new_module)
-                self.attribute_store(target, kept, node, for_life=self._new_module(node.args[0]))
+                self.attribute_store(target, kept, node, for_life=self._new_module(node.args[0]), module_keep=True)
             if self.resolve_call is not None:
                 self.resolve_call(self, node)  # accelerate's own definition, audited: its stores are found too
             return None
@@ -450,11 +450,15 @@ class CallRules:
             if held_at is not None and len(args) > held_at and args[held_at] is not None and args[held_at].holds_tensor:
                 return args[held_at].then(HOLDER, link, mapping=False)  # (`comfy.lora.load_lora(lora, key_map)`)
         if last in V.LIBRARY_KEEPING_METHODS and isinstance(node.func, ast.Attribute) and not self._is_module(node.func):
-            at = V.LIBRARY_KEEPING_METHODS[last]
+            at, library_class = V.LIBRARY_KEEPING_METHODS[last]
             handed = args[at] if len(args) > at else None
             project = getattr(self._summaries(), "project", None)
-            if handed is not None and handed.holds_tensor and (project is None or not project.defines_method(last)):
-                # `new_modelpatcher.add_patches(loaded, strength)` on ComfyUI's ModelPatcher (not audited)
+            if handed is not None and handed.holds_tensor and (project is None or not project.defines_method(last)
+                                                                or not (self._receiver_stated(node.func, library_class) or
+                                                                        self._vendored(library_class, last))):
+                # `new_modelpatcher.add_patches(loaded, strength)` on ComfyUI's ModelPatcher (not audited); or
+                # `self.patcher.add_patches(...)` in a wrapper that defines its own `add_patches` and hands the
+                # patches to the library's patcher it holds (ComfyUI_ExtraModels' text encoders)
                 target = ast.Attribute(value=node.func.value, attr=f"<kept by {last}()>", ctx=ast.Store(),
                                        lineno=node.lineno)
                 self.attribute_store(target, handed, node)
@@ -468,7 +472,8 @@ class CallRules:
                 kept = held.then(held.kind, link, convert=held.convert or applies) if applies else held
                 target = ast.Attribute(value=node.args[module_at], attr=f"<kept by {last}()>", ctx=ast.Store(),
                                        lineno=node.lineno)
-                self.attribute_store(target, kept, node, for_life=self._new_module(node.args[module_at]))
+                self.attribute_store(target, kept, node, for_life=self._new_module(node.args[module_at]),
+                                     module_keep=True)
                 return None
         if last == "swap_tensors" and len(args) >= 2 and len(node.args) >= 2:
             # torch.utils.swap_tensors(t1, t2): "This function swaps the content of the two Tensor objects"
@@ -785,6 +790,27 @@ class CallRules:
             return True
         callee = getattr(self._summaries(), "callee", None)
         return callee is not None and callee(self, node) is not None
+
+    def _vendored(self, cls: str, meth: str) -> bool:
+        """Does an audited class named as the library's (``ModelPatcher``) define ``meth``: a vendored copy of the
+        library (Fooocus's ``ldm_patched``), whose own method a receiver of unknown class most likely runs?"""
+        summaries = self._summaries()
+        project = getattr(summaries, "project", None)
+        if project is None:
+            return False
+        for path in dict.fromkeys(project.method_files(meth)):
+            other = summaries._analysis_of(path)  # type: ignore[union-attr]
+            if other is not None and any(c.qualname.rpartition(".")[2] == cls and meth in c.methods
+                                         for c in other.index.all_classes):
+                return True
+        return False
+
+    def _receiver_stated(self, func: ast.Attribute, library_class: str) -> bool:
+        """Is the method called on ``self``/``cls`` or on a receiver whose class the function states (an
+        annotation, a local bound to a new object) as another than the library's: that class's own method?"""
+        if isinstance(func.value, ast.Name) and func.value.id in (self.self_name(), "cls"):
+            return True
+        return any(c != library_class for c in self._stated_classes(func))
 
     def _renamed_import(self, name: str) -> bool:
         """``from ..fileio import load as load_file`` (mmcv's json/yaml reader, vendored by comfyui_controlnet_aux):

@@ -350,7 +350,8 @@ def build_index(path: str, tree: ast.Module, text: Optional[str] = None) -> Modu
 LOADER_PACKAGES = ("safetensors", "fastsafetensors", "runai_model_streamer", "instanttensor", "torch")
 _LOADER_PACKAGES = LOADER_PACKAGES
 # packages whose loaders (vocabulary.LIBRARY_DICT_LOADERS) an engine may import inside a function
-_LIBRARY_PACKAGES = ("comfy", "peft", "diffusers", "transformers", "accelerate", "huggingface_hub", "timm")
+_LIBRARY_PACKAGES = ("comfy", "peft", "diffusers", "transformers", "accelerate", "huggingface_hub", "timm",
+                     "modules", "backend")  # (AUTOMATIC1111's web UI, Forge's: what their extensions import)
 
 
 # an import from a loader's package indented under a `def` (or a class, an `if`): the only text that asks for
@@ -437,10 +438,21 @@ def _canonical_loader_calls(index: ModuleIndex, tree: ast.Module, text: Optional
             full = loader_api(module, 0, original)
             if full:
                 renamed[stmt.targets[0].id] = full
-    if renamed:
+    # `from modules import sd_models` (an A1111 extension), then `sd_models.read_state_dict(path)`: a library's
+    # loader called through its module imported by name
+    through_module = {alias: f"{module}.{original}" for alias, (module, level, original) in index.imports.items()
+                      if not level and module.split(".")[0] in _LIBRARY_PACKAGES}
+    through_module.update((alias, path) for alias, path in index.module_paths.items()
+                          if path.split(".")[0] in _LIBRARY_PACKAGES)
+    if renamed or through_module:
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in renamed:
                 node.func.id = renamed[node.func.id]
+            elif through_module and isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and type(node.func.value) is ast.Name and node.func.value.id in through_module \
+                    and V.library_loader(f"{through_module[node.func.value.id]}.{node.func.attr}"):
+                node.func = ast.copy_location(ast.Name(id=f"{through_module[node.func.value.id]}.{node.func.attr}",
+                                                       ctx=ast.Load()), node.func)
     if text is None or _ATTR_LOADER.search(text):
         _loader_attributes(tree, loader_api_name)
     # the same import made inside a function (`from safetensors.torch import load as st_load` in FastVideo's

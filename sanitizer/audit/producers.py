@@ -436,8 +436,10 @@ _PLAIN_BASES = frozenset({"object", "ABC", "Protocol", "Generic", "Module", "Nam
 
 
 def parts_of(val: Val, generator: bool) -> Tuple[str, ...]:
-    """The kinds of a returned tuple's elements (``return model, state_dict``: ("", "dict")), or ()."""
-    if generator or val.kind != HOLDER or val.parts is None:
+    """The kinds of a returned tuple's elements (``return model, state_dict``: ("", "dict")), or (). A pair
+    (``return text_model, logit_scale``, read as a ``(name, tensor)`` item) has them too: unpacked, only its
+    second element is the file's (kohya's ``load_models_from_sdxl_checkpoint``)."""
+    if generator or val.kind not in (HOLDER, PAIR) or val.parts is None:
         return ()
     return tuple((kind_of_value(p, False) or "") if p is not None else "" for p in val.parts)
 

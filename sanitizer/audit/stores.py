@@ -98,11 +98,11 @@ class StoreRules:
         return True
 
     def _into_param(self, index: int, code: str, node: ast.AST, val: Val, pattern: str, message: str,
-                    last: str) -> None:
+                    last: str, for_life: bool = False) -> None:
         before = len(self.out.findings)
         self.report(code, node, val, pattern, message, last)
         if len(self.out.findings) > before:
-            self.out.into_param.append(IntoParam(index, self.out.findings.pop()))
+            self.out.into_param.append(IntoParam(index, self.out.findings.pop(), for_life))
 
     def _what(self, val: Val) -> str:
         label = val.label or "a yielded tensor"
@@ -256,7 +256,7 @@ class StoreRules:
             mapping=how in _BY_NAME)
 
     def _store_found(self, code: str, stmt: ast.AST, val: Val, pattern: str, message: str, place: str,
-                     index: Optional[int]) -> None:
+                     index: Optional[int], for_life: bool = False) -> None:
         """Report a store, or, inside a helper being summarised, note that it stores into its caller's
         argument (a parameter, or the object ``__init__`` builds) for the caller to report."""
         last = f"`{self.snip(stmt, 60)}`"
@@ -268,7 +268,7 @@ class StoreRules:
                 and code != "OWN104":
             return  # the argument's own tensors put back into it (`weights.w.update({"up": w["B"]})`): nothing new kept
         if self.summary_param is not None and place == "param" and index is not None and index != val.seed:
-            self._into_param(index, code, stmt, val, pattern, message, last)
+            self._into_param(index, code, stmt, val, pattern, message, last, for_life)
         elif self.summary_param is not None and place == "self" and self.info.name == "__init__":
             self._into_param(0, code, stmt, val, pattern, message, last)
         else:
@@ -286,9 +286,11 @@ class StoreRules:
             return "dict by name: parked until used" + (" (on an object)" if place == "self" else "")
         return "container that outlives the step"
 
-    def attribute_store(self, target: ast.Attribute, val: Val, stmt: ast.AST, for_life: bool = False) -> None:
+    def attribute_store(self, target: ast.Attribute, val: Val, stmt: ast.AST, for_life: bool = False,
+                        module_keep: bool = False) -> None:
         """``for_life``: the object is a new module, which keeps what it is given for the model's life (no
-        step of this function ends its hold)."""
+        step of this function ends its hold). ``module_keep``: a library's keeper makes the object, a module,
+        keep it (so does a caller's new object passed in as it, see summaries._into_param)."""
         if val.reported or not val.holds_tensor:
             return
         root = root_of(target.value)
@@ -330,7 +332,7 @@ class StoreRules:
         else:
             pattern = "attribute alias of a view"
         message = f"{self._what(val)} is stored in the attribute `{text}`, which outlives the loader's step"
-        self._store_found(code, stmt, val, pattern, message, place, index)
+        self._store_found(code, stmt, val, pattern, message, place, index, module_keep)
 
     def _note_self_kept(self, stmt: ast.AST, val: Val) -> None:
         """``self.weights = weights`` (or ``self.cache[k] = t``, ``self.parts.append(t)``) found keeping: the

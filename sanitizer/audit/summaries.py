@@ -749,6 +749,8 @@ class ModuleAnalysis:
     def _emit(self, flow: Flow, template: Finding, val: Val, call_link: Link, callee: FunctionInfo) -> None:
         if val.reported:
             return
+        if val.maybe and template.code == "OWN120":
+            return  # the helper writes in place into what is the file's tensor on some paths only: not certain
         if flow.report_built(val):  # an object its constructor made keep the tensor: that store is the finding
             return
         key = (template.line, template.col - 1, template.code)
@@ -783,7 +785,7 @@ class ModuleAnalysis:
         place, index = flow.place(root.name)
         if place == "local" and root.name is not None:
             slot = flow.state.slots[root.name]
-            if slot.fresh and val.step in slot.loops and not root.through_attribute:
+            if slot.fresh and val.step in slot.loops and not root.through_attribute and not fact.for_life:
                 flow.state.env[root.name] = val.then(HOLDER, Link(node.lineno, flow.fn,
                                                                   f"stored in `{flow.snip(root.node)}` by `{callee.name}()`"))
                 return

@@ -219,6 +219,9 @@ class IntoParam:
 
     index: int
     template: Finding
+    # a library's keeper made the parameter, a module, keep it (``set_module_tensor_to_device(model, ...)``): the
+    # module keeps it for its own life, so a caller's new object handed in is no holder that dies with the step
+    for_life: bool = False
 
 
 @dataclass

@@ -249,6 +249,16 @@ LIBRARY_DICT_LOADERS = frozenset({
     # ``safetensors.torch.load_file(checkpoint_path, device=device)`` for a .safetensors path, its keys
     # cleaned into a new dict of the same tensors
     "timm.models.load_state_dict", "timm.models._helpers.load_state_dict",
+    # AUTOMATIC1111's web UI, modules/sd_models.py: "def read_state_dict(checkpoint_file, print_global_state=False,
+    # map_location=None)": ``pl_sd = safetensors.torch.load_file(checkpoint_file, device=device)`` for a
+    # .safetensors file (unless the option ``disable_mmap_load_safetensors`` is set), returned through
+    # ``get_state_dict_from_checkpoint(pl_sd)`` (the same tensors, re-keyed); modules/sd_vae.py: "def
+    # load_vae_dict(filename, map_location)": ``vae_ckpt = sd_models.read_state_dict(...)``, filtered by key into
+    # a new dict of the same tensors. Its extensions load through them.
+    "modules.sd_models.read_state_dict", "modules.sd_vae.load_vae_dict",
+    # Forge, backend/utils.py: "def load_torch_file(ckpt, safe_load=False, device=None)": ``sd =
+    # safetensors.torch.load_file(ckpt, device=device.type)`` for a .safetensors file, returned
+    "backend.utils.load_torch_file",
 })
 # The same libraries' methods of that contract, matched by name on a receiver the audited tree does not
 # define them for: diffusers' LoRA loader mixins, ``lora_state_dict(pretrained_model_name_or_path_or_dict,
@@ -293,8 +303,9 @@ LIBRARY_HOLDER_NAMES = frozenset(full.rpartition(".")[2] for full in LIBRARY_HOL
 # Libraries' methods that keep what they are handed on their receiver, matched by name where no audited class
 # defines a method of that name (the argument's index): ComfyUI's ModelPatcher, comfy/model_patcher.py,
 # "def add_patches(self, patches, strength_patch=1.0, strength_model=1.0)": each patch is appended to
-# `self.patches[key]` (applied to the weights at every load, for the patcher's life).
-LIBRARY_KEEPING_METHODS = {"add_patches": 0}
+# `self.patches[key]` (applied to the weights at every load, for the patcher's life). With the library's class
+# name: a tree that defines a class of that name with that method (a vendored copy: Fooocus, Forge) runs its own.
+LIBRARY_KEEPING_METHODS = {"add_patches": (0, "ModelPatcher")}
 
 
 def library_loader(full: str) -> bool:

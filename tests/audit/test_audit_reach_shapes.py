@@ -4260,3 +4260,156 @@ def test_a_call_through_a_dotted_module_path_and_a_dict_re_keyed_by_a_helper(tmp
     (tmp_path / "comfy" / "__init__.py").write_text("")
     found = _audit(tmp_path, {"comfy/utils.py": PATCH_UTILS, "comfy/nodes.py": PATCH_NODES})
     assert found == {("OWN102", "put_weight", 11)}, found
+
+
+# -- round 45's first run: web UI extensions' loaders, a helper's in-place write on some paths, a (model, tensor)
+# tuple, a library patcher behind a wrapper
+WEBUI_EXTENSION = '''
+import torch
+from modules import sd_models
+
+
+def forge_or_webui(filename, forge):
+    if forge:
+        from backend.utils import load_torch_file
+        return load_torch_file(filename)
+    return sd_models.read_state_dict(filename)
+
+
+cache = {}
+
+
+def load_cached(filename, forge):
+    cache[filename] = forge_or_webui(filename, forge)
+    return cache[filename]
+
+
+def blend(theta, other, alpha):
+    for key in theta:
+        theta[key][:4] = other[key][:4] * alpha
+
+
+def merge(a, theta_1, mode, alpha):
+    if "tensor" in mode:
+        theta_0 = {}
+        for key, t in sd_models.read_state_dict(a).items():
+            theta_0[key] = t.clone()
+    else:
+        theta_0 = sd_models.read_state_dict(a)
+    if "tensor" in mode:
+        blend(theta_0, theta_1, alpha)
+    return {k: v.half() for k, v in theta_0.items()}
+'''
+
+
+def test_a_web_ui_extension_loads_through_the_web_ui_and_writes_in_place_on_some_paths(tmp_path: Path):
+    """``sd_models.read_state_dict`` (AUTOMATIC1111's, after ``from modules import sd_models``) and Forge's
+    ``backend.utils.load_torch_file`` load a file's dict: cached at module level, it is kept. A helper writing in
+    place into a dict that is the file's on one path only (``theta_0`` of clones when ``"tensor" in mode``, which is
+    also the only path that calls ``blend``) is not certain to write into the file's tensors: not reported, as the
+    same write in the function itself would not be (sd-webui-supermerger's ``tensormerge``)."""
+    found = _audit(tmp_path, {"merge.py": WEBUI_EXTENSION})
+    assert _functions(found) == {"load_cached"}, found
+
+
+TEXT_MODELS = '''
+from safetensors.torch import load_file
+from accelerate.utils import set_module_tensor_to_device
+
+
+def load_models(path):
+    state_dict = load_file(path)
+    text_model = TextModel()
+    for k in list(state_dict.keys()):
+        if k.startswith("te."):
+            set_module_tensor_to_device(text_model, k[3:], "cpu", value=state_dict.pop(k).float())
+    scale = state_dict["logit_scale"]
+    return text_model, scale
+
+
+def extract(a, b):
+    te_a, _ = load_models(a)
+    te_b, _ = load_models(b)
+    encoders = [te_a, te_b]
+    return [e.weight - f.weight for e, f in zip(encoders, encoders[1:])]
+
+
+def scales(a, b):
+    _, first = load_models(a)
+    _, second = load_models(b)
+    return first, second
+'''
+
+
+TEXT_MODELS_THROUGH_A_HELPER = TEXT_MODELS.replace('''    for k in list(state_dict.keys()):
+        if k.startswith("te."):
+            set_module_tensor_to_device(text_model, k[3:], "cpu", value=state_dict.pop(k).float())''', '''    te_sd = {}
+    for k in list(state_dict.keys()):
+        if k.startswith("te."):
+            te_sd[k[3:]] = state_dict.pop(k)
+    _load_on_device(text_model, te_sd)''') + '''
+
+def _load_on_device(model, state_dict):
+    for k in list(state_dict.keys()):
+        set_module_tensor_to_device(model, k, "cpu", value=state_dict.pop(k))
+'''
+
+
+def test_a_returned_pair_of_a_model_and_a_tensor_hands_out_only_the_tensor(tmp_path: Path):
+    """``return text_model, scale`` (kohya's ``load_models_from_sdxl_checkpoint`` returns the models and the file's
+    ``logit_scale``): unpacked, only the second element is the file's, so gathering the first elements of two calls
+    keeps nothing of theirs (the model keeps what ``set_module_tensor_to_device`` put in it, reported there); the
+    second elements, held past the next file's fetch, are kept."""
+    found = _audit(tmp_path, {"models.py": TEXT_MODELS})
+    assert _functions(found) == {"load_models", "scales"}, found
+    # the same through a helper (kohya's `_load_state_dict_on_device`) filling the new model: the module keeps what
+    # accelerate installs for its own life, reported in the helper, and the model returned is no holder of the step
+    found = _audit(tmp_path, {"models.py": TEXT_MODELS_THROUGH_A_HELPER})
+    assert _functions(found) == {"_load_on_device", "scales"}, found
+
+
+PATCHER_PACK = '''
+import comfy.lora
+import comfy.model_patcher
+from comfy import utils
+
+
+class TextEncoderWrapper:
+    def __init__(self, model):
+        self.patcher = comfy.model_patcher.ModelPatcher(model)
+
+    def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
+        return self.patcher.add_patches(patches, strength_patch, strength_model)
+
+
+def apply_lora(model, path, strength):
+    lora = utils.load_torch_file(path)
+    loaded = comfy.lora.load_lora(lora, {})
+    patched = model.clone()
+    patched.add_patches(loaded, strength)
+    return patched
+'''
+VENDORED_PATCHER = '''
+class ModelPatcher:
+    def __init__(self, model):
+        self.model = model
+        self.patches = {}
+
+    def clone(self):
+        return ModelPatcher(self.model)
+
+    def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
+        for k in patches:
+            self.patches.setdefault(k, []).append((strength_patch, patches[k], strength_model))
+        return list(patches)
+'''
+
+
+def test_a_library_patchers_method_behind_a_wrapper_and_in_a_vendored_copy(tmp_path: Path):
+    """``patched.add_patches(loaded, strength)`` on a clone of a ComfyUI model: the pack's own ``add_patches`` is a
+    wrapper that hands the patches to ComfyUI's ``ModelPatcher`` it holds, so the call still runs ComfyUI's, which
+    keeps them (ComfyUI_ExtraModels' ``load_pixart_lora``). Where the tree vendors a ``ModelPatcher`` of its own
+    (Fooocus's ``ldm_patched``), the call runs that copy: its store is the finding, not the call."""
+    assert _functions(_audit(tmp_path, {"nodes.py": PATCHER_PACK})) == {"apply_lora"}
+    vendored = _audit(tmp_path, {"nodes.py": PATCHER_PACK, "patcher.py": VENDORED_PATCHER})
+    assert "apply_lora" not in _functions(vendored), vendored
