@@ -186,6 +186,17 @@ class StoreRules:
                  "free": "an enclosing scope", "param": "a container the caller passed in"}.get(place, "")
         message = (f"{self._what(val)} is stored in `{self.snip(root.node)}`"
                    + (f" ({where})" if where else "") + ", which outlives the loader's step")
+        if place == "free" and self.summary_param is not None and val.seed is not None and root.name is not None \
+                and not root.through_attribute and self.info.parent is not None \
+                and root.name in self.info.parent.locals:
+            # a nested function storing what it was handed into its enclosing function's local (kohya's
+            # `update_sd(prefix, sd)` filling `state_dict`): where the enclosing function makes the call, that is
+            # its own store into its own container (summaries._into_param)
+            before = len(self.out.findings)
+            self.report(code, stmt, val, pattern, message, f"`{self.snip(stmt, 60)}`")
+            if len(self.out.findings) > before:
+                self.out.into_param.append(IntoParam(-1, self.out.findings.pop(), free=root.name, how=how))
+            return
         self._store_found(code, stmt, val, pattern, message, place, index)
         if place == "local" and root.name is not None and not root.through_attribute \
                 and root.name not in self.state.env and self.summary_param is None:

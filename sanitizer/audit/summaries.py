@@ -777,6 +777,13 @@ class ModuleAnalysis:
                     val: Val, call_link: Link, callee: FunctionInfo) -> None:
         if target.constructor and fact.index == 0:
             return  # the new object holds it: the call's result is a holder (see resolve_result)
+        if fact.free:
+            if callee.parent is flow.info and fact.free in flow.state.slots:
+                name = ast.copy_location(ast.Name(id=fact.free, ctx=ast.Load()), node)
+                flow.store_into(name, val.then(link=call_link), node, fact.how)
+            else:
+                self._emit(flow, fact.template, val, call_link, callee)
+            return
         expr = arg_of.get(fact.index)
         if expr is None:
             self._emit(flow, fact.template, val, call_link, callee)  # a default container: outlives the call

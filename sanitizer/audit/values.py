@@ -222,6 +222,11 @@ class IntoParam:
     # a library's keeper made the parameter, a module, keep it (``set_module_tensor_to_device(model, ...)``): the
     # module keeps it for its own life, so a caller's new object handed in is no holder that dies with the step
     for_life: bool = False
+    # a nested function's store into a name of the function it is nested in (``state_dict[key] = v`` in kohya's
+    # ``update_sd``): the name and how it was stored (``index`` is -1); called from that function, the store is
+    # its own into its own local (judged there), from anywhere else the template stands
+    free: str = ""
+    how: str = ""
 
 
 @dataclass

@@ -4413,3 +4413,42 @@ def test_a_library_patchers_method_behind_a_wrapper_and_in_a_vendored_copy(tmp_p
     assert _functions(_audit(tmp_path, {"nodes.py": PATCHER_PACK})) == {"apply_lora"}
     vendored = _audit(tmp_path, {"nodes.py": PATCHER_PACK, "patcher.py": VENDORED_PATCHER})
     assert "apply_lora" not in _functions(vendored), vendored
+
+
+# -- a nested function filling its enclosing function's dict with what it is handed, and one caching its fetches
+CLOSURE_FILLS = '''
+import safetensors.torch
+
+
+def save_checkpoint(path, unet_sd, te_path, save_file):
+    state_dict = {}
+
+    def update_sd(prefix, sd):
+        for k, v in sd.items():
+            state_dict[prefix + k] = v
+
+    update_sd("model.", unet_sd)
+    update_sd("te.", safetensors.torch.load_file(te_path))
+    save_file(state_dict, path)
+
+
+def convert(weight_map, names):
+    loaded_files = {}
+
+    def get_tensor(name):
+        file_name = weight_map[name]
+        if file_name not in loaded_files:
+            loaded_files[file_name] = safetensors.torch.load_file(file_name)
+        return loaded_files[file_name][name]
+
+    return [get_tensor(n).float() for n in names]
+'''
+
+
+def test_a_nested_function_filling_its_enclosing_functions_dict(tmp_path: Path):
+    """kohya's ``update_sd(prefix, sd)`` puts what its enclosing function hands it into that function's
+    ``state_dict``, written to a file and dropped: the store is the enclosing function's into its own per-call
+    dict, judged there (it dies with the call). A nested ``get_tensor`` that caches the files it loads itself in the
+    enclosing function's dict keeps them across fetches (DeepSeek-V3's and ModelOpt's conversion scripts)."""
+    found = _audit(tmp_path, {"convert.py": CLOSURE_FILLS})
+    assert _functions(found) == {"convert.<locals>.get_tensor"}, found
