@@ -26,9 +26,10 @@ from sanitizer.audit import vocabulary as V
 from sanitizer.audit.findings import Link
 from sanitizer.audit.settings import Settings
 from sanitizer.audit.index import FunctionInfo, _own_scope, annotation_text, dotted
-from sanitizer.audit.values import ELEM_PAIR, HOLDER, ITER, PAIR, TENSOR, Val
+from sanitizer.audit.values import ELEM_NESTED, ELEM_PAIR, HOLDER, ITER, PAIR, TENSOR, Val
 
 MAPPING, PAIRS = "mapping", "pairs"  # seed kinds: a per-step dict of weights; a list of pairs held for the call
+NESTED = "nested"  # a dict whose items hold the file's tensors at any depth (a ComfyUI node's output: .graph)
 _DICT_METHODS = frozenset({"items", "keys", "values", "get", "pop", "copy"})
 _ITER_USERS = V.MATERIALISERS | V.TEE | V.LAZY_WRAPPERS | {"next"}
 
@@ -308,6 +309,8 @@ def seed_value(info: FunctionInfo, seed: Seed) -> Val:
         return Val(HOLDER, id(node), (link,), consumer, label=f"`*{seed.param}`")
     if seed.kind == MAPPING:  # valid for the call (one file's dict): its step is the call
         return Val(HOLDER, id(node), (link,), consumer, label=f"`{seed.param}`", mapping=True)
+    if seed.kind == NESTED:
+        return Val(HOLDER, id(node), (link,), consumer, label=f"`{seed.param}`", mapping=True, elem=ELEM_NESTED)
     if seed.kind == PAIRS:
         return Val(HOLDER, id(node), (link,), consumer, elem=ELEM_PAIR, label=f"`{seed.param}`")
     if seed.kind == PAIR:
@@ -315,4 +318,4 @@ def seed_value(info: FunctionInfo, seed: Seed) -> Val:
     return Val(TENSOR, id(node), (link,), consumer, label=f"`{seed.param}`")
 
 
-__all__ = ["MAPPING", "PAIRS", "Seed", "seeds_of", "seed_value", "uses_producer"]
+__all__ = ["MAPPING", "NESTED", "PAIRS", "Seed", "seeds_of", "seed_value", "uses_producer"]

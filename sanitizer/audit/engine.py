@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from typing import Collection, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from sanitizer.audit import suppression
-from sanitizer.audit.discovery import MAPPING, Seed, seed_value, seeds_of, uses_producer
+from sanitizer.audit.discovery import MAPPING, NESTED, Seed, seed_value, seeds_of, uses_producer
 from sanitizer.audit.findings import Finding, Link
 from sanitizer.audit.flow import Flow
+from sanitizer.audit.graph import node_spec
 from sanitizer.audit.index import FunctionInfo, ModuleIndex, annotation_text, build_index
 from sanitizer.audit.inference import calls_defined_producer, calls_typed_producer, handles_of, infer, infer_paths, may_define_producer
 from sanitizer.audit.producers import InferredProducers
@@ -25,7 +26,7 @@ from sanitizer.audit.snippets import Snippets
 from sanitizer.audit.stores import attribute_depth, store_target
 from sanitizer.audit.summaries import ModuleAnalysis
 from sanitizer.audit.vocabulary import LAZY_MAPPING_TYPE, MAPPING_OF_ANY, PRODUCER_HINT, lazy_mapping_class
-from sanitizer.audit.values import ITER, Val
+from sanitizer.audit.values import ITER, TENSOR, Val
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,28 @@ def _binds_lazy_mapping(info: FunctionInfo, mappings: Collection[str] = ()) -> b
                and LAZY_MAPPING_TYPE.match(annotation_text(sub.annotation)) for sub in ast.walk(info.node))
 
 
+_GRAPH_SEED = {"dict": NESTED, "holder": NESTED, "tensor": TENSOR}
+
+
+def _graph_inputs(info: FunctionInfo, inferred: InferredProducers, seeds: List[Seed]) -> List[Seed]:
+    """The parameters of a ComfyUI node's method that the graph hands another node's loaded tensors (an input
+    declared of a type whose producing node returns them: Inspire-Pack's ``ApplyLBW.doit(..., lbw_model)``)."""
+    spec = node_spec(info.cls.node)  # type: ignore[union-attr]
+    if spec is None or spec.function != info.name:
+        return []
+    have = {s.param for s in seeds}
+    names = {a.arg for a in info.params}
+    out = []
+    for param, type_name in spec.inputs.items():
+        got = inferred.graph_outputs.get(type_name)
+        if got is None or param in have or param not in names:
+            continue
+        kind, producer = got
+        out.append(Seed(param, _GRAPH_SEED[kind], f"a ComfyUI input of type {type_name}, the output of "
+                                                  f"`{producer.qualname}` ({producer.path}:{producer.line})"))
+    return out
+
+
 def analyse(source: Source, project: Optional[Project] = None, settings: Optional[Settings] = None,
             skipped: Optional[List[Skipped]] = None, only_kept: bool = False) -> Tuple[List[Finding], List[Consumer]]:
     """Every finding in one parsed module (before suppression and selection), and its consumers. A
@@ -131,6 +154,8 @@ def analyse(source: Source, project: Optional[Project] = None, settings: Optiona
     seeds_by_fn: Dict[int, List[Seed]] = {}
     for info in index.functions:
         seeds = _without_settings_dicts(info, seeds_of(info, settings), analysis)
+        if inferred is not None and inferred.graph_outputs and info.cls is not None:
+            seeds = seeds + _graph_inputs(info, inferred, seeds)
         if info.parent is not None:
             seeds = seeds + _inherited(info, seeds_by_fn)
         seeds_by_fn[id(info)] = seeds

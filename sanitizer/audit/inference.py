@@ -11,6 +11,7 @@ from typing import Dict, Optional, Sequence
 
 from sanitizer.audit import vocabulary as V
 from sanitizer.audit.flow import Flow
+from sanitizer.audit.graph import node_spec
 from sanitizer.audit.index import annotation_text, build_index
 from sanitizer.audit.passed import record_passed
 from sanitizer.audit.producers import (MAX_ROUNDS, InferredProducers, SelfSources, candidate, record,
@@ -191,7 +192,28 @@ def infer(sources: Sequence[Source], settings: Optional[Settings] = None,
             project.close()  # summaries memoised under the last round's table
         if not changed:
             break
+    if table.by_method:
+        _graph_outputs(sources, table)
     return now
+
+
+def _graph_outputs(sources: Sequence[Source], table: InferredProducers) -> None:
+    """The ComfyUI node types whose nodes hand out a loader's tensors: a node class whose ``FUNCTION`` method
+    was inferred a producer, each element of its returned tuple that holds them typed by ``RETURN_TYPES``."""
+    for source in sources:
+        if "RETURN_TYPES" not in source.text:
+            continue
+        for node in ast.walk(source.tree):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            spec = node_spec(node)
+            found = table.by_method.get(f"{node.name}.{spec.function}") if spec is not None else None
+            if found is None or spec is None:
+                continue
+            kinds = found.parts if len(found.parts) == len(spec.returns) else ()
+            for kind, type_name in zip(kinds, spec.returns):
+                if kind in ("dict", "holder", "tensor"):
+                    table.graph_outputs.setdefault(type_name, (kind, found))
 
 
 def infer_paths(files: Sequence[str], settings: Optional[Settings] = None) -> Settings:

@@ -117,6 +117,9 @@ class InferredProducers:
     # ``_merge_checkpoint_shards(dir, names, _load_safetensors_file, ...)``), by (path, qualname), then
     # parameter: a call of such a parameter is a call of that producer (:mod:`.passed`)
     passed: Dict[Tuple[str, str], Dict[str, Produced]] = field(default_factory=dict)
+    # ComfyUI node types whose output is a loader's tensors (``LBW_MODEL`` of Inspire-Pack's ``MakeLBW.doit``),
+    # with the kind of that output: every node method taking an input of that type is handed them (:mod:`.graph`)
+    graph_outputs: Dict[str, Tuple[str, Inferred]] = field(default_factory=dict)
     _mention: Optional["re.Pattern[str]"] = None
     _generic_mention: Optional["re.Pattern[str]"] = None
 

@@ -778,10 +778,13 @@ class ModuleAnalysis:
         if target.constructor and fact.index == 0:
             return  # the new object holds it: the call's result is a holder (see resolve_result)
         if fact.free:
-            if callee.parent is flow.info and fact.free in flow.state.slots:
+            slot = flow.state.slots.get(fact.free) if callee.parent is flow.info else None
+            if slot is not None and slot.fresh and slot.param is None and val.step in slot.loops:
+                # the enclosing function's own container, new in the step the tensor belongs to: it holds it for
+                # the step (judged where it goes next, as a store of the enclosing function's own would be)
                 name = ast.copy_location(ast.Name(id=fact.free, ctx=ast.Load()), node)
                 flow.store_into(name, val.then(link=call_link), node, fact.how)
-            else:
+            else:  # (kept past the step: the nested function's statement keeps it, reported there)
                 self._emit(flow, fact.template, val, call_link, callee)
             return
         expr = arg_of.get(fact.index)

@@ -146,8 +146,18 @@ def _index_is_key(index: ast.AST) -> bool:
 
 def subscript_is_tensor(target: ast.Subscript, local_kind: Optional[str], param_annotation: str) -> bool:
     """Is ``target`` (``X[i] = v``) a write into a tensor (a copy) rather than into a container?"""
-    if _index_is_slicing(target.slice):
+    index = target.slice
+    if _index_is_slicing(index) and not (isinstance(index, ast.Tuple) and not any(
+            isinstance(e, ast.Slice) or (isinstance(e, ast.Constant) and e.value is Ellipsis) for e in index.elts)):
         return True
+    if isinstance(index, ast.Tuple) and local_kind != "container" and not (
+            param_annotation and V.MAPPING_ANNOTATION.match(param_annotation)):
+        # `w[i, j] = v`: a tensor's element unless `w` is known a container, whose key the tuple is
+        # (`results[(path, name)] = t` into `results = {}`, a merger's table by model and tensor: a blind user's case)
+        value = target.value
+        return not (isinstance(value, ast.Name) and local_kind is None and not V.TENSOR_NAME.match(value.id)
+                    or isinstance(value, ast.Attribute) and not V.TENSOR_ATTR_NAME.match(value.attr)) \
+            or local_kind == "tensor"
     node: ast.AST = target.value
     while isinstance(node, (ast.Subscript, ast.Attribute)):
         if isinstance(node, ast.Attribute) and node.attr == "data":

@@ -4452,3 +4452,97 @@ def test_a_nested_function_filling_its_enclosing_functions_dict(tmp_path: Path):
     enclosing function's dict keeps them across fetches (DeepSeek-V3's and ModelOpt's conversion scripts)."""
     found = _audit(tmp_path, {"convert.py": CLOSURE_FILLS})
     assert _functions(found) == {"convert.<locals>.get_tensor"}, found
+
+
+# -- ComfyUI's node graph: one node's output handed to another's input of the same declared type
+GRAPH_NODES = '''
+import comfy.utils
+
+
+class MakePatchSet:
+    RETURN_TYPES = ("PATCH_SET", "STRING")
+    FUNCTION = "build"
+
+    @classmethod
+    def INPUT_TYPES(s):
+        return {"required": {"name": ("STRING", {"default": ""})}}
+
+    def build(self, name):
+        lora = comfy.utils.load_torch_file(name)
+        patch_set = {"blocks": {k: (v, 1.0) for k, v in lora.items()}, "muted": []}
+        return (patch_set, name)
+
+
+class MakeOwnedSet:
+    RETURN_TYPES = ("OWNED_SET",)
+    FUNCTION = "build"
+
+    @classmethod
+    def INPUT_TYPES(s):
+        return {"required": {"name": ("STRING", {"default": ""})}}
+
+    def build(self, name):
+        lora = comfy.utils.load_torch_file(name)
+        return ({"blocks": {k: (v.clone(), 1.0) for k, v in lora.items()}},)
+
+
+class ApplyPatchSet:
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "apply"
+
+    @classmethod
+    def INPUT_TYPES(s):
+        return {"required": {"model": ("MODEL",), "patch_set": ("PATCH_SET",)},
+                "optional": {"owned": ("OWNED_SET",)}}
+
+    @staticmethod
+    def apply(model, patch_set, owned=None):
+        patched = model.clone()
+        for k, v in patch_set["blocks"].items():
+            weights, ratio = v
+            patched.add_patches({k: weights}, ratio)
+        if owned is not None:
+            for k, v in owned["blocks"].items():
+                patched.add_patches({k: v[0]}, v[1])
+        return (patched,)
+'''
+
+
+def test_a_comfyui_node_input_wired_to_another_nodes_output_by_its_declared_type(tmp_path: Path):
+    """``MakePatchSet.build`` returns the LoRA file's tensors as its ``PATCH_SET`` output (``RETURN_TYPES``);
+    ``ApplyPatchSet`` declares an input ``patch_set`` of that type (``INPUT_TYPES``), which ComfyUI's graph hands it
+    with no call between them (Inspire-Pack's ``MakeLBW`` → ``ApplyLBW``): its ``add_patches`` keeps them. The
+    ``OWNED_SET`` output holds clones, so what the same method patches from it keeps nothing of the file."""
+    found = _audit(tmp_path, {"nodes.py": GRAPH_NODES})
+    assert found == {("OWN102", "ApplyPatchSet.apply", 46)}, found
+
+
+TUPLE_KEYS = '''
+from safetensors import safe_open
+
+
+def gather(paths, keys):
+    results = {}
+    for p in paths:
+        with safe_open(p, "pt") as f:
+            for k in keys:
+                results[(p, k)] = f.get_tensor(k)
+    return results
+
+
+def scatter(paths, keys, out):
+    grid = out.new_zeros(len(paths), len(keys))
+    for i, p in enumerate(paths):
+        with safe_open(p, "pt") as f:
+            for j, k in enumerate(keys):
+                grid[i, j] = f.get_tensor(k).sum()
+    return grid
+'''
+
+
+def test_a_store_under_a_tuple_key_into_a_dict(tmp_path: Path):
+    """``results[(p, k)] = f.get_tensor(k)`` into ``results = {}`` (a merger's table by model and tensor name) is a
+    store into a dict kept past the fetch; ``grid[i, j] = ...`` into a tensor is a copy into it (a blind user's
+    case: the tuple key was taken for a multi-dimensional index)."""
+    found = _audit(tmp_path, {"tables.py": TUPLE_KEYS})
+    assert _functions(found) == {"gather"}, found
