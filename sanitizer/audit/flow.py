@@ -683,6 +683,12 @@ class Flow(StoreRules, CallRules):
             return list(val.parts)
         if val.parts is not None and len(val.parts) == 1 and n > 1:
             return [val.parts[0]] + [None] * (n - 1)  # a library loader's dict, then what is no tensor (alphas)
+        if val.parts is not None and n > 1 and any(p is None for p in val.parts) \
+                and any(link.text.startswith("returned by") and "(a producer:" in link.text for link in val.chain[:1]):
+            # a producer matched by its name returns a tuple of another length than this call's is unpacked to
+            # (FluxTrainer's `train_util.load_target_model`, 4 values, taken for `sdxl_train_util`'s, 7): not that
+            # function, whose tensor elements are not these
+            return [None] * n
         if val.kind == ITER:
             return [val] * n
         if val.kind == PAIR or (val.kind == HOLDER and val.elem in (ELEM_ENUM_PAIR, ELEM_ENUM_TENSOR)):

@@ -4546,3 +4546,41 @@ def test_a_store_under_a_tuple_key_into_a_dict(tmp_path: Path):
     case: the tuple key was taken for a multi-dimensional index)."""
     found = _audit(tmp_path, {"tables.py": TUPLE_KEYS})
     assert _functions(found) == {"gather"}, found
+
+
+# -- a producer matched by its name, unpacked to another length than the tuple it returns
+SDXL_UTIL = '''
+from safetensors.torch import load_file
+
+
+def load_target_model(path):
+    sd = load_file(path)
+    te1, te2, vae, unet = build(sd)
+    logit_scale = sd["logit_scale"]
+    return "sdxl", te1, te2, vae, unet, logit_scale, None
+'''
+TRAINERS = '''
+import train_util
+import sdxl_util
+
+
+class Trainer:
+    def load(self, args):
+        text_encoder, vae, unet, _ = train_util.load_target_model(args)
+        self.text_encoder, self.vae, self.unet = text_encoder, vae, unet
+
+
+class SdxlTrainer:
+    def load(self, args):
+        _, te1, te2, vae, unet, logit_scale, _ = sdxl_util.load_target_model(args.path)
+        self.logit_scale = logit_scale
+'''
+
+
+def test_a_producer_matched_by_name_unpacked_to_another_length(tmp_path: Path):
+    """``train_util.load_target_model(args)`` (a module the audit was not given) unpacked to four values is not
+    ``sdxl_util.load_target_model``, the producer of that name, whose seven values hold the file's ``logit_scale``
+    at the sixth: its elements are not taken for tensors (FluxTrainer's ``NetworkTrainer.init_train``, a false
+    alarm). Unpacked to seven, the sixth is the file's tensor, kept on ``self``."""
+    found = _audit(tmp_path, {"sdxl_util.py": SDXL_UTIL, "trainers.py": TRAINERS})
+    assert _functions(found) == {"SdxlTrainer.load"}, found
