@@ -215,10 +215,11 @@ def constructed_locals(fn: ast.AST) -> Dict[str, str]:
             and value.func.id[:1].isupper() else None
         bound[name] = cls if name not in bound else None
 
+    # statements only (a binding is a statement's; the walk into expressions was a fifth of a large audit)
     stack = list(getattr(fn, "body", []))
     while stack:
         node = stack.pop()
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             continue
         if isinstance(node, ast.Assign):
             for target in node.targets:
@@ -226,12 +227,22 @@ def constructed_locals(fn: ast.AST) -> Dict[str, str]:
                     note(target.id, node.value)
         elif isinstance(node, (ast.AnnAssign, ast.AugAssign)) and isinstance(node.target, ast.Name):
             note(node.target.id, getattr(node, "value", None) if isinstance(node, ast.AnnAssign) else None)
-        elif isinstance(node, ast.withitem) and isinstance(node.optional_vars, ast.Name):
-            note(node.optional_vars.id, node.context_expr)
+        elif isinstance(node, (ast.With, ast.AsyncWith)):
+            for item in node.items:
+                if isinstance(item.optional_vars, ast.Name):
+                    note(item.optional_vars.id, item.context_expr)
         elif isinstance(node, (ast.For, ast.AsyncFor)) and isinstance(node.target, ast.Name):
             note(node.target.id, None)
-        stack.extend(ast.iter_child_nodes(node))
+        for block in _BLOCKS:
+            stack.extend(getattr(node, block, ()))
+        for handler in getattr(node, "handlers", ()):
+            stack.extend(handler.body)
+        for case in getattr(node, "cases", ()):
+            stack.extend(case.body)
     return {name: cls for name, cls in bound.items() if cls is not None}
+
+
+_BLOCKS = ("body", "orelse", "finalbody")
 
 
 def attribute_classes(cls: "object", attr: str) -> List[str]:
