@@ -204,11 +204,12 @@ _DICT_LOADERS = re.compile(r"(^|\.)(load_file|safe_load_file)$|^(safetensors\.to
 LOADER_API_HINT = re.compile(r"safe_open|load_file|torch\.load|safetensors\.torch import|fastsafe_open|SafeTensorsFileLoader|"
                              r"SafetensorsStreamer|InstantTensor|instanttensor|copy_files_to_device|"
                              r"ParallelLoader|FastSafeTensorsLoader|stream_files|get_tensors|iterate_weights|"
-                           r"load_torch_file|load_peft_weights|load_state_dict_from_file|lora_state_dict")
+                           r"load_torch_file|load_peft_weights|load_state_dict_from_file|lora_state_dict|"
+                           r"read_state_dict|load_vae_dict")
 # ... or imports a library's `load_state_dict(path)` (looked for only in a text that names `load_state_dict`: an
 # alternation tried at every character of every module costs more than the rest of the pre-check)
-_LIBRARY_LOADER_IMPORT = re.compile(r"^[ \t]*from[ \t]+(diffusers|transformers|accelerate|timm)[\w.]*[ \t]+import[^\n]*"
-                                    r"\bload_state_dict\b", re.M)
+_LIBRARY_LOADER_IMPORT = re.compile(r"^[ \t]*from[ \t]+(diffusers|transformers|accelerate|timm)[\w.]*[ \t]+import"
+                                    r"([^\n(]*|[ \t]*\([^)]*)\bload_state_dict\b", re.M)  # (or a parenthesised list)
 
 
 def names_loader_api(text: str) -> bool:

@@ -4584,3 +4584,38 @@ def test_a_producer_matched_by_name_unpacked_to_another_length(tmp_path: Path):
     alarm). Unpacked to seven, the sixth is the file's tensor, kept on ``self``."""
     found = _audit(tmp_path, {"sdxl_util.py": SDXL_UTIL, "trainers.py": TRAINERS})
     assert _functions(found) == {"SdxlTrainer.load"}, found
+
+
+# -- a module whose only loader is a library's, imported in a parenthesised list or called through the web UI
+PARENTHESISED_IMPORT = '''
+from accelerate.utils.modeling import (
+    find_tied_parameters,
+    load_state_dict,
+    set_module_tensor_to_device,
+)
+
+
+def load_checkpoint_in_model(model, checkpoint_files, device_map):
+    for checkpoint_file in checkpoint_files:
+        loaded = load_state_dict(checkpoint_file, device_map=device_map)
+        for name, param in loaded.items():
+            set_module_tensor_to_device(model, name, device_map[name], value=param)
+'''
+WEBUI_ONLY = '''
+from modules import sd_models
+
+vae_cache = {}
+
+
+def load_vae(path):
+    vae_cache[path] = sd_models.read_state_dict(path)
+    return vae_cache[path]
+'''
+
+
+def test_a_module_whose_only_loader_is_a_library_one(tmp_path: Path):
+    """accelerate's ``load_state_dict`` imported in a parenthesised list (AutoGPTQ's ``accelerate_utils``), and
+    AUTOMATIC1111's ``sd_models.read_state_dict`` in a module that names no other loader (SD.Next's pipelines): the
+    cheap pre-check of a module's text lets both through, so their keeps are found."""
+    found = _audit(tmp_path, {"acc.py": PARENTHESISED_IMPORT, "vae.py": WEBUI_ONLY})
+    assert _functions(found) == {"load_checkpoint_in_model", "load_vae"}, found
