@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 from collections import OrderedDict
-from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 from sanitizer.audit.sources import AuditInputError, Source, read
 
@@ -75,29 +75,25 @@ class Project:
         if known is None:
             pattern = re.compile(rb"(?<!\w)" + re.escape(cls.encode()) + rb"[ \t]*\(")
             definition = re.compile(rb"^[ \t]*class[ \t]+" + re.escape(cls.encode()) + rb"\b", re.M)
-            known = False
-            for path in self._abs.values():
-                try:
-                    with open(path, "rb") as fh:
-                        raw = fh.read()
-                except OSError:
-                    continue
-                if any(not definition.match(raw, raw.rfind(b"\n", 0, m.start()) + 1) for m in pattern.finditer(raw)):
-                    known = True
-                    break
+            known = any(not definition.match(raw, raw.rfind(b"\n", 0, m.start()) + 1)
+                        for _, raw in self._raw_files() for m in pattern.finditer(raw))
             self._constructed[cls] = known
         return known
+
+    def _raw_files(self) -> Iterator[Tuple[str, bytes]]:
+        """Each audited file's path and bytes (one that cannot be read is left out: the audit names it)."""
+        for path in self._abs.values():
+            try:
+                with open(path, "rb") as fh:
+                    yield path, fh.read()
+            except OSError:
+                continue
 
     def _scan(self) -> None:
         """One read of every audited file's bytes for both patterns (classes' bases, methods' names)."""
         subclasses: Dict[str, List[Tuple[str, str]]] = {}
         methods: Dict[str, List[str]] = {}
-        for path in self._abs.values():
-            try:
-                with open(path, "rb") as fh:
-                    raw = fh.read()
-            except OSError:
-                continue
+        for path, raw in self._raw_files():
             for m in _CLASS.finditer(raw):
                 for base in m.group(2).split(b","):
                     base = base.strip()
