@@ -673,11 +673,15 @@ class CallRules:
                 return name
         return ""
 
+    def _imported_as(self, name: str) -> Optional[Tuple[str, int, str]]:
+        """(module, level, original) of a name the module imports at module level (``from X import a as b``)."""
+        index = getattr(self._summaries(), "index", None)
+        return index.imports.get(name) if index is not None else None
+
     def _name_import_path(self, name: str) -> str:
         """``module.original`` of a name imported absolutely, at module level or inside this function, or ``""``
         (a relative import is the project's own)."""
-        index = getattr(self._summaries(), "index", None)
-        imported = index.imports.get(name) if index is not None else None
+        imported = self._imported_as(name)
         if imported is not None:
             return f"{imported[0]}.{imported[2]}" if imported[1] == 0 else ""
         for stmt in ast.walk(self.info.node):  # type: ignore[attr-defined]
@@ -817,8 +821,7 @@ class CallRules:
         the name is another function renamed, imported from no loader's package, so a call to it is that
         function, whatever the alias says. (A loader's API renamed, ``from safetensors.torch import load_file as
         st_load``, was renamed back to the API in the tree before the walk: see index._canonical_loader_calls.)"""
-        index = getattr(self._summaries(), "index", None)
-        imported = index.imports.get(name) if index is not None else None
+        imported = self._imported_as(name)
         if imported is None:
             return False
         module, level, original = imported
@@ -994,11 +997,11 @@ class CallRules:
         found = getattr(configured, "found", None)
         func = node.func
         if found is None or not isinstance(func, ast.Attribute) or "." not in found.qualname \
-                or (isinstance(func.value, ast.Name) and func.value.id in (self.self_name(), "cls")):
+                or self._receiver_stated(func, ""):
             return False
         project = getattr(self._summaries(), "project", None)
         table = self.inferred_producers()
-        if project is None or table is None or self._stated_classes(func):
+        if project is None or table is None:
             return False
         defined = len(project.method_files(func.attr))
         producing = [key.rpartition(".")[0] for key in table.by_method if key.rpartition(".")[2] == func.attr]
